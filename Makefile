@@ -1,0 +1,38 @@
+# From nothing: `make test` / `make demo` create .venv, install the CPU torch build first (an
+# unpinned torch would pull a multi-GB CUDA build), then gpattn with its extras.
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.gpattn-installed
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast demo bench lint clean
+
+install: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): setup.cfg setup.py pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH)"
+	$(BIN)/python -m pip install -e ".[test,notebooks]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/gpattn demo
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/attention_scaling.py --quick --json runs/bench/scaling.json
+
+lint: $(STAMP)
+	$(BIN)/ruff check gpattn tests benchmarks notebooks
+
+clean:
+	rm -rf $(VENV) build *.egg-info runs

@@ -1,0 +1,50 @@
+"""gpattn — Gaussian-process attention for transformers (PyTorch, GPyTorch, LinearOperator).
+
+Public API: :func:`build_attention`, :func:`list_attention`, :func:`attention_options`,
+:class:`deterministic`, and the subpackages (``kernels``, ``variational``, ``attention``, ``models``,
+``objectives``, ``metrics``, ``data``, ``training``, ``plots``, ``testing``), imported on first use.
+Importing gpattn changes no gpytorch / linear_operator / matplotlib global setting.
+"""
+
+import importlib
+
+from gpattn._settings import deterministic, is_deterministic
+from gpattn.attention import attention_options, build_attention, list_attention
+
+__version__ = "0.1.0"
+
+_SUBMODULES = (
+    "attention",
+    "cli",
+    "data",
+    "kernels",
+    "metrics",
+    "models",
+    "objectives",
+    "plots",
+    "testing",
+    "training",
+    "variational",
+)
+
+__all__ = sorted(
+    [
+        "__version__",
+        "attention_options",
+        "build_attention",
+        "deterministic",
+        "is_deterministic",
+        "list_attention",
+        *_SUBMODULES,
+    ]
+)
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"gpattn.{name}")
+    raise AttributeError(f"module 'gpattn' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,174 @@
+"""The attention contract (DESIGN.md "The contract"): one base class every variant derives from.
+
+A variant implements ``_attend(x, mask)`` returning per-head outputs ``(B, H, T, Dv)``; GP variants
+also implement ``_posterior(x, mask)`` returning a gpytorch ``MultivariateNormal`` with batch
+``(B, H, Dv)`` and event ``T``. The base class validates inputs, projects, merges heads, applies
+``W_o``, handles all-padding rows and records the loss terms of the last forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from gpattn._settings import is_deterministic
+
+__all__ = ["AttentionBase"]
+
+
+class AttentionBase(nn.Module):
+    """Multi-head self-attention with ``x (B, T, D) -> y (B, T, D)``.
+
+    :param embed_dim: model width D (divisible by ``num_heads``).
+    :param num_heads: H; head width Dh = D / H.
+    :param bias: bias of the input and output projections.
+
+    Class attributes set by subclasses:
+    ``projections`` — names of the per-head input projections (fused into one linear map);
+    ``value_dim`` — per-head output width Dv (``None`` = Dh);
+    ``is_gp`` — whether ``posterior()`` is available; ``stochastic`` — whether it samples.
+
+    All-padding rows (every key padded) are a defined result: the output is 0 for that sequence.
+    """
+
+    name: str = ""
+    projections: tuple[str, ...] = ("q", "k", "v")
+    is_gp: bool = False
+    stochastic: bool = False
+
+    def __init__(self, embed_dim: int, num_heads: int, *, bias: bool = True, value_dim: int | None = None):
+        super().__init__()
+        for arg, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{arg} must be a positive int, got {val!r}")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if value_dim is not None and (isinstance(value_dim, bool) or not isinstance(value_dim, int) or value_dim < 1):
+            raise ValueError(f"value_dim must be a positive int or None, got {value_dim!r}")
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.value_dim = value_dim or self.head_dim
+        # fused input projection: one matmul for every named projection (W_v maps to H·Dv)
+        widths = [self.value_dim * num_heads if p == "v" else embed_dim for p in self.projections]
+        self._proj_widths = widths
+        self.in_proj = nn.Linear(embed_dim, sum(widths), bias=bias) if widths else None
+        self.out_proj = nn.Linear(num_heads * self.value_dim, embed_dim, bias=bias)
+        self._loss_terms: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    @property
+    def sampling(self) -> bool:
+        """Whether this forward should sample (stochastic variant, outside ``gpattn.deterministic()``)."""
+        return self.stochastic and not is_deterministic()
+
+    def split_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, T, H·d) -> (B, H, T, d)"""
+        B, T, HD = t.shape
+        return t.view(B, T, self.num_heads, HD // self.num_heads).transpose(1, 2)
+
+    def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-head projections of x, by name.  # shape: x (B, T, D) -> each (B, H, T, Dh or Dv)"""
+        parts = self.in_proj(x).split(self._proj_widths, dim=-1)
+        return {name: self.split_heads(p) for name, p in zip(self.projections, parts)}
+
+    def set_loss_terms(self, **terms: torch.Tensor) -> None:
+        """Record scalar loss terms of this forward (``kl_seq`` already averaged over the batch,
+        ``kl_global`` the total over global parameters, ``ksvd``, ``cgp``; MATH.md §9)."""
+        self._loss_terms.update(terms)
+
+    # ------------------------------------------------------------------ to implement
+    def _attend(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """# shape: x (B, T, D), mask (B, T) bool or None -> (B, H, T, Dv)"""
+        raise NotImplementedError
+
+    def _posterior(self, x: torch.Tensor, mask: torch.Tensor | None):
+        from gpattn.attention.registry import _REGISTRY
+
+        gp = sorted(n for n, c in _REGISTRY.items() if c.is_gp)
+        raise NotImplementedError(
+            f"attention {self.name!r} is not a GP variant and has no posterior(); GP variants: {', '.join(gp)}"
+        )
+
+    # ------------------------------------------------------------------ the contract
+    def check_inputs(self, x, key_padding_mask=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Validate ``x (B, T, D)`` and ``key_padding_mask (B, T)`` bool; return them."""
+        if not torch.is_tensor(x):
+            raise ValueError(f"x must be a torch.Tensor of shape (B, T, embed_dim={self.embed_dim}), got {type(x)}")
+        if x.dim() != 3:
+            raise ValueError(
+                f"x must have shape (B, T, embed_dim={self.embed_dim}) (rank 3), got rank {x.dim()} "
+                f"shape {tuple(x.shape)}"
+            )
+        if x.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"x has last dimension {x.shape[-1]} but the layer's embed_dim is {self.embed_dim} "
+                f"(x shape {tuple(x.shape)})"
+            )
+        if not x.is_floating_point():
+            raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        if x.shape[1] == 0:
+            raise ValueError(f"x has no tokens (T=0): shape {tuple(x.shape)}")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"x contains NaN or Inf values (shape {tuple(x.shape)})")
+        if key_padding_mask is not None:
+            m = key_padding_mask
+            if not torch.is_tensor(m) or m.dtype != torch.bool:
+                raise ValueError(
+                    f"key_padding_mask must be a bool tensor (True = padding), got "
+                    f"{m.dtype if torch.is_tensor(m) else type(m)}"
+                )
+            if tuple(m.shape) != tuple(x.shape[:2]):
+                raise ValueError(
+                    f"key_padding_mask must have shape (B, T) = {tuple(x.shape[:2])} to match x "
+                    f"{tuple(x.shape)}, got {tuple(m.shape)}"
+                )
+            if m.device != x.device:
+                raise ValueError(f"key_padding_mask is on {m.device} but x is on {x.device}")
+        return x, key_padding_mask
+
+    @staticmethod
+    def _effective_mask(mask):
+        """Drop the mask where nothing is padded; treat all-padding rows as unpadded for the math
+        (their output is zeroed afterwards). Returns (mask or None, empty rows (B,) or None)."""
+        if mask is None or not bool(mask.any()):
+            return None, None
+        empty = mask.all(-1)
+        if bool(empty.any()):
+            mask = mask & ~empty[:, None]
+            return (mask if bool(mask.any()) else None), empty
+        return mask, None
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """# shape: x (B, T, D), key_padding_mask (B, T) bool (True = padding) -> (B, T, D)"""
+        x, key_padding_mask = self.check_inputs(x, key_padding_mask)
+        self._loss_terms = {}
+        if x.shape[0] == 0:  # empty batch: defined result, nothing to attend
+            return x.new_zeros(x.shape) + 0 * self.out_proj.weight.sum()
+        mask, empty = self._effective_mask(key_padding_mask)
+        heads = self._attend(x, mask)  # shape: (B, H, T, Dv)
+        B, H, T, Dv = heads.shape
+        y = self.out_proj(heads.transpose(1, 2).reshape(B, T, H * Dv))
+        if empty is not None:
+            y = y.masked_fill(empty[:, None, None], 0.0)
+        return y
+
+    def posterior(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None):
+        """Posterior over the per-head outputs (before W_o): ``MultivariateNormal`` with batch
+        ``(B, H, Dv)`` and event ``T``. GP variants only; the others raise ``NotImplementedError``."""
+        x, key_padding_mask = self.check_inputs(x, key_padding_mask)
+        mask, _ = self._effective_mask(key_padding_mask)
+        return self._posterior(x, mask)
+
+    def loss_terms(self) -> dict[str, torch.Tensor]:
+        """Scalar loss terms of the last forward (empty for deterministic baselines)."""
+        return dict(self._loss_terms)
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, embed_dim={self.embed_dim}, num_heads={self.num_heads}"
+
+    def __getstate__(self):
+        # the last forward's loss terms hold autograd graphs: never pickle them
+        state = self.__dict__.copy()
+        state["_loss_terms"] = {}
+        return state

@@ -1,0 +1,52 @@
+"""Kernel attention baselines, symmetric and asymmetric (MATH.md §2; seeds 003 §2.3, 004 §3.1)."""
+
+from __future__ import annotations
+
+from gpytorch.kernels import Kernel
+
+from gpattn.attention.base import AttentionBase
+from gpattn.attention.registry import register
+from gpattn.kernels import evaluate_kernel, make_kernel
+from gpattn.variational._linalg import gp_algebra
+
+__all__ = ["AsymmetricKernelAttention", "KernelAttention"]
+
+
+@register("kernel")
+class KernelAttention(AttentionBase):
+    r"""Unnormalised kernel attention :math:`\text{out} = K_{qk} v` with :math:`K_{qk} = \kappa(q, k)`.
+
+    Symmetric: one projection :math:`W_q = W_k` ("qk"), so :math:`K_{qq}` is a Gram matrix.
+    Padded keys get zero kernel columns.
+
+    :param kernel: ``"exponential"`` (default), ``"rbf"`` or any ``gpytorch.kernels.Kernel`` (per-head
+        batch_shape ``(H,)`` recommended).
+    """
+
+    projections = ("qk", "v")
+
+    def __init__(self, embed_dim: int, num_heads: int, *, kernel: str | Kernel = "exponential", **base):
+        super().__init__(embed_dim, num_heads, **base)
+        self.kernel = make_kernel(kernel, num_heads, self.head_dim)
+
+    def _queries_keys(self, p):
+        return p["qk"], p["qk"]
+
+    def _attend(self, x, mask):
+        p = self.project(x)
+        q, k = self._queries_keys(p)
+        with gp_algebra(x.device.type):
+            K = evaluate_kernel(self.kernel, q, k)  # shape: (B, H, T, T)
+        if mask is not None:
+            K = K.masked_fill(mask[:, None, None, :], 0.0)
+        return K @ p["v"]
+
+
+@register("kernel-asym")
+class AsymmetricKernelAttention(KernelAttention):
+    r"""Kernel attention with separate :math:`W_q \ne W_k`: :math:`K_{qk}` is not symmetric."""
+
+    projections = ("q", "k", "v")
+
+    def _queries_keys(self, p):
+        return p["q"], p["k"]

@@ -1,0 +1,105 @@
+"""The numerics policy of gpattn in one place (DESIGN.md "Numerics policy").
+
+* every factorisation goes through :func:`cholesky`, a wrapper of linear_operator's
+  ``psd_safe_cholesky``: a plain Cholesky first, then a *bounded* jitter escalation, and a
+  ``NotPSDError`` that names the layer and the matrix size — never an unbounded retry loop;
+* GP algebra runs inside :func:`gp_algebra`: autocast disabled (float32 at least) and GPyTorch's
+  silent CG/Lanczos switch above 800 points turned off, so the exact Cholesky paths are used;
+* variances are clamped at 0 before a square root (:func:`safe_sqrt`);
+* no explicit inverses: triangular solves (:func:`tri_solve`).
+
+Counters in :data:`STATS` record jitter escalations and factorisation failures (read by
+``benchmarks/stability.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import gpytorch
+import torch
+from linear_operator.utils.cholesky import psd_safe_cholesky
+from linear_operator.utils.errors import NotPSDError
+from linear_operator.utils.warnings import NumericalWarning
+
+__all__ = [
+    "STATS",
+    "NotPSDError",
+    "add_jitter",
+    "cholesky",
+    "gp_algebra",
+    "reset_stats",
+    "safe_sqrt",
+    "tri_solve",
+]
+
+#: counters since the last :func:`reset_stats`: ``cholesky_calls``, ``jitter_escalations``, ``not_psd``
+STATS = {"cholesky_calls": 0, "jitter_escalations": 0, "not_psd": 0}
+
+#: matrices up to this size use exact Cholesky paths inside gpytorch too (never CG/Lanczos)
+_EXACT_SIZE = 10**9
+
+
+def reset_stats() -> None:
+    for key in STATS:
+        STATS[key] = 0
+
+
+def add_jitter(A: torch.Tensor, jitter: float) -> torch.Tensor:
+    """A + jitter·I on the last two axes.  # shape: (..., n, n)"""
+    if jitter == 0:
+        return A
+    return A + jitter * torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+
+
+def cholesky(A: torch.Tensor, *, max_tries: int = 4, name: str = "") -> torch.Tensor:
+    """Lower Cholesky factor of a batch of symmetric PSD matrices.  # shape: (..., n, n)
+
+    Tries ``torch.linalg.cholesky_ex`` first; only on failure escalates jitter through
+    ``psd_safe_cholesky`` (at most ``max_tries`` times, 1e-6/1e-8 relative to float32/float64 and
+    ×10 each time). Raises ``NotPSDError`` naming ``name`` and the size after the last try.
+    """
+    STATS["cholesky_calls"] += 1
+    L, info = torch.linalg.cholesky_ex(A)
+    if not bool(info.any()):
+        return L
+    STATS["jitter_escalations"] += 1
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NumericalWarning)
+            return psd_safe_cholesky(A, max_tries=max_tries)
+    except NotPSDError as err:
+        STATS["not_psd"] += 1
+        where = f" in {name}" if name else ""
+        raise NotPSDError(
+            f"matrix of size {A.shape[-1]}x{A.shape[-1]} (batch {tuple(A.shape[:-2])}){where} is not "
+            f"positive definite after {max_tries} jitter escalations; increase the layer's `jitter` "
+            f"option or use float64 ({err})"
+        ) from err
+
+
+def tri_solve(L: torch.Tensor, B: torch.Tensor, *, upper: bool = False, left: bool = True) -> torch.Tensor:
+    """Solve L X = B (left) or X L = B (right) for triangular L."""
+    return torch.linalg.solve_triangular(L, B, upper=upper, left=left)
+
+
+def safe_sqrt(var: torch.Tensor) -> torch.Tensor:
+    """sqrt of a variance clamped at 0 (round-off can make a true 0 slightly negative)."""
+    return var.clamp_min(0).sqrt()
+
+
+@contextlib.contextmanager
+def gp_algebra(device_type: str = "cpu"):
+    """Exact, full-precision GP algebra: autocast off, gpytorch's CG/Lanczos switch off.
+
+    The gpytorch settings are context managers, so nothing global changes outside the block.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+        stack.enter_context(gpytorch.settings.max_cholesky_size(_EXACT_SIZE))
+        stack.enter_context(gpytorch.settings.max_root_decomposition_size(_EXACT_SIZE))
+        stack.enter_context(
+            gpytorch.settings.fast_computations(covar_root_decomposition=False, log_prob=False, solves=False)
+        )
+        yield

@@ -1,0 +1,50 @@
+"""The contract's invariants, parametrised over every registered variant (STYLE.md 6)."""
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+import gpattn
+import gpattn.attention
+from gpattn.attention.base import AttentionBase
+from gpattn.testing import ATTENTION_INVARIANTS, run_attention_invariant
+
+VARIANTS = gpattn.list_attention()
+
+
+@pytest.mark.parametrize("check", sorted(ATTENTION_INVARIANTS))
+@pytest.mark.parametrize("name", VARIANTS)
+def test_invariant(name, check):
+    run_attention_invariant(check, name)
+
+
+def test_nothing_missed():
+    """Every concrete AttentionBase subclass defined in gpattn.attention is registered (and therefore
+    parametrised above); the contract's baseline names are all there."""
+    found = set()
+    for info in pkgutil.iter_modules(gpattn.attention.__path__):
+        module = importlib.import_module(f"gpattn.attention.{info.name}")
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, AttentionBase) and obj is not AttentionBase and obj.__module__ == module.__name__:
+                if "_attend" in {k for c in obj.__mro__[:-1] if c is not AttentionBase for k in vars(c)}:
+                    found.add(obj)
+    unregistered = [c.__qualname__ for c in found if getattr(c, "name", "") not in VARIANTS]
+    assert not unregistered, f"attention classes not registered (so not tested): {unregistered}"
+    assert {"softmax", "kernel", "kernel-asym"} <= set(VARIANTS)
+    assert VARIANTS == sorted(VARIANTS)
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(ValueError, match="valid names: .*softmax"):
+        gpattn.build_attention("nope", 8, 2)
+
+
+def test_public_api_sorted():
+    assert gpattn.__all__ == sorted(gpattn.__all__)
+    for sub in ("attention", "kernels", "variational", "testing"):
+        mod = importlib.import_module(f"gpattn.{sub}")
+        assert mod.__all__ == sorted(mod.__all__), sub
+        for name in mod.__all__:
+            assert hasattr(mod, name), f"gpattn.{sub}.{name} listed but missing"
