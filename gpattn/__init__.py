@@ -16,28 +16,40 @@ __version__ = "0.1.0"
 _SUBMODULES = (
     "attention",
     "cli",
+    "compare",
     "data",
     "kernels",
     "metrics",
     "models",
     "objectives",
     "plots",
+    "presets",
     "testing",
     "training",
     "variational",
 )
 
-__all__ = sorted(
-    [
-        "__version__",
-        "attention_options",
-        "build_attention",
-        "deterministic",
-        "is_deterministic",
-        "list_attention",
-        *_SUBMODULES,
-    ]
-)
+__all__ = [
+    "__version__",
+    "attention",
+    "attention_options",
+    "build_attention",
+    "cli",
+    "compare",
+    "data",
+    "deterministic",
+    "is_deterministic",
+    "kernels",
+    "list_attention",
+    "metrics",
+    "models",
+    "objectives",
+    "plots",
+    "presets",
+    "testing",
+    "training",
+    "variational",
+]
 
 
 def __getattr__(name):

@@ -20,6 +20,11 @@ for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
     if not _info.name.startswith("_") and _info.name not in ("base", "registry"):
         importlib.import_module(f"{__name__}.{_info.name}")
 
-__all__ = sorted(
-    ["AttentionBase", "attention_class", "attention_options", "build_attention", "list_attention", "register"]
-)
+__all__ = [
+    "AttentionBase",
+    "attention_class",
+    "attention_options",
+    "build_attention",
+    "list_attention",
+    "register",
+]

@@ -32,5 +32,3 @@ class SoftmaxAttention(AttentionBase):
         return F.scaled_dot_product_attention(
             p["q"], p["k"], p["v"], attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
         )
-
-

@@ -3,4 +3,9 @@
 from gpattn.kernels._factory import KERNEL_NAMES, evaluate_kernel, make_kernel
 from gpattn.kernels.exponential import ExponentialKernel
 
-__all__ = sorted(["ExponentialKernel", "KERNEL_NAMES", "evaluate_kernel", "make_kernel"])
+__all__ = [
+    "ExponentialKernel",
+    "KERNEL_NAMES",
+    "evaluate_kernel",
+    "make_kernel",
+]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 from gpytorch.constraints import Positive
 from gpytorch.kernels import Kernel
@@ -58,5 +57,3 @@ class ExponentialKernel(Kernel):
 
     def __repr__(self) -> str:  # pragma: no cover - cosmetic
         return f"ExponentialKernel(batch_shape={tuple(self.batch_shape)}, ard_num_dims={self.ard_num_dims})"
-
-

@@ -7,4 +7,8 @@ from gpattn.testing.invariants import (
     run_attention_invariant,
 )
 
-__all__ = sorted(["ATTENTION_INVARIANTS", "make_inputs", "run_attention_invariant"])
+__all__ = [
+    "ATTENTION_INVARIANTS",
+    "make_inputs",
+    "run_attention_invariant",
+]

@@ -2,4 +2,9 @@
 
 from gpattn.variational._linalg import NotPSDError, cholesky, gp_algebra, safe_sqrt
 
-__all__ = sorted(["NotPSDError", "cholesky", "gp_algebra", "safe_sqrt"])
+__all__ = [
+    "NotPSDError",
+    "cholesky",
+    "gp_algebra",
+    "safe_sqrt",
+]

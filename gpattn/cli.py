@@ -1,0 +1,209 @@
+"""``gpattn train | evaluate | compare | demo`` (DESIGN.md "CLI and outputs")."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _kv(text: str) -> tuple[str, object]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        parsed = value
+    return key.strip(), parsed
+
+
+def _layers(text: str):
+    if text in ("all", "last", "auto"):
+        return text
+    try:
+        return [int(i) for i in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--attention-layers takes all, last, auto or indices; got {text!r}") from None
+
+
+def _training_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help="named settings (gpattn.presets); explicit flags override them")
+    p.add_argument("--dataset", help="digits, cola, text_table, ... (default digits)")
+    p.add_argument("--data-dir", help="folder with the data files (default $GPATTN_DATA_DIR or ~/.cache/gpattn)")
+    p.add_argument("--download", action="store_true", default=None, help="download missing files (checksummed)")
+    p.add_argument("--dataset-option", type=_kv, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--attention-layers", type=_layers, help="all | last | auto (default) | indices 0,1")
+    p.add_argument("--attention-option", type=_kv, action="append", default=[], metavar="KEY=VALUE")
+    for flag, typ in (
+        ("--epochs", int),
+        ("--batch-size", int),
+        ("--lr", float),
+        ("--num-samples", int),
+        ("--embed-dim", int),
+        ("--num-heads", int),
+        ("--num-layers", int),
+        ("--dropout", float),
+        ("--beta", float),
+        ("--checkpoint-every", int),
+    ):
+        p.add_argument(flag, type=typ)
+    p.add_argument("--kl-scaling", choices=["elbo", "peer"])
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+
+
+def _config(args, **extra):
+    from gpattn.presets import get_preset
+    from gpattn.training import TrainConfig
+
+    values = {}
+    preset = {}
+    if getattr(args, "preset", None):
+        preset = get_preset(args.preset)
+        values.update({k: v for k, v in preset.items() if k not in ("variants", "seeds")})
+    for f in (
+        "dataset",
+        "data_dir",
+        "download",
+        "attention_layers",
+        "epochs",
+        "batch_size",
+        "lr",
+        "num_samples",
+        "embed_dim",
+        "num_heads",
+        "num_layers",
+        "dropout",
+        "beta",
+        "checkpoint_every",
+        "kl_scaling",
+    ):
+        val = getattr(args, f, None)
+        if val is not None:
+            values[f] = val
+    if args.dataset_option:
+        values["dataset_options"] = {**values.get("dataset_options", {}), **dict(args.dataset_option)}
+    if args.attention_option:
+        values["attention_options"] = {**values.get("attention_options", {}), **dict(args.attention_option)}
+    values["progress"] = not args.no_progress
+    values.update(extra)
+    return TrainConfig.from_dict(values), preset
+
+
+def _print_metrics(metrics: dict) -> None:
+    for split, row in metrics.items():
+        if not isinstance(row, dict):
+            continue
+        shown = {k: row[k] for k in ("accuracy", "mcc", "nll", "ece", "ood_auroc") if row.get(k) is not None}
+        print(f"  {split:>10}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+
+
+def cmd_train(args) -> int:
+    from gpattn.training import train
+
+    cfg, _ = _config(args, attention=args.attention, seed=args.seed)
+    out = Path(args.out)
+    metrics = train(cfg, out, resume=args.resume)
+    print(f"wrote {out / 'metrics.json'}")
+    _print_metrics(metrics)
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    import torch
+
+    from gpattn.training import evaluate_predictions, load_run, predict
+
+    cfg, model, bundle, _ = load_run(args.checkpoint)
+    P = args.num_samples or cfg.num_samples
+    torch.manual_seed(cfg.seed)
+    preds = {
+        k: {"logits": predict(model, bundle.splits[k], P, cfg.eval_batch_size), "labels": bundle.splits[k].labels}
+        for k in sorted({"val", *bundle.eval_splits.values()})
+    }
+    metrics = evaluate_predictions(preds, bundle, cfg.average)
+    out = Path(args.out) if args.out else Path(args.checkpoint).resolve().parent
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {out / 'metrics.json'}")
+    _print_metrics(metrics)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from gpattn.compare import compare
+
+    cfg, preset = _config(args)
+    variants = args.attention or preset.get("variants") or "all+baselines"
+    if args.ensemble:
+        variants = f"{variants},softmax+ens{args.ensemble}"
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else preset.get("seeds", [0, 1, 2])
+    compare(variants, seeds, args.out, cfg, progress=cfg.progress)
+    print(f"wrote {Path(args.out) / 'report.md'}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    args.preset = "demo"
+    args.attention = None
+    args.ensemble = 0
+    return cmd_compare(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpattn", description="Gaussian-process attention for transformers")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train one model; writes metrics.json, checkpoint.pt, config.json")
+    _training_args(p)
+    p.add_argument("--attention", default="softmax", help="a registered attention name (gpattn.list_attention())")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="run folder")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("evaluate", help="evaluate a checkpoint; writes metrics.json")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--num-samples", type=int)
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("compare", help="variants x seeds -> report.md, results.json, plots")
+    _training_args(p)
+    p.add_argument(
+        "--attention",
+        help="comma list of variant specs (name[+ts][+mcdropout][+ensN]), 'all', 'all+baselines' (default)",
+    )
+    p.add_argument("--seeds", help="comma list, default 0,1,2")
+    p.add_argument("--ensemble", type=int, default=0, help="add a deep ensemble of N softmax models")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("demo", help="every variant and baseline on digits -> runs/demo/report.md")
+    _training_args(p)
+    p.add_argument("--seeds", help="comma list, default 0,1")
+    p.add_argument("--out", default="runs/demo")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from gpattn.data import DataNotFoundError
+
+    try:
+        return args.func(args)
+    except (DataNotFoundError, FileNotFoundError, ValueError) as err:
+        print(f"gpattn {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as err:
+        print(
+            f"gpattn {args.command}: interrupted ({err}); the last checkpoint is kept — rerun with --resume",
+            file=sys.stderr,
+        )
+        return 130

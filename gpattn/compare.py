@@ -1,0 +1,209 @@
+"""``gpattn compare``: train variants over seeds, add the post-hoc baselines, write a report.
+
+A *variant spec* is a registered attention name with optional modifiers:
+``softmax+ts`` (post-hoc temperature scaling fitted on the validation split, Guo et al. 2017),
+``softmax+mcdropout`` (dropout kept on at prediction), ``softmax+ens5`` (deep ensemble of 5
+independently seeded models: the seed run plus members seeded ``seed + 1000·j``). Modifiers combine
+(``kep-svgp+ens5``). Runs are cached under ``OUT/runs/<name>/seed<S>``: a finished run with the same
+configuration is reused, so ``+ts`` and ensembles cost no retraining of the members they share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpattn.attention.registry import attention_class, list_attention
+from gpattn.training import TrainConfig, evaluate_predictions, train
+
+__all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "write_report"]
+
+BASELINES = ("softmax+ts", "softmax+mcdropout", "softmax+ens3")
+
+#: metrics shown in report.md, per evaluation split (all metrics are in results.json)
+REPORT_COLUMNS = {
+    "in_domain": ("accuracy", "mcc", "nll", "ece", "aurc", "auroc"),
+    "shift": ("accuracy", "nll", "ece"),
+    "ood": ("accuracy", "ece", "ood_auroc"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantSpec:
+    spec: str
+    attention: str
+    ts: bool = False
+    mcdropout: bool = False
+    ensemble: int = 1
+
+    @property
+    def run_name(self) -> str:
+        """The trained model this spec evaluates (post-hoc modifiers need no run of their own)."""
+        return self.attention + ("+mcdropout" if self.mcdropout else "")
+
+
+def parse_variant(spec: str) -> VariantSpec:
+    name, *mods = spec.strip().split("+")
+    attention_class(name)  # ValueError listing the valid names
+    ts = mc = False
+    ens = 1
+    for mod in mods:
+        if mod == "ts":
+            ts = True
+        elif mod == "mcdropout":
+            mc = True
+        elif re.fullmatch(r"ens\d+", mod) and int(mod[3:]) >= 2:
+            ens = int(mod[3:])
+        else:
+            raise ValueError(f"unknown modifier {mod!r} in variant {spec!r}; valid: +ts, +mcdropout, +ensN (N >= 2)")
+    return VariantSpec(spec.strip(), name, ts, mc, ens)
+
+
+def expand_variants(variants) -> list[VariantSpec]:
+    """A comma list or list of specs; ``all`` = every registered variant; ``all+baselines`` adds
+    softmax+ts, softmax+mcdropout and softmax+ens3."""
+    if isinstance(variants, str):
+        variants = [v for v in variants.split(",") if v.strip()]
+    out: list[str] = []
+    for v in variants:
+        if v == "all":
+            out += list_attention()
+        elif v == "all+baselines":
+            out += list_attention() + list(BASELINES)
+        else:
+            out.append(v)
+    if not out:
+        raise ValueError("no variants to compare")
+    return [parse_variant(v) for v in dict.fromkeys(out)]
+
+
+def _run(base: TrainConfig, attention: str, mcdropout: bool, seed: int, root: Path, bundle, progress: bool):
+    cfg = dataclasses.replace(base, attention=attention, mc_dropout=mcdropout, seed=seed, progress=progress)
+    folder = root / "runs" / (attention + ("+mcdropout" if mcdropout else "")) / f"seed{seed}"
+    done = folder / "predictions.pt"
+    if done.is_file() and (folder / "config.json").is_file():
+        if json.loads((folder / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict())):
+            return torch.load(done, weights_only=False)
+    train(cfg, folder, bundle=bundle)
+    return torch.load(done, weights_only=False)
+
+
+def compare(variants, seeds, out, base: TrainConfig, progress: bool = True, log=print) -> dict:
+    """Train / evaluate every variant spec for every seed; write ``results.json``, ``report.md`` and
+    the plots under ``out``; return the results dict ``{spec: {seed: metrics}}``."""
+    from gpattn import metrics as M
+    from gpattn.data import load_dataset
+
+    specs = expand_variants(variants)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, dict]] = {}
+    plot_preds: dict[str, tuple] = {}
+    bundles: dict[int, object] = {}
+    for spec in specs:
+        results[spec.spec] = {}
+        for seed in seeds:
+            if seed not in bundles:
+                bundles[seed] = load_dataset(
+                    base.dataset, data_dir=base.data_dir, download=base.download, seed=seed, **base.dataset_options
+                )
+            bundle = bundles[seed]
+            log(f"[compare] {spec.spec} seed {seed}")
+            members = [
+                _run(base, spec.attention, spec.mcdropout, seed + 1000 * j, out, bundle, progress)
+                for j in range(spec.ensemble)
+            ]
+            # deep ensemble: pool every member's samples (equal P, so this averages member predictions)
+            preds = {
+                k: {"logits": torch.cat([m[k]["logits"] for m in members], dim=1), "labels": members[0][k]["labels"]}
+                for k in members[0]
+            }
+            temperature = 1.0
+            if spec.ts:
+                temperature = float(M.temperature_scale(preds["val"]["logits"], preds["val"]["labels"]))
+            metrics = evaluate_predictions(preds, bundle, base.average, temperature)
+            if spec.ts:
+                metrics["temperature"] = temperature
+            results[spec.spec][str(seed)] = metrics
+            if seed == seeds[0]:
+                plot_preds[spec.spec] = (preds, temperature, bundle)
+    (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    _plots(plot_preds, out, base.average)
+    write_report(results, out / "report.md", base, seeds, bundles[seeds[0]])
+    return results
+
+
+def _plots(plot_preds, out: Path, average: str) -> None:
+    from gpattn import metrics as M
+    from gpattn import plots
+
+    curves, ood = {}, {}
+    for spec, (preds, temperature, bundle) in plot_preds.items():
+
+        def probs(split, preds=preds, temperature=temperature):
+            return M.average_samples(preds[split]["logits"] / temperature, average=average)
+
+        test = bundle.eval_splits["in_domain"]
+        p_in = probs(test)
+        labels = preds[test]["labels"]
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec)
+        plots.reliability_diagram(p_in, labels, out / f"reliability_{safe}.png", title=f"{spec} (in-domain)")
+        curves[spec] = (p_in, labels)
+        for name in bundle.ood_splits:
+            p_out = probs(bundle.eval_splits[name])
+            ood[spec] = (M.ood_scores(p_in, "max_prob"), M.ood_scores(p_out, "max_prob"))
+    plots.risk_coverage(curves, out / "risk_coverage.png", title="risk–coverage (in-domain)")
+    if ood:
+        plots.ood_histograms(ood, out / "ood_histograms.png", title="max-probability scores: in-domain vs OOD")
+
+
+def _fmt(values, scale=1.0) -> str:
+    vals = [v * scale for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return "–"
+    if len(vals) == 1:
+        return f"{vals[0]:.3f}"
+    return f"{np.mean(vals):.3f} ± {np.std(vals, ddof=1):.3f}"
+
+
+def write_report(results: dict, path: Path, base: TrainConfig, seeds, bundle) -> None:
+    """report.md: one table per evaluation split, mean ± std (sample std) over seeds; fractions."""
+    lines = [
+        f"# gpattn compare — {base.dataset}",
+        "",
+        f"Seeds {list(seeds)}; {base.num_layers} layers, width {base.embed_dim}, {base.num_heads} heads, "
+        f"{base.epochs} epochs, batch {base.batch_size}, lr {base.lr}; {base.num_samples} Monte-Carlo samples, "
+        f"predictions averaged over {base.average}.",
+        "Values are fractions (not percent), mean ± std over seeds. AUROC = failure prediction (in-domain), "
+        "ood_auroc = OOD detection with the max-probability score. `+ts` = temperature scaling on the "
+        "validation split, `+mcdropout` = MC dropout, `+ensN` = deep ensemble of N models.",
+        "",
+    ]
+    for split in bundle.eval_splits:
+        cols = REPORT_COLUMNS.get(
+            split, REPORT_COLUMNS["ood"] if split in bundle.ood_splits else ("accuracy", "nll", "ece")
+        )
+        if bundle.kind == "image":
+            cols = tuple(c for c in cols if c != "mcc")
+        if split in bundle.ood_splits and not any(
+            results[s][str(seed)][split].get("accuracy") is not None for s in results for seed in seeds
+        ):
+            cols = tuple(c for c in cols if c.startswith("ood_"))
+        lines += [f"## {split}", "", "| variant | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        for spec, per_seed in results.items():
+            cells = [_fmt([per_seed[str(s)][split].get(c) for s in seeds]) for c in cols]
+            lines.append(f"| {spec} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += [
+        "## Plots",
+        "",
+        "- `risk_coverage.png`, `ood_histograms.png`, `reliability_<variant>.png` (first seed)",
+        "",
+    ]
+    Path(path).write_text("\n".join(lines))

@@ -1,0 +1,11 @@
+"""Classifiers over any registered attention, with deep-GP sample propagation (MATH.md §9)."""
+
+from gpattn.models._blocks import Encoder, resolve_attention_layers
+from gpattn.models.classifiers import TransformerClassifier, ViTClassifier
+
+__all__ = [
+    "Encoder",
+    "TransformerClassifier",
+    "ViTClassifier",
+    "resolve_attention_layers",
+]

@@ -1,0 +1,132 @@
+"""Pre-LN transformer blocks over any registered attention, with deep-GP sample propagation."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from gpytorch.kernels import Kernel
+
+from gpattn._settings import is_deterministic
+from gpattn.attention.registry import build_attention
+
+__all__ = ["Block", "Encoder", "MCDropout", "resolve_attention_layers"]
+
+
+class MCDropout(nn.Module):
+    """Dropout that stays on in eval mode when ``mc=True`` (MC dropout, Gal & Ghahramani 2016), and is
+    off inside ``gpattn.deterministic()``."""
+
+    def __init__(self, p: float = 0.0, mc: bool = False):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {p!r}")
+        self.p, self.mc = p, mc
+
+    def forward(self, x):
+        active = (self.training or self.mc) and not is_deterministic()
+        return F.dropout(x, self.p, training=active) if self.p > 0 else x
+
+    def extra_repr(self):
+        return f"p={self.p}, mc={self.mc}"
+
+
+class Block(nn.Module):
+    """x + attn(LN(x)); x + MLP(LN(x)).  # shape: (B·P, T, D) -> (B·P, T, D)"""
+
+    def __init__(self, attention: nn.Module, embed_dim: int, mlp_ratio: float, dropout: float, mc_dropout: bool):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(embed_dim)
+        self.attn = attention
+        self.norm2 = nn.LayerNorm(embed_dim)
+        hidden = max(1, int(round(embed_dim * mlp_ratio)))
+        self.mlp = nn.Sequential(
+            nn.Linear(embed_dim, hidden), nn.GELU(), MCDropout(dropout, mc_dropout), nn.Linear(hidden, embed_dim)
+        )
+        self.drop = MCDropout(dropout, mc_dropout)
+
+    def forward(self, x, mask):
+        x = x + self.drop(self.attn(self.norm1(x), mask))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+def resolve_attention_layers(attention_layers, num_layers: int) -> list[int]:
+    """``"all"``, ``"last"`` or a list of layer indices (negative allowed) -> sorted indices."""
+    if attention_layers == "all":
+        return list(range(num_layers))
+    if attention_layers == "last":
+        return [num_layers - 1]
+    if isinstance(attention_layers, Sequence) and not isinstance(attention_layers, str):
+        out = set()
+        for i in attention_layers:
+            if isinstance(i, bool) or not isinstance(i, int) or not -num_layers <= i < num_layers:
+                raise ValueError(f"attention_layers entries must be ints in [{-num_layers}, {num_layers}), got {i!r}")
+            out.add(i % num_layers)
+        return sorted(out)
+    raise ValueError(f"attention_layers must be 'all', 'last' or a list of layer indices, got {attention_layers!r}")
+
+
+def _make_attention(attention, embed_dim, num_heads, options) -> nn.Module:
+    if callable(attention) and not isinstance(attention, str):
+        layer = attention(embed_dim, num_heads, **options)
+        if not isinstance(layer, nn.Module):
+            raise ValueError(f"attention callable must return an nn.Module, got {type(layer)}")
+        return layer
+    # a kernel instance in the options is copied per layer: layers never share hyper-parameters
+    options = {k: copy.deepcopy(v) if isinstance(v, Kernel) else v for k, v in options.items()}
+    return build_attention(attention, embed_dim, num_heads, **options)
+
+
+class Encoder(nn.Module):
+    """A stack of pre-LN blocks; the layers named by ``attention_layers`` use ``attention``, the others
+    softmax attention. ``loss_terms()`` sums every attention layer's terms of the last forward."""
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_layers: int,
+        attention: str | Callable[..., nn.Module] = "softmax",
+        attention_options: dict | None = None,
+        attention_layers="all",
+        mlp_ratio: float = 2.0,
+        dropout: float = 0.1,
+        mc_dropout: bool = False,
+    ):
+        super().__init__()
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        chosen = set(resolve_attention_layers(attention_layers, num_layers))
+        options = dict(attention_options or {})
+        self.blocks = nn.ModuleList(
+            Block(
+                _make_attention(attention, embed_dim, num_heads, options)
+                if i in chosen
+                else build_attention("softmax", embed_dim, num_heads),
+                embed_dim,
+                mlp_ratio,
+                dropout,
+                mc_dropout,
+            )
+            for i in range(num_layers)
+        )
+        self.norm = nn.LayerNorm(embed_dim)
+
+    def forward(self, x, mask):
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.norm(x)
+
+    def attention_modules(self) -> list[nn.Module]:
+        return [b.attn for b in self.blocks]
+
+    def loss_terms(self) -> dict[str, torch.Tensor]:
+        total: dict[str, torch.Tensor] = {}
+        for layer in self.attention_modules():
+            terms = layer.loss_terms() if hasattr(layer, "loss_terms") else {}
+            for key, val in terms.items():
+                total[key] = total[key] + val if key in total else val
+        return total

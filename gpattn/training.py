@@ -1,0 +1,387 @@
+"""Training and evaluation loops: seeded, resumable (atomic checkpoints), with tqdm progress.
+
+``TrainConfig`` is everything a run depends on (it is written to ``config.json``); :func:`train`
+fits a model, checkpoints (every epoch, and every ``checkpoint_every`` steps), and evaluates every
+evaluation split of the data set with Monte-Carlo predictions, writing ``metrics.json`` (DESIGN.md
+"CLI and outputs") and ``predictions.pt`` (the sample logits of every split, so that post-hoc
+temperature scaling and ensembles need no retraining).
+
+Determinism and resume: the model is initialised from ``seed``; epoch e visits the training set in
+the order ``randperm(N, generator=seed·1000003 + e)``; the global torch RNG (attention samples,
+dropout) is saved in every checkpoint. A resumed run therefore replays exactly the steps an
+uninterrupted run would have taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from gpattn.models import TransformerClassifier, ViTClassifier
+from gpattn.objectives import ELBOObjective
+
+__all__ = [
+    "TrainConfig",
+    "atomic_save",
+    "build_model",
+    "evaluate_predictions",
+    "load_run",
+    "predict",
+    "train",
+]
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Every setting of a run (``config.json``). ``attention`` may carry modifiers handled by
+    ``gpattn compare`` (``+ts``, ``+mcdropout``, ``+ensN``); ``train`` takes a plain name."""
+
+    dataset: str = "digits"
+    data_dir: str | None = None
+    download: bool = False
+    dataset_options: dict = dataclasses.field(default_factory=dict)
+    attention: str = "softmax"
+    attention_options: dict = dataclasses.field(default_factory=dict)
+    attention_layers: object = "auto"
+    embed_dim: int = 64
+    num_heads: int = 4
+    num_layers: int = 2
+    mlp_ratio: float = 2.0
+    dropout: float = 0.1
+    mc_dropout: bool = False
+    pooling: str | None = None
+    patch_size: int | None = None
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    cosine: bool = True
+    seed: int = 0
+    train_samples: int = 1
+    num_samples: int = 10
+    average: str = "probs"
+    beta: float = 1.0
+    beta_anneal_steps: int = 0
+    eta: float = 1.0
+    alpha: float = 1.0
+    alpha_anneal_steps: int = 0
+    kl_scaling: str = "elbo"
+    checkpoint_every: int = 0
+    eval_batch_size: int = 256
+    progress: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; valid keys: {', '.join(sorted(names))}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- model and batches
+#: where ``attention_layers="auto"`` puts a variant (seed 002 replaces only the last layer by KEP-SVGP)
+AUTO_LAYERS = {"kep-svgp": "last"}
+
+
+def build_model(cfg: TrainConfig, bundle) -> torch.nn.Module:
+    """The classifier for a data set: a transformer over token ids for text, a ViT for images."""
+    layers = AUTO_LAYERS.get(cfg.attention, "all") if cfg.attention_layers == "auto" else cfg.attention_layers
+    common = dict(
+        embed_dim=cfg.embed_dim,
+        num_heads=cfg.num_heads,
+        num_layers=cfg.num_layers,
+        attention=cfg.attention,
+        attention_options=dict(cfg.attention_options),
+        attention_layers=layers,
+        mlp_ratio=cfg.mlp_ratio,
+        dropout=cfg.dropout,
+        mc_dropout=cfg.mc_dropout,
+    )
+    if bundle.kind == "text":
+        max_len = max(int(s.inputs.shape[1]) for s in bundle.splits.values())
+        return TransformerClassifier(
+            bundle.num_classes, vocab_size=bundle.vocab_size, max_len=max_len, pooling=cfg.pooling or "mean", **common
+        )
+    if bundle.kind == "image":
+        C, Hpx, Wpx = bundle.image_shape
+        patch = cfg.patch_size or (2 if Hpx <= 8 else 4)
+        return ViTClassifier(
+            bundle.num_classes,
+            image_shape=bundle.image_shape,
+            patch_size=patch,
+            pooling=cfg.pooling or "cls",
+            **common,
+        )
+    raise ValueError(f"data set kind must be 'text' or 'image', got {bundle.kind!r}")
+
+
+def _batch(split, idx):
+    """Inputs, mask and labels of rows ``idx``; text batches are cut to their longest real sequence."""
+    x = split.inputs[idx]
+    mask = None if split.mask is None else split.mask[idx]
+    if mask is not None:
+        longest = int((~mask).sum(1).max()) if len(idx) else 1
+        x, mask = x[:, : max(longest, 1)], mask[:, : max(longest, 1)]
+    return x, mask, split.labels[idx]
+
+
+def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
+    return torch.randperm(n, generator=g)
+
+
+@torch.no_grad()
+def predict(model, split, num_samples: int, batch_size: int = 256) -> torch.Tensor:
+    """Sample logits of a whole split in eval mode.  # shape: (N, P, C)"""
+    model.eval()
+    out = []
+    for start in range(0, len(split.labels), batch_size):
+        idx = torch.arange(start, min(start + batch_size, len(split.labels)))
+        x, mask, _ = _batch(split, idx)
+        out.append(model(x, mask, num_samples=num_samples).float())
+    if not out:
+        return torch.zeros(0, num_samples, getattr(model, "num_classes", 2))
+    return torch.cat(out)
+
+
+def evaluate_predictions(preds: dict, bundle, average: str = "probs", temperature: float = 1.0) -> dict:
+    """metrics.json content from sample logits: classification metrics per evaluation split (``None``
+    where labels are unknown) and, for OOD splits, OOD-detection metrics against ``in_domain``."""
+    from gpattn import metrics as M
+
+    def probs_of(name):
+        logits = preds[bundle.eval_splits[name]]["logits"] / temperature
+        return M.average_samples(logits, average=average), logits
+
+    result = {}
+    p_in, _ = probs_of("in_domain")
+    for name, key in bundle.eval_splits.items():
+        probs, logits = probs_of(name)
+        labels = preds[key]["labels"]
+        if len(labels) and bool((labels >= 0).all()):
+            row = M.classification_metrics(probs, labels)
+        else:
+            row = {k: None for k in M.METRIC_KEYS}
+        if name in bundle.ood_splits:
+            row.update(M.ood_metrics(M.ood_scores(p_in, "max_prob"), M.ood_scores(probs, "max_prob")))
+        result[name] = {
+            k: (None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)) for k, v in row.items()
+        }
+    return result
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary file in the same folder, fsync, then rename: a crash while saving
+    never leaves a corrupt checkpoint behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _write_json(obj, path: Path) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+class _Interrupt:
+    """Turn SIGTERM into KeyboardInterrupt while training, so the loop checkpoints and stops."""
+
+    def __enter__(self):
+        self._old = None
+        try:
+            self._old = signal.signal(signal.SIGTERM, self._raise)
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+        return False
+
+
+def load_run(path) -> tuple[TrainConfig, torch.nn.Module, object, dict]:
+    """Load a checkpoint file (or a run folder) -> (config, model, data bundle, checkpoint dict)."""
+    from gpattn.data import load_dataset
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / CHECKPOINT
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    cfg = TrainConfig.from_dict(ckpt["config"])
+    bundle = load_dataset(
+        cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
+    )
+    model = build_model(cfg, bundle)
+    model.load_state_dict(ckpt["model"])
+    return cfg, model, bundle, ckpt
+
+
+# ----------------------------------------------------------------------------- the loop
+def train(
+    cfg: TrainConfig,
+    out: str | os.PathLike | None = None,
+    resume: bool = False,
+    bundle=None,
+    stop_after_steps: int | None = None,
+) -> dict:
+    """Fit, checkpoint and evaluate one run; returns the metrics dict (also ``out/metrics.json``).
+
+    ``stop_after_steps`` simulates an interruption (tests): the run checkpoints after that many
+    optimizer steps and raises ``KeyboardInterrupt``.
+    """
+    from gpattn.data import load_dataset
+
+    out = Path(out) if out is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(cfg.to_dict(), out / "config.json")
+    if bundle is None:
+        bundle = load_dataset(
+            cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
+        )
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed % 2**32)
+    model = build_model(cfg, bundle)
+    train_split = bundle.splits["train"]
+    n = len(train_split.labels)
+    steps_per_epoch = max(1, math.ceil(n / cfg.batch_size))
+    total_steps = steps_per_epoch * cfg.epochs
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps)) if cfg.cosine else None
+    objective = ELBOObjective(
+        n,
+        beta=cfg.beta,
+        beta_anneal_steps=cfg.beta_anneal_steps,
+        eta=cfg.eta,
+        alpha=cfg.alpha,
+        alpha_anneal_steps=cfg.alpha_anneal_steps,
+        kl_scaling=cfg.kl_scaling,
+    )
+    step, history = 0, []
+    ckpt_path = out / CHECKPOINT if out is not None else None
+    if resume:
+        if ckpt_path is None or not ckpt_path.is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        saved = {k: v for k, v in ckpt["config"].items() if k not in ("progress", "checkpoint_every")}
+        mine = {k: v for k, v in cfg.to_dict().items() if k not in ("progress", "checkpoint_every")}
+        if json.loads(json.dumps(saved)) != json.loads(json.dumps(mine)):
+            diff = sorted(k for k in mine if saved.get(k) != mine[k])
+            raise ValueError(f"--resume: the checkpoint was written with a different configuration ({diff})")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(ckpt["scheduler"])
+        step, history = ckpt["step"], ckpt["history"]
+        torch.set_rng_state(ckpt["rng"])
+
+    def save():
+        if ckpt_path is not None:
+            atomic_save(
+                {
+                    "config": cfg.to_dict(),
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "step": step,
+                    "history": history,
+                    "rng": torch.get_rng_state(),
+                },
+                ckpt_path,
+            )
+
+    bar = tqdm(
+        total=total_steps,
+        initial=step,
+        disable=not cfg.progress,
+        desc=f"{cfg.attention} seed {cfg.seed}",
+        leave=False,
+        dynamic_ncols=True,
+    )
+    try:
+        with _Interrupt():
+            while step < total_steps:
+                epoch, offset = divmod(step, steps_per_epoch)
+                order = _epoch_order(n, cfg.seed, epoch)
+                model.train()
+                idx = order[offset * cfg.batch_size : (offset + 1) * cfg.batch_size]
+                x, mask, y = _batch(train_split, idx)
+                logits = model(x, mask, num_samples=cfg.train_samples)
+                loss, parts = objective(logits, y, model.loss_terms(), step=step)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(
+                        f"non-finite loss at step {step}: { {k: float(v) for k, v in parts.items()} }"
+                    )
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
+                step += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
+                if offset + 1 == steps_per_epoch:
+                    history.append({"epoch": epoch + 1, "step": step, **{k: float(v) for k, v in parts.items()}})
+                    save()
+                elif cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    save()
+                if stop_after_steps is not None and step >= stop_after_steps and step < total_steps:
+                    save()
+                    raise KeyboardInterrupt(f"stopped after {step} steps")
+    except KeyboardInterrupt:
+        save()
+        bar.close()
+        raise
+    bar.close()
+
+    preds = {
+        key: {
+            "logits": predict(model, bundle.splits[key], cfg.num_samples, cfg.eval_batch_size),
+            "labels": bundle.splits[key].labels,
+        }
+        for key in sorted({"val", *bundle.eval_splits.values()})
+    }
+    result = evaluate_predictions(preds, bundle, cfg.average)
+    if out is not None:
+        torch.save(preds, out / "predictions.pt")
+        _write_json(result, out / "metrics.json")
+        _write_json(history, out / "history.json")
+    return result
