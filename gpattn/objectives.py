@@ -100,5 +100,5 @@ class ELBOObjective:
         divisor = self.num_data if self.kl_scaling == "elbo" else 1
         kl = parts["kl_seq"] + parts["kl_global"] / divisor
         loss = nll + beta * kl + self.eta * parts["ksvd"] + alpha * parts["cgp"]
-        parts.update(beta=torch.tensor(beta), alpha=torch.tensor(alpha), loss=loss)
+        parts.update(beta=nll.new_tensor(beta), alpha=nll.new_tensor(alpha), loss=loss)
         return loss, parts
