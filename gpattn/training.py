@@ -6,6 +6,12 @@ evaluation split of the data set with Monte-Carlo predictions, writing ``metrics
 "CLI and outputs") and ``predictions.pt`` (the sample logits of every split, so that post-hoc
 temperature scaling and ensembles need no retraining).
 
+Multi-process: under ``torchrun --nproc_per_node=N -m gpattn train ...`` every rank walks the same
+global batch order and takes rows ``rank::N`` of each global batch (a deterministic sharding
+equivalent to a DistributedSampler over batches); gradients are weighted by each shard's share and
+summed across ranks, so N processes take the same steps as one process with the same global batch.
+Rank 0 alone writes files and shows progress; predictions are sharded and gathered.
+
 Determinism and resume: the model is initialised from ``seed``; epoch e visits the training set in
 the order ``randperm(N, generator=seed·1000003 + e)``; the global torch RNG (attention samples,
 dropout) is saved in every checkpoint. A resumed run therefore replays exactly the steps an
@@ -40,6 +46,7 @@ __all__ = [
 ]
 
 CHECKPOINT = "checkpoint.pt"
+PART_KEYS = ("nll", "kl_seq", "kl_global", "ksvd", "cgp", "beta", "alpha")
 
 
 @dataclasses.dataclass
@@ -146,18 +153,86 @@ def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
+class _Dist:
+    """Multi-process context from torchrun's environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``):
+    gloo on CPU, nccl when CUDA is present. A single process is world 1, rank 0."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.owned = False
+        self.device = torch.device("cpu")
+        if self.world > 1 and not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend=backend)
+            self.owned = True
+            if backend == "nccl":
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(self.device)
+        self.rank = dist.get_rank() if self.world > 1 else 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, idx: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global batch (every rank sees the same global order)."""
+        return idx[self.rank :: self.world]
+
+    def allreduce_grads(self, model: torch.nn.Module) -> None:
+        """Sum of the ranks' (already weighted) gradients, in one flat buffer."""
+        if self.world == 1:
+            return
+        for p in model.parameters():  # every rank must reduce the same buffer
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in model.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def allreduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            t = t.clone()
+            self.dist.all_reduce(t)
+        return t
+
+    def gather_rows(self, local: torch.Tensor, n: int) -> torch.Tensor:
+        """Reassemble rows sharded as ``rank::world`` into their original order."""
+        if self.world == 1:
+            return local
+        parts = [None] * self.world
+        self.dist.all_gather_object(parts, local.cpu())
+        out = torch.empty(n, *local.shape[1:], dtype=local.dtype)
+        for r, part in enumerate(parts):
+            out[r :: self.world] = part
+        return out
+
+    def close(self) -> None:
+        if self.owned and self.dist.is_initialized():
+            self.dist.barrier()
+            self.dist.destroy_process_group()
+
+
 @torch.no_grad()
-def predict(model, split, num_samples: int, batch_size: int = 256) -> torch.Tensor:
-    """Sample logits of a whole split in eval mode.  # shape: (N, P, C)"""
+def predict(model, split, num_samples: int, batch_size: int = 256, dist: _Dist | None = None) -> torch.Tensor:
+    """Sample logits of a whole split in eval mode (sharded over ranks under torchrun).  # shape: (N, P, C)"""
     model.eval()
+    n = len(split.labels)
+    rows = torch.arange(n) if dist is None else dist.shard(torch.arange(n))
+    device = next(model.parameters()).device
     out = []
-    for start in range(0, len(split.labels), batch_size):
-        idx = torch.arange(start, min(start + batch_size, len(split.labels)))
-        x, mask, _ = _batch(split, idx)
-        out.append(model(x, mask, num_samples=num_samples).float())
-    if not out:
-        return torch.zeros(0, num_samples, getattr(model, "num_classes", 2))
-    return torch.cat(out)
+    for start in range(0, len(rows), batch_size):
+        x, mask, _ = _batch(split, rows[start : start + batch_size])
+        mask = None if mask is None else mask.to(device)
+        out.append(model(x.to(device), mask, num_samples=num_samples).float().cpu())
+    local = torch.cat(out) if out else torch.zeros(0, num_samples, getattr(model, "num_classes", 2))
+    return local if dist is None else dist.gather_rows(local, n)
 
 
 def evaluate_predictions(preds: dict, bundle, average: str = "probs", temperature: float = 1.0) -> dict:
@@ -268,16 +343,19 @@ def train(
     from gpattn.data import load_dataset
 
     out = Path(out) if out is not None else None
-    if out is not None:
+    if out is not None and int(os.environ.get("RANK", "0")) == 0:
         out.mkdir(parents=True, exist_ok=True)
         _write_json(cfg.to_dict(), out / "config.json")
     if bundle is None:
         bundle = load_dataset(
             cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
         )
+    dist = _Dist()
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
-    model = build_model(cfg, bundle)
+    model = build_model(cfg, bundle).to(dist.device)
+    if dist.rank > 0:  # identical initial weights, independent Monte-Carlo noise per rank
+        torch.manual_seed(cfg.seed * 1000003 + dist.rank)
     train_split = bundle.splits["train"]
     n = len(train_split.labels)
     steps_per_epoch = max(1, math.ceil(n / cfg.batch_size))
@@ -312,7 +390,7 @@ def train(
         torch.set_rng_state(ckpt["rng"])
 
     def save():
-        if ckpt_path is not None:
+        if ckpt_path is not None and dist.main:
             atomic_save(
                 {
                     "config": cfg.to_dict(),
@@ -329,7 +407,7 @@ def train(
     bar = tqdm(
         total=total_steps,
         initial=step,
-        disable=not cfg.progress,
+        disable=not cfg.progress or not dist.main,
         desc=f"{cfg.attention} seed {cfg.seed}",
         leave=False,
         dynamic_ncols=True,
@@ -341,15 +419,23 @@ def train(
                 order = _epoch_order(n, cfg.seed, epoch)
                 model.train()
                 idx = order[offset * cfg.batch_size : (offset + 1) * cfg.batch_size]
-                x, mask, y = _batch(train_split, idx)
-                logits = model(x, mask, num_samples=cfg.train_samples)
-                loss, parts = objective(logits, y, model.loss_terms(), step=step)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(
-                        f"non-finite loss at step {step}: { {k: float(v) for k, v in parts.items()} }"
-                    )
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                local = dist.shard(idx)
+                weight = len(local) / len(idx)  # ranks' weighted gradients sum to the global batch's
+                optimizer.zero_grad(set_to_none=False)
+                if len(local):
+                    x, mask, y = _batch(train_split, local)
+                    mask = None if mask is None else mask.to(dist.device)
+                    logits = model(x.to(dist.device), mask, num_samples=cfg.train_samples)
+                    loss, parts = objective(logits, y.to(dist.device), model.loss_terms(), step=step)
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(
+                            f"non-finite loss at step {step}: { {k: float(v.detach()) for k, v in parts.items()} }"
+                        )
+                    (loss * weight).backward()
+                else:  # more ranks than rows in this (last) batch: contribute zero gradients
+                    loss = torch.zeros(())
+                    parts = {k: torch.zeros(()) for k in (*PART_KEYS, "loss")}
+                dist.allreduce_grads(model)
                 if cfg.grad_clip:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 optimizer.step()
@@ -357,9 +443,11 @@ def train(
                     scheduler.step()
                 step += 1
                 bar.update(1)
-                bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
+                bar.set_postfix(loss=f"{float(loss.detach()):.3f}", refresh=False)
                 if offset + 1 == steps_per_epoch:
-                    history.append({"epoch": epoch + 1, "step": step, **{k: float(v) for k, v in parts.items()}})
+                    keys = sorted(parts)
+                    values = dist.allreduce_sum(torch.stack([parts[k].detach().float().cpu() for k in keys]) * weight)
+                    history.append({"epoch": epoch + 1, "step": step, **dict(zip(keys, values.tolist()))})
                     save()
                 elif cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     save()
@@ -374,13 +462,14 @@ def train(
 
     preds = {
         key: {
-            "logits": predict(model, bundle.splits[key], cfg.num_samples, cfg.eval_batch_size),
+            "logits": predict(model, bundle.splits[key], cfg.num_samples, cfg.eval_batch_size, dist),
             "labels": bundle.splits[key].labels,
         }
         for key in sorted({"val", *bundle.eval_splits.values()})
     }
     result = evaluate_predictions(preds, bundle, cfg.average)
-    if out is not None:
+    dist.close()
+    if out is not None and dist.main:
         torch.save(preds, out / "predictions.pt")
         _write_json(result, out / "metrics.json")
         _write_json(history, out / "history.json")

@@ -1,0 +1,206 @@
+"""End-to-end: train, metrics.json schema, resume after an interruption, evaluate, compare, CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpattn.cli import main
+from gpattn.training import TrainConfig, load_run, train
+
+REAL_COLA = Path(__file__).resolve().parents[2] / "shared" / "data" / "cola_public_1.1.zip"
+
+TINY = dict(
+    embed_dim=16,
+    num_heads=2,
+    num_layers=1,
+    epochs=3,
+    batch_size=32,
+    lr=5e-3,
+    pooling="mean",
+    patch_size=4,
+    num_samples=3,
+    progress=False,
+)
+
+
+def _schema_keys():
+    from gpattn.metrics import METRIC_KEYS, OOD_KEYS
+
+    return set(METRIC_KEYS), set(OOD_KEYS)
+
+
+def test_train_digits_writes_schema(tmp_path):
+    cfg = TrainConfig(dataset="digits", attention="softmax", **TINY)
+    metrics = train(cfg, tmp_path)
+    on_disk = json.loads((tmp_path / "metrics.json").read_text())
+    assert on_disk == json.loads(json.dumps(metrics))
+    keys, ood_keys = _schema_keys()
+    assert set(on_disk) == {"in_domain", "shift", "ood"}
+    assert keys <= set(on_disk["in_domain"]) and keys <= set(on_disk["shift"])
+    assert ood_keys <= set(on_disk["ood"])
+    assert 0.0 <= on_disk["in_domain"]["accuracy"] <= 1.0
+    assert on_disk["in_domain"]["accuracy"] > 0.3  # 8 classes: chance is 0.125
+    for name in ("checkpoint.pt", "config.json", "predictions.pt", "history.json"):
+        assert (tmp_path / name).is_file(), name
+    assert json.loads((tmp_path / "config.json").read_text())["attention"] == "softmax"
+
+
+def test_resume_after_interruption_matches_uninterrupted(tmp_path):
+    cfg = TrainConfig(dataset="digits", attention="softmax", checkpoint_every=3, **TINY)
+    full = train(cfg, tmp_path / "full")
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "cut", stop_after_steps=5)  # mid-epoch (digits train: 28 steps per epoch)
+    ckpt = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 5
+    resumed = train(cfg, tmp_path / "cut", resume=True)
+    assert resumed == full
+    h1 = json.loads((tmp_path / "full" / "history.json").read_text())
+    h2 = json.loads((tmp_path / "cut" / "history.json").read_text())
+    assert h1 == h2
+
+
+def test_resume_refuses_a_different_configuration(tmp_path):
+    cfg = TrainConfig(dataset="digits", attention="softmax", **{**TINY, "epochs": 1})
+    train(cfg, tmp_path)
+    other = TrainConfig(dataset="digits", attention="kernel", **{**TINY, "epochs": 1})
+    with pytest.raises(ValueError, match="attention"):
+        train(other, tmp_path, resume=True)
+
+
+def test_unknown_config_key():
+    with pytest.raises(ValueError, match="unknown config keys"):
+        TrainConfig.from_dict({"epochz": 3})
+
+
+def test_evaluate_checkpoint_reproduces_metrics(tmp_path):
+    cfg = TrainConfig(dataset="digits", attention="softmax", **TINY)
+    train(cfg, tmp_path / "run")
+    _, model, bundle, ckpt = load_run(tmp_path / "run" / "checkpoint.pt")
+    assert ckpt["step"] > 0 and bundle.name == "digits"
+    assert (
+        main(["evaluate", "--checkpoint", str(tmp_path / "run" / "checkpoint.pt"), "--out", str(tmp_path / "ev")]) == 0
+    )
+    a = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    b = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    # softmax is deterministic in eval mode: identical metrics
+    assert a["in_domain"]["accuracy"] == b["in_domain"]["accuracy"]
+    assert a["in_domain"]["nll"] == pytest.approx(b["in_domain"]["nll"], rel=1e-6)
+
+
+def _cola_fixture(tmp_path):
+    from gpattn.data.fixtures import make_cola_zip
+
+    make_cola_zip(tmp_path / "cola_public_1.1.zip")
+    return tmp_path
+
+
+def test_cli_train_cola_fixture(tmp_path, capsys):
+    data = _cola_fixture(tmp_path / "data")
+    out = tmp_path / "run"
+    args = [
+        "train",
+        "--dataset",
+        "cola",
+        "--data-dir",
+        str(data),
+        "--dataset-option",
+        "verify_checksum=False",
+        "--attention",
+        "softmax",
+        "--epochs",
+        "1",
+        "--embed-dim",
+        "16",
+        "--num-heads",
+        "2",
+        "--num-samples",
+        "2",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
+    assert main(args) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    keys, ood_keys = _schema_keys()
+    assert set(metrics) == {"in_domain", "ood"}
+    assert keys <= set(metrics["in_domain"]) and (keys | ood_keys) <= set(metrics["ood"])
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_cli_missing_data_names_file_and_url(tmp_path, capsys):
+    code = main(
+        [
+            "train",
+            "--dataset",
+            "cola",
+            "--data-dir",
+            str(tmp_path / "nonexistent"),
+            "--no-progress",
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code != 0
+    assert "cola_public_1.1.zip" in err and "https://" in err and "nonexistent" in err
+
+
+def test_cli_unknown_attention_and_dataset(tmp_path, capsys):
+    assert main(["train", "--attention", "nope", "--no-progress", "--out", str(tmp_path)]) == 2
+    assert "valid names" in capsys.readouterr().err
+    assert main(["train", "--dataset", "nope", "--no-progress", "--out", str(tmp_path)]) == 2
+    assert "digits" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compare_report_with_baselines(tmp_path):
+    from gpattn.compare import compare
+
+    base = TrainConfig(dataset="digits", **{**TINY, "epochs": 1})
+    results = compare(
+        "softmax,kernel,softmax+ts,softmax+ens2", [0, 1], tmp_path, base, progress=False, log=lambda s: None
+    )
+    assert set(results) == {"softmax", "kernel", "softmax+ts", "softmax+ens2"}
+    report = (tmp_path / "report.md").read_text()
+    for row in ("| softmax |", "| kernel |", "| softmax+ts |", "| softmax+ens2 |"):
+        assert row in report
+    assert "±" in report
+    assert results["softmax+ts"]["0"]["temperature"] > 0
+    # temperature scaling is fitted on val: it must not raise the val-fitted NLL's in-domain counterpart much
+    assert results["softmax+ts"]["0"]["in_domain"]["accuracy"] == results["softmax"]["0"]["in_domain"]["accuracy"]
+    # +ts reuses the softmax run; the ensemble adds one member per seed (seed + 1000)
+    runs = sorted(p.name for p in (tmp_path / "runs" / "softmax").iterdir())
+    assert runs == ["seed0", "seed1", "seed1000", "seed1001"]
+    for png in ("risk_coverage.png", "ood_histograms.png", "reliability_softmax.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REAL_COLA.is_file(), reason="official CoLA archive not present")
+def test_cli_train_real_cola_one_epoch(tmp_path):
+    out = tmp_path / "run"
+    assert (
+        main(
+            [
+                "train",
+                "--dataset",
+                "cola",
+                "--data-dir",
+                str(REAL_COLA.parent),
+                "--attention",
+                "softmax",
+                "--epochs",
+                "1",
+                "--no-progress",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    metrics = json.loads((out / "metrics.json").read_text())
+    keys, ood_keys = _schema_keys()
+    assert set(metrics) == {"in_domain", "ood"}
+    assert keys <= set(metrics["in_domain"]) and ood_keys <= set(metrics["ood"])
