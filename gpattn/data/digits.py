@@ -89,6 +89,8 @@ def load_digits(
     images = (raw.images.astype(np.float32) / 16.0)[:, None, :, :]  # shape: (1797, 1, 8, 8)
     targets = raw.target.astype(np.int64)
 
+    ood_classes = (ood_classes,) if _is_int(ood_classes) else tuple(ood_classes)
+    severities = (severities,) if _is_int(severities) else tuple(severities)
     if (
         not all(_is_int(c) for c in ood_classes)
         or len(set(ood_classes)) != len(ood_classes)
