@@ -1,0 +1,91 @@
+"""The numerics policy: bounded jitter escalation, clear NotPSDError, exact paths, no global changes."""
+
+import subprocess
+import sys
+
+import gpytorch
+import pytest
+import torch
+
+from gpattn.variational import _linalg as L
+
+
+def test_cholesky_plain_path_is_exact():
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(3, 5, 5, generator=g, dtype=torch.float64)
+    A = A @ A.mT + 5 * torch.eye(5, dtype=torch.float64)
+    L.reset_stats()
+    F = L.cholesky(A)
+    torch.testing.assert_close(F @ F.mT, A)
+    assert L.STATS == {"cholesky_calls": 1, "jitter_escalations": 0, "not_psd": 0}
+
+
+def test_cholesky_escalates_jitter_on_singular_psd():
+    v = torch.randn(6, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    A = v @ v.T  # rank 1: PSD, not PD
+    L.reset_stats()
+    F = L.cholesky(A)
+    assert torch.isfinite(F).all()
+    assert (F @ F.T - A).abs().max() < 1e-5
+    assert L.STATS["jitter_escalations"] == 1 and L.STATS["not_psd"] == 0
+
+
+def test_cholesky_raises_named_error_after_bounded_tries():
+    A = -torch.eye(4, dtype=torch.float64)
+    L.reset_stats()
+    with pytest.raises(L.NotPSDError, match=r"4x4.*in sgpa layer 2.*jitter"):
+        L.cholesky(A, name="sgpa layer 2", max_tries=2)
+    assert L.STATS["not_psd"] == 1
+
+
+def test_safe_sqrt_clamps_negative_round_off():
+    var = torch.tensor([-1e-9, 0.0, 4.0])
+    torch.testing.assert_close(L.safe_sqrt(var), torch.tensor([0.0, 0.0, 2.0]))
+
+
+def test_gp_algebra_is_exact_and_scoped():
+    before = gpytorch.settings.max_cholesky_size.value()
+    with L.gp_algebra():
+        assert gpytorch.settings.max_cholesky_size.value() >= 10**9
+        assert not gpytorch.settings.fast_computations.covar_root_decomposition.on()
+        assert not gpytorch.settings.fast_computations.solves.on()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with L.gp_algebra():
+                a = torch.randn(4, 4)
+                assert (a @ a).dtype == torch.float32  # autocast is off inside
+    assert gpytorch.settings.max_cholesky_size.value() == before
+
+
+def test_exact_above_800_points():
+    """A gpytorch MultivariateNormal KL at T=1000 inside gp_algebra equals the dense float64 value
+    (gpytorch alone would switch to CG/Lanczos above 800 points)."""
+    from gpytorch.distributions import MultivariateNormal
+
+    T = 1000
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(T, 3, generator=g, dtype=torch.float64)
+    K = torch.exp(-0.5 * torch.cdist(X, X) ** 2) + 1e-2 * torch.eye(T, dtype=torch.float64)
+    S = 0.5 * K + 0.1 * torch.eye(T, dtype=torch.float64)
+    m = torch.randn(T, generator=g, dtype=torch.float64)
+    ref = torch.distributions.kl_divergence(
+        torch.distributions.MultivariateNormal(m, S),
+        torch.distributions.MultivariateNormal(torch.zeros(T, dtype=torch.float64), K),
+    )
+    with L.gp_algebra():
+        ours = torch.distributions.kl_divergence(MultivariateNormal(m, S), MultivariateNormal(torch.zeros_like(m), K))
+    assert abs(float(ours) - float(ref)) < 1e-6 * abs(float(ref))
+
+
+def test_import_changes_no_global_setting():
+    code = (
+        "import torch, gpytorch, linear_operator, matplotlib\n"
+        "before = (gpytorch.settings.max_cholesky_size.value(), gpytorch.settings.fast_computations.solves.on(),"
+        " linear_operator.settings.cholesky_jitter.value(torch.float32), matplotlib.get_backend())\n"
+        "import gpattn, gpattn.models, gpattn.training, gpattn.metrics, gpattn.plots, gpattn.data\n"
+        "gpattn.list_attention()\n"
+        "after = (gpytorch.settings.max_cholesky_size.value(), gpytorch.settings.fast_computations.solves.on(),"
+        " linear_operator.settings.cholesky_jitter.value(torch.float32), matplotlib.get_backend())\n"
+        "assert before == after, (before, after)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
