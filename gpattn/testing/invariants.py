@@ -103,6 +103,15 @@ def check_small_shapes(name, **options):
         assert torch.isfinite(y).all(), f"{name}: B={B}, H={H}, T={T} gives non-finite values"
 
 
+def check_empty_batch(name, **options):
+    """B=0 is a defined result: an empty output of the right shape, with a usable graph."""
+    layer = _build(name, **options)
+    x = torch.randn(0, 6, 8)
+    y = layer(x, torch.zeros(0, 6, dtype=torch.bool))
+    assert y.shape == (0, 6, 8), f"{name}: empty batch gives shape {tuple(y.shape)}"
+    y.sum().backward()
+
+
 def check_float64(name, **options):
     layer = _build(name, **options).double()
     x, mask = make_inputs(dtype=torch.float64)
@@ -182,9 +191,10 @@ def check_errors(name, **options):
     _expect_value_error(lambda: layer(torch.randn(2, 6, 9)), "embed_dim")
     _expect_value_error(lambda: layer(x, mask[:, :5]), "key_padding_mask", "(2, 6)")
     _expect_value_error(lambda: layer(x, mask.float()), "key_padding_mask", "bool")
-    bad = x.clone()
-    bad[0, 0, 0] = float("nan")
-    _expect_value_error(lambda: layer(bad), "NaN")
+    for value in (float("nan"), float("inf"), -float("inf")):
+        bad = x.clone()
+        bad[0, 0, 0] = value
+        _expect_value_error(lambda bad=bad: layer(bad), "NaN or Inf")
     _expect_value_error(lambda: build_attention(name, 8, 2, no_such_option=1), "no_such_option", name)
     _expect_value_error(lambda: build_attention(name, 8, 3, **options), "divisible")
 
@@ -197,6 +207,7 @@ ATTENTION_INVARIANTS = {
         check_all_padding_row,
         check_gradients,
         check_small_shapes,
+        check_empty_batch,
         check_float64,
         check_pickle,
         check_deterministic,
