@@ -1,0 +1,123 @@
+"""gpattn.plots: every function writes a real, non-blank PNG; importing changes no matplotlib global."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from matplotlib import image as mpimg
+
+from gpattn import metrics as M
+from gpattn import plots
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _assert_png(path):
+    with open(path, "rb") as fh:
+        assert fh.read(8) == PNG_SIGNATURE
+    img = mpimg.imread(path)  # shape: (height, width, 3 or 4), floats in [0, 1]
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    rgb = img[..., :3]
+    # not blank: a white canvas has zero variance; a plot with axes, bars and text has clearly more
+    assert float(rgb.std()) > 0.02
+    # and it is not one flat colour either: many distinct colours (bars, shading, antialiased text)
+    assert len(np.unique(np.round(rgb.reshape(-1, 3), 2), axis=0)) > 10
+
+
+def _probs_labels(seed, n=300, c=4, sharp=2.0):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(n, c)) * sharp
+    probs = M.average_samples(logits[:, None, :])
+    labels = np.where(rng.random(n) < 0.7, probs.argmax(1), rng.integers(0, c, n))
+    return probs, labels
+
+
+def test_reliability_diagram(tmp_path):
+    probs, labels = _probs_labels(0)
+    out = plots.reliability_diagram(probs, labels, tmp_path / "sub" / "rel.png", title="test")
+    assert out == tmp_path / "sub" / "rel.png"
+    _assert_png(out)
+    out10 = plots.reliability_diagram(probs, labels, tmp_path / "rel10.png", n_bins=10)
+    _assert_png(out10)
+    with pytest.raises(ValueError, match="probs"):
+        plots.reliability_diagram(probs[:, :2], labels, tmp_path / "bad.png")
+
+
+def test_reliability_diagram_uses_metrics_binning(monkeypatch, tmp_path):
+    # the plot must reuse metrics.calibration_bins (one binning implementation, not a copy)
+    calls = []
+    original = M.calibration_bins
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("n_bins"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(M, "calibration_bins", spy)
+    probs, labels = _probs_labels(1)
+    plots.reliability_diagram(probs, labels, tmp_path / "rel.png", n_bins=7)
+    assert calls == [7]
+
+
+def test_risk_coverage(tmp_path):
+    curves = {"softmax": _probs_labels(2), "sgpa": _probs_labels(3, sharp=1.0)}
+    out = plots.risk_coverage(curves, tmp_path / "rc.png", title="risk-coverage")
+    _assert_png(out)
+    with pytest.raises(ValueError, match="curves"):
+        plots.risk_coverage({}, tmp_path / "empty.png")
+
+
+def test_ood_histograms(tmp_path):
+    rng = np.random.default_rng(4)
+    scores = {
+        "softmax": (rng.beta(8, 2, 400), rng.beta(4, 3, 300)),
+        "kep-svgp": (rng.beta(9, 2, 400), rng.beta(3, 3, 300)),
+        "constant": (np.full(10, 0.5), np.full(10, 0.5)),  # zero-width range must not crash
+    }
+    out = plots.ood_histograms(scores, tmp_path / "ood.png", title="max prob")
+    _assert_png(out)
+
+
+def test_scaling_curves(tmp_path):
+    rows = []
+    for variant, power in (("softmax", 2.0), ("kep-svgp", 1.0)):
+        for t in (64, 128, 256, 512):
+            rows.append({"variant": variant, "T": t, "ms_median": 1e-3 * t**power})
+    rows.append({"variant": "sgpa", "T": 1024, "ms_median": None})  # a failed run is skipped
+    out = plots.scaling_curves(rows, tmp_path / "scale.png", title="forward+backward")
+    _assert_png(out)
+    with pytest.raises(ValueError, match="variant"):
+        plots.scaling_curves([{"T": 1, "ms_median": 1.0}], tmp_path / "bad.png")
+    with pytest.raises(ValueError, match="ms_median"):
+        plots.scaling_curves([{"variant": "a", "T": 1, "ms_median": float("nan")}], tmp_path / "bad.png")
+
+
+def test_import_changes_no_matplotlib_global(tmp_path):
+    # Fresh interpreter: pick a non-Agg backend first, so an import-time matplotlib.use("Agg") (or a
+    # pyplot import) would show up; then draw a plot and check again.
+    code = textwrap.dedent(
+        """
+        import sys
+        import matplotlib
+        matplotlib.use("svg")
+        before = matplotlib.get_backend()
+        import numpy as np
+        import gpattn.plots as plots
+        assert "matplotlib.pyplot" not in sys.modules, "gpattn.plots imported pyplot"
+        assert matplotlib.get_backend() == before, (before, matplotlib.get_backend())
+        plots.scaling_curves([{"variant": "a", "T": 2, "ms_median": 1.0},
+                              {"variant": "a", "T": 4, "ms_median": 2.0}], sys.argv[1])
+        assert matplotlib.get_backend() == before, (before, matplotlib.get_backend())
+        assert "matplotlib.pyplot" not in sys.modules
+        print("ok", before)
+        """
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MPLBACKEND", None)
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s.png")], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "ok svg"
+    _assert_png(tmp_path / "s.png")
