@@ -55,3 +55,20 @@ def test_factory():
     assert make_kernel(mine, 2, 4) is mine
     with pytest.raises(ValueError, match="kernel must be one of"):
         make_kernel("laplace", 2, 4)
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        ExponentialKernel(ard_num_dims=3, batch_shape=torch.Size([2])),
+        ScaleKernel(RBFKernel(ard_num_dims=3, batch_shape=torch.Size([2])), batch_shape=torch.Size([2])),
+        MaternKernel(nu=1.5),
+        RBFKernel(active_dims=torch.tensor([0, 2])),
+    ],
+    ids=["exponential", "scale-rbf", "matern", "rbf-active-dims"],
+)
+def test_evaluate_kernel_equals_gpytorch_call(kernel):
+    x1 = torch.randn(4, 2, 5, 3)
+    x2 = torch.randn(4, 2, 6, 3)
+    torch.testing.assert_close(evaluate_kernel(kernel, x1, x2), kernel(x1, x2).to_dense())
+    torch.testing.assert_close(evaluate_kernel(kernel, x1, x1, diag=True), kernel(x1, x1, diag=True))
