@@ -1,0 +1,125 @@
+"""KEP-SVGP attention: the registered shim over ``gpattn.variational.kep_svgp`` (MATH.md §6; seed 002)."""
+
+from __future__ import annotations
+
+from gpattn.attention.base import AttentionBase
+from gpattn.attention.registry import register
+from gpattn.variational._linalg import gp_algebra
+from gpattn.variational.kep_svgp import KEPSVGP, MERGES
+
+__all__ = ["KEPSVGPAttention"]
+
+
+def _positive_int(name, val):
+    if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+        raise ValueError(f"{name} must be a positive int, got {val!r}")
+
+
+@register("kep-svgp")
+class KEPSVGPAttention(AttentionBase):
+    r"""Kernel-eigen pair SVGP attention (Chen, Tao, Tonin, Suykens, ICML 2024; seed 002 eqs. 10–21).
+
+    Per head: cosine features :math:`\phi(q), \phi(k)`, primal KSVD projections
+    :math:`e = \phi(q)\tilde X\omega_e`, :math:`r = \phi(k)\tilde X\omega_r` from s landmark tokens,
+    singular values :math:`\Lambda`, and r output SVGPs with inducing features,
+
+    .. math::
+        f_c = G \Lambda^{-1} u_c,\quad u_c \sim q(u_c) = N(m_c, L_c L_c^\top),\quad
+        p(u_c) = N(0, \Lambda^2),\quad G = e + r \ (\text{add}) \text{ or } A_e e + A_r r \ (\text{concat}),
+
+    then a linear map r → Dv per head and :math:`W_o`. Only :math:`\Lambda` (diagonal) is inverted;
+    cost O(T·Dh·r + T·r²) per head. The math and its derivation notes are in
+    :class:`gpattn.variational.kep_svgp.KEPSVGP`.
+
+    Projections: q and k only (the output is built from the KSVD features, no values).
+    Loss terms: ``kl_global`` = :math:`\sum_{h,c} KL(q(u_c) \| N(0, \Lambda^2))` (dataset level: the
+    objective divides it by N), ``ksvd`` = :math:`J^2`, the released KSVD objective
+    (:func:`gpattn.variational.kep_svgp.ksvd_objective`; the objective multiplies it by η).
+
+    Seed 002 §5 replaces only the *last* layer of a transformer by KEP-SVGP; the models' presets use
+    ``attention_layers="last"`` for it.
+
+    :param rank: r, number of KSVD features / inducing features / output GPs (10: the released
+        CIFAR and IMDB setting; CoLA used 5).
+    :param num_landmarks: s, landmark tokens for :math:`W = \tilde X\omega` (default ``10 * rank``, the
+        released ``rank_multi = 10``): s evenly spaced *real* tokens of each sequence (padding never,
+        repeated when the sequence has fewer than s real tokens), see
+        :func:`gpattn.variational.kep_svgp.landmark_indices`.
+    :param merge: ``"add"`` (variable length; default) or ``"concat"`` (needs ``seq_len``; a learned
+        map 2T → T; any other T raises ``ValueError``).
+    :param seq_len: the fixed T of ``merge="concat"``.
+    :param token_independent: sample one ε per token (the released scheme; same per-token marginals)
+        instead of the exact low-rank sample with ε shared by the tokens.
+    :param include_residual: add back the :math:`K_{ff} - Q_{ff}` term that Remark 3.1 drops.
+    :param jitter: constant diagonal added to the covariance that ``posterior()`` returns (makes it
+        non-singular for ``log_prob``); samples and means never include it.
+    """
+
+    projections = ("q", "k")
+    is_gp = True
+    stochastic = True
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        rank: int = 10,
+        num_landmarks: int | None = None,
+        merge: str = "add",
+        seq_len: int | None = None,
+        token_independent: bool = False,
+        include_residual: bool = False,
+        jitter: float = 1e-6,
+        **base,
+    ):
+        super().__init__(embed_dim, num_heads, **base)
+        _positive_int("rank", rank)
+        if num_landmarks is None:
+            num_landmarks = 10 * rank
+        _positive_int("num_landmarks", num_landmarks)
+        if merge not in MERGES:
+            raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+        if merge == "concat":
+            if seq_len is None:
+                raise ValueError("merge='concat' needs seq_len (the fixed number of tokens T), got None")
+            _positive_int("seq_len", seq_len)
+        elif seq_len is not None:
+            raise ValueError(f"seq_len is only used with merge='concat' (merge={merge!r}), got seq_len={seq_len!r}")
+        for name, val in (("token_independent", token_independent), ("include_residual", include_residual)):
+            if not isinstance(val, bool):
+                raise ValueError(f"{name} must be True or False, got {val!r}")
+        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not jitter >= 0:
+            raise ValueError(f"jitter must be a float >= 0, got {jitter!r}")
+        self.jitter = float(jitter)
+        self.kep = KEPSVGP(
+            num_heads,
+            self.head_dim,
+            self.value_dim,
+            rank=rank,
+            num_landmarks=num_landmarks,
+            merge=merge,
+            seq_len=seq_len,
+            token_independent=token_independent,
+            include_residual=include_residual,
+        )
+
+    def _attend(self, x, mask):
+        p = self.project(x)
+        with gp_algebra(x.device.type):
+            heads, terms = self.kep(x, p["q"], p["k"], mask, sample=self.sampling)  # shape: (B, H, T, Dv)
+        self.set_loss_terms(**terms)
+        return heads
+
+    def _posterior(self, x, mask):
+        p = self.project(x)
+        with gp_algebra(x.device.type):
+            return self.kep.posterior(x, p["q"], p["k"], mask, jitter=self.jitter)
+
+    def extra_repr(self) -> str:
+        k = self.kep
+        return (
+            f"{super().extra_repr()}, rank={k.rank}, num_landmarks={k.ksvd.num_landmarks}, merge={k.merge!r}"
+            + (f", seq_len={k.seq_len}" if k.merge == "concat" else "")
+            + f", token_independent={k.token_independent}, include_residual={k.include_residual}"
+        )

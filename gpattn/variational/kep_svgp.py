@@ -1,0 +1,519 @@
+r"""KEP-SVGP: kernel-eigen pair sparse variational GPs for self-attention (MATH.md §6).
+
+Seed 002 (Chen, Tao, Tonin, Suykens, ICML 2024). The seed's text lost its formulas; MATH §6 is the
+reconstruction followed here, written as the textbook per-output SVGP. Everything in this file is
+per head; shapes use the GLOSSARY symbols (r = KEP rank, s = landmark tokens).
+
+Pieces, kept apart as in GPyTorch (q(u) parameterisation vs the q(u) → q(f) map):
+
+* :func:`cosine_features`, :func:`landmark_indices`, :class:`KSVDProjection` — the primal KSVD
+  projections :math:`e = \phi(q) W_e`, :math:`r = \phi(k) W_r` with :math:`W = \tilde X \omega`, the
+  singular values :math:`\Lambda` and the KSVD objective :func:`ksvd_objective` (seed 002 eqs. 10–11,
+  Primal-Attention).
+* :class:`KEPVariationalDistribution` — :math:`q(u_c) = N(m_c, L_c L_c^\top)`, c = 1..r, per head, and
+  :func:`kep_kl_divergence` against the prior :math:`N(0, \Lambda^2)` (seed 002 eq. 21).
+* :func:`kep_mean`, :func:`kep_sample`, :func:`kep_posterior` — the q(u) → q(f) map (seed 002 eqs.
+  16–18) followed by the linear output map r → Dv, on merged features ``a = G Λ⁻¹`` (eq. 19).
+* :class:`KEPSVGP` — the module that owns the parameters and composes the above; the attention shim
+  ``gpattn.attention.kep_svgp`` is a thin wrapper around it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from gpytorch.distributions import MultivariateNormal
+from linear_operator.operators import (
+    CholLinearOperator,
+    ConstantDiagLinearOperator,
+    LowRankRootAddedDiagLinearOperator,
+    LowRankRootLinearOperator,
+    TriangularLinearOperator,
+)
+
+from gpattn.variational._linalg import cholesky, safe_sqrt
+
+__all__ = [
+    "KEPSVGP",
+    "KEPVariationalDistribution",
+    "KSVDProjection",
+    "cosine_features",
+    "kep_kl_divergence",
+    "kep_mean",
+    "kep_posterior",
+    "kep_sample",
+    "ksvd_objective",
+    "landmark_indices",
+    "residual_root",
+]
+
+MERGES = ("add", "concat")
+
+
+# ---------------------------------------------------------------------------------------- features
+def cosine_features(t: torch.Tensor) -> torch.Tensor:
+    r"""Cosine-similarity feature map of Primal-Attention, :math:`\phi(t) = t / \lVert t \rVert`.
+
+    A zero row stays zero.  # shape: (..., Dh) -> (..., Dh)
+    """
+    return F.normalize(t, p=2, dim=-1)
+
+
+def _inv_norm(t: torch.Tensor) -> torch.Tensor:
+    """1 / ‖t‖ over the last axis, with F.normalize's floor (‖t‖ ≥ 1e-12).  # shape: (..., Dh) -> (..., 1)
+
+    Written as rsqrt of a sum of squares: its backward is a few elementwise passes, cheaper than
+    ``vector_norm``'s (measured: the norm's backward was the largest KEP-specific cost at T=256)."""
+    return t.pow(2).sum(-1, keepdim=True).clamp_min(1e-24).rsqrt()
+
+
+def landmark_indices(
+    num_tokens: int, num_landmarks: int, mask: torch.Tensor | None = None, device=None
+) -> torch.Tensor:
+    r"""Token positions of the s landmarks of every sequence: s evenly spaced *real* tokens.
+
+    With n real tokens (in their original order), landmark j = 0..s-1 is the real token number
+    :math:`\lfloor j (n-1) / (s-1) \rfloor` (integer arithmetic, so the first and last real tokens are
+    always landmarks). This is the released "evenly sample" rule made padding-aware: padded tokens are
+    never landmarks, whatever their position. When n < s, real tokens repeat (a repeated column of
+    :math:`\tilde X` is harmless: :math:`W = \tilde X \omega` just sums their weights), so any T ≥ 1
+    works. Returns ``(1, s)`` without a mask (the same positions for every row) or ``(B, s)``.
+
+    # shape: mask (B, T) bool (True = padding) or None -> (B or 1, s) int64
+    """
+    j = torch.arange(num_landmarks, device=device if mask is None else mask.device)  # shape: (s,)
+    denom = max(num_landmarks - 1, 1)
+    if mask is None:
+        return ((j * (num_tokens - 1)) // denom)[None]
+    n_real = (~mask).sum(-1, keepdim=True)  # shape: (B, 1)
+    rank_of_landmark = (j[None] * (n_real - 1).clamp_min(0)) // denom  # shape: (B, s)
+    real_first = torch.argsort(mask.to(torch.int8), dim=-1, stable=True)  # real positions first, in order
+    return real_first.gather(1, rank_of_landmark)
+
+
+def ksvd_objective(
+    e: torch.Tensor,
+    r: torch.Tensor,
+    lam: torch.Tensor,
+    omega_e: torch.Tensor,
+    omega_r: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""The released KSVD objective J (MATH §6; the layer's ``ksvd`` loss term is :math:`J^2`).
+
+    .. math::
+        J = \tfrac12 \operatorname{mean}_{b,h,t} \lVert e_t \Lambda^{-1/2} \rVert^2
+          + \tfrac12 \operatorname{mean}_{b,h,t} \lVert r_t \Lambda^{-1/2} \rVert^2
+          - \operatorname{mean}_h \operatorname{tr}(\omega_{e,h}^\top \omega_{r,h}),
+
+    the means over real tokens only. Relation to the primal KSVD problem of Primal-Attention
+    (seed 002 eq. 11 / App. C eq. 37), per head and sequence with n real tokens,
+    :math:`J_{primal} = \tfrac12 \sum_t e_t^\top \Lambda^{-1} e_t + \tfrac12 \sum_t r_t^\top \Lambda^{-1} r_t
+    - \operatorname{tr}(W_e^\top W_r)`, which is 0 at its stationary point (the SVD
+    :math:`K = \Phi_q \Phi_k^\top = U \Sigma V^\top`, :math:`W_e = \Phi_k^\top V`, :math:`W_r = \Phi_q^\top U`,
+    so :math:`e = U\Sigma`, :math:`r = V\Sigma`, :math:`\Lambda = \Sigma`: each sum is ½ tr Σ and
+    :math:`\operatorname{tr}(W_e^\top W_r) = \operatorname{tr}(V^\top K^\top U) = \operatorname{tr}\Sigma`):
+    J replaces :math:`\operatorname{tr}(W_e^\top W_r)/n = \operatorname{tr}(\omega_e^\top \tilde X^\top
+    \tilde X \omega_r)/n` by :math:`\operatorname{tr}(\omega_e^\top \omega_r)`, so
+    :math:`J = J_{primal}/n` exactly when the landmarks satisfy :math:`\tilde X^\top \tilde X = n I_s`,
+    and J = 0 at that stationary point. Otherwise J is the released surrogate, driven to 0 by
+    penalising :math:`J^2`.
+
+    # shape: e, r (B, H, T, r), lam (H, r), omega_e, omega_r (H, s, r), mask (B, T) or None -> ()
+    """
+    inv_lam = lam.reciprocal()[:, None, :]  # shape: (H, 1, r)
+    sq = 0.5 * ((e.pow(2) + r.pow(2)) * inv_lam).sum(-1)  # shape: (B, H, T): ½‖eΛ^{-1/2}‖² + ½‖rΛ^{-1/2}‖²
+    if mask is None:
+        mean_sq = sq.mean()
+    else:
+        real = (~mask)[:, None, :].to(sq.dtype)  # shape: (B, 1, T)
+        mean_sq = (sq * real).sum() / (real.sum() * sq.shape[1]).clamp_min(1)
+    trace = (omega_e * omega_r).sum((-2, -1)).mean()  # mean_h tr(ω_eᵀ ω_r)
+    return mean_sq - trace
+
+
+class KSVDProjection(nn.Module):
+    r"""Primal KSVD projections of one attention layer (seed 002 eq. 10; Primal-Attention).
+
+    .. math::
+        e(x_i) = \phi(q_i)^\top W_e,\quad r(x_j) = \phi(k_j)^\top W_r,\quad
+        W_e = \tilde X \omega_e,\ W_r = \tilde X \omega_r \in \mathbb R^{D_h\times r},
+
+    :math:`\tilde X \in \mathbb R^{D_h \times s}` the s landmark tokens (:func:`landmark_indices`) of
+    the head-sliced layer input, :math:`\omega_e, \omega_r \in \mathbb R^{s\times r}` per head
+    (orthogonal init, per head), :math:`\Lambda = \operatorname{diag}(\exp \log\lambda) > 0` the top-r
+    singular values (log-parameterised; init :math:`\log\lambda \sim U(-2, 0)`, the released
+    :math:`\Lambda^{-1/2} = e^{p}, p \sim U(0, 1)`).
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, rank: int, num_landmarks: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.rank, self.num_landmarks = num_heads, head_dim, rank, num_landmarks
+        self.omega_e = nn.Parameter(torch.empty(num_heads, num_landmarks, rank))
+        self.omega_r = nn.Parameter(torch.empty(num_heads, num_landmarks, rank))
+        self.log_lambda = nn.Parameter(torch.empty(num_heads, rank))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for h in range(self.num_heads):  # orthogonal per head (not over the flattened (H, s·r) tensor)
+                nn.init.orthogonal_(self.omega_e[h])
+                nn.init.orthogonal_(self.omega_r[h])
+            self.log_lambda.uniform_(-2.0, 0.0)
+
+    @property
+    def lam(self) -> torch.Tensor:
+        """Λ, the positive singular values.  # shape: (H, r)"""
+        return self.log_lambda.exp()
+
+    def primal_weights(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_e, W_r from the landmarks of x.  # shape: x (B, T, H·Dh) -> each (B, H, Dh, r)"""
+        B, T, _ = x.shape
+        idx = landmark_indices(T, self.num_landmarks, mask, device=x.device)  # shape: (B or 1, s)
+        if idx.shape[0] == 1:
+            lm = x[:, idx[0]]  # shape: (B, s, H·Dh)
+        else:
+            lm = x.gather(1, idx[..., None].expand(B, self.num_landmarks, x.shape[-1]))
+        lm = lm.view(B, self.num_landmarks, self.num_heads, self.head_dim)  # shape: (B, s, H, Dh) = X̃ᵀ
+        W_e = torch.einsum("bshd,hsr->bhdr", lm, self.omega_e)
+        W_r = torch.einsum("bshd,hsr->bhdr", lm, self.omega_r)
+        return W_e, W_r
+
+    def forward(self, x, q, k, mask=None):
+        """# shape: x (B, T, H·Dh), q, k (B, H, T, Dh) -> e, r (B, H, T, r), W_e, W_r (B, H, Dh, r)"""
+        W_e, W_r = self.primal_weights(x, mask)
+        # φ(q) W_e = (q W_e) / ‖q‖: normalise the r-wide product instead of the Dh-wide input (same value)
+        e = (q @ W_e) * _inv_norm(q)
+        r = (k @ W_r) * _inv_norm(k)
+        return e, r, W_e, W_r
+
+    def objective(self, e, r, mask=None) -> torch.Tensor:
+        """The KSVD objective J of :func:`ksvd_objective` with this layer's Λ and ω."""
+        return ksvd_objective(e, r, self.lam, self.omega_e, self.omega_r, mask)
+
+
+# --------------------------------------------------------------------------------------- q(u_c)
+class KEPVariationalDistribution(nn.Module):
+    r""":math:`q(u_c) = N(m_c, S_c = L_c L_c^\top)` for the r output GPs c = 1..r of every head (seed 002
+    eq. 17), shared by the e- and r-branches. Each :math:`u_c \in \mathbb R^r` lives on the r inducing
+    *features* (the kernel-eigen features), with prior :math:`N(0, \Lambda^2)`.
+
+    ``variational_mean[h, c]`` is :math:`m_c`; :math:`L_c` = strictly-lower part of ``chol_offdiag[h, c]``
+    + diag(exp(``log_chol_diag[h, c]``)), as gpytorch's ``CholeskyVariationalDistribution`` keeps a full
+    square tensor and masks its upper part. Init: :math:`m_c \sim N(0, I)` (released), :math:`L_c = I/2`.
+    """
+
+    def __init__(self, num_heads: int, rank: int):
+        super().__init__()
+        self.num_heads, self.rank = num_heads, rank
+        self.variational_mean = nn.Parameter(torch.empty(num_heads, rank, rank))  # shape: (H, r_c, r)
+        self.chol_offdiag = nn.Parameter(torch.empty(num_heads, rank, rank, rank))  # shape: (H, r_c, r, r)
+        self.log_chol_diag = nn.Parameter(torch.empty(num_heads, rank, rank))  # shape: (H, r_c, r)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.variational_mean.normal_()
+            self.chol_offdiag.zero_()
+            self.log_chol_diag.fill_(math.log(0.5))
+
+    @property
+    def chol(self) -> torch.Tensor:
+        """L_c, lower triangular with positive diagonal.  # shape: (H, r_c, r, r)"""
+        return self.chol_offdiag.tril(-1) + torch.diag_embed(self.log_chol_diag.exp())
+
+    def forward(self) -> MultivariateNormal:
+        """q(u) as a gpytorch MultivariateNormal with batch (H, r_c) and event r."""
+        return MultivariateNormal(self.variational_mean, CholLinearOperator(TriangularLinearOperator(self.chol)))
+
+
+def kep_kl_divergence(lam: torch.Tensor, m: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
+    r""":math:`\sum_{h,c} KL(N(m_c, L_c L_c^\top) \,\|\, N(0, \Lambda^2))` (seed 002 eq. 21, MATH §6):
+
+    .. math::
+        \tfrac12 \sum_c \big[\operatorname{tr}(\Lambda^{-2} S_c) + m_c^\top \Lambda^{-2} m_c - r
+        + \log|\Lambda^2| - \log|S_c|\big],
+
+    with :math:`\operatorname{tr}(\Lambda^{-2} L_c L_c^\top) = \lVert \Lambda^{-1} L_c \rVert_F^2` and
+    :math:`\log|S_c| = 2 \sum_j \log|L_{c,jj}|` — only the diagonal Λ is inverted. A *global* term
+    (the objective divides it by N).
+
+    # shape: lam (H, r), m (H, r_c, r), L (H, r_c, r, r) -> ()
+    """
+    inv_lam = lam.reciprocal()  # shape: (H, r)
+    trace = (L * inv_lam[:, None, :, None]).pow(2).sum((-2, -1))  # shape: (H, r_c)
+    maha = (m * inv_lam[:, None, :]).pow(2).sum(-1)  # shape: (H, r_c)
+    logdet_prior = 2.0 * lam.log().sum(-1, keepdim=True)  # shape: (H, 1)
+    logdet_q = 2.0 * torch.diagonal(L, dim1=-2, dim2=-1).abs().log().sum(-1)  # shape: (H, r_c)
+    return 0.5 * (trace + maha - lam.shape[-1] + logdet_prior - logdet_q).sum()
+
+
+# ------------------------------------------------------------------------------- q(u) -> q(f)
+def kep_mean(a: torch.Tensor, m: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    r"""Posterior mean of the head output, :math:`(a\, M^\top) W + b` with :math:`a = G \Lambda^{-1}`
+    (G the merged features), :math:`M^\top = [m_1 \dots m_r]` — i.e. :math:`e\Lambda^{-1} m_c` per output c.
+
+    # shape: a (B, H, T, r), m (H, r_c, r), weight (H, r_c, Dv), bias (H, Dv) -> (B, H, T, Dv)
+    """
+    return a @ (m.mT @ weight) + bias[:, None, :]
+
+
+def kep_sample(
+    a: torch.Tensor,
+    m: torch.Tensor,
+    L: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    token_independent: bool = False,
+    residual: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    r"""One reparameterised sample of the head output (seed 002 eq. 18, MATH §6).
+
+    Exact (default): :math:`f_c = a (m_c + L_c \varepsilon_c)`, :math:`\varepsilon_c \sim N(0, I_r)`
+    shared by the T tokens — the exact low-rank root :math:`a L_c`, O(T·r²); then :math:`F W + b`.
+    ``token_independent=True`` (the released scheme): one :math:`\varepsilon_{t,c}` per token, so the
+    per-token marginals :math:`N(a_t m_c, a_t S_c a_t^\top)` are the exact ones but tokens are
+    independent given the inputs. ``residual`` (``include_residual=True``): a root R of the
+    :math:`K_{ff} - Q_{ff}` term shared by the r outputs, drawn independently per output (and per
+    token in the token-independent mode).
+
+    # shape: a (B, H, T, r), m (H, r_c, r), L (H, r_c, r, r), weight (H, r_c, Dv), bias (H, Dv),
+    #        residual (B, H, T, q) or None -> (B, H, T, Dv)
+    """
+    B, H, T, r = a.shape
+    rc = m.shape[-2]
+    opts = {"dtype": a.dtype, "device": a.device, "generator": generator}
+    if not token_independent:
+        eps = torch.randn(B, H, rc, r, **opts)  # one ε_c ∈ R^r per (b, h, c), shared by the tokens
+        u = m + (L @ eps[..., None])[..., 0]  # shape: (B, H, r_c, r): u_c = m_c + L_c ε_c
+        if residual is None:  # (a uᵀ) W + b = a (uᵀ W) + b: one T-sized product
+            return a @ (u.mT @ weight) + bias[:, None, :]
+        f = a @ u.mT + residual @ torch.randn(B, H, residual.shape[-1], rc, **opts)  # shape: (B, H, T, r_c)
+    else:
+        eps = torch.randn(B, H, T, rc, r, **opts)  # one ε per (b, h, t, c)
+        noise = (a[..., None, :] * (L[:, None] @ eps[..., None])[..., 0]).sum(-1)  # shape: (B, H, T, r_c): a_t L_c ε
+        f = a @ m.mT + noise
+        if residual is not None:
+            eps_res = torch.randn(B, H, T, rc, residual.shape[-1], **opts)
+            f = f + (residual[..., None, :] * eps_res).sum(-1)
+    return f @ weight + bias[:, None, :]
+
+
+def kep_posterior(
+    a: torch.Tensor,
+    m: torch.Tensor,
+    L: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    residual: torch.Tensor | None = None,
+    jitter: float = 0.0,
+    name: str = "kep-svgp",
+) -> MultivariateNormal:
+    r"""Exact posterior of the head output after the linear map r → Dv (MATH §6).
+
+    Output column d is :math:`y_d = \sum_c W_{cd} f_c + b_d` with independent
+    :math:`f_c = a u_c`, :math:`u_c \sim N(m_c, S_c)`, so
+
+    .. math::
+        \mu_d = a M^\top W_{:d} + b_d,\qquad
+        \Sigma_d = a\, C_d\, a^\top + \lVert W_{:d}\rVert^2 R R^\top + \text{jitter}\, I,\quad
+        C_d = \sum_c W_{cd}^2\, L_c L_c^\top,
+
+    returned as a ``MultivariateNormal`` (batch (B, H, Dv), event T) whose covariance is the low-rank
+    root :math:`[a\, \mathrm{chol}(C_d),\ \lVert W_{:d}\rVert R]` (``LowRankRootLinearOperator``, plus a
+    constant diagonal when ``jitter > 0``): nothing T×T is formed. :math:`C_d` is r×r and depends on
+    parameters only; its Cholesky goes through the numerics policy's :func:`cholesky`.
+
+    # shape: a (B, H, T, r), m (H, r_c, r), L (H, r_c, r, r), weight (H, r_c, Dv), bias (H, Dv),
+    #        residual (B, H, T, q) or None -> MultivariateNormal batch (B, H, Dv), event T
+    """
+    mean = kep_mean(a, m, weight, bias).mT  # shape: (B, H, Dv, T)
+    S = L @ L.mT  # shape: (H, r_c, r, r)
+    C = torch.einsum("hcd,hcjk->hdjk", weight.pow(2), S)  # shape: (H, Dv, r, r)
+    root = a[:, :, None] @ cholesky(C, name=name)[None]  # shape: (B, H, Dv, T, r)
+    if residual is not None:
+        scale = weight.pow(2).sum(-2).sqrt()  # shape: (H, Dv): ‖W_{:d}‖
+        res = scale[None, :, :, None, None] * residual[:, :, None]  # shape: (B, H, Dv, T, q)
+        root = torch.cat([root, res], dim=-1)
+    covar = LowRankRootLinearOperator(root)
+    if jitter > 0:
+        diag = torch.full((*mean.shape[:-1], 1), jitter, dtype=a.dtype, device=a.device)
+        covar = LowRankRootAddedDiagLinearOperator(covar, ConstantDiagLinearOperator(diag, diag_shape=a.shape[-2]))
+    return MultivariateNormal(mean, covar)
+
+
+def residual_root(phi_q: torch.Tensor, phi_k: torch.Tensor, W: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    r"""Root of the dropped SVGP term :math:`K_{ff} - Q_{ff}` of one branch (``include_residual=True``).
+
+    For the e-branch the prior kernel is :math:`\kappa_e = \kappa\kappa^\top` over the sequence's real
+    keys, :math:`K_{ff} = \Phi_q \Phi_k^\top \Phi_k \Phi_q^\top`, and :math:`Q_{ff} = K_{fu}K_{uu}^{-1}K_{uf}
+    = (e\Lambda)\Lambda^{-2}(\Lambda e^\top) = e e^\top = \Phi_q W_e W_e^\top \Phi_q^\top`, so the
+    residual is :math:`\Phi_q (\Phi_k^\top \Phi_k - W_e W_e^\top) \Phi_q^\top` — a Dh×Dh middle matrix,
+    never T×T. (r-branch: swap q and k.) It is PSD at the KSVD stationary point; elsewhere its negative
+    eigen-directions are clamped at 0 (the variance-clamping rule) through ``torch.linalg.eigh`` of the
+    Dh×Dh middle matrix — gradients through eigh are unstable for (near-)repeated eigenvalues, which is
+    why this opt-in term is off by default (seed 002 Remark 3.1 drops it).
+
+    # shape: phi_q (B, H, T, Dh) (the branch's own features), phi_k (B, H, T, Dh) (the other side),
+    #        W (B, H, Dh, r), mask (B, T) or None -> (B, H, T, Dh)
+    """
+    if mask is not None:
+        phi_k = phi_k.masked_fill(mask[:, None, :, None], 0.0)  # only real keys enter κ κᵀ
+    middle = phi_k.mT @ phi_k - W @ W.mT  # shape: (B, H, Dh, Dh)
+    evals, evecs = torch.linalg.eigh(0.5 * (middle + middle.mT))
+    return phi_q @ (evecs * safe_sqrt(evals)[..., None, :])
+
+
+# ------------------------------------------------------------------------------------ the layer
+class KEPSVGP(nn.Module):
+    r"""Kernel-eigen pair SVGP attention of one layer (seed 002 §4, eqs. 16–21; MATH.md §6).
+
+    Per head, with the KSVD projections :math:`e = \phi(q) W_e`, :math:`r = \phi(k) W_r` and singular
+    values :math:`\Lambda` (:class:`KSVDProjection`), the two SVGPs of the kernel pair
+    :math:`\kappa_e = \kappa\kappa^\top`, :math:`\kappa_r = \kappa^\top\kappa` (eigenvalues
+    :math:`\Lambda^2`, eigen-features e, r; eqs. 12–15) have, with inducing *features*,
+
+    .. math::
+        K_{uu} = \Lambda^2,\quad K_{fu} = e\Lambda,\quad
+        f_{e,c} \sim N(e\Lambda^{-1} m_c,\ e\Lambda^{-1} S_c \Lambda^{-1} e^\top)
+
+    (and the same with r), for every output c = 1..r, :math:`q(u_c) = N(m_c, S_c)` shared by the two
+    branches (:class:`KEPVariationalDistribution`). Merge (eq. 19):
+
+    * ``merge="add"`` — :math:`F = f_e + f_r`. **Decision**: the two branches are evaluated at the *same*
+      draw of :math:`u_c` (one inducing variable per output, as the released code's
+      :math:`(e + r)\Lambda^{-1}(m + L\varepsilon)`), so :math:`F_c = G\Lambda^{-1}u_c` with
+      :math:`G = e + r`. Variable T.
+    * ``merge="concat"`` — :math:`[f_e; f_r]` (2T tokens) followed by a learned map 2T → T,
+      :math:`A = [A_e\ A_r] \in \mathbb R^{T\times 2T}` (no bias; the r → Dv map has one), so
+      :math:`G = A_e e + A_r r` with padded rows of e, r zeroed first. Fixed ``seq_len``; O(T²·r)
+      for the map, as the released layer.
+
+    Then the linear map r → Dv per head (weight ``(H, r, Dv)``, bias ``(H, Dv)``); the shim applies
+    :math:`W_o`. Because that map is linear, the posterior of the head output is exact
+    (:func:`kep_posterior`). With ``include_residual=True`` the :math:`K_{ff} - Q_{ff}` term that seed 002
+    Remark 3.1 drops is added back (:func:`residual_root`), independently per branch and output.
+
+    Cost per head: O(T·Dh·r + T·r²) (+ O(T²·r) for concat, O(T·Dh²) for the residual) — linear in T.
+
+    **Peer code** (released ``kep_svgp.py``): its sampler and KL trace permute L's output and inducing
+    indices (``permute(0,1,4,2,3)``), ``.squeeze()`` breaks B = 1 / H = 1 / T = 1, and padded tokens are
+    landmarks. Here: the per-output SVGP above, explicit reshapes, landmarks from real tokens only.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        value_dim: int,
+        *,
+        rank: int = 10,
+        num_landmarks: int = 100,
+        merge: str = "add",
+        seq_len: int | None = None,
+        token_independent: bool = False,
+        include_residual: bool = False,
+    ):
+        super().__init__()
+        self.num_heads, self.head_dim, self.value_dim, self.rank = num_heads, head_dim, value_dim, rank
+        self.merge, self.seq_len = merge, seq_len
+        self.token_independent, self.include_residual = token_independent, include_residual
+        self.ksvd = KSVDProjection(num_heads, head_dim, rank, num_landmarks)
+        self.variational = KEPVariationalDistribution(num_heads, rank)
+        self.out_weight = nn.Parameter(torch.empty(num_heads, rank, value_dim))  # shape: (H, r, Dv)
+        self.out_bias = nn.Parameter(torch.empty(num_heads, value_dim))  # shape: (H, Dv)
+        if merge == "concat":
+            self.token_weight = nn.Parameter(torch.empty(seq_len, 2 * seq_len))  # shape: (T, 2T) = [A_e A_r]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.rank)  # nn.Linear's default init, per head
+        with torch.no_grad():
+            self.out_weight.uniform_(-bound, bound)
+            self.out_bias.uniform_(-bound, bound)
+            if self.merge == "concat":
+                b = 1.0 / math.sqrt(2 * self.seq_len)
+                self.token_weight.uniform_(-b, b)
+
+    # ---------------------------------------------------------------- pieces
+    def check_length(self, T: int) -> None:
+        if self.merge == "concat" and T != self.seq_len:
+            raise ValueError(
+                f"kep-svgp with merge='concat' maps 2T -> T tokens for a fixed length: it was built with "
+                f"seq_len={self.seq_len}, so x must have T={self.seq_len} tokens, got T={T}"
+            )
+
+    def features(self, x, q, k, mask=None) -> dict[str, torch.Tensor]:
+        """KSVD projections, merged features ``a = G Λ⁻¹`` and (optional) the residual root.
+
+        # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask (B, T) or None -> dict with e, r (B, H, T, r),
+        #        a (B, H, T, r), residual (B, H, T, 2·Dh) or None
+        """
+        self.check_length(x.shape[1])
+        e, r, W_e, W_r = self.ksvd(x, q, k, mask)
+        res = None
+        if self.include_residual:
+            phi_q, phi_k = cosine_features(q), cosine_features(k)
+            res = (residual_root(phi_q, phi_k, W_e, mask), residual_root(phi_k, phi_q, W_r, mask))
+        if self.merge == "add":
+            G = e + r
+            if res is not None:
+                res = torch.cat(res, dim=-1)
+        else:
+            T = x.shape[1]
+            A_e, A_r = self.token_weight[:, :T], self.token_weight[:, T:]  # shape: (T, T) each
+
+            def keep(t):  # padded tokens never reach real ones through the token map
+                return t if mask is None else t.masked_fill(mask[:, None, :, None], 0.0)
+
+            G = A_e @ keep(e) + A_r @ keep(r)  # shape: (B, H, T, r)
+            if res is not None:
+                res = torch.cat([A_e @ keep(res[0]), A_r @ keep(res[1])], dim=-1)
+        a = G * (-self.ksvd.log_lambda).exp()[:, None, :]  # shape: (B, H, T, r): G Λ⁻¹ (Λ diagonal)
+        return {"e": e, "r": r, "a": a, "residual": res}
+
+    def kl_divergence(self) -> torch.Tensor:
+        """Σ_{h,c} KL(q(u_c) ‖ N(0, Λ²)), a global term (MATH §9: the objective divides it by N)."""
+        return kep_kl_divergence(self.ksvd.lam, self.variational.variational_mean, self.variational.chol)
+
+    # ---------------------------------------------------------------- the layer
+    def forward(self, x, q, k, mask=None, *, sample: bool = True):
+        """Head outputs (a sample, or the posterior mean when ``sample=False``) and the loss terms.
+
+        # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask (B, T) or None -> (B, H, T, Dv), dict
+        """
+        feats = self.features(x, q, k, mask)
+        m = self.variational.variational_mean
+        if sample:
+            heads = kep_sample(
+                feats["a"],
+                m,
+                self.variational.chol,
+                self.out_weight,
+                self.out_bias,
+                token_independent=self.token_independent,
+                residual=feats["residual"],
+            )
+        else:
+            heads = kep_mean(feats["a"], m, self.out_weight, self.out_bias)
+        J = self.ksvd.objective(feats["e"], feats["r"], mask)
+        return heads, {"kl_global": self.kl_divergence(), "ksvd": J.pow(2)}
+
+    def posterior(self, x, q, k, mask=None, *, jitter: float = 0.0) -> MultivariateNormal:
+        """# shape: -> MultivariateNormal batch (B, H, Dv), event T"""
+        feats = self.features(x, q, k, mask)
+        return kep_posterior(
+            feats["a"],
+            self.variational.variational_mean,
+            self.variational.chol,
+            self.out_weight,
+            self.out_bias,
+            residual=feats["residual"],
+            jitter=jitter,
+        )
