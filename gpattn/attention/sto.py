@@ -1,0 +1,83 @@
+"""STO-TRANS: Gumbel-softmax stochastic attention (MATH.md §3; seed 001 eqs. 7–11, Table 1)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gpattn.attention._gumbel import _check_tau, gumbel_attention
+from gpattn.attention.base import AttentionBase
+from gpattn.attention.registry import register
+
+__all__ = ["STO_PRESETS", "StochasticAttention"]
+
+#: Seed 001's STO-TRANS settings: IMDB Table 1 (τ = 1 and τ = 40, the two reported rows) and CoLA
+#: Table 2 (τ = 1). The released code samples soft attention in both (``hard=False``, the default).
+STO_PRESETS: dict[str, dict[str, object]] = {
+    "cola": {"tau": 1.0},
+    "imdb-tau1": {"tau": 1.0},
+    "imdb-tau40": {"tau": 40.0},
+}
+
+
+@register("sto")
+class StochasticAttention(AttentionBase):
+    r"""Stochastic self-attention with Gumbel-softmax weights (STO-TRANS, Pei et al., AAAI 2022).
+
+    Per head (seed 001 eqs. 9–11, MATH.md §3):
+
+    .. math::
+        \hat A = \mathrm{softmax}\big((q k^\top + G)/\tau\big), \quad
+        G_{ij} \overset{iid}{\sim} \mathrm{Gumbel}(0, 1), \qquad \text{out} = \hat A\, v,
+
+    with padded keys set to :math:`-\infty` *before* the noise, so that they get exactly zero weight
+    and each row renormalises over the real keys. Samples in train and eval mode; under
+    ``gpattn.deterministic()`` the noise is dropped: :math:`\mathrm{softmax}(q k^\top/\tau)\, v`
+    (also with ``hard=True``; see :mod:`gpattn.attention._gumbel`).
+
+    :param tau: temperature :math:`\tau`; it replaces the :math:`\sqrt{D_h}` of softmax attention
+        (seed 001 eq. 7). ``None`` (default) means :math:`\tau = \sqrt{D_h}`, where the layer's
+        noise-free attention *is* softmax attention (the paper reports that τ near
+        :math:`\sqrt{D/H}` recovers vanilla accuracy). Seed 001 uses τ ∈ {1, 40} on IMDB and τ = 1 on
+        CoLA: see :data:`STO_PRESETS`.
+    :param hard: straight-through one-hot samples (forward one-hot of
+        :math:`\arg\max_j (q_i k_j^\top + G_{ij})`, which is Categorical(softmax(q_i kᵀ)) whatever τ;
+        backward through the soft sample).
+
+    Attributes: ``store_weights`` (default False) — when True every forward keeps
+    ``last_weights``, the detached attention weights :math:`\hat A` of shape (B, H, T, T) (rows of
+    sequences whose keys are all padding are meaningless: their output is zeroed). Storing takes
+    the explicit path, which forms :math:`\hat A`; otherwise the soft path runs fused in
+    ``scaled_dot_product_attention`` and ``last_weights`` is None.
+    """
+
+    projections = ("q", "k", "v")
+    is_gp = False
+    stochastic = True
+
+    def __init__(self, embed_dim: int, num_heads: int, *, tau: float | None = None, hard: bool = False, **base):
+        super().__init__(embed_dim, num_heads, **base)
+        self.tau = math.sqrt(self.head_dim) if tau is None else _check_tau(tau, "tau")
+        if not isinstance(hard, bool):
+            raise ValueError(f"hard must be True or False, got {hard!r}")
+        self.hard = hard
+        self.store_weights = False
+        self.last_weights: torch.Tensor | None = None
+
+    def _attend(self, x, mask):
+        p = self.project(x)  # each: (B, H, T, Dh)
+        out, weights = gumbel_attention(
+            p["q"], p["k"], p["v"], self.tau, mask=mask, hard=self.hard, sample=self.sampling,
+            return_weights=self.store_weights,
+        )
+        self.last_weights = None if weights is None else weights.detach()
+        return out  # shape: (B, H, T, Dv)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, tau={self.tau:g}, hard={self.hard}"
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["last_weights"] = None
+        return state
