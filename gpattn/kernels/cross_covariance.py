@@ -1,0 +1,186 @@
+"""The asymmetric cross-covariance kernel of correlated-GP attention (seed 003 §3.1–3.2; MATH.md §7).
+
+A canonical GP :math:`z_o \\sim \\mathcal{GP}(0, \\kappa_o)` with a *parameter-free* kernel
+:math:`\\kappa_o` generates every process of CGPT by an affine input scaling (seed 003 eqs. 13–16):
+:math:`z_q(x) = \\sigma_q z_o(x W_q)`, :math:`z_k(x) = \\sigma_k z_o(x W_k)`, and the latent
+:math:`z_o(x W_o)` itself. Their (cross-)covariances are
+
+.. math::
+    \\kappa_{ab}(x, x') = \\sigma_a \\sigma_b\\, \\kappa_o(x W_a, x' W_b), \\qquad a, b \\in \\{q, k, o\\},
+    \\quad \\sigma_o = 1,
+
+which is *not* symmetric when :math:`W_a \\ne W_b` (eq. 7). GPyTorch's lazy kernel tensors assume
+symmetry (``kernel(x1, x2).mT`` re-evaluates ``forward(x2, x1)``, i.e. :math:`K` instead of
+:math:`K^\\top` in self-attention with two projections), and Cholesky / solves accept non-symmetric
+input silently. The safe pattern used here: the projections are applied first (by the attention
+layer's fused input projection), the symmetric canonical kernel is evaluated on the two point sets,
+the result is a dense tensor *now*, and only the symmetric PSD Gram blocks (:math:`a = b`, same
+points) are ever factorised.
+"""
+
+from __future__ import annotations
+
+import torch
+from gpytorch.constraints import Positive
+from gpytorch.kernels import Kernel
+
+from gpattn.kernels._factory import evaluate_kernel
+
+__all__ = ["ROLES", "CanonicalRBFKernel", "CrossCovarianceKernel"]
+
+#: the processes of a CGP layer: queries, keys and the canonical (latent) process
+ROLES = ("q", "k", "o")
+
+
+class CanonicalRBFKernel(Kernel):
+    r"""The canonical squared-exponential kernel of CGPT (seed 003 §3.1, §5.1), without parameters:
+
+    .. math::
+        \kappa_o(a, b) = \exp\big(-\tfrac12 \lVert a - b \rVert^2\big).
+
+    Lengthscales and output scale live in the projections and in :math:`\sigma_q, \sigma_k` of
+    :class:`CrossCovarianceKernel`. ``forward`` returns a dense tensor.
+    """
+
+    has_lengthscale = False
+
+    @property
+    def is_stationary(self) -> bool:
+        return True
+
+    # shape: x1 (..., n, d), x2 (..., m, d) -> (..., n, m), or (..., n) with diag=True
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, **params) -> torch.Tensor:
+        if diag:
+            return torch.exp(-0.5 * (x1 - x2).pow(2).sum(-1))
+        # -½‖a − b‖² = a·b − ½‖a‖² − ½‖b‖², clamped at 0 against round-off (κ_o ≤ 1)
+        half_a = 0.5 * x1.pow(2).sum(-1, keepdim=True)  # shape: (..., n, 1)
+        half_b = 0.5 * x2.pow(2).sum(-1, keepdim=True)  # shape: (..., m, 1)
+        expo = (x1 @ x2.transpose(-1, -2) - half_a - half_b.transpose(-1, -2)).clamp_max(0.0)
+        return torch.exp(expo)
+
+    def __repr__(self) -> str:  # pragma: no cover - cosmetic
+        return "CanonicalRBFKernel()"
+
+
+class CrossCovarianceKernel(Kernel):
+    r"""Cross-covariances of the correlated GPs :math:`z_q, z_k, z_o` (seed 003 eqs. 14–16):
+
+    .. math::
+        \kappa_{ab}(\tilde x, \tilde x') = \sigma_a \sigma_b\, \kappa_o(\tilde x, \tilde x'),
+        \qquad \tilde x = x W_a,\ \tilde x' = x' W_b,\ \sigma_o = 1.
+
+    The inputs are the *projected* points :math:`\tilde x` (the attention layer owns :math:`W_q, W_k,
+    W_o`); ``roles=(a, b)`` says which processes they belong to. Calling the kernel always returns a
+    dense tensor evaluated now — never a lazy tensor whose ``.mT`` would silently re-evaluate
+    :math:`\kappa_{ab}(\tilde x', \tilde x)` — so :math:`K_{ab}^\top` is a true transpose. A block is a
+    symmetric PSD Gram matrix only for ``a == b`` on the same points (:meth:`gram`).
+
+    :param canonical: the canonical kernel :math:`\kappa_o`; default :class:`CanonicalRBFKernel`. Any
+        gpytorch kernel is accepted (a stationary one keeps the canonical representation; its own
+        hyper-parameters, if any, are learned with the layer).
+    :param batch_shape: e.g. ``torch.Size([H])``: one :math:`(\sigma_q, \sigma_k)` per head.
+    :param sigma_q: initial :math:`\sigma_q > 0`. :param sigma_k: initial :math:`\sigma_k > 0`.
+    """
+
+    has_lengthscale = False
+
+    def __init__(
+        self,
+        canonical: Kernel | None = None,
+        batch_shape: torch.Size = torch.Size([]),
+        sigma_q: float = 1.0,
+        sigma_k: float = 1.0,
+        **kwargs,
+    ):
+        super().__init__(batch_shape=batch_shape, **kwargs)
+        if canonical is not None and not isinstance(canonical, Kernel):
+            raise ValueError(f"canonical must be a gpytorch.kernels.Kernel or None, got {type(canonical)}")
+        for arg, val in (("sigma_q", sigma_q), ("sigma_k", sigma_k)):
+            if not float(val) > 0:
+                raise ValueError(f"{arg} must be > 0, got {val!r}")
+        self.canonical = canonical if canonical is not None else CanonicalRBFKernel()
+        for role, init in (("q", sigma_q), ("k", sigma_k)):
+            self.register_parameter(f"raw_sigma_{role}", torch.nn.Parameter(torch.zeros(*self.batch_shape)))
+            self.register_constraint(f"raw_sigma_{role}", Positive())
+            self._set_sigma(role, init)
+
+    # ------------------------------------------------------------------ the scales σ_q, σ_k
+    def _set_sigma(self, role: str, value) -> None:
+        raw = getattr(self, f"raw_sigma_{role}")
+        value = torch.as_tensor(value, dtype=raw.dtype).to(raw).expand_as(raw)
+        constraint = getattr(self, f"raw_sigma_{role}_constraint")
+        self.initialize(**{f"raw_sigma_{role}": constraint.inverse_transform(value)})
+
+    @property
+    def sigma_q(self) -> torch.Tensor:
+        """:math:`\\sigma_q` (a standard deviation, not a variance).  # shape: batch_shape"""
+        return self.raw_sigma_q_constraint.transform(self.raw_sigma_q)
+
+    @sigma_q.setter
+    def sigma_q(self, value) -> None:
+        self._set_sigma("q", value)
+
+    @property
+    def sigma_k(self) -> torch.Tensor:
+        """:math:`\\sigma_k` (a standard deviation, not a variance).  # shape: batch_shape"""
+        return self.raw_sigma_k_constraint.transform(self.raw_sigma_k)
+
+    @sigma_k.setter
+    def sigma_k(self, value) -> None:
+        self._set_sigma("k", value)
+
+    def scale(self, role: str) -> torch.Tensor | float:
+        """:math:`\\sigma_a` of process ``role`` ("q", "k"; 1 for the canonical "o").  # shape: batch_shape"""
+        if role == "q":
+            return self.sigma_q
+        if role == "k":
+            return self.sigma_k
+        if role == "o":
+            return 1.0
+        raise ValueError(f"role must be one of {list(ROLES)}, got {role!r}")
+
+    # ------------------------------------------------------------------ dense evaluation
+    def canonical_block(self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False) -> torch.Tensor:
+        """:math:`\\kappa_o(x_1, x_2)`, dense.  # shape: x1 (..., n, d), x2 (..., m, d) -> (..., n, m)"""
+        if type(self.canonical) is CanonicalRBFKernel:
+            return self.canonical.forward(x1, x2, diag=diag)
+        return evaluate_kernel(self.canonical, x1, x2, diag=diag)
+
+    # shape: x1 (..., n, d), x2 (..., m, d) -> (..., n, m), or (..., n) with diag=True
+    def forward(
+        self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, roles: tuple[str, str] = ("q", "k"), **params
+    ) -> torch.Tensor:
+        a, b = roles
+        K = self.canonical_block(x1, x2, diag=diag)
+        scale = self.scale(a) * self.scale(b)
+        if torch.is_tensor(scale):
+            scale = scale[..., None] if diag else scale[..., None, None]
+        return K * scale
+
+    def __call__(
+        self,
+        x1: torch.Tensor,
+        x2: torch.Tensor | None = None,
+        diag: bool = False,
+        roles: tuple[str, str] = ("q", "k"),
+        **params,
+    ) -> torch.Tensor:
+        """Dense :math:`K_{ab} = \\kappa_{ab}(x_1, x_2)`, evaluated now (never a lazy tensor)."""
+        if x2 is None:
+            x2 = x1
+        if len(roles) != 2 or any(r not in ROLES for r in roles):
+            raise ValueError(f"roles must be a pair from {list(ROLES)}, got {roles!r}")
+        if x1.shape[-1] != x2.shape[-1]:
+            raise ValueError(
+                f"x1 and x2 must have the same last dimension, got shapes {tuple(x1.shape)} and {tuple(x2.shape)}"
+            )
+        if diag and x1.shape[-2] != x2.shape[-2]:
+            raise ValueError(f"diag=True needs as many points in x1 as in x2, got {x1.shape[-2]} and {x2.shape[-2]}")
+        return self.forward(x1, x2, diag=diag, roles=tuple(roles))
+
+    def gram(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        """The symmetric PSD Gram block :math:`K_{aa} = \\sigma_a^2 \\kappa_o(x, x)`.  # shape: (..., n, n)"""
+        return self(x, x, roles=(role, role))
+
+    def __repr__(self) -> str:  # pragma: no cover - cosmetic
+        return f"CrossCovarianceKernel(canonical={self.canonical!r}, batch_shape={tuple(self.batch_shape)})"
