@@ -1,0 +1,134 @@
+"""Correlated-GP attention layers ``cgp`` (exact) and ``scgp`` (DTC sparse): thin shims over
+:mod:`gpattn.variational.cgp` and :mod:`gpattn.variational.scgp` (seed 003; MATH.md §7–8)."""
+
+from __future__ import annotations
+
+from gpytorch.kernels import Kernel
+
+from gpattn.attention.base import AttentionBase
+from gpattn.attention.registry import register
+from gpattn.variational.cgp import CorrelatedGP
+from gpattn.variational.scgp import SparseCorrelatedGP
+
+__all__ = ["CGPAttention", "SCGPAttention"]
+
+
+class _CorrelatedGPAttention(AttentionBase):
+    """Shared shim: four projections q, k, o (the latent inputs x_o) and v; the GP module in ``self.gp``.
+
+    **Decision** (``input_scale``): the projected inputs are multiplied by a fixed
+    ``input_scale`` (default :math:`D_h^{-1/4}`) before the canonical kernel. This is the
+    reparametrisation :math:`W \\leftarrow cW` of the canonical representation (κ_o stays
+    parameter-free), chosen so that at initialisation squared distances between projected
+    unit-variance tokens are :math:`O(\\sqrt{D_h})` rather than :math:`O(D_h)`, where every
+    :math:`\\kappa_o \\approx e^{-D_h/3}` would vanish (the role √Dh plays in softmax attention).
+    """
+
+    projections = ("q", "k", "o", "v")
+    is_gp = True
+    stochastic = True
+
+    def _init_scale(self, input_scale):
+        if input_scale is None:
+            input_scale = self.head_dim**-0.25
+        if isinstance(input_scale, bool) or not isinstance(input_scale, (int, float)) or not input_scale > 0:
+            raise ValueError(f"input_scale must be a float > 0 or None, got {input_scale!r}")
+        self.input_scale = float(input_scale)
+
+    def _inputs(self, x):
+        p = self.project(x)  # shape: each (B, H, T, Dh), v (B, H, T, Dv)
+        c = self.input_scale
+        return p["q"] * c, p["k"] * c, p["o"] * c, p["v"]
+
+    def _attend(self, x, mask):
+        q, k, o, v = self._inputs(x)
+        out, reg = self.gp(q, k, o, v, mask, sample=self.sampling)
+        # MATH §7: mean over the batch of Σ_{h,d} R / 2 (α weighting lives in the objective)
+        self.set_loss_terms(cgp=reg.sum((-2, -1)).mean() / 2)
+        return out.to(v.dtype)
+
+    def _posterior(self, x, mask):
+        q, k, o, v = self._inputs(x)
+        return self.gp.posterior(q, k, o, v, mask)
+
+
+@register("cgp")
+class CGPAttention(_CorrelatedGPAttention):
+    """Exact correlated-GP attention, CGPT (seed 003 §3; MATH.md §7): see
+    :class:`gpattn.variational.cgp.CorrelatedGP` for the equations. Cost O(T³) per (B, H).
+
+    :param kernel: canonical kernel κ_o, ``"rbf"`` = exp(−½‖a−b‖²) or any gpytorch ``Kernel``.
+    :param sigma: noise standard deviation σ (default 0.1, seed 003 App. F).
+    :param learn_sigma: learn σ per head (default fixed).
+    :param jitter: diagonal jitter before factorising Σ, Σ_q, Σ_k and K_o.
+    :param prior_samples: P_o prior samples of z_o in the regulariser (eqs. 42–44); ``None`` = exact
+        expectation.
+    :param input_scale: fixed factor on the projected inputs (default Dh^(-1/4), see the Decision above).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kernel: str | Kernel = "rbf",
+        sigma: float = 0.1,
+        learn_sigma: bool = False,
+        jitter: float = 1e-5,
+        prior_samples: int | None = 10,
+        input_scale: float | None = None,
+        **base,
+    ):
+        super().__init__(embed_dim, num_heads, **base)
+        self._init_scale(input_scale)
+        self.gp = CorrelatedGP(
+            num_heads, kernel=kernel, sigma=sigma, learn_sigma=learn_sigma, jitter=jitter, prior_samples=prior_samples
+        )
+
+
+@register("scgp")
+class SCGPAttention(_CorrelatedGPAttention):
+    """Sparse (DTC) correlated-GP attention, SCGPT (seed 003 §4; MATH.md §8): see
+    :class:`gpattn.variational.scgp.SparseCorrelatedGP`. Cost linear in T; nothing T×T is formed.
+
+    :param num_inducing: m, inducing inputs for z_q | z_o (default 16).
+    :param num_inducing_keys: l, inducing inputs for z_o | z_k (default 16).
+    :param amortize: inducing inputs computed from the sequence by a learned token map (fixed T);
+        default global learnable inducing inputs per head.
+    :param seq_len: the fixed T of ``amortize=True``.
+    Other options as ``cgp`` (no ``prior_samples``: the regulariser is in closed form, App. E).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kernel: str | Kernel = "rbf",
+        sigma: float = 0.1,
+        learn_sigma: bool = False,
+        jitter: float = 1e-5,
+        num_inducing: int = 16,
+        num_inducing_keys: int = 16,
+        amortize: bool = False,
+        seq_len: int | None = None,
+        input_scale: float | None = None,
+        **base,
+    ):
+        super().__init__(embed_dim, num_heads, **base)
+        self._init_scale(input_scale)
+        # initial inducing inputs spread like the scaled projections of unit-variance tokens under
+        # nn.Linear's default initialisation (coordinate std 1/√3 before scaling)
+        self.gp = SparseCorrelatedGP(
+            num_heads,
+            self.head_dim,
+            num_inducing=num_inducing,
+            num_inducing_keys=num_inducing_keys,
+            amortize=amortize,
+            seq_len=seq_len,
+            inducing_std=self.input_scale / 3**0.5,
+            kernel=kernel,
+            sigma=sigma,
+            learn_sigma=learn_sigma,
+            jitter=jitter,
+        )

@@ -1,0 +1,364 @@
+r"""Exact correlated-GP attention, CGPT (seed 003 §3, App. A–B; MATH.md §7), and the algebra it shares
+with the sparse variant (:mod:`gpattn.variational.scgp`).
+
+A canonical GP :math:`z_o` with parameter-free kernel :math:`\kappa_o` generates the query process
+:math:`z_q(x) = \sigma_q z_o(x W_q)` and the key process :math:`z_k(x) = \sigma_k z_o(x W_k)`; the
+latent inputs :math:`x_o = x W_o` are a third projection. Attention is the cross-function prediction
+:math:`z_q \mid z_k` through the latent values :math:`z_o` (eq. 17), one independent CGP per value
+column (Remark 2).
+
+Padding: a padded token is removed from every basis — its rows and columns of the cross-covariances
+are zero and the Gram matrices get a unit diagonal block there — so the results for the real tokens
+equal a run on the sequence without the padded tokens, and the padded query rows get mean 0.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+from gpytorch.constraints import Positive
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.kernels import Kernel
+from linear_operator.operators import CholLinearOperator, TriangularLinearOperator
+
+from gpattn.kernels.cross_covariance import CrossCovarianceKernel
+from gpattn.variational._linalg import add_jitter, cholesky, gp_algebra, tri_solve
+
+__all__ = ["CorrelatedGP", "CorrelatedGPBase", "CorrelatedGPOutput", "logdet_from_cholesky"]
+
+
+class CorrelatedGPOutput(NamedTuple):
+    """What a correlated-GP layer returns for one forward."""
+
+    #: a sample of :math:`z_q \mid z_k` (or its mean :math:`\nu` when not sampling).  # shape: (B, H, T, Dv)
+    out: torch.Tensor
+    #: the regulariser :math:`R` per head and value column (``None`` if not asked).  # shape: (B, H, Dv)
+    regularizer: torch.Tensor | None
+
+
+def logdet_from_cholesky(L: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """:math:`\\log|A| = 2 \\sum_t \\log L_{tt}` over the real tokens only (padded ones have a unit
+    diagonal block, whose jitter must not count).  # shape: L (..., T, T), valid (B, 1, T) -> (...)"""
+    logdiag = L.diagonal(dim1=-2, dim2=-1).log()
+    if valid is not None:
+        logdiag = logdiag * valid
+    return 2.0 * logdiag.sum(-1)
+
+
+class CorrelatedGPBase(nn.Module):
+    r"""Parameters and Gram blocks shared by :class:`CorrelatedGP` and
+    :class:`~gpattn.variational.scgp.SparseCorrelatedGP`.
+
+    :param num_heads: H; :math:`\sigma_q, \sigma_k` (and a learnable :math:`\sigma`) are per head.
+    :param kernel: the canonical kernel :math:`\kappa_o`: ``"rbf"`` (default) is
+        :math:`\exp(-\tfrac12\lVert a-b\rVert^2)`, or any ``gpytorch.kernels.Kernel``.
+    :param sigma: the noise standard deviation :math:`\sigma` (:math:`\sigma^2` is added to the Gram
+        matrices of the conditioning sets). Default 0.1: seed 003 App. F uses :math:`\sigma = 0.1` for
+        SCGPT on CIFAR10 (0.5 on CoLA) and states no value for CGPT, so both use 0.1.
+    :param learn_sigma: learn :math:`\sigma` per head (default: fixed, as in the seed).
+    :param jitter: added to the diagonal of the matrices that are PSD only in exact arithmetic
+        before their Cholesky factorisation (the numerics policy escalates it on failure).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        *,
+        kernel: str | Kernel = "rbf",
+        sigma: float = 0.1,
+        learn_sigma: bool = False,
+        jitter: float = 1e-5,
+    ):
+        super().__init__()
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        if isinstance(kernel, str):
+            if kernel != "rbf":
+                raise ValueError(
+                    f"kernel must be 'rbf' (the canonical exp(-|a-b|^2/2)) or a gpytorch.kernels.Kernel "
+                    f"instance, got {kernel!r}"
+                )
+            canonical = None
+        elif isinstance(kernel, Kernel):
+            canonical = kernel
+        else:
+            raise ValueError(f"kernel must be 'rbf' or a gpytorch.kernels.Kernel instance, got {type(kernel)}")
+        if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not sigma > 0:
+            raise ValueError(f"sigma must be a float > 0, got {sigma!r}")
+        if not isinstance(learn_sigma, bool):
+            raise ValueError(f"learn_sigma must be True or False, got {learn_sigma!r}")
+        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or jitter < 0:
+            raise ValueError(f"jitter must be a float >= 0, got {jitter!r}")
+        self.num_heads = num_heads
+        self.jitter = float(jitter)
+        self.covar = CrossCovarianceKernel(canonical, batch_shape=torch.Size([num_heads]))
+        self.learn_sigma = learn_sigma
+        self._sigma_value = float(sigma)  # the fixed σ, kept exact (a float32 buffer would round it)
+        if learn_sigma:
+            self.sigma_constraint = Positive()
+            raw = self.sigma_constraint.inverse_transform(torch.full((num_heads,), float(sigma), dtype=torch.float64))
+            self.raw_sigma = nn.Parameter(raw.to(torch.get_default_dtype()))
+
+    # ------------------------------------------------------------------ hyper-parameters
+    @property
+    def sigma(self) -> torch.Tensor:
+        """Noise standard deviation :math:`\\sigma` per head.  # shape: (H,)"""
+        if self.learn_sigma:
+            return self.sigma_constraint.transform(self.raw_sigma)
+        return torch.full((self.num_heads,), self._sigma_value, dtype=torch.float64)
+
+    def noise(self, like: torch.Tensor) -> torch.Tensor:
+        """:math:`\\sigma^2` shaped to broadcast against ``(B, H, n, n)``.  # shape: (H, 1, 1)"""
+        return self.sigma.to(like).pow(2)[:, None, None]
+
+    # ------------------------------------------------------------------ masked dense blocks
+    def cross(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        roles: tuple[str, str],
+        rows: torch.Tensor | None = None,
+        cols: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Dense cross-covariance :math:`K_{ab}` with the padded tokens' rows / columns zeroed.
+
+        # shape: a (B, H, n, Dh), b (B, H, p, Dh), rows (B, 1, n) bool, cols (B, 1, p) bool -> (B, H, n, p)
+        """
+        K = self.covar(a, b, roles=roles)
+        if rows is not None:
+            K = K.masked_fill(~rows[..., :, None], 0.0)
+        if cols is not None:
+            K = K.masked_fill(~cols[..., None, :], 0.0)
+        return K
+
+    def gram(self, a: torch.Tensor, role: str, valid: torch.Tensor | None = None, add=None) -> torch.Tensor:
+        """Symmetric Gram block :math:`K_{aa}` (+ ``add``·I): padded tokens are decoupled from the real
+        ones and get a unit diagonal.  # shape: a (B, H, n, Dh), valid (B, 1, n) -> (B, H, n, n)"""
+        K = self.covar.gram(a, role)
+        n = K.shape[-1]
+        eye = torch.eye(n, dtype=K.dtype, device=K.device)
+        if valid is not None:
+            K = torch.where(valid[..., :, None] & valid[..., None, :], K, eye)
+        if add is not None:
+            K = K + add * eye
+        return K
+
+    # ------------------------------------------------------------------ the public boundary
+    def _check(self, q, k, o, v, mask):
+        if q.dim() != 4 or q.shape[1] != self.num_heads:
+            raise ValueError(f"q must have shape (B, H={self.num_heads}, T, Dh), got {tuple(q.shape)}")
+        for name, t in (("k", k), ("o", o)):
+            if t.shape != q.shape:
+                raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}")
+        if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+            raise ValueError(f"v must have shape (B, H, T, Dv) = {tuple(q.shape[:3])} + (Dv,), got {tuple(v.shape)}")
+        if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (q.shape[0], q.shape[2])):
+            raise ValueError(
+                f"mask must be a bool tensor of shape (B, T) = {(q.shape[0], q.shape[2])} (True = padding), "
+                f"got {mask.dtype} {tuple(mask.shape)}"
+            )
+
+    @staticmethod
+    def _prepare(mask, *tensors):
+        """Upcast to float32 at least (autocast is off inside); mask (B, T) -> valid (B, 1, T) or None."""
+        dtype = torch.promote_types(tensors[0].dtype, torch.float32)
+        valid = None if mask is None else (~mask)[:, None, :]
+        return valid, [t.to(dtype) for t in tensors]
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        o: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        sample: bool = True,
+        regularize: bool = True,
+        **options,
+    ) -> CorrelatedGPOutput:
+        """A sample of :math:`z_q \\mid z_k` (its mean :math:`\\nu` if ``sample=False``) and the
+        regulariser :math:`R`.
+
+        # shape: q, k, o (B, H, T, Dh) projected inputs, v (B, H, T, Dv), mask (B, T) bool (True = padding)
+        """
+        self._check(q, k, o, v, mask)
+        with gp_algebra(q.device.type):
+            valid, (q, k, o, v) = self._prepare(mask, q, k, o, v)
+            out, reg = self._forward(q, k, o, v, valid, sample=sample, regularize=regularize, **options)
+        return CorrelatedGPOutput(out, reg)
+
+    def posterior(self, q, k, o, v, mask=None, **options) -> MultivariateNormal:
+        """:math:`p(z_q \\mid z_k)` per value column: batch ``(B, H, Dv)``, event ``T``."""
+        self._check(q, k, o, v, mask)
+        with gp_algebra(q.device.type):
+            valid, (q, k, o, v) = self._prepare(mask, q, k, o, v)
+            return self._posterior(q, k, o, v, valid, **options)
+
+    def conditional_mean(self, q, k, o, z, mask=None, **options) -> torch.Tensor:
+        """:math:`E[z_q \\mid z_k = z]` for given observations ``z`` of the key process.
+
+        # shape: q, k, o (B, H, T, Dh), z (B, H, T, Dv) -> (B, H, T, Dv)"""
+        self._check(q, k, o, z, mask)
+        with gp_algebra(q.device.type):
+            valid, (q, k, o, z) = self._prepare(mask, q, k, o, z)
+            return self._conditional_mean(q, k, o, z, valid, **options)
+
+    # ------------------------------------------------------------------ to implement
+    def _forward(self, q, k, o, v, valid, *, sample, regularize):
+        raise NotImplementedError
+
+    def _posterior(self, q, k, o, v, valid):
+        raise NotImplementedError
+
+    def _conditional_mean(self, q, k, o, z, valid):
+        raise NotImplementedError
+
+
+class CorrelatedGP(CorrelatedGPBase):
+    r"""Exact CGP attention (seed 003 eqs. 21–25, App. A–B; MATH.md §7).
+
+    Gram blocks (:class:`~gpattn.kernels.cross_covariance.CrossCovarianceKernel`; :math:`\sigma_q,
+    \sigma_k` enter the cross-covariances too, eq. 16):
+    :math:`K_q = \sigma_q^2\kappa_o(q, q)`, :math:`K_k = \sigma_k^2\kappa_o(k, k)`,
+    :math:`K_o = \kappa_o(x_o, x_o)`, :math:`K_{qo} = \sigma_q\kappa_o(q, x_o)`,
+    :math:`K_{ok} = \sigma_k\kappa_o(x_o, k)`. With observations :math:`z = (K_k + \sigma^2 I) v`
+    (eq. 24) the mean is attention on :math:`v` (eq. 25):
+
+    .. math::
+        \nu = K_{qo}(K_o + \sigma^2 I)^{-1} K_{ok} (K_k + \sigma^2 I)^{-1} z
+            = K_{qo}(K_o + \sigma^2 I)^{-1} K_{ok}\, v,
+
+    and the predictive covariance (App. B, eqs. 45–52; the :math:`\mu_o\mu_o^\top` part of
+    :math:`E[z_o z_o^\top\mid z_k]` cancels :math:`\nu\nu^\top`) is the same for every value column:
+
+    .. math::
+        \Sigma = K_q - K_{qo}A^{-1}K_{oq} + K_{qo}A^{-1}\big(K_o - K_{ok}(K_k+\sigma^2 I)^{-1}K_{ko}\big)
+                 A^{-1}K_{oq}, \qquad A = K_o + \sigma^2 I.
+
+    One :math:`T\times T` Cholesky of :math:`\Sigma` per (B, H) is shared by the Dv columns; samples
+    are :math:`\nu + L_\Sigma\varepsilon`.
+
+    Regulariser (App. A, eqs. 42–44), per head and value column, with prior samples
+    :math:`z_o^{(i)}\sim\mathcal N(0, K_o)`, :math:`m_q^{(i)} = K_{qo}A^{-1}z_o^{(i)}`,
+    :math:`m_k^{(i)} = K_{ko}A^{-1}z_o^{(i)}`, :math:`\Sigma_q = K_q - K_{qo}A^{-1}K_{oq}`,
+    :math:`\Sigma_k = K_k - K_{ko}A^{-1}K_{ok}` (+ jitter):
+
+    .. math::
+        R = \tfrac{1}{P_o}\sum_i (\nu - m_q^{(i)})^\top\Sigma_q^{-1}(\nu - m_q^{(i)}) + \log|\Sigma_q|
+          + \tfrac{1}{P_o}\sum_i (z - m_k^{(i)})^\top\Sigma_k^{-1}(z - m_k^{(i)}) + \log|\Sigma_k|,
+
+    i.e. :math:`-2\times` the lower bound without its :math:`T\log 2\pi` constants. The prior samples
+    are shared by the Dv columns of a head. ``prior_samples=None`` uses the exact expectation over
+    :math:`z_o` instead (:math:`E[\cdot] = \nu^\top\Sigma_q^{-1}\nu + \mathrm{tr}(\Sigma_q^{-1}
+    K_{qo}A^{-1}K_oA^{-1}K_{oq})`, the :math:`P_o\to\infty` limit). The layer reports
+    ``mean_b Σ_{h,d} R / 2``; the weight α lives in the objective.
+
+    Cost :math:`O(T^3)` per (B, H): Cholesky factorisations and triangular solves, no inverses.
+
+    :param prior_samples: :math:`P_o` (default 10), or ``None`` for the exact expectation.
+    Other parameters: :class:`CorrelatedGPBase`.
+    """
+
+    def __init__(self, num_heads: int, *, prior_samples: int | None = 10, **kwargs):
+        super().__init__(num_heads, **kwargs)
+        if prior_samples is not None and (
+            isinstance(prior_samples, bool) or not isinstance(prior_samples, int) or prior_samples < 1
+        ):
+            raise ValueError(f"prior_samples must be a positive int or None, got {prior_samples!r}")
+        self.prior_samples = prior_samples
+
+    # ------------------------------------------------------------------ shared pieces
+    def _blocks(self, q, k, o, valid):
+        """K_qo, K_ok and L_o = chol(K_o + σ²I).  # shape: each (B, H, T, T)"""
+        K_qo = self.cross(q, o, ("q", "o"), valid, valid)
+        K_ok = self.cross(o, k, ("o", "k"), valid, valid)
+        L_o = cholesky(self.gram(o, "o", valid, add=self.noise(q)), name="cgp: K_o + sigma^2 I")
+        return K_qo, K_ok, L_o
+
+    def _covariance(self, q, k, valid, K_qo, K_ok, L_o, W):
+        """Predictive covariance Σ of App. B, shared by the value columns.  # shape: (B, H, T, T)"""
+        s2 = self.noise(q)
+        G = tri_solve(L_o.mT, W, upper=True)  # A⁻¹ K_oq
+        L_k = cholesky(self.gram(k, "k", valid, add=s2), name="cgp: K_k + sigma^2 I")
+        UG = tri_solve(L_k, K_ok.mT) @ G  # L_k⁻¹ K_ko A⁻¹ K_oq
+        # K_o = A − σ²I turns App. B into Σ = K_q − Gᵀ(σ²I + K_ok (K_k+σ²I)⁻¹ K_ko) G, G = A⁻¹ K_oq
+        Sigma = self.gram(q, "q", valid) - s2 * (G.mT @ G) - UG.mT @ UG
+        return 0.5 * (Sigma + Sigma.mT), G
+
+    def _regularizer(self, q, k, o, v, valid, nu, K_ok, L_o, W, G):
+        """R of eqs. 42–44 per head and value column.  # shape: (B, H, Dv)"""
+        s2 = self.noise(q)
+        K_k = self.gram(k, "k", valid)
+        W_k = tri_solve(L_o, K_ok)  # L_o⁻¹ K_ok
+        # Σ_q = K_q − K_qo A⁻¹ K_oq and Σ_k = K_k − K_ko A⁻¹ K_ok, the conditionals given z_o (eq. 37)
+        L_q = cholesky(add_jitter(self.gram(q, "q", valid) - W.mT @ W, self.jitter), name="cgp: Sigma_q")
+        L_kk = cholesky(add_jitter(K_k - W_k.mT @ W_k, self.jitter), name="cgp: Sigma_k")
+        z = (K_k + s2 * torch.eye(K_k.shape[-1], dtype=K_k.dtype, device=K_k.device)) @ v  # eq. 24
+        if valid is not None:
+            z = z * valid[..., :, None]
+        a_q = tri_solve(L_q, nu)  # L_q⁻¹ ν  # shape: (B, H, T, Dv)
+        a_k = tri_solve(L_kk, z)  # L_kk⁻¹ z
+        if self.prior_samples is not None:
+            B, H, T, _ = q.shape
+            L_prior = cholesky(add_jitter(self.gram(o, "o", valid), self.jitter), name="cgp: K_o")
+            eps = torch.randn(B, H, T, self.prior_samples, dtype=q.dtype, device=q.device)
+            y = tri_solve(L_o, L_prior @ eps)  # L_o⁻¹ z_o⁽ⁱ⁾, z_o⁽ⁱ⁾ ~ N(0, K_o)  # shape: (B, H, T, P)
+            b_q = tri_solve(L_q, W.mT @ y)  # L_q⁻¹ m_q⁽ⁱ⁾, m_q⁽ⁱ⁾ = K_qo A⁻¹ z_o⁽ⁱ⁾
+            b_k = tri_solve(L_kk, W_k.mT @ y)  # L_kk⁻¹ m_k⁽ⁱ⁾
+            # (1/P) Σ_i ‖a − b_i‖² = ‖a‖² − 2 aᵀ b̄ + (1/P) Σ_i ‖b_i‖²  # shape: (B, H, Dv)
+            quad = [
+                a.pow(2).sum(-2)
+                - 2.0 * (a * b.mean(-1, keepdim=True)).sum(-2)
+                + b.pow(2).sum(-2).mean(-1, keepdim=True)
+                for a, b in ((a_q, b_q), (a_k, b_k))
+            ]
+        else:
+            # E over z_o ~ N(0, K_o) adds tr(Σ⁻¹ H K_o Hᵀ), H K_o Hᵀ = WᵀW − σ² GᵀG for H = K_qo A⁻¹
+            G_k = tri_solve(L_o.mT, W_k, upper=True)  # A⁻¹ K_ok
+            quad = []
+            for a, L, Wx, Gx in ((a_q, L_q, W, G), (a_k, L_kk, W_k, G_k)):
+                tr = tri_solve(L, Wx.mT).pow(2).sum((-2, -1)) - s2[:, 0, 0] * tri_solve(L, Gx.mT).pow(2).sum((-2, -1))
+                quad.append(a.pow(2).sum(-2) + tr[..., None])
+        logdet = logdet_from_cholesky(L_q, valid) + logdet_from_cholesky(L_kk, valid)  # shape: (B, H)
+        return quad[0] + quad[1] + logdet[..., None]
+
+    # ------------------------------------------------------------------ the three entry points
+    def _forward(self, q, k, o, v, valid, *, sample, regularize):
+        K_qo, K_ok, L_o = self._blocks(q, k, o, valid)
+        # eq. 25, right to left: ν = K_qo (K_o + σ²I)⁻¹ (K_ok v)
+        nu = K_qo @ torch.cholesky_solve(K_ok @ v, L_o)  # shape: (B, H, T, Dv)
+        if not (sample or regularize):
+            return nu, None
+        W = tri_solve(L_o, K_qo.mT)  # L_o⁻¹ K_oq
+        G = None
+        out = nu
+        if sample:
+            Sigma, G = self._covariance(q, k, valid, K_qo, K_ok, L_o, W)
+            L = cholesky(add_jitter(Sigma, self.jitter), name="cgp: predictive covariance")
+            out = nu + L @ torch.randn_like(nu)  # one factor for all Dv columns
+        if not regularize:
+            return out, None
+        if G is None and self.prior_samples is None:
+            G = tri_solve(L_o.mT, W, upper=True)
+        return out, self._regularizer(q, k, o, v, valid, nu, K_ok, L_o, W, G)
+
+    def _posterior(self, q, k, o, v, valid):
+        K_qo, K_ok, L_o = self._blocks(q, k, o, valid)
+        nu = K_qo @ torch.cholesky_solve(K_ok @ v, L_o)
+        W = tri_solve(L_o, K_qo.mT)
+        Sigma, _ = self._covariance(q, k, valid, K_qo, K_ok, L_o, W)
+        L = cholesky(add_jitter(Sigma, self.jitter), name="cgp: predictive covariance")
+        B, H, T, Dv = nu.shape
+        covar = CholLinearOperator(TriangularLinearOperator(L.unsqueeze(2))).expand(B, H, Dv, T, T)
+        return MultivariateNormal(nu.transpose(-1, -2), covar)
+
+    def _conditional_mean(self, q, k, o, z, valid):
+        # eq. 21: E[z_q | z_k] = K_qo (K_o + σ²I)⁻¹ K_ok (K_k + σ²I)⁻¹ z_k
+        K_qo, K_ok, L_o = self._blocks(q, k, o, valid)
+        L_k = cholesky(self.gram(k, "k", valid, add=self.noise(q)), name="cgp: K_k + sigma^2 I")
+        if valid is not None:
+            z = z * valid[..., :, None]
+        return K_qo @ torch.cholesky_solve(K_ok @ torch.cholesky_solve(z, L_k), L_o)

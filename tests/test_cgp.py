@@ -1,0 +1,358 @@
+"""Exact correlated-GP attention (``cgp``; MATH.md §7, seed 003 §3 and App. A–B).
+
+Every reference below is written independently of gpattn: pairwise-difference kernels, dense
+``torch.linalg.solve`` and the formulas exactly as printed (eq. 24 observations, eq. 25 mean,
+App. B covariance with the μ_o μ_oᵀ term *not* cancelled, eqs. 42–44 regulariser by Monte Carlo).
+"""
+
+import pytest
+import torch
+from gpytorch.kernels import MaternKernel
+
+import gpattn
+from gpattn.variational.cgp import CorrelatedGP
+
+B, H, T, DH, DV = 2, 2, 6, 3, 4
+SIGMA = 0.3
+SIG_Q = torch.tensor([1.3, 0.7], dtype=torch.float64)
+SIG_K = torch.tensor([0.6, 1.5], dtype=torch.float64)
+
+
+def kappa(a, b):
+    """canonical RBF exp(-½‖a − b‖²) from explicit pairwise differences"""
+    return torch.exp(-0.5 * ((a[..., :, None, :] - b[..., None, :, :]) ** 2).sum(-1))
+
+
+def make_gp(prior_samples=None, jitter=0.0, sigma=SIGMA):
+    gp = CorrelatedGP(H, sigma=sigma, jitter=jitter, prior_samples=prior_samples).double()
+    gp.covar.sigma_q = SIG_Q
+    gp.covar.sigma_k = SIG_K
+    return gp
+
+
+def make_inputs(seed=0, b=B, t=T, scale=0.8):
+    g = torch.Generator().manual_seed(seed)
+    q, k, o = (scale * torch.randn(b, H, t, DH, generator=g, dtype=torch.float64) for _ in range(3))
+    v = torch.randn(b, H, t, DV, generator=g, dtype=torch.float64)
+    return q, k, o, v
+
+
+def dense_blocks(q, k, o):
+    sq, sk = SIG_Q[:, None, None], SIG_K[:, None, None]
+    return dict(
+        K_q=sq**2 * kappa(q, q),
+        K_k=sk**2 * kappa(k, k),
+        K_o=kappa(o, o),
+        K_qo=sq * kappa(q, o),
+        K_ok=sk * kappa(o, k),
+    )
+
+
+def dense_cgp(q, k, o, v, s2=SIGMA**2):
+    """ν (eq. 25 with z of eq. 24) and the per-column covariance of App. B (eqs. 45–52)."""
+    K = dense_blocks(q, k, o)
+    n = q.shape[-2]
+    eye = torch.eye(n, dtype=q.dtype)
+    A, Kk = K["K_o"] + s2 * eye, K["K_k"] + s2 * eye
+    z = Kk @ v  # eq. 24
+    mu_o = K["K_ok"] @ torch.linalg.solve(Kk, z)  # eq. 20
+    nu = K["K_qo"] @ torch.linalg.solve(A, mu_o)  # eq. 21 / 25
+    C_o = K["K_o"] - K["K_ok"] @ torch.linalg.solve(Kk, K["K_ok"].mT)
+    HA = torch.linalg.solve(A, K["K_qo"].mT).mT  # K_qo A⁻¹
+    covs = []
+    for d in range(v.shape[-1]):
+        m, nd = mu_o[..., d : d + 1], nu[..., d : d + 1]
+        E_oo = C_o + m @ m.mT  # eq. 52
+        E_qq = K["K_q"] - HA @ K["K_qo"].mT + HA @ E_oo @ HA.mT  # eq. 51
+        covs.append(E_qq - nd @ nd.mT)  # eq. 45
+    return nu, torch.stack(covs, 2), z, K
+
+
+def test_mean_and_covariance_match_dense_formulas():
+    gp = make_gp()
+    q, k, o, v = make_inputs()
+    nu_ref, cov_ref, _, _ = dense_cgp(q, k, o, v)
+    out = gp(q, k, o, v, sample=False, regularize=False)
+    torch.testing.assert_close(out.out, nu_ref, rtol=1e-9, atol=1e-10)
+    assert out.regularizer is None
+    post = gp.posterior(q, k, o, v)
+    assert post.batch_shape == (B, H, DV) and post.event_shape == (T,)
+    torch.testing.assert_close(post.mean, nu_ref.transpose(-1, -2), rtol=1e-9, atol=1e-10)
+    cov = post.covariance_matrix
+    torch.testing.assert_close(cov, cov_ref, rtol=1e-8, atol=1e-10)
+    # the μ_o μ_oᵀ term cancels ν νᵀ: one covariance for every value column, symmetric PSD
+    for d in range(1, DV):
+        torch.testing.assert_close(cov_ref[:, :, d], cov_ref[:, :, 0], rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(cov, cov.mT, rtol=0, atol=1e-12)
+    assert torch.linalg.eigvalsh(cov).min() > -1e-10
+    # conditional mean for arbitrary observations z_k (eq. 21) equals ν for z = (K_k + σ²I) v
+    _, _, z, _ = dense_cgp(q, k, o, v)
+    torch.testing.assert_close(gp.conditional_mean(q, k, o, z), nu_ref, rtol=1e-8, atol=1e-10)
+
+
+def test_scales_enter_cross_covariances():
+    """σ_q, σ_k multiply K_qo and K_ok too (MATH §7 Decision): the mean scales with σ_q σ_k."""
+    gp = make_gp()
+    q, k, o, v = make_inputs(1)
+    nu = gp(q, k, o, v, sample=False, regularize=False).out
+    gp.covar.sigma_q = 2 * SIG_Q
+    gp.covar.sigma_k = 3 * SIG_K
+    nu2 = gp(q, k, o, v, sample=False, regularize=False).out
+    torch.testing.assert_close(nu2, 6 * nu, rtol=1e-10, atol=1e-12)
+
+
+def test_law_of_total_covariance_monte_carlo():
+    """Sample z_o | z_k, then z_q | z_o (the nested model of eq. 17) and compare the empirical moments
+    with the analytic ν and Σ. N = 200 000 draws; every mean entry within 5 standard errors
+    sqrt(Σ_tt / N), every covariance entry within 5 sqrt((Σ_ii Σ_jj + Σ_ij²) / N)."""
+    torch.manual_seed(0)
+    gp = make_gp()
+    q, k, o, v = make_inputs(2, b=1, t=5)
+    v = v[..., :1]
+    post = gp.posterior(q, k, o, v)
+    nu, cov = post.mean[0, :, 0], post.covariance_matrix[0, :, 0]  # shape: (H, T), (H, T, T)
+    _, _, z, K = dense_cgp(q, k, o, v)
+    eye = torch.eye(5, dtype=torch.float64)
+    A, Kk = K["K_o"][0] + SIGMA**2 * eye, K["K_k"][0] + SIGMA**2 * eye
+    mu_o = (K["K_ok"][0] @ torch.linalg.solve(Kk, z[0]))[..., 0]
+    C_o = K["K_o"][0] - K["K_ok"][0] @ torch.linalg.solve(Kk, K["K_ok"][0].mT)
+    HA = torch.linalg.solve(A, K["K_qo"][0].mT).mT
+    S_q = K["K_q"][0] - HA @ K["K_qo"][0].mT
+    N = 200_000
+    g = torch.Generator().manual_seed(3)
+    L_o = torch.linalg.cholesky(C_o + 1e-12 * eye)
+    z_o = mu_o[:, None, :] + (L_o[:, None] @ torch.randn(H, N, 5, 1, generator=g, dtype=torch.float64))[..., 0]
+    L_q = torch.linalg.cholesky(S_q)
+    noise = torch.randn(H, N, 5, 1, generator=g, dtype=torch.float64)
+    z_q = (HA[:, None] @ z_o[..., None])[..., 0] + (L_q[:, None] @ noise)[..., 0]
+    emp_mean = z_q.mean(1)
+    emp_cov = torch.einsum("hni,hnj->hij", z_q - emp_mean[:, None], z_q - emp_mean[:, None]) / (N - 1)
+    var = cov.diagonal(dim1=-2, dim2=-1)
+    assert ((emp_mean - nu).abs() <= 5 * (var / N).sqrt()).all()
+    se_cov = ((var[:, :, None] * var[:, None, :] + cov**2) / N).sqrt()
+    assert ((emp_cov - cov).abs() <= 5 * se_cov).all()
+
+
+def test_forward_samples_have_the_posterior_moments():
+    """The layer's own sampler ν + L_Σ ε: empirical moments over 40 000 replicated rows, 5 SE."""
+    torch.manual_seed(1)
+    gp = make_gp(jitter=0.0)
+    q, k, o, v = make_inputs(4, b=1, t=5)
+    post = gp.posterior(q, k, o, v)
+    N = 40_000
+    rep = [t.expand(N, *t.shape[1:]) for t in (q, k, o, v)]
+    s = gp(*rep, sample=True, regularize=False).out  # shape: (N, H, T, Dv)
+    mean, cov = post.mean[0], post.covariance_matrix[0]  # shape: (H, Dv, T), (H, Dv, T, T)
+    x = s.permute(1, 3, 0, 2)  # shape: (H, Dv, N, T)
+    emp_mean = x.mean(2)
+    emp_cov = (x - emp_mean[:, :, None]).mT @ (x - emp_mean[:, :, None]) / (N - 1)
+    var = cov.diagonal(dim1=-2, dim2=-1)
+    assert ((emp_mean - mean).abs() <= 5 * (var / N).sqrt()).all()
+    se = ((var[..., :, None] * var[..., None, :] + cov**2) / N).sqrt()
+    assert ((emp_cov - cov).abs() <= 5 * se).all()
+
+
+def dense_regularizer_mc(q, k, o, nu, z, N, seed):
+    """eqs. 42–44 by Monte Carlo over z_o ~ N(0, K_o), dense; returns (R estimate, standard error)."""
+    K = dense_blocks(q, k, o)
+    n = q.shape[-2]
+    eye = torch.eye(n, dtype=torch.float64)
+    A = K["K_o"] + SIGMA**2 * eye
+    Hq = torch.linalg.solve(A, K["K_qo"].mT).mT  # K_qo A⁻¹
+    Hk = torch.linalg.solve(A, K["K_ok"]).mT  # K_ko A⁻¹
+    S_q = K["K_q"] - Hq @ K["K_qo"].mT
+    S_k = K["K_k"] - Hk @ K["K_ok"]
+    g = torch.Generator().manual_seed(seed)
+    L = torch.linalg.cholesky(K["K_o"] + 1e-12 * eye)
+    z_o = L[:, :, None] @ torch.randn(*K["K_o"].shape[:2], N, n, 1, generator=g, dtype=torch.float64)
+    total = 0.0
+    var = 0.0
+    for target, Hx, S in ((nu, Hq, S_q), (z, Hk, S_k)):
+        m = (Hx[:, :, None] @ z_o)[..., 0]  # shape: (B, H, N, T)
+        r = target.mT[:, :, :, None, :] - m[:, :, None]  # shape: (B, H, Dv, N, T)
+        quad = (r * torch.linalg.solve(S[:, :, None, None], r[..., None])[..., 0]).sum(-1)  # shape: (B, H, Dv, N)
+        total = total + quad.mean(-1) + torch.logdet(S)[..., None]
+        var = var + quad.var(-1) / N
+    return total, var.sqrt()
+
+
+def test_regularizer_equals_monte_carlo_estimate_of_the_bound():
+    gp = make_gp(prior_samples=None)
+    q, k, o, v = make_inputs(5, b=1)
+    res = gp(q, k, o, v, sample=False)
+    _, _, z, _ = dense_cgp(q, k, o, v)
+    ref, se = dense_regularizer_mc(q, k, o, res.out, z, N=20_000, seed=6)
+    assert res.regularizer.shape == (1, H, DV)
+    assert torch.isfinite(res.regularizer).all()
+    assert ((res.regularizer - ref).abs() <= 5 * se).all(), (res.regularizer - ref) / se
+    # the layer's own estimator with P_o = 20 000 samples has (about) the same standard error
+    torch.manual_seed(7)
+    mc = make_gp(prior_samples=20_000)(q, k, o, v, sample=False).regularizer
+    assert ((mc - res.regularizer).abs() <= 5 * se).all(), (mc - res.regularizer) / se
+
+
+def test_regularizer_is_eq_44_at_the_drawn_prior_samples():
+    """With P_o samples the layer evaluates eq. 44 exactly at its draws z_o⁽ⁱ⁾ = chol(K_o) ε⁽ⁱ⁾
+    (ε from the global generator): reproduce the draws and evaluate eq. 44 densely."""
+    P = 5
+    q, k, o, v = make_inputs(13, b=1)
+    torch.manual_seed(14)
+    R = make_gp(prior_samples=P)(q, k, o, v, sample=False)
+    torch.manual_seed(14)
+    eps = torch.randn(1, H, T, P, dtype=torch.float64)
+    _, _, z, K = dense_cgp(q, k, o, v)
+    eye = torch.eye(T, dtype=torch.float64)
+    A = K["K_o"] + SIGMA**2 * eye
+    z_o = torch.linalg.cholesky(K["K_o"]) @ eps  # shape: (1, H, T, P)
+    ref = 0.0
+    for target, K_xo in ((R.out, K["K_qo"]), (z, K["K_ok"].mT)):
+        Hx = torch.linalg.solve(A, K_xo.mT).mT  # K_xo A⁻¹
+        S = (K["K_q"] if K_xo is K["K_qo"] else K["K_k"]) - Hx @ K_xo.mT
+        m = Hx @ z_o  # shape: (1, H, T, P)
+        quad = 0.0
+        for i in range(P):
+            r = target - m[..., i : i + 1]  # shape: (1, H, T, Dv)
+            quad = quad + (r * torch.linalg.solve(S, r)).sum(-2) / P
+        ref = ref + quad + torch.logdet(S)[..., None]
+    torch.testing.assert_close(R.regularizer, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_regularizer_default_p_o_is_noisy_but_centred():
+    """P_o = 10 estimates averaged over 400 draws approach the exact expectation (5 SE of the average)."""
+    torch.manual_seed(8)
+    q, k, o, v = make_inputs(9, b=1)
+    exact = make_gp(prior_samples=None)(q, k, o, v, sample=False).regularizer
+    gp = make_gp(prior_samples=10)
+    draws = torch.stack([gp(q, k, o, v, sample=False).regularizer for _ in range(400)])
+    se = draws.std(0) / 400**0.5
+    assert (draws.std(0) > 0).all()
+    assert ((draws.mean(0) - exact).abs() <= 5 * se).all()
+
+
+def test_regularizer_and_samples_are_differentiable():
+    torch.manual_seed(0)
+    gp = make_gp(prior_samples=None)
+    q, k, o, v = (t.requires_grad_(True) for t in make_inputs(10, b=1, t=4))
+
+    def reg(q, k, o, v):
+        return gp(q, k, o, v, sample=False).regularizer
+
+    def sampled(q, k, o, v):
+        torch.manual_seed(11)
+        return gp(q, k, o, v, sample=True, regularize=False).out
+
+    assert torch.autograd.gradcheck(reg, (q, k, o, v))
+    assert torch.autograd.gradcheck(sampled, (q, k, o, v))
+    gp2 = make_gp(prior_samples=3)
+    gp2.covar.raw_sigma_q.requires_grad_(True)
+    r = gp2(q, k, o, v, sample=False).regularizer.sum()
+    r.backward()
+    assert torch.isfinite(gp2.covar.raw_sigma_q.grad).all() and (gp2.covar.raw_sigma_q.grad != 0).all()
+
+
+@pytest.mark.parametrize("padded", [(4, 5), (1, 3)])
+def test_padding_equals_truncated_sequence(padded):
+    """Padded tokens are removed from every basis: mean, covariance block and regulariser of the real
+    tokens equal a run on the sequence without them (suffix and interior padding)."""
+    gp = make_gp(prior_samples=None, jitter=0.0)
+    q, k, o, v = make_inputs(12, b=1)
+    mask = torch.zeros(1, T, dtype=torch.bool)
+    mask[0, list(padded)] = True
+    real = (~mask[0]).nonzero()[:, 0]
+    q2, k2, o2, v2 = (t.clone() for t in (q, k, o, v))
+    for t in (q2, k2, o2, v2):
+        t[:, :, mask[0]] = 7.0 * torch.randn_like(t[:, :, mask[0]])  # garbage in the padded tokens
+    full = gp(q2, k2, o2, v2, mask, sample=False)
+    cut = gp(*(t[:, :, real] for t in (q, k, o, v)), sample=False)
+    torch.testing.assert_close(full.out[:, :, real], cut.out, rtol=1e-9, atol=1e-10)
+    assert full.out[:, :, mask[0]].abs().max() == 0
+    torch.testing.assert_close(full.regularizer, cut.regularizer, rtol=1e-9, atol=1e-9)
+    cov_full = gp.posterior(q2, k2, o2, v2, mask).covariance_matrix[..., real, :][..., real]
+    cov_cut = gp.posterior(*(t[:, :, real] for t in (q, k, o, v))).covariance_matrix
+    torch.testing.assert_close(cov_full, cov_cut, rtol=1e-9, atol=1e-10)
+
+
+def test_layer_loss_term_and_deterministic_mean():
+    torch.manual_seed(0)
+    layer = gpattn.build_attention("cgp", 12, 2, prior_samples=None).double()
+    x = torch.randn(3, 5, 12, dtype=torch.float64)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    y = layer(x, mask)
+    assert y.shape == x.shape
+    p = layer.project(x)
+    c = layer.input_scale
+    assert c == pytest.approx(6**-0.25)
+    res = layer.gp(p["q"] * c, p["k"] * c, p["o"] * c, p["v"], mask, sample=False)
+    # MATH §7: mean over the batch of Σ_{h,d} R / 2
+    torch.testing.assert_close(layer.loss_terms()["cgp"], res.regularizer.sum((1, 2)).mean() / 2)
+    with gpattn.deterministic():
+        y_mean = layer(x, mask)
+    B_, T_, _ = x.shape
+    ref = layer.out_proj(res.out.transpose(1, 2).reshape(B_, T_, -1))
+    torch.testing.assert_close(y_mean, ref)
+    torch.testing.assert_close(layer.posterior(x, mask).mean, res.out.transpose(-1, -2))
+
+
+def test_any_gpytorch_kernel_as_canonical():
+    kern = MaternKernel(nu=2.5, batch_shape=torch.Size([2]))
+    layer = gpattn.build_attention("cgp", 8, 2, kernel=kern, prior_samples=None).double()
+    assert layer.gp.covar.canonical is kern
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    post = layer.posterior(x)
+    p = layer.project(x)
+    c = layer.input_scale
+    q, k, o, v = p["q"] * c, p["k"] * c, p["o"] * c, p["v"]
+    K_o = kern(o, o).to_dense()
+    K_qo = layer.gp.covar.sigma_q[:, None, None] * kern(q, o).to_dense()
+    K_ok = layer.gp.covar.sigma_k[:, None, None] * kern(o, k).to_dense()
+    nu = K_qo @ torch.linalg.solve(K_o + 0.01 * torch.eye(5, dtype=torch.float64), K_ok @ v)
+    torch.testing.assert_close(post.mean, nu.transpose(-1, -2))
+    y = layer(x)
+    y.sum().backward()
+    assert kern.raw_lengthscale.grad is not None and torch.isfinite(kern.raw_lengthscale.grad).all()
+
+
+def test_runs_in_float32_at_moderate_length():
+    torch.manual_seed(0)
+    layer = gpattn.build_attention("cgp", 32, 4)
+    x = torch.randn(2, 128, 32)
+    y = layer(x)
+    assert torch.isfinite(y).all() and torch.isfinite(layer.loss_terms()["cgp"])
+    y.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "option, value, word",
+    [
+        ("prior_samples", 0, "prior_samples"),
+        ("sigma", 0.0, "sigma"),
+        ("jitter", -1.0, "jitter"),
+        ("kernel", "exponential", "kernel"),
+        ("input_scale", 0.0, "input_scale"),
+        ("learn_sigma", 1, "learn_sigma"),
+    ],
+)
+def test_bad_options_raise(option, value, word):
+    with pytest.raises(ValueError, match=word):
+        gpattn.build_attention("cgp", 8, 2, **{option: value})
+
+
+def test_bad_shapes_raise():
+    gp = make_gp()
+    q, k, o, v = make_inputs()
+    with pytest.raises(ValueError, match="k must have the shape of q"):
+        gp(q, k[:, :, :3], o, v)
+    with pytest.raises(ValueError, match="v must have shape"):
+        gp(q, k, o, v[:, :, :3])
+    with pytest.raises(ValueError, match="mask"):
+        gp(q, k, o, v, torch.zeros(B, T))
+
+
+def test_learnable_sigma_gets_gradient():
+    torch.manual_seed(0)
+    layer = gpattn.build_attention("cgp", 8, 2, learn_sigma=True)
+    y = layer(torch.randn(2, 5, 8))
+    (y.sum() + layer.loss_terms()["cgp"]).backward()
+    g = layer.gp.raw_sigma.grad
+    assert g is not None and torch.isfinite(g).all() and (g != 0).all()

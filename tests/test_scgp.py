@@ -1,0 +1,361 @@
+"""Sparse (DTC) correlated-GP attention (``scgp``; MATH.md §8, seed 003 §4 and App. C–E).
+
+References are written independently of gpattn: pairwise-difference kernels, dense solves and the
+appendix formulas in their printed σ⁻² / σ⁻⁴ form (eqs. 33, 55, 59–67), and Monte Carlo over the
+nested DTC model.
+"""
+
+import pytest
+import torch
+from linear_operator.operators import LowRankRootAddedDiagLinearOperator
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import gpattn
+from gpattn.variational.cgp import CorrelatedGP
+from gpattn.variational.scgp import SparseCorrelatedGP
+
+B, H, T, DH, DV, M, L = 2, 2, 7, 3, 4, 3, 4
+SIGMA = 0.4
+SIG_Q = torch.tensor([1.2, 0.8], dtype=torch.float64)
+SIG_K = torch.tensor([0.7, 1.4], dtype=torch.float64)
+F64 = torch.float64
+
+
+def kappa(a, b):
+    return torch.exp(-0.5 * ((a[..., :, None, :] - b[..., None, :, :]) ** 2).sum(-1))
+
+
+def make_gp(m=M, l=L, sigma=SIGMA, **kw):
+    gp = SparseCorrelatedGP(H, DH, num_inducing=m, num_inducing_keys=l, sigma=sigma, jitter=0.0, **kw).double()
+    gp.covar.sigma_q = SIG_Q
+    gp.covar.sigma_k = SIG_K
+    return gp
+
+
+def make_inputs(seed=0, b=B, t=T, scale=0.9):
+    g = torch.Generator().manual_seed(seed)
+    q, k, o = (scale * torch.randn(b, H, t, DH, generator=g, dtype=F64) for _ in range(3))
+    v = torch.randn(b, H, t, DV, generator=g, dtype=F64)
+    return q, k, o, v
+
+
+def dense_blocks(q, k, o, s, s_keys):
+    sq, sk = SIG_Q[:, None, None], SIG_K[:, None, None]
+    return dict(
+        K_qm=sq * kappa(q, s),
+        K_om=kappa(o, s),
+        K_mm=kappa(s, s).expand(q.shape[0], -1, -1, -1),
+        K_ol=kappa(o, s_keys),
+        K_kl=sk * kappa(k, s_keys),
+        K_ll=kappa(s_keys, s_keys).expand(q.shape[0], -1, -1, -1),
+    )
+
+
+def dense_scgp(q, k, o, z, s, s_keys, s2=SIGMA**2):
+    """Mean (eq. 33, σ⁻⁴ form) and per-column covariance from eqs. 59, 66, 67 (μ_o μ_oᵀ kept)."""
+    K = dense_blocks(q, k, o, s, s_keys)
+    n = q.shape[-2]
+    eye = torch.eye(n, dtype=F64)
+    Mq = K["K_mm"] + K["K_om"].mT @ K["K_om"] / s2  # A_q⁻¹
+    Mk = K["K_ll"] + K["K_kl"].mT @ K["K_kl"] / s2  # A_k⁻¹
+    Fq = torch.linalg.solve(Mq, K["K_qm"].mT).mT  # K_qm A_q
+    Fo = torch.linalg.solve(Mk, K["K_ol"].mT).mT  # K_ol A_k
+    mu_o = Fo @ K["K_kl"].mT @ z / s2  # eq. 57
+    nu = Fq @ K["K_om"].mT @ mu_o / s2  # eq. 58 (= eq. 33)
+    covs = []
+    for d in range(z.shape[-1]):
+        w = Fo @ K["K_kl"].mT @ z[..., d : d + 1]
+        E_oo = s2 * eye + Fo @ K["K_ol"].mT + w @ w.mT / s2**2  # eq. 67
+        FqKmo = Fq @ K["K_om"].mT
+        E_qq = s2 * eye + Fq @ K["K_qm"].mT + FqKmo @ E_oo @ FqKmo.mT / s2**2  # eq. 66
+        nd = nu[..., d : d + 1]
+        covs.append(E_qq - nd @ nd.mT)  # eq. 59
+    return nu, torch.stack(covs, 2), K
+
+
+def inducing(seed=1, m=M, l=L):
+    g = torch.Generator().manual_seed(seed)
+    s = 0.9 * torch.randn(1, H, m, DH, generator=g, dtype=F64)
+    return s, 0.9 * torch.randn(1, H, l, DH, generator=g, dtype=F64)
+
+
+def set_inducing(gp, s, s_keys):
+    with torch.no_grad():
+        gp.inducing_latent.copy_(s[0])
+        gp.inducing_keys.copy_(s_keys[0])
+
+
+def test_mean_and_covariance_match_dense_formulas():
+    gp = make_gp()
+    s, s_keys = inducing()
+    set_inducing(gp, s, s_keys)
+    q, k, o, v = make_inputs()
+    nu_ref, cov_ref, _ = dense_scgp(q, k, o, v, s, s_keys)
+    res = gp(q, k, o, v, sample=False, regularize=False)
+    torch.testing.assert_close(res.out, nu_ref, rtol=1e-9, atol=1e-11)
+    post = gp.posterior(q, k, o, v)
+    assert isinstance(post.lazy_covariance_matrix, LowRankRootAddedDiagLinearOperator)
+    assert post.batch_shape == (B, H, DV) and post.event_shape == (T,)
+    torch.testing.assert_close(post.mean, nu_ref.transpose(-1, -2), rtol=1e-9, atol=1e-11)
+    cov = post.covariance_matrix
+    torch.testing.assert_close(cov, cov_ref, rtol=1e-8, atol=1e-10)
+    for d in range(1, DV):  # μ_o μ_oᵀ cancels ν νᵀ: the same covariance for every column
+        torch.testing.assert_close(cov_ref[:, :, d], cov_ref[:, :, 0], rtol=1e-8, atol=1e-10)
+    assert torch.linalg.eigvalsh(cov).min() > SIGMA**2 * (1 - 1e-9)  # σ²I + PSD low rank
+    torch.testing.assert_close(post.variance, cov.diagonal(dim1=-2, dim2=-1))
+
+
+def test_sparse_limit_recovers_exact_cgp_mean():
+    """MATH §8: with m = l = T, s = x_o and s' = k, the DTC mean E[z_q | z_k] equals the exact CGP
+    mean for the same observations z_k (the layers feed different z, so compare predictive means)."""
+    q, k, o, _ = make_inputs(3, scale=1.0)
+    z = torch.randn(B, H, T, DV, generator=torch.Generator().manual_seed(4), dtype=F64)
+    exact = CorrelatedGP(H, sigma=SIGMA, jitter=0.0).double()
+    exact.covar.sigma_q, exact.covar.sigma_k = SIG_Q, SIG_K
+    sparse = make_gp(m=T, l=T)
+    ref = exact.conditional_mean(q, k, o, z)
+    got = sparse.conditional_mean(q, k, o, z, inducing=(o, k))
+    assert (got - ref).abs().max() < 1e-8
+    # and it is a genuine approximation away from the limit
+    s, s_keys = inducing(5, m=T - 2, l=T - 2)
+    assert (sparse.conditional_mean(q, k, o, z, inducing=(s, s_keys)) - ref).abs().max() > 1e-3
+
+
+def test_amortized_initialisation_is_the_sparse_limit():
+    """amortize=True starts at s = x_o, s' = k when m = l = T: the layer mean (z = v) is the exact
+    CGP conditional mean E[z_q | z_k = v]."""
+    q, k, o, v = make_inputs(6)
+    gp = make_gp(m=T, l=T, amortize=True, seq_len=T)
+    exact = CorrelatedGP(H, sigma=SIGMA, jitter=0.0).double()
+    exact.covar.sigma_q, exact.covar.sigma_k = SIG_Q, SIG_K
+    got = gp(q, k, o, v, sample=False, regularize=False).out
+    assert (got - exact.conditional_mean(q, k, o, v)).abs().max() < 1e-8
+    with pytest.raises(ValueError, match="seq_len=7"):
+        gp(*(t[:, :, :5] for t in (q, k, o, v)))
+
+
+def nested_dtc_samples(q, k, o, z, s, s_keys, N, seed, s2=SIGMA**2):
+    """z_o | z_k (DTC, eq. 57 / 67), z_m | z_o (eq. 55), z_q | z_m ~ N(K_qm K_mm⁻¹ z_m, σ² I)."""
+    K = {key: val[0] for key, val in dense_blocks(q, k, o, s, s_keys).items()}
+    n, m = q.shape[-2], s.shape[-2]
+    g = torch.Generator().manual_seed(seed)
+    Mk = K["K_ll"] + K["K_kl"].mT @ K["K_kl"] / s2
+    Fo = torch.linalg.solve(Mk, K["K_ol"].mT).mT
+    mu_o = (Fo @ K["K_kl"].mT @ z[0] / s2)[..., 0]  # shape: (H, T)
+    C_o = s2 * torch.eye(n, dtype=F64) + Fo @ K["K_ol"].mT
+    eps = torch.randn(H, N, n, 1, generator=g, dtype=F64)
+    z_o = mu_o[:, None] + (torch.linalg.cholesky(C_o)[:, None] @ eps)[..., 0]
+    Mq = K["K_mm"] + K["K_om"].mT @ K["K_om"] / s2
+    mean_m = (K["K_mm"] @ torch.linalg.solve(Mq, K["K_om"].mT))[:, None] @ z_o[..., None] / s2  # shape: (H, N, m, 1)
+    cov_m = K["K_mm"] @ torch.linalg.solve(Mq, K["K_mm"])
+    cov_m = 0.5 * (cov_m + cov_m.mT)
+    z_m = mean_m + torch.linalg.cholesky(cov_m)[:, None] @ torch.randn(H, N, m, 1, generator=g, dtype=F64)
+    proj = torch.linalg.solve(K["K_mm"], K["K_qm"].mT).mT  # K_qm K_mm⁻¹
+    return (proj[:, None] @ z_m)[..., 0] + s2**0.5 * torch.randn(H, N, n, generator=g, dtype=F64)
+
+
+def moments_close(samples, mean, cov, n_se=5.0):
+    """samples (..., N, T) vs mean (..., T), cov (..., T, T): every entry within n_se standard errors."""
+    N = samples.shape[-2]
+    emp_mean = samples.mean(-2)
+    c = samples - emp_mean[..., None, :]
+    emp_cov = c.mT @ c / (N - 1)
+    var = cov.diagonal(dim1=-2, dim2=-1)
+    assert ((emp_mean - mean).abs() <= n_se * (var / N).sqrt()).all()
+    se = ((var[..., :, None] * var[..., None, :] + cov**2) / N).sqrt()
+    assert ((emp_cov - cov).abs() <= n_se * se).all()
+
+
+def test_law_of_total_covariance_monte_carlo():
+    """Nested DTC sampling z_o | z_k → z_m | z_o → z_q | z_m; N = 200 000; 5 standard errors."""
+    gp = make_gp()
+    s, s_keys = inducing(7)
+    set_inducing(gp, s, s_keys)
+    q, k, o, v = make_inputs(8, b=1, t=5)
+    v = v[..., :1]
+    post = gp.posterior(q, k, o, v)
+    draws = nested_dtc_samples(q, k, o, v, s, s_keys, N=200_000, seed=9)  # shape: (H, N, T)
+    moments_close(draws, post.mean[0, :, 0], post.covariance_matrix[0, :, 0])
+
+
+def test_forward_samples_have_the_posterior_moments():
+    """The layer's sampler ν + σε₁ + K_qm R ε₂ over 40 000 replicated rows, 5 standard errors."""
+    torch.manual_seed(0)
+    gp = make_gp()
+    q, k, o, v = make_inputs(10, b=1, t=5)
+    post = gp.posterior(q, k, o, v)
+    N = 40_000
+    out = gp(*(t.expand(N, *t.shape[1:]) for t in (q, k, o, v)), regularize=False).out  # shape: (N, H, T, Dv)
+    moments_close(out.permute(1, 3, 0, 2), post.mean[0], post.covariance_matrix[0])
+
+
+def dense_regularizer_mc(q, k, o, nu, z, s, s_keys, N, seed, s2=SIGMA**2):
+    """App. E bound by Monte Carlo: z_o ~ N(0, K_om K_mm⁻¹ K_mo), z_m | z_o (eq. 55),
+    -2 log N(ν; K_qm K_mm⁻¹ z_m, σ²I) − T log 2π; the same for the keys with the l-set."""
+    K = dense_blocks(q, k, o, s, s_keys)
+    n = q.shape[-2]
+    g = torch.Generator().manual_seed(seed)
+    total, var = 0.0, 0.0
+    for target, K_tm, K_om, K_mm in ((nu, K["K_qm"], K["K_om"], K["K_mm"]), (z, K["K_kl"], K["K_ol"], K["K_ll"])):
+        m = K_mm.shape[-1]
+        Lmm = torch.linalg.cholesky(K_mm)
+        u = Lmm[:, :, None] @ torch.randn(*K_mm.shape[:2], N, m, 1, generator=g, dtype=F64)  # u ~ N(0, K_mm)
+        z_o = K_om[:, :, None] @ torch.cholesky_solve(u, Lmm[:, :, None])  # K_om K_mm⁻¹ u ~ N(0, Q_o)
+        Mq = K_mm + K_om.mT @ K_om / s2
+        mean_m = K_mm[:, :, None] @ torch.linalg.solve(Mq, K_om.mT)[:, :, None] @ z_o / s2
+        cov_m = K_mm @ torch.linalg.solve(Mq, K_mm)
+        cov_m = 0.5 * (cov_m + cov_m.mT)
+        eps = torch.randn(*K_mm.shape[:2], N, m, 1, generator=g, dtype=F64)
+        z_m = mean_m + torch.linalg.cholesky(cov_m)[:, :, None] @ eps
+        pred = (torch.linalg.solve(K_mm, K_tm.mT).mT[:, :, None] @ z_m)[..., 0]  # shape: (B, H, N, T)
+        r = target.mT[:, :, :, None, :] - pred[:, :, None]  # shape: (B, H, Dv, N, T)
+        val = r.pow(2).sum(-1) / s2 + n * torch.log(torch.tensor(s2, dtype=F64))
+        total = total + val.mean(-1)
+        var = var + val.var(-1) / N
+    return total, var.sqrt()
+
+
+def test_regularizer_equals_monte_carlo_estimate_of_the_bound():
+    gp = make_gp()
+    s, s_keys = inducing(11)
+    set_inducing(gp, s, s_keys)
+    q, k, o, v = make_inputs(12)
+    res = gp(q, k, o, v, sample=False)
+    assert res.regularizer.shape == (B, H, DV) and torch.isfinite(res.regularizer).all()
+    ref, se = dense_regularizer_mc(q, k, o, res.out, v, s, s_keys, N=20_000, seed=13)
+    assert ((res.regularizer - ref).abs() <= 5 * se).all(), (res.regularizer - ref) / se
+
+
+def test_regularizer_and_samples_are_differentiable():
+    gp = make_gp()
+    gp.inducing_latent.requires_grad_(True)
+    q, k, o, v = (t.requires_grad_(True) for t in make_inputs(14, b=1, t=5))
+
+    def reg(q, k, o, v):
+        return gp(q, k, o, v, sample=False).regularizer
+
+    def sampled(q, k, o, v):
+        torch.manual_seed(15)
+        return gp(q, k, o, v, regularize=False).out
+
+    assert torch.autograd.gradcheck(reg, (q, k, o, v))
+    assert torch.autograd.gradcheck(sampled, (q, k, o, v))
+    gp(q, k, o, v, sample=False).regularizer.sum().backward()
+    for p in (gp.inducing_latent, gp.inducing_keys, gp.covar.raw_sigma_q, gp.covar.raw_sigma_k):
+        assert p.grad is not None and torch.isfinite(p.grad).all() and (p.grad != 0).any()
+
+
+@pytest.mark.parametrize("padded", [(5, 6), (0, 3)])
+def test_padding_equals_truncated_sequence(padded):
+    gp = make_gp()
+    set_inducing(gp, *inducing(16))
+    q, k, o, v = make_inputs(17, b=1)
+    mask = torch.zeros(1, T, dtype=torch.bool)
+    mask[0, list(padded)] = True
+    real = (~mask[0]).nonzero()[:, 0]
+    q2, k2, o2, v2 = (t.clone() for t in (q, k, o, v))
+    for t in (q2, k2, o2, v2):
+        t[:, :, mask[0]] = 6.0 * torch.randn_like(t[:, :, mask[0]])
+    full = gp(q2, k2, o2, v2, mask, sample=False)
+    cut = gp(*(t[:, :, real] for t in (q, k, o, v)), sample=False)
+    torch.testing.assert_close(full.out[:, :, real], cut.out, rtol=1e-9, atol=1e-11)
+    assert full.out[:, :, mask[0]].abs().max() == 0
+    torch.testing.assert_close(full.regularizer, cut.regularizer, rtol=1e-9, atol=1e-9)
+    cov_full = gp.posterior(q2, k2, o2, v2, mask).covariance_matrix[..., real, :][..., real]
+    cov_cut = gp.posterior(*(t[:, :, real] for t in (q, k, o, v))).covariance_matrix
+    torch.testing.assert_close(cov_full, cov_cut, rtol=1e-9, atol=1e-11)
+
+
+class TokenSquareRecorder(TorchDispatchMode):
+    """Records every op output with two axes of size ≥ T (a T×T intermediate)."""
+
+    def __init__(self, n_tokens):
+        super().__init__()
+        self.n_tokens = n_tokens
+        self.offenders = []
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.ops += 1
+                if sum(size >= self.n_tokens for size in t.shape) >= 2:
+                    self.offenders.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("amortize", [False, True])
+def test_no_token_by_token_tensor_at_T_4096(amortize):
+    """Forward, backward and posterior() at T = 4096 never create a tensor with two T-sized axes."""
+    Tn = 4096
+    torch.manual_seed(0)
+    opts = dict(amortize=True, seq_len=Tn) if amortize else {}
+    layer = gpattn.build_attention("scgp", 16, 2, **opts)
+    x = torch.randn(2, Tn, 16, requires_grad=True)
+    mask = torch.zeros(2, Tn, dtype=torch.bool)
+    mask[1, 3000:] = True
+    fwd = TokenSquareRecorder(Tn)
+    with fwd:
+        y = layer(x, mask)
+        loss = y.square().mean() + layer.loss_terms()["cgp"]
+    bwd = TokenSquareRecorder(Tn)
+    with bwd:
+        loss.backward()
+    post_rec = TokenSquareRecorder(Tn)
+    with post_rec, torch.no_grad():
+        post = layer.posterior(x, mask)
+        var = post.variance
+    assert fwd.ops > 50 and bwd.ops > 50 and post_rec.ops > 10  # the instrumentation saw the work
+    assert fwd.offenders == [] and bwd.offenders == [] and post_rec.offenders == [], (
+        fwd.offenders + bwd.offenders + post_rec.offenders
+    )
+    assert torch.isfinite(var).all() and x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_layer_loss_term_and_options():
+    torch.manual_seed(0)
+    layer = gpattn.build_attention("scgp", 12, 2, num_inducing=5, num_inducing_keys=3).double()
+    assert layer.gp.inducing_latent.shape == (2, 5, 6) and layer.gp.inducing_keys.shape == (2, 3, 6)
+    x = torch.randn(3, 9, 12, dtype=F64)
+    layer(x)
+    p = layer.project(x)
+    c = layer.input_scale
+    res = layer.gp(p["q"] * c, p["k"] * c, p["o"] * c, p["v"], sample=False)
+    torch.testing.assert_close(layer.loss_terms()["cgp"], res.regularizer.sum((1, 2)).mean() / 2)
+    with gpattn.deterministic():
+        torch.testing.assert_close(layer.posterior(x).mean, res.out.transpose(-1, -2))
+
+
+def test_amortized_layer_trains_its_token_maps():
+    torch.manual_seed(0)
+    layer = gpattn.build_attention("scgp", 8, 2, amortize=True, seq_len=6, num_inducing=4, num_inducing_keys=3)
+    x = torch.randn(2, 6, 8)
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[1, 4:] = True
+    y = layer(x, mask)
+    (y.sum() + layer.loss_terms()["cgp"]).backward()
+    for p in (layer.gp.amortize_latent, layer.gp.amortize_keys):
+        assert p.grad is not None and torch.isfinite(p.grad).all() and (p.grad != 0).any()
+    # padded tokens never enter the amortised inducing inputs
+    x2 = x.clone()
+    x2[1, 4:] = 50 * torch.randn(2, 8)
+    with gpattn.deterministic():
+        torch.testing.assert_close(layer(x, mask)[1, :4], layer(x2, mask)[1, :4])
+
+
+@pytest.mark.parametrize(
+    "options, word",
+    [
+        (dict(num_inducing=0), "num_inducing"),
+        (dict(num_inducing_keys=2.5), "num_inducing_keys"),
+        (dict(amortize=True), "seq_len"),
+        (dict(seq_len=8), "seq_len"),
+        (dict(sigma=-1.0), "sigma"),
+        (dict(kernel=3), "kernel"),
+    ],
+)
+def test_bad_options_raise(options, word):
+    with pytest.raises(ValueError, match=word):
+        gpattn.build_attention("scgp", 8, 2, **options)
