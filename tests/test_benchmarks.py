@@ -1,0 +1,265 @@
+"""The benchmark scripts (benchmarks/): their bookkeeping, isolation and output schema.
+
+Benchmarks are not tests (STYLE.md 12): nothing here asserts a wall-clock time. What is checked is
+what the numbers are made of — ratios against softmax at the same (T, mode), log-log slopes, skip
+decisions, the option table, the peak-memory meter against an allocation of known size, the
+timeout / error / out-of-memory paths of the isolated runner — and, in the slow smoke runs, that
+each script's ``main`` runs every registered variant at a tiny size and writes rows of the
+documented schema.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpattn
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+TESTS = Path(__file__).resolve().parent
+
+# the forkserver children import the benchmark modules (and this one) by name
+for _p in (str(BENCH), str(TESTS)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+common = importlib.import_module("_common")
+scaling = importlib.import_module("attention_scaling")
+epoch_time = importlib.import_module("epoch_time")
+
+ISSUE7_SIZES = {"M": 16, "m": 16, "l": 16, "r": 10, "c": 2}
+
+
+# ----------------------------------------------------------------------------- workers for the runner
+def _worker_value(x):
+    return {"double": 2 * x}
+
+
+def _worker_raise():
+    raise ValueError("bad input for the worker")
+
+
+def _worker_sleep(seconds):
+    time.sleep(seconds)
+    return {"slept": seconds}
+
+
+def _worker_allocate(mib):
+    t = torch.ones(int(mib * 2**20 // 4))  # float32: mib MiB, touched
+    return {"sum": float(t[:10].sum())}
+
+
+def _worker_peak(mib):
+    peak = common.PeakRSS()
+    peak.reset()
+    t = torch.ones(int(mib * 2**20 // 4))
+    del t
+    return {"peak_mb": peak.peak_extra_mb(), "exact": peak.exact}
+
+
+# ----------------------------------------------------------------------------- option table
+def test_variant_configs_cover_registry_with_issue7_sizes():
+    configs = common.variant_configs()
+    assert configs[0]["variant"] == common.REFERENCE == "softmax"
+    names = {c["name"] for c in configs}
+    assert names == set(gpattn.list_attention())
+    labels = [c["variant"] for c in configs]
+    assert len(labels) == len(set(labels))
+    for c in configs:
+        valid = gpattn.attention_options(c["name"])
+        assert set(c["options"]) <= set(valid), c
+        for key, value in c["options"].items():
+            if key in common.EXTRA_CONFIGS:
+                assert value in common.EXTRA_CONFIGS[key]
+            else:
+                assert value == common.BENCH_OPTIONS[key]
+        # every issue-7 size the variant has under any known option name is passed
+        for key in set(valid) & set(common.BENCH_OPTIONS):
+            assert c["options"][key] == common.BENCH_OPTIONS[key]
+        # and the layer builds with them
+        gpattn.build_attention(c["name"], 128, 4, **c["options"])
+    assert {common.BENCH_OPTIONS[k] for k in ("num_global", "m", "l")} == {ISSUE7_SIZES["M"]}
+    assert common.BENCH_OPTIONS["rank"] == ISSUE7_SIZES["r"] and common.BENCH_OPTIONS["num_centroids"] == 2
+
+
+def test_variant_configs_filter_and_errors():
+    configs = common.variant_configs(["kernel"])
+    assert [c["variant"] for c in configs] == ["softmax", "kernel"]  # the reference is always added
+    with pytest.raises(ValueError, match="unknown variant"):
+        common.variant_configs(["no-such-variant"])
+    assert common.parse_variants(None) is None and common.parse_variants("all") is None
+    assert common.parse_variants(" a, b ,") == ["a", "b"]
+
+
+# ----------------------------------------------------------------------------- summaries
+def _row(variant, T, mode, ms, peak=10.0, status="ok"):
+    return {
+        "variant": variant,
+        "T": T,
+        "mode": mode,
+        "ms_median": ms if status == "ok" else None,
+        "ms_min": ms if status == "ok" else None,
+        "peak_mb": peak if status == "ok" else None,
+        "status": status,
+        "reason": None if status == "ok" else "test",
+    }
+
+
+def test_ratios_divide_by_softmax_at_same_T_and_mode():
+    rows = [
+        _row("softmax", 256, "forward", 2.0),
+        _row("softmax", 256, "fwd+bwd", 5.0),
+        _row("softmax", 1024, "forward", 8.0),
+        _row("x", 256, "forward", 3.0),
+        _row("x", 256, "fwd+bwd", 4.0),
+        _row("x", 1024, "forward", 8.0),
+        _row("x", 1024, "fwd+bwd", 1.0),  # no softmax at (1024, fwd+bwd): no ratio
+        _row("y", 256, "forward", 0.0, status="skipped"),
+    ]
+    scaling.add_ratios(rows)
+    got = {(r["variant"], r["T"], r["mode"]): r["ratio_to_softmax"] for r in rows}
+    assert got[("softmax", 256, "forward")] == 1.0
+    assert got[("x", 256, "forward")] == pytest.approx(1.5)
+    assert got[("x", 256, "fwd+bwd")] == pytest.approx(0.8)
+    assert got[("x", 1024, "forward")] == pytest.approx(1.0)
+    assert got[("x", 1024, "fwd+bwd")] is None
+    assert got[("y", 256, "forward")] is None
+
+
+def test_slopes_are_loglog_between_consecutive_T():
+    ts = [64, 256, 1024]
+    rows = []
+    for T in ts:
+        rows.append(_row("lin", T, "forward", 0.01 * T, peak=0.5 * T))
+        rows.append(_row("cub", T, "forward", 1e-6 * T**3, peak=1e-3 * T**2))
+    rows.append(_row("tiny", 64, "forward", 1.0, peak=0.2))
+    rows.append(_row("tiny", 256, "forward", 2.0, peak=0.4))
+    rows.append(_row("gap", 64, "forward", 1.0))
+    rows.append(_row("gap", 1024, "forward", 16.0))
+    out = {(s["variant"], s["T0"]): s for s in scaling.slopes(rows, ts)}
+    assert out[("lin", 256)]["time_slope"] == pytest.approx(1.0)
+    assert out[("lin", 256)]["mem_slope"] == pytest.approx(1.0)
+    assert out[("cub", 64)]["time_slope"] == pytest.approx(3.0)
+    assert out[("cub", 256)]["mem_slope"] == pytest.approx(2.0)
+    assert out[("cub", 64)]["mem_slope"] == pytest.approx(2.0)
+    assert out[("tiny", 64)]["time_slope"] == pytest.approx(0.5)
+    assert out[("tiny", 64)]["mem_slope"] is None  # below 1 MiB the RSS page granularity dominates
+    assert not any(s["variant"] == "gap" for s in out.values())  # only consecutive T
+
+
+def test_skip_only_when_predicted_not_to_fit():
+    profile = dict(scaling.PROFILES["quick"])
+    profile["timeout"] = 10.0
+    rows = [_row("cub", 64, "fwd+bwd", 10.0, peak=5.0), _row("cub", 256, "fwd+bwd", 640.0, peak=80.0)]
+    # cubic: 640 ms * 4**3 = 41 s per call > 10 s budget
+    reason = scaling._skip_reason(rows, "cub", "fwd+bwd", 1024, profile, mem_limit_mb=1e6)
+    assert reason is not None and "predicted 41.0 s" in reason
+    # fits the time budget with a larger timeout, but its memory (80 MiB * 4**2 = 1280 MiB) does not
+    profile["timeout"] = 1000.0
+    reason = scaling._skip_reason(rows, "cub", "fwd+bwd", 1024, profile, mem_limit_mb=1000.0)
+    assert reason is not None and "1280 MiB" in reason
+    assert scaling._skip_reason(rows, "cub", "fwd+bwd", 1024, profile, mem_limit_mb=2000.0) is None
+    # one measured point: no extrapolation, the case runs (the per-case timeout still applies)
+    assert scaling._skip_reason(rows[:1], "cub", "fwd+bwd", 1024, dict(profile, timeout=0.001), 1.0) is None
+    # a smaller T that did not fit: larger T is skipped too
+    rows.append(_row("big", 256, "forward", 0.0, status="skipped"))
+    assert "T=256" in scaling._skip_reason(rows, "big", "forward", 1024, profile, 1e6)
+
+
+# ----------------------------------------------------------------------------- memory meter and runner
+def test_peak_meter_sees_a_known_allocation():
+    torch.manual_seed(0)
+    out = _worker_peak(96)
+    if not out["exact"]:
+        pytest.skip("no /proc/self/clear_refs: the peak meter falls back to ru_maxrss")
+    assert 90.0 <= out["peak_mb"] <= 96.0 + 40.0
+
+
+@pytest.mark.slow  # starts the forkserver (~5 s on a loaded 2-core machine)
+def test_isolated_runner_paths():
+    kw = dict(threads=1, mem_limit_mb=512.0, preload=("test_benchmarks", "attention_scaling", "epoch_time"))
+    assert common.run_isolated(_worker_value, {"x": 21}, timeout=60, **kw) == {"status": "ok", "double": 42}
+    err = common.run_isolated(_worker_raise, {}, timeout=60, **kw)
+    assert err["status"] == "error" and "ValueError" in err["reason"] and "bad input" in err["reason"]
+    slow = common.run_isolated(_worker_sleep, {"seconds": 30}, timeout=1.5, **kw)
+    assert slow["status"] == "skipped" and "timeout" in slow["reason"]
+    # 1 GiB beyond the cap (512 MiB + the runner's 1 GiB slack for thread arenas) fails cleanly
+    oom = common.run_isolated(_worker_allocate, {"mib": 4096}, timeout=60, **kw)
+    assert oom["status"] == "skipped" and "out of memory" in oom["reason"], oom
+    peak = common.run_isolated(_worker_peak, {"mib": 64}, timeout=60, **kw)
+    assert peak["status"] == "ok"
+    if peak["exact"]:
+        assert 60.0 <= peak["peak_mb"] <= 64.0 + 40.0
+    inproc = common.run_isolated(_worker_value, {"x": 1}, timeout=1, isolate=False, **kw)
+    assert inproc == {"status": "ok", "double": 2}
+
+
+# ----------------------------------------------------------------------------- end to end (tiny)
+ROW_KEYS = {"variant", "name", "options", "T", "mode", "ms_median", "ms_min", "peak_mb", "ratio_to_softmax", "status"}
+
+
+@pytest.mark.slow
+def test_attention_scaling_smoke_schema(tmp_path):
+    torch.manual_seed(0)
+    out = tmp_path / "scaling.json"
+    result = scaling.main(["--smoke", "--threads", "1", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["meta"]["ts"] == [16, 32] and data["meta"]["B"] == 2
+    rows = data["rows"]
+    labels = {c["variant"] for c in data["meta"]["configs"]}
+    assert {c["name"] for c in data["meta"]["configs"]} == set(gpattn.list_attention())
+    assert len(rows) == len(labels) * 2 * 2
+    by_key = {}
+    for r in rows:
+        assert ROW_KEYS <= set(r), r
+        assert r["status"] == "ok", f"{r['variant']} T={r['T']} {r['mode']}: {r['reason']}"
+        assert r["mode"] in scaling.MODES and r["T"] in (16, 32)
+        assert r["ms_min"] <= r["ms_median"] and r["ms_min"] > 0 and r["peak_mb"] >= 0 and r["reps"] >= 1
+        by_key[(r["variant"], r["T"], r["mode"])] = r
+    for (_variant, T, mode), r in by_key.items():
+        expected = r["ms_median"] / by_key[("softmax", T, mode)]["ms_median"]
+        assert r["ratio_to_softmax"] == pytest.approx(expected, rel=1e-9)
+    for s in data["slopes"]:
+        a, b = by_key[(s["variant"], 16, s["mode"])], by_key[(s["variant"], 32, s["mode"])]
+        assert s["time_slope"] == pytest.approx(math.log2(b["ms_median"] / a["ms_median"]), rel=1e-9)
+    assert len(result["rows"]) == len(rows)
+    for png in data["meta"]["png"]:
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_epoch_time_smoke_schema(tmp_path):
+    from gpattn.data.fixtures import make_cola_zip
+
+    torch.manual_seed(0)
+    make_cola_zip(tmp_path / "data", n_train=64, n_dev=16, n_ood=16, seed=0)
+    out = tmp_path / "epoch.json"
+    epoch_time.main(
+        ["--data-dir", str(tmp_path / "data"), "--no-verify-checksum", "--max-steps", "2", "--batch-size", "8"]
+        + ["--threads", "1", "--json", str(out)]
+    )
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert {r["name"] for r in rows} == set(gpattn.list_attention())
+    ref = next(r for r in rows if r["variant"] == "softmax")
+    for r in rows:
+        assert r["status"] == "ok", f"{r['variant']}: {r['reason']}"
+        assert r["steps_timed"] == 2 and r["extrapolated"] is True
+        assert r["steps_per_epoch"] == math.ceil(data["meta"]["n_train"] / 8)
+        assert r["epoch_s"] == pytest.approx(r["step_ms_mean"] / 1e3 * r["steps_per_epoch"], rel=1e-9)
+        assert r["ratio_to_softmax"] == pytest.approx(r["epoch_s"] / ref["epoch_s"], rel=1e-9)
+    assert data["meta"]["model"] == {
+        "embed_dim": 128,
+        "num_heads": 4,
+        "num_layers": 2,
+        "mlp_ratio": 2.0,
+        "dropout": 0.1,
+        "batch_size": 8,
+    }
