@@ -1,0 +1,141 @@
+"""SGPA attention layers (MATH.md §5; Chen & Li, ICLR 2023): thin shims over
+:mod:`gpattn.variational.sgpa` (standard) and :mod:`gpattn.variational.sgpa_decoupled` (decoupled)."""
+
+from __future__ import annotations
+
+import torch
+from gpytorch.kernels import Kernel
+
+from gpattn.attention.base import AttentionBase
+from gpattn.attention.registry import register
+from gpattn.kernels import make_kernel
+from gpattn.variational.sgpa import AmortisedDiagonalVariationalDistribution, SGPAVariationalStrategy
+from gpattn.variational.sgpa_decoupled import (
+    DecoupledSGPAVariationalStrategy,
+    WhitenedGlobalVariationalDistribution,
+)
+
+__all__ = ["DecoupledSGPAttention", "SGPAttention"]
+
+
+@register("sgpa")
+class SGPAttention(AttentionBase):
+    r"""Standard SGPA (seed 004 §3.2, MATH.md §5a): each head's output dim d is a sparse variational
+    GP whose inducing inputs are the sequence's own keys; the posterior mean is kernel attention
+    :math:`K_{qk} v` and the whitened amortised covariance gives :math:`\Sigma_d = L \tilde\Sigma_d L^\top`.
+    Symmetric kernel (W_q = W_k: projections ("qk", "v")). Cost O(T³) per (B, H).
+
+    :param kernel: ``"exponential"`` (default, text), ``"rbf"`` (ARD-RBF, images) or any gpytorch
+        ``Kernel`` (per-head batch_shape ``(H,)`` recommended).
+    :param jitter: relative jitter of the Cholesky factor (1e-6 suits float32; 0 for float64 checks).
+    :param covariance: ``"full"`` (default: exact joint samples; with L shared, as cheap as ``"diag"``)
+        or ``"diag"`` (independent tokens).
+
+    Loss terms: ``kl_seq`` — the KL, summed over heads and Dv, averaged over the batch (MATH.md §9).
+    """
+
+    projections = ("qk", "v")
+    is_gp = True
+    stochastic = True
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kernel: str | Kernel = "exponential",
+        jitter: float = 1e-6,
+        covariance: str = "full",
+        **base,
+    ):
+        super().__init__(embed_dim, num_heads, **base)
+        self.strategy = SGPAVariationalStrategy(
+            make_kernel(kernel, num_heads, self.head_dim),
+            AmortisedDiagonalVariationalDistribution(num_heads, self.head_dim, self.value_dim),
+            jitter=jitter,
+            covariance=covariance,
+        )
+
+    @property
+    def kernel(self) -> Kernel:
+        return self.strategy.kernel
+
+    def _condition(self, x, mask):
+        p = self.project(x)
+        return self.strategy.condition(p["qk"], p["v"], mask)
+
+    def _attend(self, x, mask):
+        cond = self._condition(x, mask)
+        self.set_loss_terms(kl_seq=cond.kl_divergence().sum((1, 2)).mean(0))
+        return cond.rsample() if self.sampling else cond.mean
+
+    def _posterior(self, x, mask):
+        return self._condition(x, mask).posterior()
+
+
+@register("sgpa-decoupled")
+class DecoupledSGPAttention(AttentionBase):
+    r"""Decoupled SGPA (seed 004 §3.3–3.4, MATH.md §5b): amortised mean basis from the sequence's
+    keys and values plus ``num_global`` global inducing inputs per head, mapped like tokens through
+    the layer's own W_qk rows for that head; whitened S̃_g,d per output dim.
+
+    :param kernel: as for ``sgpa``.
+    :param num_global: M global inducing inputs per head (default 16, the seed-004 / issue-7 setting).
+    :param covariance: ``"diag"`` (default, the released code's mode: independent tokens) or
+        ``"full"`` (exact joint samples).
+    :param jitter: relative jitter (1e-6 suits float32; 0 for float64 checks).
+
+    Loss terms: ``kl_seq`` — the γ-part (input-dependent), summed over heads and Dv, averaged over the
+    batch; ``kl_global`` — the β-part (global parameters), summed (MATH.md §9).
+    """
+
+    projections = ("qk", "v")
+    is_gp = True
+    stochastic = True
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kernel: str | Kernel = "exponential",
+        num_global: int = 16,
+        covariance: str = "diag",
+        jitter: float = 1e-6,
+        **base,
+    ):
+        super().__init__(embed_dim, num_heads, **base)
+        if isinstance(num_global, bool) or not isinstance(num_global, int) or num_global < 1:
+            raise ValueError(f"num_global must be a positive int, got {num_global!r}")
+        self.strategy = DecoupledSGPAVariationalStrategy(
+            make_kernel(kernel, num_heads, self.head_dim),
+            WhitenedGlobalVariationalDistribution(num_heads, num_global, self.value_dim),
+            torch.randn(num_heads, num_global, embed_dim),
+            jitter=jitter,
+            covariance=covariance,
+        )
+        self._qk_offset = sum(self._proj_widths[: self.projections.index("qk")])
+
+    @property
+    def kernel(self) -> Kernel:
+        return self.strategy.kernel
+
+    def global_keys(self) -> torch.Tensor:
+        """Each head's global keys through that head's rows of W_qk.  # shape: (H, M, Dh)"""
+        H, Dh, D, o = self.num_heads, self.head_dim, self.embed_dim, self._qk_offset
+        weight = self.in_proj.weight[o : o + D].view(H, Dh, D)
+        bias = None if self.in_proj.bias is None else self.in_proj.bias[o : o + D].view(H, Dh)
+        return self.strategy.global_keys(weight, bias)
+
+    def _condition(self, x, mask):
+        p = self.project(x)
+        return self.strategy.condition(p["qk"], p["v"], self.global_keys(), mask)
+
+    def _attend(self, x, mask):
+        cond = self._condition(x, mask)
+        gamma, beta = cond.kl_divergence_parts()
+        self.set_loss_terms(kl_seq=gamma.sum((1, 2)).mean(0), kl_global=beta.sum())
+        return cond.rsample() if self.sampling else cond.mean
+
+    def _posterior(self, x, mask):
+        return self._condition(x, mask).posterior()

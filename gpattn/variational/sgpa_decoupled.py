@@ -1,0 +1,350 @@
+"""Decoupled SGPA: orthogonally decoupled sparse GP attention (MATH.md §5b).
+
+Chen & Li, ICLR 2023 (seed 004 §3.3–3.4), built on the orthogonally decoupled SVGP of Salimbeni,
+Cheng, Boots & Deisenroth (NeurIPS 2018). The q(u_g) parameterisation
+(:class:`WhitenedGlobalVariationalDistribution`: global, per layer, head and output dim) is kept
+apart from the q(u) → q(f) map (:class:`DecoupledSGPAVariationalStrategy`), which keeps GPyTorch's
+vocabulary (see :mod:`gpattn.variational.sgpa`, whose padding and jitter rules it shares:
+``jitter`` is relative to the mean diagonal of each Gram matrix).
+
+**Relation to GPyTorch.** ``gpytorch.variational.OrthogonallyDecoupledVariationalStrategy`` (1.15)
+computes its mean as ``base_mean(x) + Cov_q(x, a) γ`` with the *posterior* covariance of its
+covariance strategy, so its mean carries the extra term K_qg L_g⁻ᵀ S̃ L_g⁻¹ K_ga γ, and its
+``kl_divergence()`` adds ½ γᵀ Cov_q(a, a) γ instead of the process KL's
+½ γᵀ (K_aa − K_ag K_gg⁻¹ K_ga) γ (an extra ½ γᵀ K_ag L_g⁻ᵀ S̃ L_g⁻¹ K_ga γ). Salimbeni et al.'s mean
+(and MATH §5b) has no S̃ in the mean; the two agree as S̃ → 0 (the difference is linear in S̃). Measured in
+``tests/test_sgpa_decoupled.py`` (float64, T = 12, M = 5, one output dim; the identities above hold to
+4e-15): at S̃ = I (the initialisation) the relative mean difference ‖Δμ‖/‖μ‖ is 5.4 and GPyTorch's
+KL is 40.4 against the process KL 5.8; at S̃ = 0.09·I, 0.48 and 12.7 vs 9.6; at S̃ = 10⁻⁸·I,
+5.4·10⁻⁸ and a relative KL difference of 7·10⁻⁹.
+
+**Key padding.** Padded keys leave the amortised mean basis (their values are set to 0, so K_qa and
+K_ga lose their columns and γ its entries). Queries at padded positions stay GP test points; in
+``covariance="full"`` the Cholesky factor of the shared residual is computed with the real tokens
+first, so real tokens' samples never depend on padded ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.kernels import Kernel
+from linear_operator.operators import (
+    CholLinearOperator,
+    DenseLinearOperator,
+    DiagLinearOperator,
+    RootLinearOperator,
+    SumLinearOperator,
+    TriangularLinearOperator,
+)
+
+from gpattn.kernels import evaluate_kernel
+from gpattn.variational._linalg import cholesky, gp_algebra, safe_sqrt, tri_solve
+from gpattn.variational.sgpa import (
+    add_diagonal,
+    check_covariance,
+    check_jitter,
+    check_sequence_inputs,
+    posterior_distribution,
+    relative_jitter,
+    standard_normal,
+)
+
+__all__ = [
+    "DecoupledSGPAConditional",
+    "DecoupledSGPAVariationalStrategy",
+    "WhitenedGlobalVariationalDistribution",
+]
+
+
+# ---------------------------------------------------------------------------------- q(u_g)
+class WhitenedGlobalVariationalDistribution(nn.Module):
+    r"""Global whitened q(ũ_g) of decoupled SGPA, per head h and output dim d:
+
+    .. math:: q(\tilde u_{g,d}) = \mathcal N(L_g^\top v_{g,d},\ \tilde S_{g,d}),
+              \qquad \tilde S_{g,d} = L_{s,d} L_{s,d}^\top,
+
+    with the unwhitened coefficients :math:`v_g \in \mathbb R^{H \times M \times D_v}` (the mean term is
+    :math:`K_{qg} v_{g,d}`) and :math:`L_{s,d}` lower triangular with a positive (softplus) diagonal.
+    Only the M(M+1)/2 lower-triangular entries are parameters. Initialised as GPyTorch's
+    ``CholeskyVariationalDistribution``: S̃ = I, v_g ~ N(0, 10⁻⁶).
+    """
+
+    def __init__(self, num_heads: int, num_global: int, value_dim: int):
+        super().__init__()
+        self.num_global = num_global
+        self.inducing_values = nn.Parameter(1e-3 * torch.randn(num_heads, num_global, value_dim))  # (H, M, Dv)
+        rows, cols = torch.tril_indices(num_global, num_global)
+        raw = torch.where(rows == cols, math.log(math.expm1(1.0)), 0.0)  # softplus(raw) = 1 on the diagonal
+        self.raw_scale_tril = nn.Parameter(raw.repeat(num_heads, value_dim, 1))  # shape: (H, Dv, M(M+1)/2)
+
+    def scale_tril(self) -> torch.Tensor:
+        """L_s.  # shape: -> (H, Dv, M, M)"""
+        M = self.num_global
+        rows, cols = torch.tril_indices(M, M, device=self.raw_scale_tril.device)
+        raw = self.raw_scale_tril
+        entries = torch.where(rows == cols, F.softplus(raw), raw)
+        L = raw.new_zeros(*raw.shape[:-1], M, M)
+        L[..., rows, cols] = entries
+        return L
+
+
+# ---------------------------------------------------------------------------------- q(u) -> q(f)
+class DecoupledSGPAConditional:
+    """The factors of one decoupled-SGPA forward pass (returned by
+    :meth:`DecoupledSGPAVariationalStrategy.condition`; explicit, never cached).
+
+    :ivar mean: posterior mean.  # shape: (B, H, T, Dv)
+    :ivar interp: A = K_qg L_g⁻ᵀ.  # shape: (B, H, T, M)
+    :ivar scale_tril: L_s.  # shape: (H, Dv, M, M)
+    """
+
+    def __init__(
+        self,
+        *,
+        gram,
+        gram_diag,
+        gram_values,
+        interp,
+        mean,
+        values,
+        proj_values,
+        whitened_values,
+        scale_tril,
+        mask,
+        jitter,
+        covariance,
+    ):
+        self.gram = gram  # shape: (B, H, T, T); K_qq (= K_qa before the padded columns leave)
+        self.gram_diag = gram_diag  # shape: (B, H, T); diag K_qq, evaluated on its own (no (T, T) gradient)
+        self.gram_values = gram_values  # shape: (B, H, T, Dv); K_qa v_a
+        self.interp = interp  # shape: (B, H, T, M)
+        self.mean = mean  # shape: (B, H, T, Dv)
+        self.values = values  # shape: (B, H, T, Dv); v_a, 0 at padded keys
+        self.proj_values = proj_values  # shape: (B, H, M, Dv); c = L_g⁻¹ K_ga v_a
+        self.whitened_values = whitened_values  # shape: (H, M, Dv); ũ = L_gᵀ v_g
+        self.scale_tril = scale_tril  # shape: (H, Dv, M, M)
+        self.mask = mask
+        self.jitter = jitter
+        self.covariance = covariance
+
+    # -- GPyTorch vocabulary for the global (β) part, whitened
+    @property
+    def prior_distribution(self) -> MultivariateNormal:
+        """p(ũ_g) = N(0, I_M).  # shape: batch (H, Dv), event M"""
+        zeros = torch.zeros_like(self.whitened_values).transpose(-1, -2)
+        return MultivariateNormal(zeros, DiagLinearOperator(torch.ones_like(zeros)))
+
+    @property
+    def variational_distribution(self) -> MultivariateNormal:
+        """q(ũ_g) = N(L_gᵀ v_g, L_s L_sᵀ).  # shape: batch (H, Dv), event M"""
+        return MultivariateNormal(
+            self.whitened_values.transpose(-1, -2), CholLinearOperator(TriangularLinearOperator(self.scale_tril))
+        )
+
+    def kl_divergence_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""The two parts of the process KL (MATH.md §5b, §9):
+
+        .. math::
+            \mathrm{KL}_{\gamma,d} = \tfrac12\, v_{a,d}^\top (K_{aa} - K_{ag} K_{gg}^{-1} K_{ga}) v_{a,d}, \qquad
+            \mathrm{KL}_{\beta,d} = \tfrac12\big[\operatorname{tr}\tilde S_{g,d} + \tilde u_d^\top \tilde u_d - M
+                                     - \log|\tilde S_{g,d}|\big].
+
+        γ depends on the sequence (``kl_seq``); β on global parameters only (``kl_global``).
+        # shape: -> (B, H, Dv), (H, Dv)
+        """
+        quad_aa = (self.values * self.gram_values).sum(-2)  # shape: (B, H, Dv); v̂ᵀ K_aa v̂
+        gamma = 0.5 * (quad_aa - self.proj_values.square().sum(-2))
+        L_s = self.scale_tril
+        log_det = 2 * L_s.diagonal(dim1=-2, dim2=-1).log().sum(-1)  # shape: (H, Dv)
+        M = L_s.shape[-1]
+        beta = 0.5 * (L_s.square().sum((-2, -1)) + self.whitened_values.square().sum(-2) - M - log_det)
+        return gamma, beta
+
+    def kl_divergence(self) -> torch.Tensor:
+        """Process KL per (b, h, d) = γ-part + β-part.  # shape: -> (B, H, Dv)"""
+        gamma, beta = self.kl_divergence_parts()
+        return gamma + beta
+
+    # -- q(f)
+    def residual(self) -> torch.Tensor:
+        """K_qq − K_qg K_gg⁻¹ K_gq, shared by the Dv output dims.  # shape: -> (B, H, T, T)"""
+        return self.gram - self.interp @ self.interp.mT
+
+    def variance(self) -> torch.Tensor:
+        """diag Σ_d = diag K_qq − ‖A_t‖² + A_t S̃_d A_tᵀ, without any (T, T) or (Dv, T, M) tensor.
+
+        # shape: -> (B, H, T, Dv)
+        """
+        A = self.interp
+        B, H, T, M = A.shape
+        resid = self.gram_diag - A.square().sum(-1)  # shape: (B, H, T)
+        S = self.scale_tril @ self.scale_tril.mT  # shape: (H, Dv, M, M)
+        outer = (A[..., :, None] * A[..., None, :]).reshape(B, H, T, M * M)  # shape: (B, H, T, M²)
+        quad = outer @ S.reshape(H, -1, M * M).mT  # shape: (B, H, T, Dv)
+        return resid[..., None] + quad
+
+    def posterior(self) -> MultivariateNormal:
+        """q(f): ``"full"``: Σ_d = (K_qq − Q_qq) + (A L_s,d)(A L_s,d)ᵀ as a sum of a dense and a root
+        operator ((B, H, Dv, T, T) when evaluated: for verification); ``"diag"``: diag Σ_d."""
+        if self.covariance == "diag":
+            return posterior_distribution(self.mean, DiagLinearOperator(self.variance().transpose(-1, -2)))
+        Dv = self.mean.shape[-1]
+        R = self.residual()
+        dense = DenseLinearOperator(R[:, :, None].expand(*R.shape[:2], Dv, *R.shape[2:]))
+        root = self.interp[:, :, None] @ self.scale_tril  # shape: (B, H, Dv, T, M)
+        # SumLinearOperator explicitly: `dense + root` would root-decompose `dense` (Lanczos) in add_low_rank
+        return posterior_distribution(self.mean, SumLinearOperator(dense, RootLinearOperator(root)))
+
+    def _residual_sample(self, eps: torch.Tensor) -> torch.Tensor:
+        """chol(R + jitter) ε with the real tokens ordered first, so that real tokens' samples never
+        depend on padded ones. One Cholesky per (B, H), shared by the Dv output dims.
+
+        # shape: eps (..., B, H, T, Dv) -> (..., B, H, T, Dv)
+        """
+        R = self.residual()  # shape: (B, H, T, T)
+        B, H, T, _ = R.shape
+        pad = None if self.mask is None else self.mask[:, None, :]
+        jit = relative_jitter(self.gram_diag, self.jitter, pad)  # shape: (B, H, 1, 1)
+        if self.mask is None:
+            L = cholesky(add_diagonal(R, jit[..., 0]), name="sgpa-decoupled (K_qq - Q_qq)")
+            return L @ eps
+        perm = torch.argsort(self.mask.to(torch.int8), dim=-1, stable=True)  # shape: (B, T), real first
+        rows = perm[:, None, :, None].expand(B, H, T, T)
+        R = R.gather(-2, rows).gather(-1, rows.mT)  # R[perm][:, perm]
+        L = cholesky(add_diagonal(R, jit[..., 0]), name="sgpa-decoupled (K_qq - Q_qq)")
+        inv = torch.argsort(perm, dim=-1)[:, None, :, None].expand(B, H, T, eps.shape[-1])  # shape: (B, H, T, Dv)
+        inv = inv.expand(*eps.shape[:-4], *inv.shape)
+        return (L @ eps).gather(-2, inv)  # rows back in token order (ε's row order is immaterial)
+
+    def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Exact reparameterised sample(s).
+
+        ``"full"``: Σ_d = R + (A L_s,d)(A L_s,d)ᵀ is a sum of two covariances, so
+        f_d = μ_d + chol(R) ε₁ + A (L_s,d ε₂,d) with independent ε₁ ∈ R^T, ε₂ ∈ R^M: exact, one T×T
+        Cholesky per (B, H) instead of one per (B, H, d). ``"diag"``: f_d = μ_d + sqrt(diag Σ_d) ⊙ ε
+        (independent tokens).
+
+        # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P
+        """
+        with gp_algebra(self.mean.device.type):
+            eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)  # shape: (..., B, H, T, Dv)
+            if self.covariance == "diag":
+                return self.mean + safe_sqrt(self.variance()) * eps
+            B, H, T, Dv = self.mean.shape
+            M = self.interp.shape[-1]
+            eps_g = standard_normal((B, H, Dv, M, 1), self.mean, num_samples, generator)
+            low_rank = (self.scale_tril @ eps_g)[..., 0].transpose(-1, -2)  # shape: (..., B, H, M, Dv)
+            return self.mean + self._residual_sample(eps) + self.interp @ low_rank
+
+
+class DecoupledSGPAVariationalStrategy(nn.Module):
+    r"""Decoupled SGPA (seed 004 §3.3; MATH.md §5b) for every head and output dim d at once.
+
+    Two bases per head: the amortised mean basis (the sequence's keys k_a with coefficients the
+    values v_a) and M global inducing inputs Z_g ∈ R^{M×D} per head, mapped like tokens through the
+    layer's own W_qk for that head (:meth:`global_keys`). With L_g = chol(K_gg + jitter) and
+    A = K_qg L_g⁻ᵀ:
+
+    .. math::
+        \mu_d &= K_{qa} v_{a,d} - K_{qg} K_{gg}^{-1} K_{ga} v_{a,d} + K_{qg} v_{g,d}
+               = K_{qa} v_{a,d} + A (\tilde u_d - L_g^{-1} K_{ga} v_{a,d}), \\
+        \Sigma_d &= K_{qq} - K_{qg} K_{gg}^{-1} K_{gq} + (A L_{s,d})(A L_{s,d})^\top,
+
+    with ũ_d = L_gᵀ v_g,d. Cost O(T²·Dv + T·M² + M³) per (B, H) (+ one T×T Cholesky per (B, H)
+    when sampling with ``covariance="full"``).
+
+    :param kernel: gpytorch kernel, batch_shape broadcasting against (B, H).
+    :param variational_distribution: the global q(ũ_g).
+    :param inducing_inputs: initial Z_g.  # shape: (H, M, D)
+    :param jitter: relative jitter (see :mod:`gpattn.variational.sgpa`).
+    :param covariance: ``"full"`` or ``"diag"``.
+    """
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        variational_distribution: WhitenedGlobalVariationalDistribution,
+        inducing_inputs: torch.Tensor,
+        *,
+        jitter: float = 1e-6,
+        covariance: str = "diag",
+    ):
+        super().__init__()
+        if inducing_inputs.dim() != 3 or inducing_inputs.shape[1] != variational_distribution.num_global:
+            raise ValueError(
+                f"inducing_inputs must have shape (H, M={variational_distribution.num_global}, D), got "
+                f"{tuple(inducing_inputs.shape)}"
+            )
+        self.kernel = kernel
+        self.variational_distribution = variational_distribution
+        self.inducing_inputs = nn.Parameter(inducing_inputs.clone())  # shape: (H, M, D)
+        self.jitter = check_jitter(jitter)
+        self.covariance = check_covariance(covariance)
+
+    def global_keys(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """k_g[h] = Z_g[h] W_qk[h]ᵀ + b_qk[h]: each head's global inputs through *that head's* rows of
+        W_qk (the released code slices a fused qkv weight wrongly, MATH §5b Peer code (i)).
+
+        # shape: weight (H, Dh, D), bias (H, Dh) or None -> (H, M, Dh)
+        """
+        Z = self.inducing_inputs
+        if weight.dim() != 3 or weight.shape[0] != Z.shape[0] or weight.shape[-1] != Z.shape[-1]:
+            raise ValueError(f"weight must have shape (H, Dh, D={Z.shape[-1]}), got {tuple(weight.shape)}")
+        keys = Z @ weight.mT  # shape: (H, M, Dh)
+        return keys if bias is None else keys + bias[:, None, :]
+
+    def condition(
+        self,
+        queries: torch.Tensor,
+        values: torch.Tensor,
+        global_keys: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> DecoupledSGPAConditional:
+        """Factorise once for a batch of sequences (self-attention: the keys k_a are the queries).
+
+        # shape: queries (B, H, T, Dh), values (B, H, T, Dv), global_keys (H, M, Dh), mask (B, T) or None
+        """
+        check_sequence_inputs(queries, values, mask)
+        B, H, T, Dh = queries.shape
+        if global_keys.dim() != 3 or global_keys.shape[0] != H or global_keys.shape[-1] != Dh:
+            raise ValueError(f"global_keys must have shape (H={H}, M, Dh={Dh}), got {tuple(global_keys.shape)}")
+        with gp_algebra(queries.device.type):
+            if mask is not None:
+                values = values.masked_fill(mask[:, None, :, None], 0.0)  # padded keys leave the mean basis
+            K = evaluate_kernel(self.kernel, queries, queries)  # shape: (B, H, T, T)
+            K_gg = evaluate_kernel(self.kernel, global_keys, global_keys)  # shape: (H, M, M)
+            jit = relative_jitter(K_gg.diagonal(dim1=-2, dim2=-1), self.jitter)  # shape: (H, 1, 1)
+            L_g = cholesky(add_diagonal(K_gg, jit[..., 0]), name="sgpa-decoupled (K_gg)")  # shape: (H, M, M)
+            K_qg = evaluate_kernel(self.kernel, queries, global_keys.expand(B, *global_keys.shape))  # (B, H, T, M)
+            A = tri_solve(L_g.mT, K_qg, upper=True, left=False)  # shape: (B, H, T, M); A L_gᵀ = K_qg
+            c = A.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
+            u_tilde = L_g.mT @ self.variational_distribution.inducing_values  # shape: (H, M, Dv)
+            Kv = K @ values  # shape: (B, H, T, Dv); K_qa v_a (padded keys have v = 0)
+            mean = Kv + A @ (u_tilde - c)  # shape: (B, H, T, Dv)
+            return DecoupledSGPAConditional(
+                gram=K,
+                gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True),
+                gram_values=Kv,
+                interp=A,
+                mean=mean,
+                values=values,
+                proj_values=c,
+                whitened_values=u_tilde,
+                scale_tril=self.variational_distribution.scale_tril(),
+                mask=mask,
+                jitter=self.jitter,
+                covariance=self.covariance,
+            )
+
+    def forward(self, queries, values, global_keys, mask=None) -> MultivariateNormal:
+        """q(f) at the queries.  # shape: -> batch (B, H, Dv), event T"""
+        return self.condition(queries, values, global_keys, mask).posterior()
+
+    def kl_divergence(self, queries, values, global_keys, mask=None) -> torch.Tensor:
+        """Process KL per (b, h, d).  # shape: -> (B, H, Dv)"""
+        return self.condition(queries, values, global_keys, mask).kl_divergence()
