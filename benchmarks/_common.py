@@ -55,6 +55,7 @@ BENCH_OPTIONS: dict[str, int] = {
     "num_inducing_q": 16,
     "num_inducing_o": 16,
     "num_inducing_k": 16,
+    "num_inducing_keys": 16,
     # r: KEP-SVGP rank
     "rank": 10,
     "r": 10,

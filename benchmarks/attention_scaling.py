@@ -163,10 +163,15 @@ def _skip_reason(rows, variant, mode, T, profile, mem_limit_mb):
 
 # ----------------------------------------------------------------------------- summaries
 def add_ratios(rows):
-    ref = {(r["T"], r["mode"]): r["ms_median"] for r in rows if r["variant"] == REFERENCE and r["status"] == "ok"}
+    """``ratio_to_softmax`` (medians) and ``ratio_min_to_softmax`` (minima: less sensitive to other
+    processes on a shared machine) against softmax at the same (T, mode)."""
+    ok = [r for r in rows if r["variant"] == REFERENCE and r["status"] == "ok"]
+    ref = {(r["T"], r["mode"]): r["ms_median"] for r in ok}
+    ref_min = {(r["T"], r["mode"]): r["ms_min"] for r in ok}
     for r in rows:
-        base = ref.get((r["T"], r["mode"]))
+        base, base_min = ref.get((r["T"], r["mode"])), ref_min.get((r["T"], r["mode"]))
         r["ratio_to_softmax"] = r["ms_median"] / base if r["status"] == "ok" and base else None
+        r["ratio_min_to_softmax"] = r["ms_min"] / base_min if r["status"] == "ok" and base_min else None
 
 
 def slopes(rows, ts):
@@ -262,6 +267,68 @@ def _local_plot(rows, path, title):
     fig.savefig(path, dpi=120)
 
 
+def to_markdown(result) -> str:
+    """Markdown tables (fwd+bwd and forward, ms and ratio to softmax per T; slopes) of a result dict."""
+    rows, meta = result["rows"], result["meta"]
+    ts = meta["ts"]
+    labels = list(dict.fromkeys(r["variant"] for r in rows))
+    key = {(r["variant"], r["T"], r["mode"]): r for r in rows}
+    out = []
+    for mode in reversed(MODES):
+        out.append(f"**{mode}** — median ms (× softmax in the same run); peak extra MiB")
+        out.append("")
+        out.append(
+            "| variant | " + " | ".join(f"T={t}" for t in ts) + " | " + " | ".join(f"MiB T={t}" for t in ts) + " |"
+        )
+        out.append("|---|" + "---:|" * (2 * len(ts)))
+        for v in labels:
+            cells, mems = [], []
+            for t in ts:
+                r = key.get((v, t, mode))
+                if r is None:
+                    cells.append("")
+                    mems.append("")
+                elif r["status"] != "ok":
+                    cells.append(f"{r['status']}†")
+                    mems.append("")
+                else:
+                    ratio = r.get("ratio_to_softmax")
+                    cells.append(
+                        f"{r['ms_median']:.1f} ({ratio:.2f}×)" if ratio is not None else f"{r['ms_median']:.1f}"
+                    )
+                    mems.append(f"{r['peak_mb']:.0f}")
+            out.append(f"| {v} | " + " | ".join(cells) + " | " + " | ".join(mems) + " |")
+        out.append("")
+    skipped = [r for r in rows if r["status"] != "ok"]
+    if skipped:
+        out.append("† " + "; ".join(f"{r['variant']} T={r['T']} {r['mode']}: {r['reason']}" for r in skipped))
+        out.append("")
+    pairs = list(zip(ts[:-1], ts[1:]))
+    out.append("log–log slopes of time (memory in brackets), fwd+bwd | forward")
+    out.append("")
+    out.append(
+        "| variant | "
+        + " | ".join(f"{a}→{b} fwd+bwd" for a, b in pairs)
+        + " | "
+        + " | ".join(f"{a}→{b} fwd" for a, b in pairs)
+        + " |"
+    )
+    out.append("|---|" + "---:|" * (2 * len(pairs)))
+    sl = {(s["variant"], s["mode"], s["T0"]): s for s in result["slopes"]}
+    for v in labels:
+        cells = []
+        for mode in reversed(MODES):
+            for a, _ in pairs:
+                s = sl.get((v, mode, a))
+                if s is None:
+                    cells.append("")
+                else:
+                    mem = "" if s["mem_slope"] is None else f" ({s['mem_slope']:.2f})"
+                    cells.append(f"{s['time_slope']:.2f}{mem}")
+        out.append(f"| {v} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
 # ----------------------------------------------------------------------------- main
 def parse_args(argv):
     p = argparse.ArgumentParser(
@@ -282,6 +349,7 @@ def parse_args(argv):
         help="memory budget per case (default: min(8 GiB, half of MemAvailable))",
     )
     p.add_argument("--json", default=None, help="write rows, slopes and metadata here")
+    p.add_argument("--markdown", default=None, help="write the results as markdown tables here")
     p.add_argument("--png", default=None, help="time-vs-T plot (default: next to --json, else none)")
     p.add_argument(
         "--omp-wait-policy",
@@ -397,6 +465,9 @@ def main(argv=None) -> dict:
     if args.json:
         write_json(result, args.json)
         print(f"json: {args.json}")
+    if args.markdown:
+        Path(args.markdown).write_text(to_markdown(result))
+        print(f"markdown: {args.markdown}")
     return result
 
 

@@ -114,6 +114,28 @@ def time_epoch(cfg: dict, bundle, max_steps: int | None, warmup_steps: int = 1) 
     }
 
 
+def to_markdown(result) -> str:
+    """A markdown table of a result dict."""
+    out = [
+        "| variant | epoch s | step ms (mean) | mean T | peak extra MiB | × softmax | note |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            out.append(f"| {r['variant']} | | | | | | {r['status']}: {r['reason']} |")
+            continue
+        note = (
+            f"extrapolated from {r['steps_timed']} steps"
+            if r["extrapolated"]
+            else f"full epoch, {r['steps_timed']} steps"
+        )
+        out.append(
+            f"| {r['variant']} | {r['epoch_s']:.1f} | {r['step_ms_mean']:.1f} | {r['mean_T']:.1f} | {r['peak_mb']:.0f} "
+            f"| {r['ratio_to_softmax']:.2f} | {note} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -140,6 +162,7 @@ def parse_args(argv):
         choices=("passive", "active"),
         help="OMP_WAIT_POLICY of the workers unless already exported (default passive: see docs/benchmarks.md)",
     )
+    p.add_argument("--markdown", default=None, help="write the results as a markdown table here")
     p.add_argument("--no-isolate", action="store_true", help="run in this process (no timeout / memory cap)")
     args = p.parse_args(argv)
     if args.threads < 1:
@@ -235,6 +258,9 @@ def main(argv=None) -> dict:
     if args.json:
         write_json(result, args.json)
         print(f"json: {args.json}")
+    if args.markdown:
+        Path(args.markdown).write_text(to_markdown(result))
+        print(f"markdown: {args.markdown}")
     return result
 
 

@@ -131,6 +131,8 @@ def test_ratios_divide_by_softmax_at_same_T_and_mode():
     assert got[("x", 1024, "forward")] == pytest.approx(1.0)
     assert got[("x", 1024, "fwd+bwd")] is None
     assert got[("y", 256, "forward")] is None
+    mins = {(r["variant"], r["T"], r["mode"]): r["ratio_min_to_softmax"] for r in rows}
+    assert mins[("x", 256, "fwd+bwd")] == pytest.approx(0.8) and mins[("y", 256, "forward")] is None
 
 
 def test_slopes_are_loglog_between_consecutive_T():
