@@ -128,14 +128,18 @@ def test_any_gpytorch_kernel():
 
 
 # ------------------------------------------------------------------ KL
-def test_kl_matches_torch_distributions():
-    """Whitened u-space KL(N(Lᵀv, diag s²) ‖ N(0, I)) and the unwhitened KL(N(K v, L Σ̃ Lᵀ) ‖ N(0, K))
-    both equal the strategy's closed form; the layer reports its batch mean as kl_seq (MATH §9)."""
-    layer, x = make_layer(), inputs()
+@pytest.mark.parametrize("jitter", [0.0, 0.1])
+def test_kl_matches_torch_distributions(jitter):
+    """Whitened u-space KL(N(Lᵀv, diag s²) ‖ N(0, I)) and the unwhitened KL(N((K + jI) v, L Σ̃ Lᵀ) ‖
+    N(0, K + jI)), L = chol(K + jI) with the relative jitter j = jitter · mean diag K (a large one here,
+    so that its term is visible), both equal the strategy's closed form; the layer reports its batch
+    mean as kl_seq (MATH §9)."""
+    layer, x = make_layer(jitter=jitter), inputs()
     qk, v = heads(layer, x)
     cond = layer.strategy.condition(qk, v)
     kl = cond.kl_divergence()  # shape: (B, H, Dv)
     K = exp_gram(layer, qk, qk)[:, :, None]  # shape: (B, H, 1, T, T)
+    K = K + jitter * K.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None] * torch.eye(6, dtype=torch.float64)
     L = torch.linalg.cholesky(K)
     s = amortised_std(layer, qk).transpose(-1, -2)  # shape: (B, H, Dv, T)
     vd = v.transpose(-1, -2)[..., None]  # shape: (B, H, Dv, T, 1)
