@@ -62,6 +62,30 @@ def test_gumbel_noise_distribution(dtype):
     assert not torch.equal(b, gumbel_noise((4, 5), dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype, n", [(torch.float32, 2**21 + 3), (torch.float64, 2**20 + 1)])
+def test_gumbel_noise_two_streams_do_not_depend_on_threads(dtype, n):
+    """Large draws come from two spawned streams (drawn in two threads when allowed): the same seed
+    gives the same bits with 1 or 2 threads, both halves are Gumbel and they are uncorrelated."""
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        a = gumbel_noise((n,), dtype=dtype)
+        torch.set_num_threads(2)
+        torch.manual_seed(0)
+        b = gumbel_noise((n,), dtype=dtype)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(a, b)
+    h = n // 2
+    first, second = a[:h].double(), a[h : 2 * h].double()
+    se = math.sqrt(math.pi**2 / 6 / h)
+    for half in (first, second):
+        assert abs(half.mean().item() - EULER_GAMMA) < 5 * se
+    corr = torch.corrcoef(torch.stack([first, second]))[0, 1].item()
+    assert abs(corr) < 5 / math.sqrt(h)
+
+
 def test_gumbel_noise_generator_and_low_precision():
     g1 = gumbel_noise((3, 7), generator=torch.Generator().manual_seed(5))
     g2 = gumbel_noise((3, 7), generator=torch.Generator().manual_seed(5))

@@ -34,6 +34,7 @@ Conventions of this module (one place, so that both variants agree):
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ __all__ = ["gumbel_attention", "gumbel_noise", "gumbel_softmax", "straight_throu
 _F32_MANTISSA, _F32_ONE = 0x7FFFFF, 0x3F800000
 _F64_MANTISSA, _F64_ONE = 0xFFFFFFFFFFFFF, 0x3FF0000000000000
 _SEED_HIGH = 2**63 - 1
+_PARALLEL_MIN_WORDS = 1 << 20  # below this one stream (no thread start-up)
 
 
 def _check_tau(tau, name: str = "tau") -> float:
@@ -53,20 +55,53 @@ def _check_tau(tau, name: str = "tau") -> float:
     return float(tau)
 
 
-def _cpu_uniform_bits(n: int, dtype: torch.dtype, generator: torch.Generator | None) -> torch.Tensor:
-    """``n`` uniforms on the centred grid of ``dtype`` (float32 or float64), as a flat CPU tensor."""
+def _random_words(count: int, generator: torch.Generator | None) -> list[np.ndarray]:
+    """``count`` random 64-bit words (uint64 arrays, in order) seeded by one draw from torch's generator.
+
+    Large requests come from two SFC64 streams spawned from that seed, drawn in two threads when torch
+    may use more than one (NumPy releases the GIL while it draws); the bits never depend on the thread
+    count.
+    """
     seed = int(torch.randint(0, _SEED_HIGH, (), generator=generator))
-    bitgen = np.random.SFC64(seed)
+    if count < _PARALLEL_MIN_WORDS:
+        return [np.random.SFC64(seed).random_raw(count)]
+    streams = [np.random.SFC64(s) for s in np.random.SeedSequence(seed).spawn(2)]
+    sizes = (count // 2, count - count // 2)
+    parts: list[np.ndarray | None] = [None, None]
+
+    def draw(i: int) -> None:
+        parts[i] = streams[i].random_raw(sizes[i])
+
+    if torch.get_num_threads() > 1:
+        worker = threading.Thread(target=draw, args=(1,))
+        worker.start()
+        draw(0)
+        worker.join()
+        if parts[1] is None:
+            raise RuntimeError("drawing Gumbel noise failed in the helper thread")
+    else:
+        draw(0)
+        draw(1)
+    return parts
+
+
+def _cpu_gumbel(n: int, dtype: torch.dtype, scale: float, generator: torch.Generator | None) -> torch.Tensor:
+    """``scale`` · Gumbel(0, 1), ``n`` entries as a flat float32 / float64 CPU tensor (see the module doc)."""
+    out = torch.empty(n, dtype=dtype)
     if dtype == torch.float64:
-        words = torch.from_numpy(bitgen.random_raw(n).view(np.int64))  # 64 random bits per entry
-        # [1, 2) float with 52 random mantissa bits, minus (1 - 2^-53): exactly (2i + 1) 2^-53
-        words.bitwise_and_(_F64_MANTISSA).bitwise_or_(_F64_ONE)
-        return words.view(torch.float64).sub_(1.0 - 2.0**-53)
-    # two 32-bit words per 64-bit draw
-    words = torch.from_numpy(bitgen.random_raw((n + 1) // 2).view(np.int32))[:n]
-    # [1, 2) float with 23 random mantissa bits, minus (1 - 2^-24): exactly (2i + 1) 2^-24 in float32
-    words.bitwise_and_(_F32_MANTISSA).bitwise_or_(_F32_ONE)
-    return words.view(torch.float32).sub_(1.0 - 2.0**-24)
+        words, mantissa, one, centre, int_view = n, _F64_MANTISSA, _F64_ONE, 1.0 - 2.0**-53, np.int64
+    else:  # two 32-bit words per 64-bit draw
+        words, mantissa, one, centre, int_view = (n + 1) // 2, _F32_MANTISSA, _F32_ONE, 1.0 - 2.0**-24, np.int32
+    start = 0
+    for part in _random_words(words, generator):
+        bits = torch.from_numpy(part.view(int_view))[: n - start]
+        # a [1, 2) float with random mantissa bits, minus (1 - 2^-p): exactly (2i + 1) 2^-p, never 0 or 1
+        bits.bitwise_and_(mantissa).bitwise_or_(one)
+        x = bits.view(dtype).sub_(centre)
+        x.log_().neg_().log_()  # log E, E = -log U ~ Exp(1)
+        torch.mul(x, -scale, out=out[start : start + x.numel()])  # scale * G = -scale * log E
+        start += x.numel()
+    return out
 
 
 def gumbel_noise(
@@ -88,12 +123,10 @@ def gumbel_noise(
     n = shape.numel()
     work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
     if device.type == "cpu":
-        x = _cpu_uniform_bits(n, work, generator).view(shape)
-        x.log_().neg_()  # E = -log U ~ Exp(1), in (0, 37] (float32: (6e-8, 16.7))
+        x = _cpu_gumbel(n, work, scale, generator).view(shape)
     else:
         x = torch.empty(shape, dtype=work, device=device).exponential_(generator=generator)
-        x.clamp_(min=torch.finfo(work).tiny)
-    x.log_().mul_(-scale)  # scale * G = -scale * log E
+        x.clamp_(min=torch.finfo(work).tiny).log_().mul_(-scale)  # scale * G = -scale * log E
     return x if work == dtype else x.to(dtype)
 
 
