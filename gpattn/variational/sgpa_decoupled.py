@@ -255,8 +255,10 @@ class DecoupledSGPAVariationalStrategy(nn.Module):
                = K_{qa} v_{a,d} + A (\tilde u_d - L_g^{-1} K_{ga} v_{a,d}), \\
         \Sigma_d &= K_{qq} - K_{qg} K_{gg}^{-1} K_{gq} + (A L_{s,d})(A L_{s,d})^\top,
 
-    with ũ_d = L_gᵀ v_g,d. Cost O(T²·Dv + T·M² + M³) per (B, H) (+ one T×T Cholesky per (B, H)
-    when sampling with ``covariance="full"``).
+    with ũ_d = L_gᵀ v_g,d. Cost per (B, H): mean and KL O(T²·(Dh + Dv) + T·M·(Dh + Dv) + M³);
+    ``covariance="diag"`` adds O(T·M²·Dv) for the marginal variances A_t S̃_d A_tᵀ (MATH §5b's
+    "O(T·M·Dv)" holds only for a diagonal S̃; at M = 16 this equals the T²·Dv attention product at
+    T = 256); ``"full"`` sampling adds O(T²·M) for the residual and one T×T Cholesky, O(T³/3).
 
     :param kernel: gpytorch kernel, batch_shape broadcasting against (B, H).
     :param variational_distribution: the global q(ũ_g).
