@@ -45,7 +45,7 @@ class ELBOObjective:
 
     :param num_data: N, the training-set size (divides ``kl_global``).
     :param beta: KL weight β; ``beta_anneal_steps > 0`` ramps it linearly 0 → β.
-    :param eta: KSVD weight η (seed 002; its value was lost in the seed's text — 1.0 here).
+    :param eta: KSVD weight η (seed 002 lost its value in extraction; 0.1 as in the released code).
     :param alpha: CGP regulariser weight α; ``alpha_anneal_steps > 0`` ramps 0 → α (seed 003).
     :param kl_scaling: ``"elbo"`` (MATH §9) or ``"peer"`` (the SGPA release: every KL undivided).
     :param likelihood: see :func:`expected_nll`.
@@ -60,7 +60,7 @@ class ELBOObjective:
         *,
         beta: float = 1.0,
         beta_anneal_steps: int = 0,
-        eta: float = 1.0,
+        eta: float = 0.1,
         alpha: float = 1.0,
         alpha_anneal_steps: int = 0,
         kl_scaling: str = "elbo",

@@ -81,7 +81,7 @@ class TrainConfig:
     average: str = "probs"
     beta: float = 1.0
     beta_anneal_steps: int = 0
-    eta: float = 1.0
+    eta: float = 0.1
     alpha: float = 1.0
     alpha_anneal_steps: int = 0
     kl_scaling: str = "elbo"

@@ -73,3 +73,9 @@ def test_evaluate_kernel_equals_gpytorch_call(kernel):
     x2 = torch.randn(4, 2, 6, 3)
     torch.testing.assert_close(evaluate_kernel(kernel, x1, x2), kernel(x1, x2).to_dense())
     torch.testing.assert_close(evaluate_kernel(kernel, x1, x1, diag=True), kernel(x1, x1, diag=True))
+
+
+def test_exponential_kernel_without_batch_shape():
+    k = ExponentialKernel(ard_num_dims=2)
+    x = torch.randn(5, 2)
+    torch.testing.assert_close(evaluate_kernel(k, x, x), torch.exp(x @ x.T / 2**0.5))

@@ -28,7 +28,9 @@ class AttentionBase(nn.Module):
     ``value_dim`` — per-head output width Dv (``None`` = Dh);
     ``is_gp`` — whether ``posterior()`` is available; ``stochastic`` — whether it samples.
 
-    All-padding rows (every key padded) are a defined result: the output is 0 for that sequence.
+    All-padding rows (every key padded) are a defined result: the output is 0 for that sequence, and
+    the sequence is left out of the variant's math and loss terms (``kl_seq`` averages over the
+    other sequences).
     """
 
     name: str = ""
@@ -129,34 +131,39 @@ class AttentionBase(nn.Module):
 
     @staticmethod
     def _effective_mask(mask):
-        """Drop the mask where nothing is padded; treat all-padding rows as unpadded for the math
-        (their output is zeroed afterwards). Returns (mask or None, empty rows (B,) or None)."""
+        """Drop the mask where nothing is padded. Returns (mask or None, keep (B,) bool or None), where
+        ``keep`` marks the sequences with at least one real key (None when every sequence has one)."""
         if mask is None or not bool(mask.any()):
             return None, None
         empty = mask.all(-1)
         if bool(empty.any()):
-            mask = mask & ~empty[:, None]
-            return (mask if bool(mask.any()) else None), empty
+            keep = ~empty
+            mask = mask[keep]
+            return (mask if bool(mask.any()) else None), keep
         return mask, None
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """# shape: x (B, T, D), key_padding_mask (B, T) bool (True = padding) -> (B, T, D)"""
         x, key_padding_mask = self.check_inputs(x, key_padding_mask)
         self._loss_terms = {}
-        if x.shape[0] == 0:  # empty batch: defined result, nothing to attend
-            return x.new_zeros(x.shape) + 0 * self.out_proj.weight.sum()
-        mask, empty = self._effective_mask(key_padding_mask)
-        heads = self._attend(x, mask)  # shape: (B, H, T, Dv)
-        B, H, T, Dv = heads.shape
-        y = self.out_proj(heads.transpose(1, 2).reshape(B, T, H * Dv))
-        if empty is not None:
-            y = y.masked_fill(empty[:, None, None], 0.0)
+        mask, keep = self._effective_mask(key_padding_mask)
+        # all-padding sequences never reach the variant's math (nor its loss terms): their output is 0
+        xs = x if keep is None else x[keep]
+        if xs.shape[0] == 0:  # empty batch, or nothing but padding: a defined zero result with a graph
+            return x.new_zeros(x.shape) + 0 * sum(p.sum() for p in self.parameters())
+        heads = self._attend(xs, mask)  # shape: (B', H, T, Dv)
+        Bk, H, T, Dv = heads.shape
+        y = self.out_proj(heads.transpose(1, 2).reshape(Bk, T, H * Dv))
+        if keep is not None:
+            y = x.new_zeros(x.shape).index_put((keep.nonzero()[:, 0],), y)
         return y
 
     def posterior(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None):
         """Posterior over the per-head outputs (before W_o): ``MultivariateNormal`` with batch
         ``(B, H, Dv)`` and event ``T``. GP variants only; the others raise ``NotImplementedError``."""
         x, key_padding_mask = self.check_inputs(x, key_padding_mask)
+        if key_padding_mask is not None and bool(key_padding_mask.all(-1).any()):
+            raise ValueError("posterior(): a sequence in the batch has every key padded (no posterior to give)")
         mask, _ = self._effective_mask(key_padding_mask)
         return self._posterior(x, mask)
 

@@ -28,7 +28,7 @@ class ExponentialKernel(Kernel):
 
     def __init__(self, ard_num_dims: int | None = None, batch_shape: torch.Size = torch.Size([]), **kwargs):
         super().__init__(ard_num_dims=ard_num_dims, batch_shape=batch_shape, **kwargs)
-        self.register_parameter("raw_outputscale", torch.nn.Parameter(torch.zeros(*self.batch_shape)))
+        self.register_parameter("raw_outputscale", torch.nn.Parameter(torch.zeros(self.batch_shape)))
         self.register_constraint("raw_outputscale", Positive())
         self.outputscale = 1.0
         if ard_num_dims is not None:
