@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+# last-layer Laplace (gpattn[laplace]): these three declare torchvision, so they go in with --no-deps
+LAPLACE_NODEPS ?= laplace-torch==0.3 backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.gpattn-installed
 PYTEST_ARGS ?=
@@ -16,7 +18,8 @@ $(BIN)/python:
 
 $(STAMP): setup.cfg setup.py pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH)"
-	$(BIN)/python -m pip install -e ".[test,notebooks]"
+	$(BIN)/python -m pip install -e ".[test,notebooks,laplace]"
+	$(BIN)/python -m pip install --no-deps $(LAPLACE_NODEPS)
 	touch $(STAMP)
 
 test: $(STAMP)

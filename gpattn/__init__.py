@@ -19,6 +19,7 @@ _SUBMODULES = (
     "compare",
     "data",
     "kernels",
+    "laplace",
     "metrics",
     "models",
     "objectives",

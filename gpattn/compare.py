@@ -2,6 +2,8 @@
 
 A *variant spec* is a registered attention name with optional modifiers:
 ``softmax+ts`` (post-hoc temperature scaling fitted on the validation split, Guo et al. 2017),
+``softmax+laplace`` (post-hoc last-layer Laplace, :mod:`gpattn.laplace`; laplace-torch when installed,
+else the dense float64 back end),
 ``softmax+mcdropout`` (dropout kept on at prediction), ``softmax+ens5`` (deep ensemble of 5
 independently seeded models: the seed run plus members seeded ``seed + 1000·j``). Modifiers combine
 (``kep-svgp+ens5``). Runs are cached under ``OUT/runs/<name>/seed<S>``: a finished run with the same
@@ -24,7 +26,7 @@ from gpattn.training import TrainConfig, evaluate_predictions, train
 
 __all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "write_report"]
 
-BASELINES = ("softmax+ts", "softmax+mcdropout", "softmax+ens3")
+BASELINES = ("softmax+ts", "softmax+mcdropout", "softmax+laplace", "softmax+ens3")
 
 #: metrics shown in report.md, per evaluation split (all metrics are in results.json)
 REPORT_COLUMNS = {
@@ -40,6 +42,7 @@ class VariantSpec:
     attention: str
     ts: bool = False
     mcdropout: bool = False
+    laplace: bool = False
     ensemble: int = 1
 
     @property
@@ -51,18 +54,22 @@ class VariantSpec:
 def parse_variant(spec: str) -> VariantSpec:
     name, *mods = spec.strip().split("+")
     attention_class(name)  # ValueError listing the valid names
-    ts = mc = False
+    ts = mc = la = False
     ens = 1
     for mod in mods:
         if mod == "ts":
             ts = True
+        elif mod == "laplace":
+            la = True
         elif mod == "mcdropout":
             mc = True
         elif re.fullmatch(r"ens\d+", mod) and int(mod[3:]) >= 2:
             ens = int(mod[3:])
         else:
-            raise ValueError(f"unknown modifier {mod!r} in variant {spec!r}; valid: +ts, +mcdropout, +ensN (N >= 2)")
-    return VariantSpec(spec.strip(), name, ts, mc, ens)
+            raise ValueError(
+                f"unknown modifier {mod!r} in variant {spec!r}; valid: +ts, +laplace, +mcdropout, +ensN (N >= 2)"
+            )
+    return VariantSpec(spec.strip(), name, ts, mc, la, ens)
 
 
 def expand_variants(variants) -> list[VariantSpec]:
@@ -87,11 +94,33 @@ def _run(base: TrainConfig, attention: str, mcdropout: bool, seed: int, root: Pa
     cfg = dataclasses.replace(base, attention=attention, mc_dropout=mcdropout, seed=seed, progress=progress)
     folder = root / "runs" / (attention + ("+mcdropout" if mcdropout else "")) / f"seed{seed}"
     done = folder / "predictions.pt"
-    if done.is_file() and (folder / "config.json").is_file():
-        if json.loads((folder / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict())):
-            return torch.load(done, weights_only=False)
-    train(cfg, folder, bundle=bundle)
-    return torch.load(done, weights_only=False)
+    cached = (
+        done.is_file()
+        and (folder / "config.json").is_file()
+        and json.loads((folder / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict()))
+    )
+    if not cached:
+        train(cfg, folder, bundle=bundle)
+    return cfg, folder, torch.load(done, weights_only=False)
+
+
+def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:
+    """Sample logits of a last-layer Laplace fitted post hoc on the trained run in ``folder``."""
+    from gpattn.laplace import fit_last_layer_laplace, laplace_torch_available
+    from gpattn.training import CHECKPOINT, build_model
+
+    model = build_model(cfg, bundle)
+    model.load_state_dict(torch.load(folder / CHECKPOINT, map_location="cpu", weights_only=False)["model"])
+    backend = "laplace-torch" if laplace_torch_available() else "dense"
+    la = fit_last_layer_laplace(model, bundle.splits["train"], backend=backend)
+    g = torch.Generator().manual_seed(cfg.seed)
+    return {
+        k: {
+            "logits": la.predict_logits(bundle.splits[k], cfg.num_samples, generator=g),
+            "labels": bundle.splits[k].labels,
+        }
+        for k in keys
+    }
 
 
 def compare(variants, seeds, out, base: TrainConfig, progress: bool = True, log=print) -> dict:
@@ -115,10 +144,10 @@ def compare(variants, seeds, out, base: TrainConfig, progress: bool = True, log=
                 )
             bundle = bundles[seed]
             log(f"[compare] {spec.spec} seed {seed}")
-            members = [
-                _run(base, spec.attention, spec.mcdropout, seed + 1000 * j, out, bundle, progress)
-                for j in range(spec.ensemble)
-            ]
+            members = []
+            for j in range(spec.ensemble):
+                cfg, folder, member = _run(base, spec.attention, spec.mcdropout, seed + 1000 * j, out, bundle, progress)
+                members.append(_laplace_predictions(cfg, folder, bundle, member) if spec.laplace else member)
             # deep ensemble: pool every member's samples (equal P, so this averages member predictions)
             preds = {
                 k: {"logits": torch.cat([m[k]["logits"] for m in members], dim=1), "labels": members[0][k]["labels"]}
@@ -182,7 +211,8 @@ def write_report(results: dict, path: Path, base: TrainConfig, seeds, bundle) ->
         f"predictions averaged over {base.average}.",
         "Values are fractions (not percent), mean ± std over seeds. AUROC = failure prediction (in-domain), "
         "ood_auroc = OOD detection with the max-probability score. `+ts` = temperature scaling on the "
-        "validation split, `+mcdropout` = MC dropout, `+ensN` = deep ensemble of N models.",
+        "validation split, `+laplace` = last-layer Laplace, `+mcdropout` = MC dropout, `+ensN` = deep ensemble "
+        "of N models.",
         "",
     ]
     for split in bundle.eval_splits:
