@@ -160,17 +160,21 @@ def test_compare_report_with_baselines(tmp_path):
 
     base = TrainConfig(dataset="digits", **{**TINY, "epochs": 1})
     results = compare(
-        "softmax,kernel,softmax+ts,softmax+ens2", [0, 1], tmp_path, base, progress=False, log=lambda s: None
+        "softmax,kernel,softmax+ts,softmax+laplace,softmax+ens2", [0, 1], tmp_path, base, progress=False, log=lambda s: None
     )
-    assert set(results) == {"softmax", "kernel", "softmax+ts", "softmax+ens2"}
+    assert set(results) == {"softmax", "kernel", "softmax+ts", "softmax+laplace", "softmax+ens2"}
     report = (tmp_path / "report.md").read_text()
-    for row in ("| softmax |", "| kernel |", "| softmax+ts |", "| softmax+ens2 |"):
+    for row in ("| softmax |", "| kernel |", "| softmax+ts |", "| softmax+laplace |", "| softmax+ens2 |"):
         assert row in report
     assert "±" in report
     assert results["softmax+ts"]["0"]["temperature"] > 0
     # temperature scaling is fitted on val: it must not raise the val-fitted NLL's in-domain counterpart much
     assert results["softmax+ts"]["0"]["in_domain"]["accuracy"] == results["softmax"]["0"]["in_domain"]["accuracy"]
-    # +ts reuses the softmax run; the ensemble adds one member per seed (seed + 1000)
+    # last-layer Laplace keeps the trained head's mean: accuracy within a few flips, never more confident on OOD
+    lap, soft = results["softmax+laplace"]["0"], results["softmax"]["0"]
+    assert abs(lap["in_domain"]["accuracy"] - soft["in_domain"]["accuracy"]) < 0.05
+    assert lap["in_domain"]["nll"] < soft["in_domain"]["nll"] + 0.05
+    # +ts and +laplace reuse the softmax run; the ensemble adds one member per seed (seed + 1000)
     runs = sorted(p.name for p in (tmp_path / "runs" / "softmax").iterdir())
     assert runs == ["seed0", "seed1", "seed1000", "seed1001"]
     for png in ("risk_coverage.png", "ood_histograms.png", "reliability_softmax.png"):
