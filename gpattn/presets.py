@@ -20,7 +20,7 @@ _COLA_MODEL = dict(embed_dim=128, num_heads=4, num_layers=2, mlp_ratio=2.0, drop
 PRESETS: dict[str, dict] = {
     # `make demo`: every registered variant and the baselines on the embedded digits, 2 seeds, minutes on 2 cores
     "demo": dict(
-        dataset="digits", epochs=8, batch_size=32, lr=3e-3, num_samples=10, seeds=[0, 1],
+        dataset="digits", epochs=8, batch_size=32, lr=3e-3, num_samples=5, seeds=[0, 1],
         variants="all+baselines", **_DEMO_MODEL,
     ),
     # the seeds' CoLA setup (in-domain dev as test, out-of-domain dev as `ood`), embeddings from scratch
