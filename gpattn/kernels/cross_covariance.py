@@ -55,7 +55,8 @@ class CanonicalRBFKernel(Kernel):
         # -½‖a − b‖² = a·b − ½‖a‖² − ½‖b‖², clamped at 0 against round-off (κ_o ≤ 1)
         half_a = 0.5 * x1.pow(2).sum(-1, keepdim=True)  # shape: (..., n, 1)
         half_b = 0.5 * x2.pow(2).sum(-1, keepdim=True)  # shape: (..., m, 1)
-        expo = (x1 @ x2.transpose(-1, -2) - half_a - half_b.transpose(-1, -2)).clamp_max(0.0)
+        # in place on the fresh matmul output: one n×m temporary besides the result
+        expo = (x1 @ x2.transpose(-1, -2)).sub_(half_a).sub_(half_b.transpose(-1, -2)).clamp_max_(0.0)
         return torch.exp(expo)
 
     def __repr__(self) -> str:  # pragma: no cover - cosmetic

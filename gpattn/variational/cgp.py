@@ -26,7 +26,12 @@ from linear_operator.operators import CholLinearOperator, TriangularLinearOperat
 from gpattn.kernels.cross_covariance import CrossCovarianceKernel
 from gpattn.variational._linalg import add_jitter, cholesky, gp_algebra, tri_solve
 
-__all__ = ["CorrelatedGP", "CorrelatedGPBase", "CorrelatedGPOutput", "logdet_from_cholesky"]
+__all__ = ["CorrelatedGP", "CorrelatedGPBase", "CorrelatedGPOutput", "add_diag", "logdet_from_cholesky"]
+
+
+def add_diag(A: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """A + c·I with a per-head c (e.g. σ² of shape (H, 1, 1)).  # shape: (..., n, n)"""
+    return A + c * torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
 
 
 class CorrelatedGPOutput(NamedTuple):
@@ -133,16 +138,13 @@ class CorrelatedGPBase(nn.Module):
             K = K.masked_fill(~cols[..., None, :], 0.0)
         return K
 
-    def gram(self, a: torch.Tensor, role: str, valid: torch.Tensor | None = None, add=None) -> torch.Tensor:
-        """Symmetric Gram block :math:`K_{aa}` (+ ``add``·I): padded tokens are decoupled from the real
-        ones and get a unit diagonal.  # shape: a (B, H, n, Dh), valid (B, 1, n) -> (B, H, n, n)"""
+    def gram(self, a: torch.Tensor, role: str, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Symmetric Gram block :math:`K_{aa}`: padded tokens are decoupled from the real ones and get a
+        unit diagonal.  # shape: a (B, H, n, Dh), valid (B, 1, n) -> (B, H, n, n)"""
         K = self.covar.gram(a, role)
-        n = K.shape[-1]
-        eye = torch.eye(n, dtype=K.dtype, device=K.device)
         if valid is not None:
+            eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
             K = torch.where(valid[..., :, None] & valid[..., None, :], K, eye)
-        if add is not None:
-            K = K + add * eye
         return K
 
     # ------------------------------------------------------------------ the public boundary
@@ -271,40 +273,51 @@ class CorrelatedGP(CorrelatedGPBase):
         self.prior_samples = prior_samples
 
     # ------------------------------------------------------------------ shared pieces
-    def _blocks(self, q, k, o, valid):
-        """K_qo, K_ok and L_o = chol(K_o + σ²I).  # shape: each (B, H, T, T)"""
-        K_qo = self.cross(q, o, ("q", "o"), valid, valid)
-        K_ok = self.cross(o, k, ("o", "k"), valid, valid)
-        L_o = cholesky(self.gram(o, "o", valid, add=self.noise(q)), name="cgp: K_o + sigma^2 I")
-        return K_qo, K_ok, L_o
+    def _blocks(self, q, k, o, valid) -> dict[str, torch.Tensor]:
+        """K_o, K_qo, K_ok and L_o = chol(K_o + σ²I), each evaluated once per call.
 
-    def _covariance(self, q, k, valid, K_qo, K_ok, L_o, W):
-        """Predictive covariance Σ of App. B, shared by the value columns.  # shape: (B, H, T, T)"""
-        s2 = self.noise(q)
-        G = tri_solve(L_o.mT, W, upper=True)  # A⁻¹ K_oq
-        L_k = cholesky(self.gram(k, "k", valid, add=s2), name="cgp: K_k + sigma^2 I")
-        UG = tri_solve(L_k, K_ok.mT) @ G  # L_k⁻¹ K_ko A⁻¹ K_oq
+        # shape: each (B, H, T, T)"""
+        K_o = self.gram(o, "o", valid)
+        return dict(
+            K_o=K_o,
+            K_qo=self.cross(q, o, ("q", "o"), valid, valid),
+            K_ok=self.cross(o, k, ("o", "k"), valid, valid),
+            L_o=cholesky(add_diag(K_o, self.noise(q)), name="cgp: K_o + sigma^2 I"),
+        )
+
+    def _second_order(self, q, k, valid, Kb):
+        """Adds K_q, K_k and W = L_o⁻¹ K_oq (what the covariance and the regulariser share)."""
+        Kb["K_q"] = self.gram(q, "q", valid)
+        Kb["K_k"] = self.gram(k, "k", valid)
+        Kb["W"] = tri_solve(Kb["L_o"], Kb["K_qo"].mT)  # L_o⁻¹ K_oq
+
+    def _covariance(self, s2, Kb):
+        """Predictive covariance Σ of App. B, shared by the value columns; also G = A⁻¹ K_oq.
+
+        # shape: (B, H, T, T)"""
+        G = tri_solve(Kb["L_o"].mT, Kb["W"], upper=True)  # A⁻¹ K_oq
+        L_k = cholesky(add_diag(Kb["K_k"], s2), name="cgp: K_k + sigma^2 I")
+        UG = tri_solve(L_k, Kb["K_ok"].mT @ G)  # L_k⁻¹ K_ko A⁻¹ K_oq
         # K_o = A − σ²I turns App. B into Σ = K_q − Gᵀ(σ²I + K_ok (K_k+σ²I)⁻¹ K_ko) G, G = A⁻¹ K_oq
-        Sigma = self.gram(q, "q", valid) - s2 * (G.mT @ G) - UG.mT @ UG
+        Sigma = Kb["K_q"] - s2 * (G.mT @ G) - UG.mT @ UG
         return 0.5 * (Sigma + Sigma.mT), G
 
-    def _regularizer(self, q, k, o, v, valid, nu, K_ok, L_o, W, G):
+    def _regularizer(self, v, valid, nu, s2, Kb, G):
         """R of eqs. 42–44 per head and value column.  # shape: (B, H, Dv)"""
-        s2 = self.noise(q)
-        K_k = self.gram(k, "k", valid)
-        W_k = tri_solve(L_o, K_ok)  # L_o⁻¹ K_ok
+        L_o, W, K_k = Kb["L_o"], Kb["W"], Kb["K_k"]
+        W_k = tri_solve(L_o, Kb["K_ok"])  # L_o⁻¹ K_ok
         # Σ_q = K_q − K_qo A⁻¹ K_oq and Σ_k = K_k − K_ko A⁻¹ K_ok, the conditionals given z_o (eq. 37)
-        L_q = cholesky(add_jitter(self.gram(q, "q", valid) - W.mT @ W, self.jitter), name="cgp: Sigma_q")
+        L_q = cholesky(add_jitter(Kb["K_q"] - W.mT @ W, self.jitter), name="cgp: Sigma_q")
         L_kk = cholesky(add_jitter(K_k - W_k.mT @ W_k, self.jitter), name="cgp: Sigma_k")
-        z = (K_k + s2 * torch.eye(K_k.shape[-1], dtype=K_k.dtype, device=K_k.device)) @ v  # eq. 24
+        z = add_diag(K_k, s2) @ v  # eq. 24: z = (K_k + σ²I) v
         if valid is not None:
             z = z * valid[..., :, None]
         a_q = tri_solve(L_q, nu)  # L_q⁻¹ ν  # shape: (B, H, T, Dv)
         a_k = tri_solve(L_kk, z)  # L_kk⁻¹ z
         if self.prior_samples is not None:
-            B, H, T, _ = q.shape
-            L_prior = cholesky(add_jitter(self.gram(o, "o", valid), self.jitter), name="cgp: K_o")
-            eps = torch.randn(B, H, T, self.prior_samples, dtype=q.dtype, device=q.device)
+            B, H, T, _ = nu.shape
+            L_prior = cholesky(add_jitter(Kb["K_o"], self.jitter), name="cgp: K_o")
+            eps = torch.randn(B, H, T, self.prior_samples, dtype=nu.dtype, device=nu.device)
             y = tri_solve(L_o, L_prior @ eps)  # L_o⁻¹ z_o⁽ⁱ⁾, z_o⁽ⁱ⁾ ~ N(0, K_o)  # shape: (B, H, T, P)
             b_q = tri_solve(L_q, W.mT @ y)  # L_q⁻¹ m_q⁽ⁱ⁾, m_q⁽ⁱ⁾ = K_qo A⁻¹ z_o⁽ⁱ⁾
             b_k = tri_solve(L_kk, W_k.mT @ y)  # L_kk⁻¹ m_k⁽ⁱ⁾
@@ -325,31 +338,36 @@ class CorrelatedGP(CorrelatedGPBase):
         logdet = logdet_from_cholesky(L_q, valid) + logdet_from_cholesky(L_kk, valid)  # shape: (B, H)
         return quad[0] + quad[1] + logdet[..., None]
 
+    @staticmethod
+    def _mean(Kb, v):
+        # eq. 25, right to left: ν = K_qo (K_o + σ²I)⁻¹ (K_ok v)
+        return Kb["K_qo"] @ torch.cholesky_solve(Kb["K_ok"] @ v, Kb["L_o"])  # shape: (B, H, T, Dv)
+
     # ------------------------------------------------------------------ the three entry points
     def _forward(self, q, k, o, v, valid, *, sample, regularize):
-        K_qo, K_ok, L_o = self._blocks(q, k, o, valid)
-        # eq. 25, right to left: ν = K_qo (K_o + σ²I)⁻¹ (K_ok v)
-        nu = K_qo @ torch.cholesky_solve(K_ok @ v, L_o)  # shape: (B, H, T, Dv)
+        Kb = self._blocks(q, k, o, valid)
+        nu = self._mean(Kb, v)
         if not (sample or regularize):
             return nu, None
-        W = tri_solve(L_o, K_qo.mT)  # L_o⁻¹ K_oq
+        s2 = self.noise(q)
+        self._second_order(q, k, valid, Kb)
         G = None
         out = nu
         if sample:
-            Sigma, G = self._covariance(q, k, valid, K_qo, K_ok, L_o, W)
+            Sigma, G = self._covariance(s2, Kb)
             L = cholesky(add_jitter(Sigma, self.jitter), name="cgp: predictive covariance")
             out = nu + L @ torch.randn_like(nu)  # one factor for all Dv columns
         if not regularize:
             return out, None
         if G is None and self.prior_samples is None:
-            G = tri_solve(L_o.mT, W, upper=True)
-        return out, self._regularizer(q, k, o, v, valid, nu, K_ok, L_o, W, G)
+            G = tri_solve(Kb["L_o"].mT, Kb["W"], upper=True)
+        return out, self._regularizer(v, valid, nu, s2, Kb, G)
 
     def _posterior(self, q, k, o, v, valid):
-        K_qo, K_ok, L_o = self._blocks(q, k, o, valid)
-        nu = K_qo @ torch.cholesky_solve(K_ok @ v, L_o)
-        W = tri_solve(L_o, K_qo.mT)
-        Sigma, _ = self._covariance(q, k, valid, K_qo, K_ok, L_o, W)
+        Kb = self._blocks(q, k, o, valid)
+        nu = self._mean(Kb, v)
+        self._second_order(q, k, valid, Kb)
+        Sigma, _ = self._covariance(self.noise(q), Kb)
         L = cholesky(add_jitter(Sigma, self.jitter), name="cgp: predictive covariance")
         B, H, T, Dv = nu.shape
         covar = CholLinearOperator(TriangularLinearOperator(L.unsqueeze(2))).expand(B, H, Dv, T, T)
@@ -357,8 +375,8 @@ class CorrelatedGP(CorrelatedGPBase):
 
     def _conditional_mean(self, q, k, o, z, valid):
         # eq. 21: E[z_q | z_k] = K_qo (K_o + σ²I)⁻¹ K_ok (K_k + σ²I)⁻¹ z_k
-        K_qo, K_ok, L_o = self._blocks(q, k, o, valid)
-        L_k = cholesky(self.gram(k, "k", valid, add=self.noise(q)), name="cgp: K_k + sigma^2 I")
+        Kb = self._blocks(q, k, o, valid)
+        L_k = cholesky(add_diag(self.gram(k, "k", valid), self.noise(q)), name="cgp: K_k + sigma^2 I")
         if valid is not None:
             z = z * valid[..., :, None]
-        return K_qo @ torch.cholesky_solve(K_ok @ torch.cholesky_solve(z, L_k), L_o)
+        return self._mean(Kb, torch.cholesky_solve(z, L_k))

@@ -199,9 +199,8 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         :math:`B = \\sigma^2K_{mm} + S = L_BL_B^\\top`.  # shape: G, S, K_mm (..., m, m) -> (B, H)"""
         L_mm = cholesky(add_jitter(K_mm, self.jitter), name="scgp: inducing Gram")
         V = tri_solve(L_mm, torch.cholesky_solve(S, L_B).mT)  # L_mm⁻¹ S B⁻¹
-        return ((V @ G) * V).sum((-2, -1)) + s2[:, 0, 0] * torch.cholesky_solve(G, L_B).diagonal(
-            dim1=-2, dim2=-1
-        ).sum(-1)
+        trace_BG = torch.cholesky_solve(G, L_B).diagonal(dim1=-2, dim2=-1).sum(-1)  # tr(B⁻¹ G)
+        return ((V @ G) * V).sum((-2, -1)) + s2[:, 0, 0] * trace_BG
 
     def regularizer(self, t: DTCTerms, nu: torch.Tensor, z: torch.Tensor, valid) -> torch.Tensor:
         """App. E, per head and value column (see the class docstring).  # shape: (B, H, Dv)"""
