@@ -46,11 +46,15 @@ def reset_stats() -> None:
         STATS[key] = 0
 
 
-def add_jitter(A: torch.Tensor, jitter: float) -> torch.Tensor:
-    """A + jitter·I on the last two axes.  # shape: (..., n, n)"""
-    if jitter == 0:
-        return A
-    return A + jitter * torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+def add_jitter(A: torch.Tensor, jitter: float | torch.Tensor) -> torch.Tensor:
+    """A + jitter·I on the last two axes; ``jitter`` a float or a tensor broadcasting against the
+    batch shape (e.g. one value per head).  # shape: A (..., n, n), jitter () or (...)"""
+    if not torch.is_tensor(jitter):
+        if jitter == 0:
+            return A
+        return A + jitter * torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    return A + jitter.to(A.dtype)[..., None, None] * eye
 
 
 def cholesky(A: torch.Tensor, *, max_tries: int = 4, name: str = "") -> torch.Tensor:
