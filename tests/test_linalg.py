@@ -95,5 +95,7 @@ def test_add_jitter_float_and_per_batch_tensor():
     A = torch.zeros(2, 3, 3, dtype=torch.float64)
     torch.testing.assert_close(L.add_jitter(A, 0.5), 0.5 * torch.eye(3, dtype=torch.float64).expand(2, 3, 3))
     per = L.add_jitter(A, torch.tensor([1.0, 2.0]))
-    torch.testing.assert_close(torch.diagonal(per, dim1=-2, dim2=-1), torch.tensor([[1.0] * 3, [2.0] * 3], dtype=torch.float64))
+    torch.testing.assert_close(
+        torch.diagonal(per, dim1=-2, dim2=-1), torch.tensor([[1.0] * 3, [2.0] * 3], dtype=torch.float64)
+    )
     assert L.add_jitter(A, 0) is A

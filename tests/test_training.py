@@ -160,7 +160,12 @@ def test_compare_report_with_baselines(tmp_path):
 
     base = TrainConfig(dataset="digits", **{**TINY, "epochs": 1})
     results = compare(
-        "softmax,kernel,softmax+ts,softmax+laplace,softmax+ens2", [0, 1], tmp_path, base, progress=False, log=lambda s: None
+        "softmax,kernel,softmax+ts,softmax+laplace,softmax+ens2",
+        [0, 1],
+        tmp_path,
+        base,
+        progress=False,
+        log=lambda s: None,
     )
     assert set(results) == {"softmax", "kernel", "softmax+ts", "softmax+laplace", "softmax+ens2"}
     report = (tmp_path / "report.md").read_text()
