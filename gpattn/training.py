@@ -288,23 +288,33 @@ def _write_json(obj, path: Path) -> None:
 
 
 class _Interrupt:
-    """Turn SIGTERM into KeyboardInterrupt while training, so the loop checkpoints and stops."""
+    """SIGTERM / SIGINT while training request a stop at the next step boundary (so the checkpoint
+    never holds a half-applied optimizer step); a second signal interrupts at once."""
+
+    def __init__(self):
+        self.requested: int | None = None
+        self._old: dict = {}
 
     def __enter__(self):
-        self._old = None
-        try:
-            self._old = signal.signal(signal.SIGTERM, self._raise)
-        except ValueError:  # not the main thread
-            pass
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: signals stay as they are
+                pass
         return self
 
-    @staticmethod
-    def _raise(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+    def _handle(self, signum, frame):
+        if self.requested is not None:
+            raise KeyboardInterrupt(f"signal {signum} (second)")
+        self.requested = signum
+
+    def check(self, step: int) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt(f"signal {self.requested} at step {step}")
 
     def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
         return False
 
 
@@ -413,7 +423,7 @@ def train(
         dynamic_ncols=True,
     )
     try:
-        with _Interrupt():
+        with _Interrupt() as interrupt:
             while step < total_steps:
                 epoch, offset = divmod(step, steps_per_epoch)
                 order = _epoch_order(n, cfg.seed, epoch)
@@ -454,6 +464,7 @@ def train(
                 if stop_after_steps is not None and step >= stop_after_steps and step < total_steps:
                     save()
                     raise KeyboardInterrupt(f"stopped after {step} steps")
+                interrupt.check(step)
     except KeyboardInterrupt:
         save()
         bar.close()
