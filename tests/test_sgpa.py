@@ -1,14 +1,12 @@
 """Standard SGPA (MATH.md §5a): the posterior, KL and sampler against dense float64 references written
 here independently of gpattn.variational.sgpa."""
 
-import importlib
-import sys
-
 import gpytorch
 import linear_operator
 import pytest
 import torch
 import torch.nn.functional as F
+from _sgpa_helpers import spy_iterative_solvers
 
 import gpattn
 from gpattn.testing import ATTENTION_INVARIANTS, run_attention_invariant
@@ -234,24 +232,8 @@ def test_float32_forward_backward_at_T1024():
 
 @pytest.fixture
 def no_iterative_solvers(monkeypatch):
-    """Replace linear_operator's CG and Lanczos entry points, wherever they were imported, by spies."""
-    cg = importlib.import_module("linear_operator.utils.linear_cg")
-    lanczos = importlib.import_module("linear_operator.utils.lanczos")
-    calls = []
-    originals = {"linear_cg": cg.linear_cg, "lanczos_tridiag": lanczos.lanczos_tridiag}
-    for module in list(sys.modules.values()):
-        name = getattr(module, "__name__", "") or ""
-        if not name.startswith(("linear_operator", "gpytorch")):
-            continue
-        for attr, fn in originals.items():
-            if vars(module).get(attr) is fn:
-
-                def spy(*args, _fn=fn, _attr=attr, **kwargs):
-                    calls.append(_attr)
-                    return _fn(*args, **kwargs)
-
-                monkeypatch.setattr(module, attr, spy)
-    return calls
+    """CG/Lanczos calls recorded by spies (see _sgpa_helpers.spy_iterative_solvers)."""
+    return spy_iterative_solvers(monkeypatch)
 
 
 def test_exact_algebra_above_800_tokens(no_iterative_solvers):
