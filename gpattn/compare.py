@@ -123,7 +123,11 @@ def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:
     }
 
 
-def compare(variants, seeds, out, base: TrainConfig, progress: bool = True, log=print) -> dict:
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def compare(variants, seeds, out, base: TrainConfig, progress: bool = True, log=_log) -> dict:
     """Train / evaluate every variant spec for every seed; write ``results.json``, ``report.md`` and
     the plots under ``out``; return the results dict ``{spec: {seed: metrics}}``."""
     from gpattn import metrics as M
