@@ -28,6 +28,8 @@ __all__ = [
     "BENCH_OPTIONS",
     "EXTRA_CONFIGS",
     "REFERENCE",
+    "add_omp_wait_policy_argument",
+    "default_mem_limit_mb",
     "machine_info",
     "mem_available_mb",
     "omp_env",
@@ -36,6 +38,7 @@ __all__ = [
     "run_isolated",
     "variant_configs",
     "write_json",
+    "write_outputs",
 ]
 
 #: the reference every ratio divides by (MATH.md §1)
@@ -234,6 +237,17 @@ def omp_env(policy: str | None) -> dict:
     return {"OMP_WAIT_POLICY": policy.upper()} if policy else {}
 
 
+def add_omp_wait_policy_argument(parser) -> None:
+    """The scripts' ``--omp-wait-policy`` option, whose value :func:`omp_env` turns into the workers'
+    environment."""
+    parser.add_argument(
+        "--omp-wait-policy",
+        default="passive",
+        choices=("passive", "active"),
+        help="OMP_WAIT_POLICY of the workers unless already exported (default passive: see docs/benchmarks.md)",
+    )
+
+
 def run_isolated(
     fn,
     kwargs: dict,
@@ -339,6 +353,15 @@ def mem_available_mb() -> float | None:
     return None
 
 
+def default_mem_limit_mb(requested: float | None) -> float:
+    """The per-case memory budget: ``requested`` if given, else min(8 GiB, half of MemAvailable) (8 GiB
+    where MemAvailable cannot be read)."""
+    if requested is not None:
+        return requested
+    avail = mem_available_mb()
+    return min(8192.0, 0.5 * avail) if avail else 8192.0
+
+
 def _clean(obj):
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
@@ -354,3 +377,14 @@ def write_json(obj, path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n")
+
+
+def write_outputs(result: dict, json_path, markdown_path, to_markdown) -> None:
+    """Write ``result`` as JSON to ``json_path`` and as ``to_markdown(result)`` to ``markdown_path``
+    (each only if given), printing where."""
+    if json_path:
+        write_json(result, json_path)
+        print(f"json: {json_path}")
+    if markdown_path:
+        Path(markdown_path).write_text(to_markdown(result))
+        print(f"markdown: {markdown_path}")

@@ -35,13 +35,14 @@ import torch
 from _common import (
     REFERENCE,
     PeakRSS,
+    add_omp_wait_policy_argument,
+    default_mem_limit_mb,
     machine_info,
-    mem_available_mb,
     omp_env,
     parse_variants,
     run_isolated,
     variant_configs,
-    write_json,
+    write_outputs,
 )
 
 import gpattn
@@ -351,12 +352,7 @@ def parse_args(argv):
     p.add_argument("--json", default=None, help="write rows, slopes and metadata here")
     p.add_argument("--markdown", default=None, help="write the results as markdown tables here")
     p.add_argument("--png", default=None, help="time-vs-T plot (default: next to --json, else none)")
-    p.add_argument(
-        "--omp-wait-policy",
-        default="passive",
-        choices=("passive", "active"),
-        help="OMP_WAIT_POLICY of the workers unless already exported (default passive: see docs/benchmarks.md)",
-    )
+    add_omp_wait_policy_argument(p)
     p.add_argument("--no-isolate", action="store_true", help="run cases in this process (no timeout / memory cap)")
     args = p.parse_args(argv)
     if args.threads < 1:
@@ -373,10 +369,7 @@ def main(argv=None) -> dict:
         profile["timeout"] = args.timeout
     batch = args.batch or (2 if args.smoke else 8)
     heads, head_dim = 4, 32
-    mem_limit = args.mem_limit_mb
-    if mem_limit is None:
-        avail = mem_available_mb()
-        mem_limit = min(8192.0, 0.5 * avail) if avail else 8192.0
+    mem_limit = default_mem_limit_mb(args.mem_limit_mb)
     configs = variant_configs(parse_variants(args.variants))
     meta = {
         **machine_info(args.threads),
@@ -462,12 +455,7 @@ def main(argv=None) -> dict:
     if png:
         meta["png"] = plot(rows, png)
         print(f"plots: {', '.join(meta['png'])}")
-    if args.json:
-        write_json(result, args.json)
-        print(f"json: {args.json}")
-    if args.markdown:
-        Path(args.markdown).write_text(to_markdown(result))
-        print(f"markdown: {args.markdown}")
+    write_outputs(result, args.json, args.markdown, to_markdown)
     return result
 
 

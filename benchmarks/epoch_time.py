@@ -33,13 +33,14 @@ import torch
 from _common import (
     REFERENCE,
     PeakRSS,
+    add_omp_wait_policy_argument,
+    default_mem_limit_mb,
     machine_info,
-    mem_available_mb,
     omp_env,
     parse_variants,
     run_isolated,
     variant_configs,
-    write_json,
+    write_outputs,
 )
 
 from gpattn.objectives import ELBOObjective
@@ -156,12 +157,7 @@ def parse_args(argv):
     p.add_argument("--timeout", type=float, default=1800.0, help="per-variant wall-clock budget in seconds")
     p.add_argument("--mem-limit-mb", type=float, default=None, help="memory budget per variant")
     p.add_argument("--json", default=None, help="write rows and metadata here")
-    p.add_argument(
-        "--omp-wait-policy",
-        default="passive",
-        choices=("passive", "active"),
-        help="OMP_WAIT_POLICY of the workers unless already exported (default passive: see docs/benchmarks.md)",
-    )
+    add_omp_wait_policy_argument(p)
     p.add_argument("--markdown", default=None, help="write the results as a markdown table here")
     p.add_argument("--no-isolate", action="store_true", help="run in this process (no timeout / memory cap)")
     args = p.parse_args(argv)
@@ -179,10 +175,7 @@ def main(argv=None) -> dict:
     options = {} if not args.no_verify_checksum else {"verify_checksum": False}
     bundle = load_dataset("cola", data_dir=args.data_dir, seed=args.seed, **options)
     configs = variant_configs(parse_variants(args.variants))
-    mem_limit = args.mem_limit_mb
-    if mem_limit is None:
-        avail = mem_available_mb()
-        mem_limit = min(8192.0, 0.5 * avail) if avail else 8192.0
+    mem_limit = default_mem_limit_mb(args.mem_limit_mb)
     n_train = len(bundle.splits["train"].labels)
     base = dict(
         dataset="cola",
@@ -255,12 +248,7 @@ def main(argv=None) -> dict:
         else:
             print(f"{r['variant']:<34} {r['status'].upper()}: {r['reason']}")
     result = {"meta": meta, "rows": rows}
-    if args.json:
-        write_json(result, args.json)
-        print(f"json: {args.json}")
-    if args.markdown:
-        Path(args.markdown).write_text(to_markdown(result))
-        print(f"markdown: {args.markdown}")
+    write_outputs(result, args.json, args.markdown, to_markdown)
     return result
 
 
