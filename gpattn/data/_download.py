@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gpattn.data._bundle import DataNotFoundError, missing_file_message
 
-__all__ = ["fetch", "open_tar", "open_zip", "read_zip_member", "sha256_file", "verify_sha256"]
+__all__ = ["fetch", "fetch_archive", "open_tar", "open_zip", "read_zip_member", "sha256_file", "verify_sha256"]
 
 _CHUNK = 1 << 20
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -116,6 +116,19 @@ def fetch(
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def fetch_archive(url: str, path: Path, sha256: str, download: bool, verify_checksum: bool) -> dict:
+    """:func:`fetch` for a loader's official archive, and its provenance for the bundle's ``info``:
+    ``{"source", "url", "sha256", "checksum_verified"}``.
+
+    A missing archive is always fetched against the official ``sha256``; an existing one is checked
+    against it unless ``verify_checksum`` is False (a synthetic archive), and then its own digest is
+    recorded with ``checksum_verified=False``."""
+    expected = sha256 if (verify_checksum or not path.exists()) else None
+    fetch(url, path, expected, download)
+    digest = expected if expected is not None else sha256_file(path)
+    return {"source": str(path), "url": url, "sha256": digest, "checksum_verified": expected is not None}
 
 
 def open_zip(path) -> zipfile.ZipFile:

@@ -20,13 +20,14 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from gpattn.data._bundle import Split
+from gpattn.data._bundle import DatasetBundle, Split
 
 __all__ = [
     "CLS",
     "PAD",
     "SPECIALS",
     "UNK",
+    "build_text_bundle",
     "build_vocab",
     "encode",
     "make_text_splits",
@@ -99,3 +100,41 @@ def make_text_splits(
         stats["max_tokens"][key] = max(lengths, default=0)
         stats["truncated"][key] = sum(n > max_len for n in lengths) if max_len is not None else 0
     return splits, vocab, stats
+
+
+def build_text_bundle(
+    name: str,
+    texts: dict[str, Sequence[str]],
+    labels: dict[str, Sequence[int]],
+    *,
+    num_classes: int,
+    eval_splits: dict[str, str],
+    ood_splits: tuple[str, ...],
+    info: dict,
+    max_len: int | None,
+    min_freq: int = 1,
+    max_vocab_size: int | None = None,
+) -> DatasetBundle:
+    """The text recipe shared by ``cola``, ``imdb`` and ``text_table``: :func:`make_text_splits` on the
+    loader's split texts and labels, then a ``kind="text"`` bundle whose ``info`` is the loader's
+    ``info`` followed by ``sizes`` (rows per split), ``max_len`` and the ``max_tokens`` /
+    ``truncated`` statistics."""
+    splits, vocab, stats = make_text_splits(
+        texts, labels, max_len=max_len, min_freq=min_freq, max_vocab_size=max_vocab_size
+    )
+    info = {
+        **info,
+        "sizes": {key: len(value) for key, value in splits.items()},
+        "max_len": max_len,
+        **stats,
+    }
+    return DatasetBundle(
+        name=name,
+        kind="text",
+        splits=splits,
+        num_classes=num_classes,
+        eval_splits=eval_splits,
+        ood_splits=ood_splits,
+        vocab=vocab,
+        info=info,
+    )

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from gpattn.data._bundle import DataNotFoundError, DatasetBundle, missing_file_message, register_dataset
-from gpattn.data._download import fetch, open_tar, sha256_file
+from gpattn.data._download import fetch_archive, open_tar
 from gpattn.data.digits import CORRUPTIONS, SEVERITY_PARAMS
 from gpattn.data.fashion_mnist import build_image_bundle, synthetic_shift
 
@@ -258,18 +258,13 @@ def load_cifar10(
             )
 
     path = data_dir / CIFAR10_FILENAME
-    expected = CIFAR10_SHA256 if (verify_checksum or not path.exists()) else None
-    fetch(CIFAR10_URL, path, expected, download)
-    digest = expected if expected is not None else sha256_file(path)
+    provenance = fetch_archive(CIFAR10_URL, path, CIFAR10_SHA256, download, verify_checksum)
     raw = read_cifar10(path)
     x_train, y_train = raw["train"]
     x_test, y_test = raw["test"]
     shift_fn = _cifar10c_shift(c_dir, corruptions, y_test) if use_c else _synthetic_shift_fn(x_test, corruptions, seed)
     info = {
-        "source": str(path),
-        "url": CIFAR10_URL,
-        "sha256": digest,
-        "checksum_verified": expected is not None,
+        **provenance,
         "raw_sizes": {"train": len(y_train), "test": len(y_test)},
         "label_names": raw["label_names"],
     }

@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpattn.data._bundle import DatasetBundle, register_dataset
-from gpattn.data._download import fetch, open_zip, read_zip_member, sha256_file
+from gpattn.data._download import fetch_archive, open_zip, read_zip_member
 from gpattn.data._split import check_fraction, stratified_split
-from gpattn.data._text import make_text_splits
+from gpattn.data._text import build_text_bundle
 
 __all__ = ["CLASS_NAMES", "COLA_FILENAME", "COLA_MEMBERS", "COLA_SHA256", "COLA_URL", "load_cola", "read_cola"]
 
@@ -104,10 +104,7 @@ def load_cola(
         raise ValueError(f"verify_checksum must be a bool, got {verify_checksum!r}")
 
     path = Path(data_dir) / COLA_FILENAME
-    # A missing archive is always downloaded against the official digest.
-    expected = COLA_SHA256 if (verify_checksum or not path.exists()) else None
-    fetch(COLA_URL, path, expected, download)
-    digest = expected if expected is not None else sha256_file(path)
+    provenance = fetch_archive(COLA_URL, path, COLA_SHA256, download, verify_checksum)
     raw = read_cola(path)
 
     train_s, train_y = raw["in_domain_train"]
@@ -133,29 +130,22 @@ def load_cola(
         "test": test_y,
         "ood": ood_y,
     }
-    splits, vocab, stats = make_text_splits(
-        texts, labels, max_len=max_len, min_freq=min_freq, max_vocab_size=max_vocab_size
-    )
     info = {
-        "source": str(path),
-        "url": COLA_URL,
-        "sha256": digest,
-        "checksum_verified": expected is not None,
+        **provenance,
         "preset": preset,
         "seed": seed,
         "class_names": list(CLASS_NAMES),
         "raw_sizes": {key: len(value[1]) for key, value in raw.items()},
-        "sizes": {key: len(value) for key, value in splits.items()},
-        "max_len": max_len,
-        **stats,
     }
-    return DatasetBundle(
-        name="cola",
-        kind="text",
-        splits=splits,
+    return build_text_bundle(
+        "cola",
+        texts,
+        labels,
         num_classes=2,
         eval_splits={"in_domain": "test", "ood": "ood"},
         ood_splits=("ood",),
-        vocab=vocab,
         info=info,
+        max_len=max_len,
+        min_freq=min_freq,
+        max_vocab_size=max_vocab_size,
     )

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from gpattn.data._bundle import DatasetBundle, register_dataset
-from gpattn.data._download import fetch, open_tar, sha256_file
+from gpattn.data._download import fetch_archive, open_tar
 from gpattn.data._split import check_fraction, stratified_split
-from gpattn.data._text import make_text_splits
+from gpattn.data._text import build_text_bundle
 from gpattn.data.fashion_mnist import stratified_subsample
 
 __all__ = ["CLASS_NAMES", "IMDB_FILENAME", "IMDB_SHA256", "IMDB_URL", "load_imdb", "read_imdb"]
@@ -104,9 +104,7 @@ def load_imdb(
         raise ValueError(f"verify_checksum must be a bool, got {verify_checksum!r}")
 
     path = Path(data_dir) / IMDB_FILENAME
-    expected = IMDB_SHA256 if (verify_checksum or not path.exists()) else None
-    fetch(IMDB_URL, path, expected, download)
-    digest = expected if expected is not None else sha256_file(path)
+    provenance = fetch_archive(IMDB_URL, path, IMDB_SHA256, download, verify_checksum)
     raw = read_imdb(path)
 
     pool_t, pool_y, _ = raw["train"]
@@ -126,28 +124,21 @@ def load_imdb(
         "val": [pool_y[i] for i in va],
         "test": [test_y[i] for i in te],
     }
-    splits, vocab, stats = make_text_splits(
-        texts, labels, max_len=max_len, min_freq=min_freq, max_vocab_size=max_vocab_size
-    )
     info = {
-        "source": str(path),
-        "url": IMDB_URL,
-        "sha256": digest,
-        "checksum_verified": expected is not None,
+        **provenance,
         "seed": seed,
         "class_names": list(CLASS_NAMES),
         "raw_sizes": {key: len(value[1]) for key, value in raw.items()},
-        "sizes": {key: len(value) for key, value in splits.items()},
-        "max_len": max_len,
-        **stats,
     }
-    return DatasetBundle(
-        name="imdb",
-        kind="text",
-        splits=splits,
+    return build_text_bundle(
+        "imdb",
+        texts,
+        labels,
         num_classes=2,
         eval_splits={"in_domain": "test"},
         ood_splits=(),
-        vocab=vocab,
         info=info,
+        max_len=max_len,
+        min_freq=min_freq,
+        max_vocab_size=max_vocab_size,
     )

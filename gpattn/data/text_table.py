@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gpattn.data._bundle import DataNotFoundError, DatasetBundle, register_dataset
 from gpattn.data._split import check_fraction, stratified_split
-from gpattn.data._text import make_text_splits
+from gpattn.data._text import build_text_bundle
 
 __all__ = ["load_text_table", "read_table"]
 
@@ -203,18 +203,15 @@ def load_text_table(
         eval_splits["ood"] = "ood"
         ood_splits = ("ood",)
 
-    splits, vocab, stats = make_text_splits(
-        split_texts, split_labels, max_len=max_len, min_freq=min_freq, max_vocab_size=max_vocab_size
-    )
-    info["sizes"] = {key: len(value) for key, value in splits.items()}
-    info.update(stats)
-    return DatasetBundle(
-        name="text_table",
-        kind="text",
-        splits=splits,
+    return build_text_bundle(
+        "text_table",
+        split_texts,
+        split_labels,
         num_classes=len(class_names),
         eval_splits=eval_splits,
         ood_splits=ood_splits,
-        vocab=vocab,
         info=info,
+        max_len=max_len,
+        min_freq=min_freq,
+        max_vocab_size=max_vocab_size,
     )
