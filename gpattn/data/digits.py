@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
-from gpattn.data._bundle import DatasetBundle, Split, register_dataset
+from gpattn.data._bundle import DatasetBundle, register_dataset
+from gpattn.data._images import check_classes, check_severities, image_split, is_int
 from gpattn.data._split import check_fraction, stratified_split
 
 __all__ = ["CORRUPTIONS", "SEVERITY_PARAMS", "corrupt", "load_digits"]
@@ -47,7 +47,7 @@ def corrupt(images: np.ndarray, corruption: str, severity: int, seed: int) -> np
     """
     if corruption not in SEVERITY_PARAMS:
         raise ValueError(f"corruption must be one of {CORRUPTIONS}, got {corruption!r}")
-    if not _is_int(severity) or severity not in (1, 2, 3, 4, 5):
+    if not is_int(severity) or severity not in (1, 2, 3, 4, 5):
         raise ValueError(f"severity must be an int in 1..5, got {severity!r}")
     strength = SEVERITY_PARAMS[corruption][severity - 1]
     rng = np.random.default_rng([seed, CORRUPTIONS.index(corruption)])
@@ -61,10 +61,6 @@ def corrupt(images: np.ndarray, corruption: str, severity: int, seed: int) -> np
     else:
         out = np.where(rng.random(x.shape) < strength, 0.0, x)
     return np.clip(out, 0.0, 1.0).astype(np.float32)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @register_dataset("digits")
@@ -89,21 +85,11 @@ def load_digits(
     images = (raw.images.astype(np.float32) / 16.0)[:, None, :, :]  # shape: (1797, 1, 8, 8)
     targets = raw.target.astype(np.int64)
 
-    ood_classes = (ood_classes,) if _is_int(ood_classes) else tuple(ood_classes)
-    severities = (severities,) if _is_int(severities) else tuple(severities)
-    if (
-        not all(_is_int(c) for c in ood_classes)
-        or len(set(ood_classes)) != len(ood_classes)
-        or not set(ood_classes) <= set(range(10))
-    ):
-        raise ValueError(f"ood_classes must be distinct digits 0..9, got {tuple(ood_classes)!r}")
-    held_out = tuple(int(c) for c in ood_classes)
+    held_out = check_classes("ood_classes", ood_classes, 10, what="digits")
     in_classes = [c for c in range(10) if c not in held_out]
     if len(in_classes) < 2:
         raise ValueError(f"ood_classes {held_out} leave fewer than 2 in-domain classes")
-    if len(set(severities)) != len(severities) or not all(_is_int(s) and 1 <= s <= 5 for s in severities):
-        raise ValueError(f"severities must be distinct ints in 1..5, got {tuple(severities)!r}")
-    sev = tuple(int(s) for s in severities)
+    sev = check_severities(severities)
     val_fraction = check_fraction("val_fraction", val_fraction, allow_zero=False)
     test_fraction = check_fraction("test_fraction", test_fraction, allow_zero=False)
     if val_fraction + test_fraction >= 1:
@@ -112,14 +98,6 @@ def load_digits(
     is_in = np.isin(targets, in_classes)
     x_in, y_in = images[is_in], np.searchsorted(in_classes, targets[is_in])  # relabel to 0..K-1 in order
     train_idx, val_idx, test_idx = stratified_split(y_in, (val_fraction, test_fraction), seed)
-
-    def image_split(x, y, groups=None) -> Split:
-        return Split(
-            torch.from_numpy(np.ascontiguousarray(x)),
-            torch.from_numpy(np.asarray(y, dtype=np.int64)),
-            None,
-            None if groups is None else torch.from_numpy(np.asarray(groups, dtype=np.int64)),
-        )
 
     splits = {
         name: image_split(x_in[idx], y_in[idx])

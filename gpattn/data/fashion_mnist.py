@@ -34,10 +34,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from gpattn.data._bundle import DataNotFoundError, DatasetBundle, Split, missing_file_message, register_dataset
+from gpattn.data._bundle import DataNotFoundError, DatasetBundle, missing_file_message, register_dataset
 from gpattn.data._download import fetch
+from gpattn.data._images import check_classes, check_severities, image_split, is_int
 from gpattn.data._split import check_fraction, stratified_split
 from gpattn.data.digits import CORRUPTIONS, SEVERITY_PARAMS, corrupt
 
@@ -145,12 +145,8 @@ def _locate(key: str, data_dir: Path, debian_dir, download: bool) -> Path:
 
 
 # ----------------------------------------------------------------------------- shared image recipe
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _check_max(name: str, value) -> int | None:
-    if value is not None and (not _is_int(value) or value < 1):
+    if value is not None and (not is_int(value) or value < 1):
         raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
     return None if value is None else int(value)
 
@@ -171,34 +167,6 @@ def stratified_subsample(labels, max_n: int | None, rng: np.random.Generator) ->
     take[order[: max_n - int(take.sum())]] += 1
     picked = [rng.choice(np.flatnonzero(labels == c), size=k, replace=False) for c, k in zip(classes, take)]
     return np.sort(np.concatenate(picked)) if picked else np.zeros(0, dtype=np.int64)
-
-
-def _image_split(x: np.ndarray, y, groups=None) -> Split:
-    """Images (N, C, H, W), uint8 (scaled by 1/255) or float32 already in [0, 1], as a Split."""
-    if x.dtype == np.uint8:
-        x = torch.from_numpy(np.ascontiguousarray(x)).to(torch.float32).div_(255.0)
-    else:
-        x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    return Split(
-        x,
-        torch.from_numpy(np.asarray(y, dtype=np.int64)),
-        None,
-        None if groups is None else torch.from_numpy(np.asarray(groups, dtype=np.int64)),
-    )
-
-
-def _check_classes(name: str, value, num_classes: int) -> tuple[int, ...]:
-    value = (value,) if _is_int(value) else tuple(value)
-    if not all(_is_int(c) for c in value) or len(set(value)) != len(value) or not set(value) <= set(range(num_classes)):
-        raise ValueError(f"{name} must be distinct class indices 0..{num_classes - 1}, got {value!r}")
-    return tuple(int(c) for c in value)
-
-
-def _check_severities(severities) -> tuple[int, ...]:
-    severities = (severities,) if _is_int(severities) else tuple(severities)
-    if len(set(severities)) != len(severities) or not all(_is_int(s) and 1 <= s <= 5 for s in severities):
-        raise ValueError(f"severities must be distinct ints in 1..5, got {severities!r}")
-    return tuple(int(s) for s in severities)
 
 
 def synthetic_shift(x_test: np.ndarray, severities: Sequence[int], seed: int, corruptions=CORRUPTIONS):
@@ -251,11 +219,11 @@ def build_image_bundle(
     - ``ood`` = the official test images of ``ood_classes`` (labels -1), cut to ``max_ood``.
     """
     num_all = len(class_names)
-    held_out = _check_classes("ood_classes", ood_classes, num_all)
+    held_out = check_classes("ood_classes", ood_classes, num_all)
     in_classes = [c for c in range(num_all) if c not in held_out]
     if len(in_classes) < 2:
         raise ValueError(f"ood_classes {held_out} leave fewer than 2 in-domain classes")
-    sev = _check_severities(severities)
+    sev = check_severities(severities)
     val_fraction = check_fraction("val_fraction", val_fraction, allow_zero=False)
     limits = {k: _check_max(k, v) for k, v in (("max_train", max_train), ("max_val", max_val))}
     limits.update({k: _check_max(k, v) for k, v in (("max_test", max_test), ("max_ood", max_ood))})
@@ -272,9 +240,9 @@ def build_image_bundle(
     test_rows, y_test_in = test_in[keep], y_test_in[keep]
 
     splits = {
-        "train": _image_split(x_train[train_in[tr]], y_pool[tr]),
-        "val": _image_split(x_train[train_in[va]], y_pool[va]),
-        "test": _image_split(x_test[test_rows], y_test_in),
+        "train": image_split(x_train[train_in[tr]], y_pool[tr]),
+        "val": image_split(x_train[train_in[va]], y_pool[va]),
+        "test": image_split(x_test[test_rows], y_test_in),
     }
     eval_splits, ood_splits = {"in_domain": "test"}, ()
     info = {
@@ -297,14 +265,14 @@ def build_image_bundle(
             info.update(extra)
         info["shift_test_positions"] = pos.tolist()
         groups = np.concatenate([np.full(c["stop"] - c["start"], c["severity"]) for c in chunks])
-        splits["shift"] = _image_split(x_shift, y_shift, groups)
+        splits["shift"] = image_split(x_shift, y_shift, groups)
         info["shift_corruptions"] = names
         info["shift_chunks"] = chunks
         eval_splits["shift"] = "shift"
     if held_out:
         ood_rows = np.flatnonzero(np.isin(y_test, held_out))
         ood_rows = ood_rows[stratified_subsample(y_test[ood_rows], limits["max_ood"], np.random.default_rng([seed, 4]))]
-        splits["ood"] = _image_split(x_test[ood_rows], np.full(len(ood_rows), -1))
+        splits["ood"] = image_split(x_test[ood_rows], np.full(len(ood_rows), -1))
         eval_splits["ood"] = "ood"
         ood_splits = ("ood",)
     info["sizes"] = {k: len(v) for k, v in splits.items()}
