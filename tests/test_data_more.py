@@ -55,6 +55,26 @@ def image_keys(x) -> collections.Counter:
     return collections.Counter(row.tobytes() for row in x.reshape(len(x), -1))
 
 
+def archive_dir(parent: Path, name: str, filename: str, data: bytes) -> Path:
+    """A new folder ``parent/name`` holding ``filename`` with ``data``; returns the folder."""
+    d = parent / name
+    d.mkdir()
+    (d / filename).write_bytes(data)
+    return d
+
+
+def write_tar_gz(path: Path, members: dict[str, bytes]) -> Path:
+    """A gzip tar at ``path`` (its folder created) holding one regular file per (member name, content);
+    returns the folder."""
+    path.parent.mkdir()
+    with tarfile.open(path, "w:gz") as archive:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return path.parent
+
+
 # ----------------------------------------------------------------------------- independent readers
 def parse_idx_gz(path: Path) -> np.ndarray:
     data = gzip.decompress(Path(path).read_bytes())
@@ -426,18 +446,10 @@ def test_cifar10_archive_errors(cifar_dir, tmp_path, monkeypatch):
         load_dataset("cifar10", data_dir=cifar_dir)
     data = (cifar_dir / "cifar-10-python.tar.gz").read_bytes()
     for name, blob in (("truncated", data[: len(data) // 2]), ("garbage", b"not a tar archive" * 50)):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "cifar-10-python.tar.gz").write_bytes(blob)
         with pytest.raises(ValueError, match="not a valid tar archive"):
-            cifar(d)
+            cifar(archive_dir(tmp_path, name, "cifar-10-python.tar.gz", blob))
     # a tar without the batches
-    d = tmp_path / "wrong"
-    d.mkdir()
-    with tarfile.open(d / "cifar-10-python.tar.gz", "w:gz") as archive:
-        info = tarfile.TarInfo("cifar-10-batches-py/readme.html")
-        info.size = 5
-        archive.addfile(info, io.BytesIO(b"hello"))
+    d = write_tar_gz(tmp_path / "wrong" / "cifar-10-python.tar.gz", {"cifar-10-batches-py/readme.html": b"hello"})
     with pytest.raises(ValueError, match="lacks member"):
         cifar(d)
 
@@ -537,18 +549,10 @@ def test_imdb_errors(imdb_dir, tmp_path, monkeypatch):
         load_dataset("imdb", data_dir=imdb_dir)
     data = (imdb_dir / "aclImdb_v1.tar.gz").read_bytes()
     for name, blob in (("truncated", data[: len(data) * 2 // 3]), ("garbage", b"\x1f\x8b" + b"x" * 500)):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "aclImdb_v1.tar.gz").write_bytes(blob)
         with pytest.raises(ValueError, match="not a valid tar archive"):
-            imdb(d)
-    d = tmp_path / "no_pos"
-    d.mkdir()
-    with tarfile.open(d / "aclImdb_v1.tar.gz", "w:gz") as archive:
-        for name in ("aclImdb/train/neg/1_2.txt", "aclImdb/test/neg/1_2.txt", "aclImdb/test/pos/1_9.txt"):
-            info = tarfile.TarInfo(name)
-            info.size = 4
-            archive.addfile(info, io.BytesIO(b"meh."))
+            imdb(archive_dir(tmp_path, name, "aclImdb_v1.tar.gz", blob))
+    names = ("aclImdb/train/neg/1_2.txt", "aclImdb/test/neg/1_2.txt", "aclImdb/test/pos/1_9.txt")
+    d = write_tar_gz(tmp_path / "no_pos" / "aclImdb_v1.tar.gz", dict.fromkeys(names, b"meh."))
     with pytest.raises(ValueError, match=r"aclImdb/train/\{neg,pos\}.*label\(s\) \[1\]"):
         imdb(d)
 
