@@ -7,6 +7,7 @@ App. B covariance with the μ_o μ_oᵀ term *not* cancelled, eqs. 42–44 regul
 
 import pytest
 import torch
+from _cgp_helpers import assert_padding_equals_truncated
 from gpytorch.kernels import MaternKernel
 
 import gpattn
@@ -255,21 +256,7 @@ def test_padding_equals_truncated_sequence(padded):
     """Padded tokens are removed from every basis: mean, covariance block and regulariser of the real
     tokens equal a run on the sequence without them (suffix and interior padding)."""
     gp = make_gp(prior_samples=None, jitter=0.0)
-    q, k, o, v = make_inputs(12, b=1)
-    mask = torch.zeros(1, T, dtype=torch.bool)
-    mask[0, list(padded)] = True
-    real = (~mask[0]).nonzero()[:, 0]
-    q2, k2, o2, v2 = (t.clone() for t in (q, k, o, v))
-    for t in (q2, k2, o2, v2):
-        t[:, :, mask[0]] = 7.0 * torch.randn_like(t[:, :, mask[0]])  # garbage in the padded tokens
-    full = gp(q2, k2, o2, v2, mask, sample=False)
-    cut = gp(*(t[:, :, real] for t in (q, k, o, v)), sample=False)
-    torch.testing.assert_close(full.out[:, :, real], cut.out, rtol=1e-9, atol=1e-10)
-    assert full.out[:, :, mask[0]].abs().max() == 0
-    torch.testing.assert_close(full.regularizer, cut.regularizer, rtol=1e-9, atol=1e-9)
-    cov_full = gp.posterior(q2, k2, o2, v2, mask).covariance_matrix[..., real, :][..., real]
-    cov_cut = gp.posterior(*(t[:, :, real] for t in (q, k, o, v))).covariance_matrix
-    torch.testing.assert_close(cov_full, cov_cut, rtol=1e-9, atol=1e-10)
+    assert_padding_equals_truncated(gp, *make_inputs(12, b=1), padded, garbage_scale=7.0, atol=1e-10)
 
 
 def test_layer_loss_term_and_deterministic_mean():

@@ -1,0 +1,25 @@
+"""Helpers shared by test_cgp.py and test_scgp.py (not a test module: no ``test_`` prefix)."""
+
+import torch
+
+
+def assert_padding_equals_truncated(gp, q, k, o, v, padded, *, garbage_scale, atol):
+    """Padded tokens are removed from every basis: with ``garbage_scale`` · N(0, 1) in the ``padded``
+    positions of the single sequence (b = 1), the mean, covariance block and regulariser of the real
+    tokens equal a run on the sequence without them (rtol 1e-9; ``atol`` on mean and covariance,
+    1e-9 on the regulariser), and the mean is 0 at the padded positions.
+    # shape: q, k, o (1, H, T, Dh), v (1, H, T, Dv)"""
+    mask = torch.zeros(1, q.shape[2], dtype=torch.bool)
+    mask[0, list(padded)] = True
+    real = (~mask[0]).nonzero()[:, 0]
+    q2, k2, o2, v2 = (t.clone() for t in (q, k, o, v))
+    for t in (q2, k2, o2, v2):
+        t[:, :, mask[0]] = garbage_scale * torch.randn_like(t[:, :, mask[0]])  # garbage in the padded tokens
+    full = gp(q2, k2, o2, v2, mask, sample=False)
+    cut = gp(*(t[:, :, real] for t in (q, k, o, v)), sample=False)
+    torch.testing.assert_close(full.out[:, :, real], cut.out, rtol=1e-9, atol=atol)
+    assert full.out[:, :, mask[0]].abs().max() == 0
+    torch.testing.assert_close(full.regularizer, cut.regularizer, rtol=1e-9, atol=1e-9)
+    cov_full = gp.posterior(q2, k2, o2, v2, mask).covariance_matrix[..., real, :][..., real]
+    cov_cut = gp.posterior(*(t[:, :, real] for t in (q, k, o, v))).covariance_matrix
+    torch.testing.assert_close(cov_full, cov_cut, rtol=1e-9, atol=atol)
