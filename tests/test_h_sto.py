@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from _sto_helpers import heads_float64, out_float64
 from scipy import stats
 
 import gpattn
@@ -21,23 +22,9 @@ def _layer(D=8, H=2, seed=0, **opts):
     return gpattn.build_attention("h-sto", D, H, **opts)
 
 
-def _heads(layer, x):
-    """float64 per-head q, k, v.  # shape: (B, H, T, Dh)"""
-    W, b = layer.in_proj.weight.detach().double(), layer.in_proj.bias.detach().double()
-    B, T, D = x.shape
-    qkv = x.double() @ W.T + b
-    return [t.reshape(B, T, layer.num_heads, -1).transpose(1, 2) for t in qkv.split(D, dim=-1)]
-
-
-def _out(layer, heads):
-    B, H, T, Dv = heads.shape
-    W, b = layer.out_proj.weight.detach().double(), layer.out_proj.bias.detach().double()
-    return heads.transpose(1, 2).reshape(B, T, H * Dv) @ W.T + b
-
-
 def _reference(layer, x, mask):
     """Noise-free eqs. 14–17 in float64, head by head with explicit loops over heads."""
-    q, k, v = _heads(layer, x)
+    q, k, v = heads_float64(layer, x)
     C = layer.centroids.detach().double()
     outs = []
     for h in range(layer.num_heads):
@@ -51,7 +38,7 @@ def _reference(layer, x, mask):
         if mask is not None:
             logits = logits.masked_fill(mask[:, None, :], float("-inf"))
         outs.append(torch.softmax(logits, -1) @ vh)
-    return _out(layer, torch.stack(outs, 1))
+    return out_float64(layer, torch.stack(outs, 1))
 
 
 # ------------------------------------------------------------------------------------ deterministic
@@ -106,8 +93,8 @@ def test_rows_sum_to_one_and_padded_keys_get_zero(hard_centroids, hard_values, c
             assert torch.equal((w == 1).sum(-1), torch.ones(w.shape[:-1], dtype=torch.long)), "not one-hot"
             assert torch.equal(w.sum(-1), torch.ones(w.shape[:-1]))
     # the stored weights are the ones used: eq. 17 reproduces the output
-    _, _, v = _heads(layer, x)
-    torch.testing.assert_close(_out(layer, a_v.double() @ v).float(), y, rtol=1e-5, atol=1e-5)
+    _, _, v = heads_float64(layer, x)
+    torch.testing.assert_close(out_float64(layer, a_v.double() @ v).float(), y, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("cluster", ["key", "query"])
@@ -138,7 +125,7 @@ def test_hard_centroid_assignments_follow_softmax_of_k_c():
     with torch.no_grad():
         layer(x1.expand(Bn, T, D).contiguous())
     counts = layer.last_centroid_weights.double().sum(0).reshape(H * T, 3)
-    _, k, _ = _heads(layer, x1)
+    _, k, _ = heads_float64(layer, x1)
     logits = (k @ layer.centroids.detach().double())[0].reshape(H * T, 3)
     probs = torch.softmax(logits, -1)
     assert (Bn * probs).min() > 5, "test design: expected counts too small for chi-square"

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from _sto_helpers import heads_float64, out_float64
 from scipy import stats
 
 import gpattn
@@ -21,22 +22,6 @@ EULER_GAMMA = 0.5772156649015329
 def _layer(D=8, H=2, seed=0, **opts):
     torch.manual_seed(seed)
     return gpattn.build_attention("sto", D, H, **opts)
-
-
-def _heads(layer, x):
-    """float64 per-head q, k, v from the layer's fused projection.  # shape: (B, H, T, Dh)"""
-    W, b = layer.in_proj.weight.detach().double(), layer.in_proj.bias.detach().double()
-    B, T, D = x.shape
-    H = layer.num_heads
-    qkv = x.double() @ W.T + b
-    return [t.reshape(B, T, H, -1).transpose(1, 2) for t in qkv.split(D, dim=-1)]
-
-
-def _out(layer, heads):
-    """W_o applied to per-head outputs (B, H, T, Dv), float64."""
-    B, H, T, Dv = heads.shape
-    W, b = layer.out_proj.weight.detach().double(), layer.out_proj.bias.detach().double()
-    return heads.transpose(1, 2).reshape(B, T, H * Dv) @ W.T + b
 
 
 # ---------------------------------------------------------------------------------------------- noise
@@ -159,7 +144,7 @@ def test_gumbel_max_statistics_of_the_layer(hard):
     win = torch.nn.functional.one_hot(w.argmax(-1), T).double()
     counts = win.sum(0)[..., :4].reshape(H * T, 4)  # real keys only
     assert torch.equal(win.sum(0)[..., 4], torch.zeros(H, T, dtype=torch.float64)), "padded key won"
-    q, k, _ = _heads(layer, x1)
+    q, k, _ = heads_float64(layer, x1)
     logits = (q @ k.transpose(-1, -2))[0, ..., :4].reshape(H * T, 4)
     probs = torch.softmax(logits, -1)
     assert (Bn * probs).min() > 5, "test design: expected counts too small for chi-square"
@@ -222,10 +207,10 @@ def test_deterministic_equals_noise_free_softmax(hard, tau):
     x, mask = make_inputs(B=3, T=6, pad=(0, 2, 4), dtype=torch.float64, seed=9)
     with gpattn.deterministic():
         y = layer(x, mask)
-    q, k, v = _heads(layer, x)
+    q, k, v = heads_float64(layer, x)
     t = math.sqrt(layer.head_dim) if tau is None else tau
     logits = (q @ k.transpose(-1, -2) / t).masked_fill(mask[:, None, None, :], float("-inf"))
-    ref = _out(layer, torch.softmax(logits, -1) @ v)
+    ref = out_float64(layer, torch.softmax(logits, -1) @ v)
     torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-10)
     torch.manual_seed(0)
     assert not torch.allclose(layer(x, mask), ref, atol=1e-6), "outside deterministic() the layer must sample"
@@ -255,8 +240,10 @@ def test_fused_and_explicit_paths_draw_the_same_sample():
     torch.manual_seed(12)
     y_expl = layer(x, mask)
     torch.testing.assert_close(y_fused, y_expl, rtol=1e-5, atol=1e-6)
-    _, _, v = _heads(layer, x)
-    torch.testing.assert_close(_out(layer, layer.last_weights.double() @ v).float(), y_expl, rtol=1e-5, atol=1e-5)
+    _, _, v = heads_float64(layer, x)
+    torch.testing.assert_close(
+        out_float64(layer, layer.last_weights.double() @ v).float(), y_expl, rtol=1e-5, atol=1e-5
+    )
     layer.store_weights = False
     layer(x, mask)
     assert layer.last_weights is None, "weights of an older forward must not linger"
