@@ -178,15 +178,19 @@ class DecoupledSGPAConditional:
     def variance(self) -> torch.Tensor:
         """diag Σ_d = diag K_qq − ‖A_t‖² + A_t S̃_d A_tᵀ, without any (T, T) or (Dv, T, M) tensor.
 
+        The quadratic forms are one matmul per head over every (b, t) row, (H, B·T, M²) @ (H, M², Dv):
+        with the rows laid out per head, S̃ is never broadcast (copied) over the batch.
+
         # shape: -> (B, H, T, Dv)
         """
         A = self.interp
         B, H, T, M = A.shape
         resid = self.gram_diag - A.square().sum(-1)  # shape: (B, H, T)
         S = self.scale_tril @ self.scale_tril.mT  # shape: (H, Dv, M, M)
-        outer = (A[..., :, None] * A[..., None, :]).reshape(B, H, T, M * M)  # shape: (B, H, T, M²)
-        quad = outer @ S.reshape(H, -1, M * M).mT  # shape: (B, H, T, Dv)
-        return resid[..., None] + quad
+        rows = A.transpose(0, 1).reshape(H, B * T, M)  # shape: (H, B·T, M)
+        outer = (rows[..., :, None] * rows[..., None, :]).reshape(H, B * T, M * M)  # shape: (H, B·T, M²)
+        quad = (outer @ S.reshape(H, -1, M * M).mT).view(H, B, T, -1)  # shape: (H, B, T, Dv)
+        return resid[..., None] + quad.transpose(0, 1)
 
     def posterior(self) -> MultivariateNormal:
         """q(f): ``"full"``: Σ_d = (K_qq − Q_qq) + (A L_s,d)(A L_s,d)ᵀ as a sum of a dense and a root
