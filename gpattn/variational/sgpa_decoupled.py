@@ -241,8 +241,13 @@ class DecoupledSGPAConditional:
                 return self.mean + safe_sqrt(self.variance()) * eps
             B, H, T, Dv = self.mean.shape
             M = self.interp.shape[-1]
-            eps_g = standard_normal((B, H, Dv, M, 1), self.mean, num_samples, generator)
-            low_rank = (self.scale_tril @ eps_g)[..., 0].transpose(-1, -2)  # shape: (..., B, H, M, Dv)
+            eps_g = standard_normal((B, H, Dv, M), self.mean, num_samples, generator)  # shape: (..., B, H, Dv, M)
+            lead = eps_g.shape[:-3]  # (B,) or (P, B)
+            # L_s,d ε₂,d for every (b, d) as one batched matmul over (h, d) with the (b) draws as columns:
+            # L_s is never broadcast (copied) over the batch
+            cols = eps_g.reshape(-1, H, Dv, M).permute(1, 2, 3, 0)  # shape: (H, Dv, M, N), N = P·B
+            low = self.scale_tril @ cols  # shape: (H, Dv, M, N)
+            low_rank = low.permute(3, 0, 2, 1).reshape(*lead, H, M, Dv)  # shape: (..., B, H, M, Dv)
             return self.mean + self._residual_sample(eps) + self.interp @ low_rank
 
 
