@@ -49,6 +49,7 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         ("--num-layers", int),
         ("--dropout", float),
         ("--beta", float),
+        ("--alpha", float),
         ("--checkpoint-every", int),
     ):
         p.add_argument(flag, type=typ)
@@ -79,6 +80,7 @@ def _config(args, **extra):
         "num_layers",
         "dropout",
         "beta",
+        "alpha",
         "checkpoint_every",
         "kl_scaling",
     ):
