@@ -177,22 +177,6 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         return DTCTerms(K_qm, K_om, K_ol, K_kl, K_mm, K_ll, S_m, P, L_q, L_k, s2)
 
     @staticmethod
-    def _solve_keys(t: DTCTerms, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:math:`B_k^{-1}K_{lk}z` and :math:`Y = L_k^{-1}P^\\top` (so :math:`PB_k^{-1}P^\\top = Y^\\top Y`),
-        from one triangular solve with :math:`L_k` on both right-hand sides (at small T the cost of
-        these small batched solves is per call, not per column).
-
-        # shape: z (B, H, T, Dv) -> (B, H, l, Dv), (B, H, l, m)"""
-        Dv = z.shape[-1]
-        W = tri_solve(t.L_k, torch.cat([t.K_kl.mT @ z, t.P.mT], -1))  # shape: (B, H, l, Dv + m)
-        return tri_solve(t.L_k.mT, W[..., :Dv], upper=True), W[..., Dv:]
-
-    @staticmethod
-    def _bracket_factor(t: DTCTerms, Y: torch.Tensor) -> torch.Tensor:
-        """:math:`L_M = \\mathrm{chol}(B_q + K_{mo}K_{om} + PB_k^{-1}P^\\top)`.  # shape: (B, H, m, m)"""
-        return cholesky(t.s2 * t.K_mm + 2.0 * t.S_m + Y.mT @ Y, name="scgp: covariance bracket")
-
-    @staticmethod
     def predictive_mean(t: DTCTerms, z: torch.Tensor) -> torch.Tensor:
         """Eq. 33 right to left: :math:`\\nu = K_{qm}B_q^{-1}PB_k^{-1}K_{lk}z`.
 
@@ -205,72 +189,32 @@ class SparseCorrelatedGP(CorrelatedGPBase):
 
         # shape: (B, H, T, m)"""
         Y = tri_solve(t.L_k, t.P.mT)  # L_k⁻¹ Pᵀ, so P B_k⁻¹ Pᵀ = YᵀY  # shape: (B, H, l, m)
-        L_M = self._bracket_factor(t, Y)
+        M = t.s2 * t.K_mm + 2.0 * t.S_m + Y.mT @ Y  # B_q + K_mo K_om + P B_k⁻¹ Pᵀ
+        L_M = cholesky(M, name="scgp: covariance bracket")
         R = t.s2.sqrt() * torch.cholesky_solve(L_M, t.L_q)  # σ B_q⁻¹ L_M  # shape: (B, H, m, m)
         return t.K_qm @ R
 
-    def _dtc_trace(self, G, S, K_mm, BS, BG, s2):
+    def _dtc_trace(self, G: torch.Tensor, S: torch.Tensor, K_mm: torch.Tensor, L_B: torch.Tensor, s2):
         """:math:`\\mathrm{tr}(B^{-1}SK_{mm}^{-1}SB^{-1}G) + \\sigma^2\\mathrm{tr}(B^{-1}G)` for
-        :math:`B = \\sigma^2K_{mm} + S`, given :math:`B^{-1}S` and :math:`B^{-1}G`.
-
-        # shape: G, S, BS, BG (B, H, m, m), K_mm (B or 1, H, m, m) -> (B, H)"""
+        :math:`B = \\sigma^2K_{mm} + S = L_BL_B^\\top`.  # shape: G, S, K_mm (..., m, m) -> (B, H)"""
         L_mm = cholesky(add_jitter(K_mm, self.jitter), name="scgp: inducing Gram")
-        V = tri_solve(L_mm, BS.mT)  # L_mm⁻¹ S B⁻¹
-        trace_BG = BG.diagonal(dim1=-2, dim2=-1).sum(-1)  # tr(B⁻¹ G)
+        V = tri_solve(L_mm, torch.cholesky_solve(S, L_B).mT)  # L_mm⁻¹ S B⁻¹
+        trace_BG = torch.cholesky_solve(G, L_B).diagonal(dim1=-2, dim2=-1).sum(-1)  # tr(B⁻¹ G)
         return ((V @ G) * V).sum((-2, -1)) + s2[:, 0, 0] * trace_BG
-
-    def _key_trace(self, t: DTCTerms) -> torch.Tensor:
-        """Key part of the trace: :math:`z_l\\mid z_o`, the DTC posterior with :math:`z_o` as observations
-        (:math:`B'_k = \\sigma^2K_{ll} + K_{lo}K_{ol}`).  # shape: (B, H)"""
-        S_l = t.K_ol.mT @ t.K_ol  # shape: (B, H, l, l)
-        G_k = t.K_kl.mT @ t.K_kl  # shape: (B, H, l, l)
-        L_kb = cholesky(t.s2 * t.K_ll + S_l, name="scgp: sigma^2 K_ll + K_lo K_ol")
-        l = S_l.shape[-1]
-        X = torch.cholesky_solve(torch.cat([S_l, G_k], -1), L_kb)  # [B'⁻¹ S_l | B'⁻¹ G_k]
-        return self._dtc_trace(G_k, S_l, t.K_ll, X[..., :l], X[..., l:], t.s2)
-
-    def _regularizer(self, t: DTCTerms, nu, z, valid, tr_q) -> torch.Tensor:
-        """App. E from the query trace term.  # shape: (B, H, Dv)"""
-        s2 = t.s2[:, 0, 0]  # shape: (H,)
-        n_real = torch.full_like(s2, nu.shape[-2]) if valid is None else valid.sum(-1).to(nu)  # (H,) or (B, 1)
-        tr_k = self._key_trace(t)
-        sq = nu.pow(2).sum(-2) + z.pow(2).sum(-2)  # shape: (B, H, Dv)
-        # both parts carry T log σ² (the log-determinant of σ²I over the real tokens)
-        return (sq + (tr_q + tr_k)[..., None]) / s2[:, None] + (2.0 * n_real * s2.log())[..., None]
 
     def regularizer(self, t: DTCTerms, nu: torch.Tensor, z: torch.Tensor, valid) -> torch.Tensor:
         """App. E, per head and value column (see the class docstring).  # shape: (B, H, Dv)"""
+        s2 = t.s2[:, 0, 0]  # shape: (H,)
+        n_real = torch.full_like(s2, nu.shape[-2]) if valid is None else valid.sum(-1).to(nu)  # (H,) or (B, 1)
         # query part: z_m | z_o is the DTC posterior of the mean (capacitance B_q)
-        G_q = t.K_qm.mT @ t.K_qm
-        m = G_q.shape[-1]
-        X = torch.cholesky_solve(torch.cat([t.S_m, G_q], -1), t.L_q)  # [B_q⁻¹ S_m | B_q⁻¹ G_q]
-        tr_q = self._dtc_trace(G_q, t.S_m, t.K_mm, X[..., :m], X[..., m:], t.s2)
-        return self._regularizer(t, nu, z, valid, tr_q)
-
-    def _fused(self, t: DTCTerms, z: torch.Tensor, sample: bool, regularize: bool):
-        """Mean, covariance root and regulariser with every solve against :math:`L_q` (and against
-        :math:`L_k`) done in one call on the concatenated right-hand sides: the same algebra as
-        :meth:`predictive_mean`, :meth:`covariance_root` and :meth:`regularizer`, fewer small calls.
-
-        # shape: z (B, H, T, Dv) -> nu (B, H, T, Dv), root (B, H, T, m) or None, query trace (B, H) or None"""
-        u, Y = self._solve_keys(t, z)
-        Dv, m = z.shape[-1], t.L_q.shape[-1]
-        rhs = [t.P @ u]  # shape: (B, H, m, Dv)
-        if sample:
-            rhs.append(self._bracket_factor(t, Y))  # L_M
-        if regularize:
-            G_q = t.K_qm.mT @ t.K_qm  # shape: (B, H, m, m)
-            rhs += [t.S_m, G_q]
-        X = torch.cholesky_solve(torch.cat(rhs, -1), t.L_q)  # B_q⁻¹ [P u | L_M | S_m | G_q]
-        nu = t.K_qm @ X[..., :Dv]  # shape: (B, H, T, Dv)
-        root = tr_q = None
-        j = Dv
-        if sample:
-            root = t.K_qm @ (t.s2.sqrt() * X[..., j : j + m])  # K_qm σ B_q⁻¹ L_M  # shape: (B, H, T, m)
-            j += m
-        if regularize:
-            tr_q = self._dtc_trace(G_q, t.S_m, t.K_mm, X[..., j : j + m], X[..., j + m :], t.s2)
-        return nu, root, tr_q
+        tr_q = self._dtc_trace(t.K_qm.mT @ t.K_qm, t.S_m, t.K_mm, t.L_q, t.s2)
+        # key part: z_l | z_o, the DTC posterior with z_o as observations (B'_k = σ² K_ll + K_lo K_ol)
+        S_l = t.K_ol.mT @ t.K_ol  # shape: (B, H, l, l)
+        L_kb = cholesky(t.s2 * t.K_ll + S_l, name="scgp: sigma^2 K_ll + K_lo K_ol")
+        tr_k = self._dtc_trace(t.K_kl.mT @ t.K_kl, S_l, t.K_ll, L_kb, t.s2)
+        sq = nu.pow(2).sum(-2) + z.pow(2).sum(-2)  # shape: (B, H, Dv)
+        # both parts carry T log σ² (the log-determinant of σ²I over the real tokens)
+        return (sq + (tr_q + tr_k)[..., None]) / s2[:, None] + (2.0 * n_real * s2.log())[..., None]
 
     # ------------------------------------------------------------------ entry points
     def _terms_for(self, q, k, o, valid, inducing):
@@ -283,14 +227,15 @@ class SparseCorrelatedGP(CorrelatedGPBase):
     def _forward(self, q, k, o, v, valid, *, sample, regularize, inducing=None):
         t = self._terms_for(q, k, o, valid, inducing)
         z = v if valid is None else v * valid[..., :, None]  # eq. 34: z = v, padded keys removed
-        nu, root, tr_q = self._fused(t, z, sample, regularize)
+        nu = self.predictive_mean(t, z)
         out = nu
         if sample:
+            root = self.covariance_root(t)  # shape: (B, H, T, m)
             B, H, T, Dv = nu.shape
             eps = torch.randn(B, H, T + root.shape[-1], Dv, dtype=nu.dtype, device=nu.device)
             sigma = t.s2.sqrt()
             out = nu + sigma * eps[..., :T, :] + root @ eps[..., T:, :]  # σ ε₁ + K_qm R ε₂
-        reg = self._regularizer(t, nu, z, valid, tr_q) if regularize else None
+        reg = self.regularizer(t, nu, z, valid) if regularize else None
         return out, reg
 
     def _posterior(self, q, k, o, v, valid, inducing=None):
