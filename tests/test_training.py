@@ -213,3 +213,19 @@ def test_cli_train_real_cola_one_epoch(tmp_path):
     keys, ood_keys = _schema_keys()
     assert set(metrics) == {"in_domain", "ood"}
     assert keys <= set(metrics["in_domain"]) and ood_keys <= set(metrics["ood"])
+
+
+def test_presets_are_valid_configs():
+    from gpattn.compare import expand_variants
+    from gpattn.data import list_datasets
+    from gpattn.presets import PRESETS, get_preset
+
+    for name in PRESETS:
+        preset = get_preset(name)
+        cfg = TrainConfig.from_dict({k: v for k, v in preset.items() if k not in ("variants", "seeds")})
+        assert cfg.dataset in list_datasets(), name
+        specs = expand_variants(preset["variants"])
+        assert {s.attention for s in specs} >= set(__import__("gpattn").list_attention()), name
+        assert preset["seeds"], name
+    with pytest.raises(ValueError, match="valid presets"):
+        get_preset("nope")
