@@ -49,11 +49,11 @@ class ExponentialKernel(Kernel):
     def forward(self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, **params) -> torch.Tensor:
         ell = self.lengthscale  # shape: (*batch, 1, d)
         a = x1 / ell
-        b = x2 / ell
+        b = a if x2 is x1 else x2 / ell  # self-attention: scale once (and once in backward)
         log_s2 = self.outputscale.log()[..., None, None]  # shape: (*batch, 1, 1)
         if diag:
             return torch.exp(log_s2[..., 0] + (a * b).sum(-1))
-        return torch.exp(log_s2 + a @ b.transpose(-1, -2))
+        return torch.exp((a @ b.transpose(-1, -2)).add_(log_s2))  # in place on the fresh matmul output
 
     def __repr__(self) -> str:  # pragma: no cover - cosmetic
         return f"ExponentialKernel(batch_shape={tuple(self.batch_shape)}, ard_num_dims={self.ard_num_dims})"
