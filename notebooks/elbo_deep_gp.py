@@ -279,8 +279,8 @@ for name, hist in histories.items():
 
 # %% [markdown]
 # A GP researcher's note on the decoupled SGPA run. `kl_seq` is a *per-sequence* KL (summed over heads,
-# value dimensions and layers: ≈ 90 nats per sequence at initialisation in CI size, ≈ 1000 at full size,
-# see section 1) that competes one-to-one with a per-sequence cross-entropy of at most log C ≈ 2 nats.
+# value dimensions and layers; at initialisation ≈ 90 nats per sequence *per layer* in CI size, ≈ 1000
+# at full size, see section 1) that competes one-to-one with a per-sequence cross-entropy of at most log C ≈ 2 nats.
 # In our runs at both sizes, with β = 1 the optimiser drives it to ≈ 0 within the first epoch by
 # pulling the amortised mean towards the prior — the analogue of a VAE's posterior collapse — after
 # which, with CLS pooling, the class token receives no information through attention and the model
