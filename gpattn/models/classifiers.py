@@ -18,6 +18,20 @@ from gpattn.models._blocks import Encoder, MCDropout
 
 __all__ = ["TransformerClassifier", "ViTClassifier"]
 
+#: constructor arguments both classifiers hand to the shared encoder/pooling/head base unchanged
+_ENCODER_ARGS = (
+    "embed_dim",
+    "num_heads",
+    "num_layers",
+    "attention",
+    "attention_options",
+    "attention_layers",
+    "mlp_ratio",
+    "dropout",
+    "mc_dropout",
+    "pooling",
+)
+
 
 class _SequenceClassifier(nn.Module):
     def __init__(
@@ -126,20 +140,8 @@ class TransformerClassifier(_SequenceClassifier):
     ):
         if (vocab_size is None) == (input_dim is None):
             raise ValueError("give exactly one of vocab_size (token ids) or input_dim (dense features)")
-        super().__init__(
-            num_classes,
-            embed_dim=embed_dim,
-            num_heads=num_heads,
-            num_layers=num_layers,
-            attention=attention,
-            attention_options=attention_options,
-            attention_layers=attention_layers,
-            mlp_ratio=mlp_ratio,
-            dropout=dropout,
-            mc_dropout=mc_dropout,
-            pooling=pooling,
-            max_tokens=max_len,
-        )
+        shared = {k: v for k, v in locals().items() if k in _ENCODER_ARGS}
+        super().__init__(num_classes, max_tokens=max_len, **shared)
         self.vocab_size, self.input_dim = vocab_size, input_dim
         if vocab_size is not None:
             self.embed = nn.Embedding(vocab_size, embed_dim, padding_idx=0)
@@ -198,20 +200,8 @@ class ViTClassifier(_SequenceClassifier):
         if Hpx % patch_size or Wpx % patch_size:
             raise ValueError(f"image size {Hpx}x{Wpx} is not divisible by patch_size={patch_size}")
         num_patches = (Hpx // patch_size) * (Wpx // patch_size)
-        super().__init__(
-            num_classes,
-            embed_dim=embed_dim,
-            num_heads=num_heads,
-            num_layers=num_layers,
-            attention=attention,
-            attention_options=attention_options,
-            attention_layers=attention_layers,
-            mlp_ratio=mlp_ratio,
-            dropout=dropout,
-            mc_dropout=mc_dropout,
-            pooling=pooling,
-            max_tokens=num_patches,
-        )
+        shared = {k: v for k, v in locals().items() if k in _ENCODER_ARGS}
+        super().__init__(num_classes, max_tokens=num_patches, **shared)
         self.image_shape, self.patch_size = tuple(image_shape), patch_size
         self.embed = nn.Linear(C * patch_size * patch_size, embed_dim)
 

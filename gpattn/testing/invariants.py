@@ -94,7 +94,7 @@ def check_gradients(name, **options):
 
 
 def check_small_shapes(name, **options):
-    """B=1, H=1, T=1 (the released `.squeeze()` bugs)."""
+    """B=1, H=1, T=1 (the released code's undimensioned squeeze bugs)."""
     for B, H, T in ((1, 2, 5), (2, 1, 5), (2, 2, 1), (1, 1, 1)):
         layer = _build(name, D=4 * H, H=H, **options)
         x = torch.randn(B, T, 4 * H)

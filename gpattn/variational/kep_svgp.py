@@ -403,7 +403,7 @@ class KEPSVGP(nn.Module):
     Cost per head: O(T·Dh·r + T·r²) (+ O(T²·r) for concat, O(T·Dh²) for the residual) — linear in T.
 
     **Peer code** (released ``kep_svgp.py``): its sampler and KL trace permute L's output and inducing
-    indices (``permute(0,1,4,2,3)``), ``.squeeze()`` breaks B = 1 / H = 1 / T = 1, and padded tokens are
+    indices (``permute(0,1,4,2,3)``), an undimensioned squeeze breaks B = 1 / H = 1 / T = 1, and padded tokens are
     landmarks. Here: the per-output SVGP above, explicit reshapes, landmarks from real tokens only.
     """
 
