@@ -7,6 +7,7 @@ NotPSDErrors of the numerics policy (``gpattn.variational._linalg.STATS``). Exit
 produced a NaN/Inf or an unhandled factorisation failure.
 
     python benchmarks/stability.py --steps 2000 --data-dir ../shared/data
+    python benchmarks/stability.py --steps 2000 --beta 1 --alpha 1    # the exact ELBO weights (MATH §9)
     python benchmarks/stability.py --steps 50 --fixture --variants sgpa,cgp     # a quick look
 """
 
@@ -25,8 +26,11 @@ import torch
 import gpattn
 from gpattn.data import load_dataset
 from gpattn.objectives import ELBOObjective
+from gpattn.presets import get_preset
 from gpattn.training import TrainConfig, _batch, _epoch_order, build_model
 from gpattn.variational import _linalg
+
+_COLA = get_preset("cola")
 
 
 def _finite_grads(model) -> bool:
@@ -49,7 +53,7 @@ def run_variant(name: str, bundle, args) -> dict:
     model = build_model(cfg, bundle)
     train = bundle.splits["train"]
     n = len(train.labels)
-    objective = ELBOObjective(n)
+    objective = ELBOObjective(n, beta=args.beta, alpha=args.alpha)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     _linalg.reset_stats()
     bad_steps, not_psd, other_errors, losses = 0, 0, [], []
@@ -124,6 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--beta", type=float, default=_COLA["beta"], help="KL weight (default: the cola preset's)")
+    p.add_argument("--alpha", type=float, default=_COLA["alpha"], help="SCGP/KSVD weight (default: the cola preset's)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
@@ -138,6 +144,12 @@ def main(argv=None) -> int:
     else:
         bundle = load_dataset("cola", data_dir=args.data_dir)
     rows = []
+    print(
+        f"CoLA, {args.steps} steps/variant, float32, beta={args.beta:g}, alpha={args.alpha:g}, "
+        f"batch {args.batch_size}, "
+        f"width {args.embed_dim}, {args.num_layers} layers, {args.num_heads} heads, {args.threads} thread(s)",
+        flush=True,
+    )
     print(
         f"{'variant':<16}{'steps':>7}{'NaN/Inf':>9}{'NotPSD':>8}{'jitter':>8}{'errors':>8}{'bf16':>6}"
         f"{'loss0':>8}{'loss_end':>9}{'sec':>8}",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import register
-from gpattn.variational._linalg import gp_algebra
+from gpattn.variational._linalg import full_precision, gp_algebra
 from gpattn.variational.kep_svgp import KEPSVGP, MERGES
 
 __all__ = ["KEPSVGPAttention"]
@@ -107,14 +107,15 @@ class KEPSVGPAttention(AttentionBase):
     def _attend(self, x, mask):
         p = self.project(x)
         with gp_algebra(x.device.type):
-            heads, terms = self.kep(x, p["q"], p["k"], mask, sample=self.sampling)  # shape: (B, H, T, Dv)
+            x, q, k = full_precision(x, p["q"], p["k"])
+            heads, terms = self.kep(x, q, k, mask, sample=self.sampling)  # shape: (B, H, T, Dv)
         self.set_loss_terms(**terms)
         return heads
 
     def _posterior(self, x, mask):
         p = self.project(x)
         with gp_algebra(x.device.type):
-            return self.kep.posterior(x, p["q"], p["k"], mask, jitter=self.jitter)
+            return self.kep.posterior(*full_precision(x, p["q"], p["k"]), mask, jitter=self.jitter)
 
     def extra_repr(self) -> str:
         k = self.kep

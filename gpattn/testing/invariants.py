@@ -121,6 +121,22 @@ def check_float64(name, **options):
         assert val.dtype == torch.float64, f"{name}: loss term {key} is {val.dtype} in a float64 layer"
 
 
+def check_bf16_autocast(name, **options):
+    """Under bf16 autocast a float32 layer runs forward and backward with finite output, loss terms and
+    gradients; loss terms stay float32 (the GP algebra is full precision, DESIGN "Numerics policy")."""
+    layer = _build(name, **options)
+    x, mask = make_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = _run(layer, x, mask)
+        terms = layer.loss_terms()
+    assert torch.isfinite(y.float()).all(), f"{name}: non-finite output under bf16 autocast"
+    for key, val in terms.items():
+        assert val.dtype == torch.float32 and torch.isfinite(val), f"{name}: loss term {key} is {val} under bf16"
+    (y.float().sum() + sum(terms.values(), torch.zeros(()))).backward()
+    for pname, p in layer.named_parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all(), f"{name}: non-finite gradient of {pname} under bf16"
+
+
 def check_pickle(name, **options):
     layer = _build(name, **options)
     x, mask = make_inputs()
@@ -209,6 +225,7 @@ ATTENTION_INVARIANTS = {
         check_small_shapes,
         check_empty_batch,
         check_float64,
+        check_bf16_autocast,
         check_pickle,
         check_deterministic,
         check_posterior,

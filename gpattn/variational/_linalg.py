@@ -28,6 +28,7 @@ __all__ = [
     "NotPSDError",
     "add_jitter",
     "cholesky",
+    "full_precision",
     "gp_algebra",
     "reset_stats",
     "safe_sqrt",
@@ -91,6 +92,18 @@ def tri_solve(L: torch.Tensor, B: torch.Tensor, *, upper: bool = False, left: bo
 def safe_sqrt(var: torch.Tensor) -> torch.Tensor:
     """sqrt of a variance clamped at 0 (round-off can make a true 0 slightly negative)."""
     return var.clamp_min(0).sqrt()
+
+
+def full_precision(*tensors: torch.Tensor | None) -> list:
+    """Each tensor in float32 at least (float64 stays float64; None passes through).
+
+    Use at the entry of a :func:`gp_algebra` block: inputs projected under bf16/fp16 autocast arrive
+    in half precision, while autocast is off inside, so they would meet float32 parameters.
+    """
+    return [
+        t if t is None or not t.is_floating_point() else t.to(torch.promote_types(t.dtype, torch.float32))
+        for t in tensors
+    ]
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from gpytorch.kernels import Kernel
 from linear_operator.operators import CholLinearOperator, TriangularLinearOperator
 
 from gpattn.kernels.cross_covariance import CrossCovarianceKernel
-from gpattn.variational._linalg import add_jitter, cholesky, gp_algebra, tri_solve
+from gpattn.variational._linalg import add_jitter, cholesky, full_precision, gp_algebra, tri_solve
 
 __all__ = ["CorrelatedGP", "CorrelatedGPBase", "CorrelatedGPOutput", "add_diag", "logdet_from_cholesky"]
 
@@ -165,9 +165,8 @@ class CorrelatedGPBase(nn.Module):
     @staticmethod
     def _prepare(mask, *tensors):
         """Upcast to float32 at least (autocast is off inside); mask (B, T) -> valid (B, 1, T) or None."""
-        dtype = torch.promote_types(tensors[0].dtype, torch.float32)
         valid = None if mask is None else (~mask)[:, None, :]
-        return valid, [t.to(dtype) for t in tensors]
+        return valid, full_precision(*tensors)
 
     def forward(
         self,

@@ -40,7 +40,7 @@ from gpytorch.kernels import Kernel
 from linear_operator.operators import DiagLinearOperator, LinearOperator, RootLinearOperator
 
 from gpattn.kernels import evaluate_kernel
-from gpattn.variational._linalg import cholesky, gp_algebra, safe_sqrt
+from gpattn.variational._linalg import cholesky, full_precision, gp_algebra, safe_sqrt
 
 __all__ = [
     "COVARIANCE_MODES",
@@ -284,6 +284,7 @@ class SGPAVariationalStrategy(nn.Module):
         """
         check_sequence_inputs(keys, values, mask)
         with gp_algebra(keys.device.type):
+            keys, values = full_precision(keys, values)
             K = isolate_padding(evaluate_kernel(self.kernel, keys, keys), mask)  # shape: (B, H, T, T)
             pad = None if mask is None else mask[:, None, :]  # shape: (B, 1, T)
             jit = relative_jitter(K.diagonal(dim1=-2, dim2=-1), self.jitter, pad)  # shape: (B, H, 1, 1)

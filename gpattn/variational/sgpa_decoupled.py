@@ -43,7 +43,7 @@ from linear_operator.operators import (
 )
 
 from gpattn.kernels import evaluate_kernel
-from gpattn.variational._linalg import cholesky, gp_algebra, safe_sqrt, tri_solve
+from gpattn.variational._linalg import cholesky, full_precision, gp_algebra, safe_sqrt, tri_solve
 from gpattn.variational.sgpa import (
     add_diagonal,
     check_covariance,
@@ -325,6 +325,7 @@ class DecoupledSGPAVariationalStrategy(nn.Module):
         if global_keys.dim() != 3 or global_keys.shape[0] != H or global_keys.shape[-1] != Dh:
             raise ValueError(f"global_keys must have shape (H={H}, M, Dh={Dh}), got {tuple(global_keys.shape)}")
         with gp_algebra(queries.device.type):
+            queries, values = full_precision(queries, values)
             if mask is not None:
                 values = values.masked_fill(mask[:, None, :, None], 0.0)  # padded keys leave the mean basis
             K = evaluate_kernel(self.kernel, queries, queries)  # shape: (B, H, T, T)
