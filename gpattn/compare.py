@@ -26,7 +26,7 @@ from gpattn.training import TrainConfig, evaluate_predictions, train
 
 __all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "write_report"]
 
-BASELINES = ("softmax+ts", "softmax+mcdropout", "softmax+laplace", "softmax+ens3")
+BASELINES = ("softmax+ts", "softmax+mcdropout", "softmax+laplace", "softmax+ens5")
 
 #: metrics shown in report.md, per evaluation split (all metrics are in results.json)
 REPORT_COLUMNS = {
@@ -74,7 +74,7 @@ def parse_variant(spec: str) -> VariantSpec:
 
 def expand_variants(variants) -> list[VariantSpec]:
     """A comma list or list of specs; ``all`` = every registered variant; ``all+baselines`` adds
-    softmax+ts, softmax+mcdropout and softmax+ens3."""
+    :data:`BASELINES` (softmax+ts, softmax+mcdropout, softmax+laplace and a deep ensemble softmax+ens5)."""
     if isinstance(variants, str):
         variants = [v for v in variants.split(",") if v.strip()]
     out: list[str] = []
