@@ -1,66 +1,20 @@
 """torchrun with 2 CPU processes (gloo) steps like one process with the same global batch."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from _cli_helpers import run, train_cmd
 
-ARGS = [
-    "--dataset",
-    "digits",
-    "--attention",
-    "softmax",
-    "--epochs",
-    "2",
-    "--batch-size",
-    "32",
-    "--embed-dim",
-    "16",
-    "--num-heads",
-    "2",
-    "--num-layers",
-    "1",
-    "--dropout",
-    "0.0",
-    "--num-samples",
-    "1",
-    "--no-progress",
-]
+ARGS = ("--dropout", "0.0", "--num-samples", "1")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_processes_match_one(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run(
-        [sys.executable, "-m", "gpattn", "train", *ARGS, "--out", str(tmp_path / "one")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    one = run(train_cmd("softmax", 2, *ARGS, "--out", str(tmp_path / "one")))
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "gpattn",
-            "train",
-            *ARGS,
-            "--out",
-            str(tmp_path / "two"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+    two = run(train_cmd("softmax", 2, *ARGS, "--out", str(tmp_path / "two"), launcher=torchrun))
     assert two.returncode == 0, two.stderr[-3000:]
     h1 = json.loads((tmp_path / "one" / "history.json").read_text())
     h2 = json.loads((tmp_path / "two" / "history.json").read_text())

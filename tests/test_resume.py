@@ -2,52 +2,30 @@
 uninterrupted run; a crash while saving never corrupts the latest checkpoint."""
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from _cli_helpers import run, single_thread_env, train_cmd
 
 from gpattn import training
 from gpattn.training import TrainConfig, atomic_save, train
 
-ARGS = [
-    "--dataset",
-    "digits",
-    "--attention",
-    "sto",
-    "--epochs",
-    "3",
-    "--batch-size",
-    "32",
-    "--embed-dim",
-    "16",
-    "--num-heads",
-    "2",
-    "--num-layers",
-    "1",
-    "--num-samples",
-    "2",
-    "--checkpoint-every",
-    "1",
-    "--no-progress",
-]
+ARGS = ("--num-samples", "2", "--checkpoint-every", "1")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigterm_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "gpattn", "train", *ARGS]
-    full = subprocess.run([*cmd, "--out", str(tmp_path / "full")], env=env, capture_output=True, text=True, timeout=300)
+    cmd = train_cmd("sto", 3, *ARGS)
+    full = run([*cmd, "--out", str(tmp_path / "full")])
     assert full.returncode == 0, full.stderr[-2000:]
 
     cut = tmp_path / "cut"
     proc = subprocess.Popen(
-        [*cmd, "--out", str(cut)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*cmd, "--out", str(cut)], env=single_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     deadline = time.time() + 240
     step = 0
@@ -68,9 +46,7 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     saved = torch.load(cut / "checkpoint.pt", weights_only=False)["step"]
     assert 3 <= saved < 3 * 28, saved  # mid-run (28 steps per epoch)
 
-    resumed = subprocess.run(
-        [*cmd, "--out", str(cut), "--resume"], env=env, capture_output=True, text=True, timeout=300
-    )
+    resumed = run([*cmd, "--out", str(cut), "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a = json.loads((tmp_path / "full" / "metrics.json").read_text())
     b = json.loads((cut / "metrics.json").read_text())
