@@ -205,6 +205,39 @@ def _fmt(values, scale=1.0) -> str:
     return f"{np.mean(vals):.3f} ± {np.std(vals, ddof=1):.3f}"
 
 
+#: (metric, lower is better) compared with the reference in report.md
+DELTA_COLUMNS = (("nll", True), ("ece", True), ("accuracy", False), ("mcc", False), ("auroc", False))
+
+
+def _against_reference(results: dict, seeds, bundle, reference: str = "softmax", split: str = "in_domain") -> list:
+    """Paired differences to the reference (MSP) per seed: mean ± std of (variant − reference) and in
+    how many seeds the variant is better. Empty when the reference was not run."""
+    if reference not in results:
+        return []
+    cols = [(c, low) for c, low in DELTA_COLUMNS if not (c == "mcc" and bundle.kind == "image")]
+    lines = [
+        f"## Against {reference} (MSP), {split}",
+        "",
+        f"Paired over seeds: mean ± std of (variant − {reference}); `k/n` = seeds in which the variant is "
+        "better (lower NLL/ECE, higher accuracy/MCC/AUROC).",
+        "",
+        "| variant | " + " | ".join(f"Δ {c}" for c, _ in cols) + " |",
+        "|---" * (len(cols) + 1) + "|",
+    ]
+    for spec, per_seed in results.items():
+        if spec == reference:
+            continue
+        cells = []
+        for col, lower in cols:
+            pairs = [(per_seed[str(s)][split].get(col), results[reference][str(s)][split].get(col)) for s in seeds]
+            diffs = [v - r for v, r in pairs if v is not None and r is not None]
+            better = sum((d < 0) if lower else (d > 0) for d in diffs)
+            sign = "+" if diffs and np.mean(diffs) >= 0 else ""
+            cells.append(f"{sign}{_fmt(diffs)} ({better}/{len(diffs)})" if diffs else "–")
+        lines.append(f"| {spec} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def write_report(results: dict, path: Path, base: TrainConfig, seeds, bundle) -> None:
     """report.md: one table per evaluation split, mean ± std (sample std) over seeds; fractions."""
     lines = [
@@ -234,6 +267,7 @@ def write_report(results: dict, path: Path, base: TrainConfig, seeds, bundle) ->
             cells = [_fmt([per_seed[str(s)][split].get(c) for s in seeds]) for c in cols]
             lines.append(f"| {spec} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += _against_reference(results, seeds, bundle)
     lines += [
         "## Plots",
         "",

@@ -172,6 +172,11 @@ def test_compare_report_with_baselines(tmp_path):
     for row in ("| softmax |", "| kernel |", "| softmax+ts |", "| softmax+laplace |", "| softmax+ens2 |"):
         assert row in report
     assert "±" in report
+    # paired differences to MSP: temperature scaling never changes accuracy, so its Δ accuracy is exactly 0
+    delta = report.split("## Against softmax (MSP), in_domain")[1].split("## ")[0]
+    ts_row = next(line for line in delta.splitlines() if line.startswith("| softmax+ts |"))
+    assert "| +0.000 ± 0.000 (0/2) |" in ts_row, ts_row
+    assert "| softmax |" not in delta and "| kernel |" in delta
     assert results["softmax+ts"]["0"]["temperature"] > 0
     # temperature scaling is fitted on val: it must not raise the val-fitted NLL's in-domain counterpart much
     assert results["softmax+ts"]["0"]["in_domain"]["accuracy"] == results["softmax"]["0"]["in_domain"]["accuracy"]
