@@ -59,6 +59,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from gpattn.variational._linalg import cholesky
+
 __all__ = [
     "HESSIAN_STRUCTURES",
     "LastLayerLaplace",
@@ -290,12 +292,13 @@ class LastLayerLaplace:
         """``num_samples`` draws of the logits from the Gaussian predictive, float32.  # shape: (N, P, C)
 
         ``inputs``: a Split (features from the body) or features ``(N, D)``. Draws are
-        ``mean + V diag(sqrt(max(e, 0))) eps`` with ``cov = V diag(e) V^T``, eps standard normal from
-        ``generator`` (the global RNG if None). Same layout as ``gpattn.training.predict``."""
+        ``mean + L eps`` with ``cov = L L^T`` (Cholesky, bounded jitter only if needed), eps standard
+        normal from ``generator`` (the global RNG if None). A Cholesky factor is continuous in ``cov``;
+        an eigenbasis is not (its signs follow rounding), so the same seed gives the same draws on any
+        thread count. Same layout as ``gpattn.training.predict``."""
         _check_positive_int("num_samples", num_samples)
         mean, cov = self.predictive_moments(inputs)  # shape: (N, C), (N, C, C)
-        evals, evecs = torch.linalg.eigh(cov)
-        scale = evecs * evals.clamp_min(0.0).sqrt().unsqueeze(1)  # shape: (N, C, C), V diag(sqrt e)
+        scale = cholesky(cov, name="last-layer Laplace predictive covariance")  # shape: (N, C, C)
         eps = torch.randn(mean.shape[0], num_samples, mean.shape[1], generator=generator, dtype=torch.float64)
         samples = mean.unsqueeze(1) + torch.einsum("nck,npk->npc", scale, eps)  # shape: (N, P, C)
         return samples.to(torch.float32)

@@ -167,6 +167,28 @@ def test_predict_logits_monte_carlo_moments():
     assert (probs >= 0).all()
 
 
+def test_predict_logits_continuous_in_the_covariance(monkeypatch):
+    """The same generator gives nearby draws for nearby covariances: the factor must be a continuous
+    function of the covariance. Binary heads give covariances [[a, b], [b, a]] whose eigenvectors are
+    (1, ±1)/sqrt(2) with a sign LAPACK picks from rounding, so an eigenbasis flipped the draws of the
+    same fitted model between 1 and 2 threads (measured on CoLA); a Cholesky factor does not."""
+    model, split = trained_toy(N=60, D=3, C=2, seed=6)
+    la = fit_last_layer_laplace(model, split, backend="dense", hessian_structure="full", prior_precision=1.0)
+    g = torch.Generator().manual_seed(3)
+    n = 256
+    a = 0.1 + torch.rand(n, dtype=torch.float64, generator=g)
+    b = a * (2 * torch.rand(n, dtype=torch.float64, generator=g) - 1) * 0.95
+    cov = torch.stack([torch.stack([a, b], -1), torch.stack([b, a], -1)], -2)  # shape: (n, 2, 2)
+    ulp = 1 + 4e-16 * (2 * torch.rand(n, 2, 2, dtype=torch.float64, generator=g) - 1)
+    nudged = cov * 0.5 * (ulp + ulp.transpose(1, 2))
+    mean = torch.zeros(n, 2, dtype=torch.float64)
+    draws = []
+    for c in (cov, nudged):
+        monkeypatch.setattr(la, "predictive_moments", lambda inputs, c=c: (mean, c))
+        draws.append(la.predict_logits(None, num_samples=4, generator=torch.Generator().manual_seed(0)).double())
+    assert (draws[0] - draws[1]).abs().max() < 1e-5
+
+
 def test_prior_precision_limits():
     model, split = trained_toy(N=60, D=3, C=3, seed=6)
     X = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
