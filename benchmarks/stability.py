@@ -116,6 +116,22 @@ def run_variant(name: str, bundle, args) -> dict:
     }
 
 
+HEADER = (
+    f"{'variant':<16}{'steps':>7}{'NaN/Inf':>9}{'NotPSD':>8}{'jitter':>8}{'errors':>8}{'bf16':>6}"
+    f"{'loss0':>12}{'loss_end':>12}{'sec':>8}"
+)
+
+
+def format_row(row: dict) -> str:
+    """One table line; losses in %g so an unscaled ELBO (1e4 nats) keeps its column."""
+    nan = float("nan")
+    return (
+        f"{row['variant']:<16}{row['steps']:>7}{row['nan_inf_steps']:>9}{row['not_psd']:>8}"
+        f"{row['jitter_escalations']:>8}{row['n_other_errors']:>8}{'ok' if row['bf16_finite'] else 'FAIL':>6}"
+        f"{row['first_loss'] or nan:>12.5g}{row['last_loss'] or nan:>12.5g}{row['seconds']:>8.1f}"
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=2000)
@@ -132,7 +148,14 @@ def main(argv=None) -> int:
     p.add_argument("--alpha", type=float, default=_COLA["alpha"], help="SCGP/KSVD weight (default: the cola preset's)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--show", metavar="JSON", help="print the table of a saved --json run and exit")
     args = p.parse_args(argv)
+    if args.show:
+        rows = json.loads(Path(args.show).read_text())
+        print(HEADER)
+        for row in rows:
+            print(format_row(row))
+        return _verdict(rows)
     torch.set_num_threads(args.threads)
     variants = gpattn.list_attention() if args.variants == "all" else args.variants.split(",")
     if args.fixture:
@@ -150,26 +173,21 @@ def main(argv=None) -> int:
         f"width {args.embed_dim}, {args.num_layers} layers, {args.num_heads} heads, {args.threads} thread(s)",
         flush=True,
     )
-    print(
-        f"{'variant':<16}{'steps':>7}{'NaN/Inf':>9}{'NotPSD':>8}{'jitter':>8}{'errors':>8}{'bf16':>6}"
-        f"{'loss0':>8}{'loss_end':>9}{'sec':>8}",
-        flush=True,
-    )
+    print(HEADER, flush=True)
     for name in variants:
         row = run_variant(name, bundle, args)
         rows.append(row)
-        print(
-            f"{name:<16}{row['steps']:>7}{row['nan_inf_steps']:>9}{row['not_psd']:>8}{row['jitter_escalations']:>8}"
-            f"{row['n_other_errors']:>8}{'ok' if row['bf16_finite'] else 'FAIL':>6}"
-            f"{row['first_loss'] or float('nan'):>8.3f}{row['last_loss'] or float('nan'):>9.3f}{row['seconds']:>8.1f}",
-            flush=True,
-        )
+        print(format_row(row), flush=True)
         for err in row["other_errors"]:
             print(f"    {err}")
         if row["bf16_error"]:
             print(f"    bf16: {row['bf16_error']}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return _verdict(rows)
+
+
+def _verdict(rows: list) -> int:
     failed = [
         r["variant"] for r in rows if r["nan_inf_steps"] or r["not_psd"] or r["n_other_errors"] or not r["bf16_finite"]
     ]
