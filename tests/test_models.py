@@ -153,3 +153,52 @@ def test_mc_dropout_samples_in_eval_mode():
     with gpattn.deterministic():
         out = model(ids, mask, num_samples=4)
     torch.testing.assert_close(out, out[:, :1].expand_as(out))
+
+
+def _rows_per_block(model):
+    """Batch rows that entered each encoder block in the model's last forward."""
+    seen = []
+    for i, block in enumerate(model.encoder.blocks):
+        block.register_forward_pre_hook(lambda mod, args, i=i: seen.append((i, args[0].shape[0])))
+    return seen
+
+
+def test_deterministic_blocks_run_once_per_input():
+    """P samples repeat the batch only before the first block that samples: a softmax model in eval
+    mode runs once per input (P equal draws); in a last-layer GP model the softmax block below runs
+    on B rows and the GP block on B·P; with training-mode dropout every block sees B·P rows."""
+    torch.manual_seed(0)
+    ids, mask = _ids(B=3)
+    det = TransformerClassifier(2, vocab_size=30, embed_dim=16, num_heads=2, num_layers=2).eval()
+    det_seen = _rows_per_block(det)
+    out = det(ids, mask, num_samples=5)
+    assert det_seen == [(0, 3), (1, 3)] and out.shape == (3, 5, 2)
+    torch.testing.assert_close(out, det(ids, mask, num_samples=1).expand_as(out))
+    gp = TransformerClassifier(
+        2, vocab_size=30, embed_dim=16, num_heads=2, num_layers=2, attention="sgpa", attention_layers="last"
+    ).eval()
+    seen = _rows_per_block(gp)
+    out = gp(ids, mask, num_samples=5)
+    assert seen == [(0, 3), (1, 15)] and (out[:, 1:] - out[:, :1]).abs().max() > 1e-6
+    det_seen.clear()
+    det.train()(ids, mask, num_samples=5)
+    assert det_seen == [(0, 15), (1, 15)]
+
+
+def test_late_repeat_matches_repeating_at_the_embedding(monkeypatch):
+    """The same seed gives the same draws whether the batch is repeated before the first sampling
+    block (the default) or at the embedding (every block forced to count as sampling)."""
+    from gpattn.models._blocks import Block
+
+    torch.manual_seed(0)
+    ids, mask = _ids(B=4)
+    model = TransformerClassifier(
+        3, vocab_size=30, embed_dim=16, num_heads=2, num_layers=3, attention="sgpa", attention_layers=[1, 2]
+    ).eval()
+    torch.manual_seed(1)
+    late = model(ids, mask, num_samples=6)
+    monkeypatch.setattr(Block, "samples", property(lambda self: True))
+    torch.manual_seed(1)
+    early = model(ids, mask, num_samples=6)
+    assert (late[:, 1:] - late[:, :1]).abs().max() > 1e-6
+    torch.testing.assert_close(late, early, rtol=1e-5, atol=1e-6)

@@ -13,7 +13,14 @@ from gpytorch.kernels import Kernel
 from gpattn._settings import is_deterministic
 from gpattn.attention.registry import build_attention
 
-__all__ = ["Block", "Encoder", "MCDropout", "resolve_attention_layers"]
+__all__ = ["Block", "Encoder", "MCDropout", "repeat_samples", "resolve_attention_layers"]
+
+
+def repeat_samples(x: torch.Tensor, mask: torch.Tensor | None, num_samples: int):
+    """Fold a B-major Monte-Carlo axis into the batch.  # shape: (B, ...) -> (B·P, ...)"""
+    if num_samples == 1:
+        return x, mask
+    return x.repeat_interleave(num_samples, dim=0), None if mask is None else mask.repeat_interleave(num_samples, 0)
 
 
 class MCDropout(nn.Module):
@@ -26,9 +33,13 @@ class MCDropout(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {p!r}")
         self.p, self.mc = p, mc
 
+    @property
+    def active(self) -> bool:
+        """Whether this forward drops units (so it is random)."""
+        return self.p > 0 and (self.training or self.mc) and not is_deterministic()
+
     def forward(self, x):
-        active = (self.training or self.mc) and not is_deterministic()
-        return F.dropout(x, self.p, training=active) if self.p > 0 else x
+        return F.dropout(x, self.p, training=True) if self.active else x
 
     def extra_repr(self):
         return f"p={self.p}, mc={self.mc}"
@@ -47,6 +58,14 @@ class Block(nn.Module):
             nn.Linear(embed_dim, hidden), nn.GELU(), MCDropout(dropout, mc_dropout), nn.Linear(hidden, embed_dim)
         )
         self.drop = MCDropout(dropout, mc_dropout)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this block's forward is random: a sampling attention (an attention module without
+        the ``sampling`` flag counts as one) or active dropout."""
+        return bool(getattr(self.attn, "sampling", True)) or any(
+            m.active for m in self.modules() if isinstance(m, MCDropout)
+        )
 
     def forward(self, x, mask):
         x = x + self.drop(self.attn(self.norm1(x), mask))
@@ -115,10 +134,22 @@ class Encoder(nn.Module):
         )
         self.norm = nn.LayerNorm(embed_dim)
 
-    def forward(self, x, mask):
+    def forward(self, x, mask, num_samples: int = 1):
+        """# shape: x (B, T, D), mask (B, T) -> (B·P, T, D), P = num_samples, B-major"""
+        x, mask, pending = self.propagate(x, mask, num_samples)
+        return repeat_samples(x, mask, pending)[0]
+
+    def propagate(self, x, mask, num_samples: int = 1):
+        """Run the stack, repeating the batch ``num_samples`` times (B-major) only just before the
+        first block that samples, so the deterministic blocks below it run once per input (in eval
+        mode a softmax model runs once, not P times). Returns ``(x, mask, pending)``: x and mask
+        have ``B·P/pending`` rows and the caller still owes a repeat by ``pending``."""
         for block in self.blocks:
+            if num_samples > 1 and block.samples:
+                x, mask = repeat_samples(x, mask, num_samples)
+                num_samples = 1
             x = block(x, mask)
-        return self.norm(x)
+        return self.norm(x), mask, num_samples
 
     def attention_modules(self) -> list[nn.Module]:
         return [b.attn for b in self.blocks]

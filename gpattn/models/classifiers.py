@@ -2,9 +2,10 @@
 
 Both return logits with an explicit Monte-Carlo axis: ``forward(inputs, key_padding_mask=None,
 num_samples=P) -> (B, P, C)``. Samples propagate through depth as in a deep GP (MATH.md §9): the
-embedded batch is repeated P times (B-major, ``(B·P, T, D)`` inside the stack) before the first
-stochastic layer, so the first GP layer draws P samples and every later layer draws one sample per
-incoming sample.
+embedded batch is repeated P times (B-major, ``(B·P, T, D)`` inside the stack) just before the first
+layer that samples (a stochastic attention or active dropout), so the first GP layer draws P samples,
+every later layer draws one sample per incoming sample, and the deterministic layers below it run once
+per input; a model that samples nothing (softmax in eval mode) returns P equal draws.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from gpattn.models._blocks import Encoder, MCDropout
+from gpattn.models._blocks import Encoder, MCDropout, repeat_samples
 
 __all__ = ["TransformerClassifier", "ViTClassifier"]
 
@@ -90,10 +91,10 @@ class _SequenceClassifier(nn.Module):
                 mask = torch.cat([mask.new_zeros(B, 1), mask], dim=1)
         h = h + self.pos[:, : h.shape[1]]
         P = num_samples
-        if P > 1:  # deep-GP propagation: B-major sample axis folded into the batch
-            h = h.repeat_interleave(P, dim=0)
-            mask = None if mask is None else mask.repeat_interleave(P, dim=0)
-        h = self.encoder(self.embed_drop(h), mask)  # shape: (B·P, T, D)
+        if self.embed_drop.active:  # embedding dropout samples: repeat before it
+            h, mask = repeat_samples(h, mask, P)
+            P = 1
+        h, mask, P = self.encoder.propagate(self.embed_drop(h), mask, P)  # shape: (B·P/pending, T, D)
         if self.cls_token is not None:
             pooled = h[:, 0]
         elif mask is None:
@@ -101,7 +102,10 @@ class _SequenceClassifier(nn.Module):
         else:
             keep = (~mask).unsqueeze(-1).to(h.dtype)
             pooled = (h * keep).sum(1) / keep.sum(1).clamp_min(1.0)
-        return self.head(pooled).view(B, P, self.num_classes)
+        logits = self.head(pooled)  # shape: (B·P/pending, C)
+        if P > 1:  # nothing sampled: every draw is the same
+            logits = logits.unsqueeze(1).expand(-1, P, -1).reshape(-1, self.num_classes)
+        return logits.view(B, num_samples, self.num_classes)
 
     def loss_terms(self) -> dict[str, torch.Tensor]:
         """Loss terms of every attention layer in the last forward, summed over layers."""
