@@ -203,6 +203,9 @@ def main(argv=None) -> int:
     except (DataNotFoundError, FileNotFoundError, ValueError) as err:
         print(f"gpattn {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except FloatingPointError as err:  # TrainingDivergedError: the run, not the command line, failed
+        print(f"gpattn {args.command}: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as err:
         print(
             f"gpattn {args.command}: interrupted ({err}); the last checkpoint is kept — rerun with --resume",

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from gpattn.attention.registry import attention_class, list_attention
-from gpattn.training import TrainConfig, evaluate_predictions, train
+from gpattn.training import DIVERGED, TrainConfig, TrainingDivergedError, evaluate_predictions, train
 
 __all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "write_report"]
 
@@ -93,13 +93,14 @@ def expand_variants(variants) -> list[VariantSpec]:
 def _run(base: TrainConfig, attention: str, mcdropout: bool, seed: int, root: Path, bundle, progress: bool):
     cfg = dataclasses.replace(base, attention=attention, mc_dropout=mcdropout, seed=seed, progress=progress)
     folder = root / "runs" / (attention + ("+mcdropout" if mcdropout else "")) / f"seed{seed}"
-    done = folder / "predictions.pt"
-    cached = (
-        done.is_file()
-        and (folder / "config.json").is_file()
-        and json.loads((folder / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict()))
+    done, diverged = folder / "predictions.pt", folder / DIVERGED
+    same_config = (folder / "config.json").is_file() and json.loads((folder / "config.json").read_text()) == json.loads(
+        json.dumps(cfg.to_dict())
     )
-    if not cached:
+    if same_config and diverged.is_file():  # a deterministic rerun would diverge again
+        record = json.loads(diverged.read_text())
+        raise TrainingDivergedError(record["message"], record["step"])
+    if not (same_config and done.is_file()):
         train(cfg, folder, bundle=bundle)
     return cfg, folder, torch.load(done, weights_only=False)
 
@@ -149,9 +150,18 @@ def compare(variants, seeds, out, base: TrainConfig, progress: bool = True, log=
             bundle = bundles[seed]
             log(f"[compare] {spec.spec} seed {seed}")
             members = []
-            for j in range(spec.ensemble):
-                cfg, folder, member = _run(base, spec.attention, spec.mcdropout, seed + 1000 * j, out, bundle, progress)
-                members.append(_laplace_predictions(cfg, folder, bundle, member) if spec.laplace else member)
+            try:
+                for j in range(spec.ensemble):
+                    cfg, folder, member = _run(
+                        base, spec.attention, spec.mcdropout, seed + 1000 * j, out, bundle, progress
+                    )
+                    members.append(_laplace_predictions(cfg, folder, bundle, member) if spec.laplace else member)
+            except TrainingDivergedError as err:  # one diverged run must not end the whole comparison
+                log(f"[compare] {spec.spec} seed {seed}: {err}")
+                results[spec.spec][str(seed)] = {"diverged": {"step": err.step, "message": str(err)}} | {
+                    split: {} for split in bundle.eval_splits
+                }
+                continue
             # deep ensemble: pool every member's samples (equal P, so this averages member predictions)
             preds = {
                 k: {"logits": torch.cat([m[k]["logits"] for m in members], dim=1), "labels": members[0][k]["labels"]}
@@ -194,6 +204,25 @@ def _plots(plot_preds, out: Path, average: str) -> None:
     plots.risk_coverage(curves, out / "risk_coverage.png", title="risk–coverage (in-domain)")
     if ood:
         plots.ood_histograms(ood, out / "ood_histograms.png", title="max-probability scores: in-domain vs OOD")
+
+
+def _diverged_seeds(per_seed: dict, seeds) -> list:
+    return [s for s in seeds if "diverged" in per_seed[str(s)]]
+
+
+def _label(spec: str, per_seed: dict, seeds) -> str:
+    """The row name, flagged when some seeds diverged (their cells are left out of mean ± std)."""
+    bad = _diverged_seeds(per_seed, seeds)
+    return f"{spec} (diverged: {len(bad)}/{len(seeds)} seeds)" if bad else spec
+
+
+def _diverged_notes(results: dict, seeds) -> list:
+    notes = [
+        f"- {spec}, seed {s}: {per_seed[str(s)]['diverged']['message']}"
+        for spec, per_seed in results.items()
+        for s in _diverged_seeds(per_seed, seeds)
+    ]
+    return ["## Diverged runs", "", *notes, ""] if notes else []
 
 
 def _fmt(values, scale=1.0) -> str:
@@ -265,8 +294,9 @@ def write_report(results: dict, path: Path, base: TrainConfig, seeds, bundle) ->
         lines += [f"## {split}", "", "| variant | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         for spec, per_seed in results.items():
             cells = [_fmt([per_seed[str(s)][split].get(c) for s in seeds]) for c in cols]
-            lines.append(f"| {spec} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_label(spec, per_seed, seeds)} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += _diverged_notes(results, seeds)
     lines += _against_reference(results, seeds, bundle)
     lines += [
         "## Plots",

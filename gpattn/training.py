@@ -37,6 +37,7 @@ from gpattn.objectives import ELBOObjective
 
 __all__ = [
     "TrainConfig",
+    "TrainingDivergedError",
     "atomic_save",
     "build_model",
     "evaluate_predictions",
@@ -46,6 +47,7 @@ __all__ = [
 ]
 
 CHECKPOINT = "checkpoint.pt"
+DIVERGED = "diverged.json"
 PART_KEYS = ("nll", "kl_seq", "kl_global", "ksvd", "cgp", "beta", "alpha")
 
 
@@ -151,6 +153,37 @@ def _batch(split, idx):
 def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1000003 + epoch)
     return torch.randperm(n, generator=g)
+
+
+class TrainingDivergedError(FloatingPointError):
+    """A training step produced a non-finite loss or gradient. No optimizer step was taken with it, so
+    the model still holds the last finite parameters; ``step`` is the step that failed. ``train``
+    records it in ``out/diverged.json`` (which ``compare`` reads instead of training again)."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+_DIVERGED_HINT = "lower the learning rate (--lr) or temper the objective (--beta/--alpha)"
+
+
+def _check_gradients(model, step: int, loss, max_norm: float) -> None:
+    """Clip to ``max_norm`` (0 = no clipping) and raise if the total gradient norm is not finite:
+    clipping would spread a NaN into every parameter, and the next forward would fail far from the cause."""
+    params = [q for q in model.parameters() if q.grad is not None]
+    norm = torch.nn.utils.get_total_norm([q.grad for q in params])
+    if bool(torch.isfinite(norm)):
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return
+    bad = [n for n, q in model.named_parameters() if q.grad is not None and not bool(torch.isfinite(q.grad).all())]
+    shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+    raise TrainingDivergedError(
+        f"training diverged at step {step}: non-finite gradient (loss {float(loss.detach()):.4g} is finite) "
+        f"in {shown}; no optimizer step was taken with it; {_DIVERGED_HINT}",
+        step,
+    )
 
 
 class _Dist:
@@ -356,6 +389,7 @@ def train(
     if out is not None and int(os.environ.get("RANK", "0")) == 0:
         out.mkdir(parents=True, exist_ok=True)
         _write_json(cfg.to_dict(), out / "config.json")
+        (out / DIVERGED).unlink(missing_ok=True)  # a record of an earlier attempt in this folder
     if bundle is None:
         bundle = load_dataset(
             cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
@@ -437,17 +471,21 @@ def train(
                     mask = None if mask is None else mask.to(dist.device)
                     logits = model(x.to(dist.device), mask, num_samples=cfg.train_samples)
                     loss, parts = objective(logits, y.to(dist.device), model.loss_terms(), step=step)
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(
-                            f"non-finite loss at step {step}: { {k: float(v.detach()) for k, v in parts.items()} }"
-                        )
+                    # a non-finite loss still goes through backward and the all-reduce below, so that
+                    # every rank reaches the same check instead of the others waiting for this one
                     (loss * weight).backward()
                 else:  # more ranks than rows in this (last) batch: contribute zero gradients
                     loss = torch.zeros(())
                     parts = {k: torch.zeros(()) for k in (*PART_KEYS, "loss")}
                 dist.allreduce_grads(model)
-                if cfg.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                if dist.allreduce_sum(torch.tensor([float(not torch.isfinite(loss))])).item() > 0:
+                    raise TrainingDivergedError(
+                        f"training diverged at step {step}: non-finite loss on a rank (this rank: "
+                        f"{ {k: float(v.detach()) for k, v in parts.items()} }); no optimizer step was taken "
+                        f"with it; {_DIVERGED_HINT}",
+                        step,
+                    )
+                _check_gradients(model, step, loss, cfg.grad_clip)
                 optimizer.step()
                 if scheduler is not None:
                     scheduler.step()
@@ -468,6 +506,11 @@ def train(
     except KeyboardInterrupt:
         save()
         bar.close()
+        raise
+    except TrainingDivergedError as err:
+        bar.close()
+        if out is not None and dist.main:
+            _write_json({"step": err.step, "message": str(err), "config": cfg.to_dict()}, out / DIVERGED)
         raise
     bar.close()
 

@@ -234,3 +234,79 @@ def test_presets_are_valid_configs():
         assert preset["seeds"], name
     with pytest.raises(ValueError, match="valid presets"):
         get_preset("nope")
+
+
+def _poison(monkeypatch, at_call: int, where: str = "grad", only: str | None = None):
+    """Make the head's gradient (or logits) NaN at its ``at_call``-th use in every model built from now
+    on (only for attention ``only`` when given); returns the list of models built."""
+    import gpattn.training as training
+
+    real, built = training.build_model, []
+
+    def build(cfg, bundle):
+        model = real(cfg, bundle)
+        built.append(model)
+        if only is not None and cfg.attention != only:
+            return model
+        calls = {"n": 0}
+
+        def nan_at(value):
+            calls["n"] += 1
+            return value * float("nan") if calls["n"] == at_call else value
+
+        if where == "grad":
+            model.head.weight.register_hook(nan_at)
+        else:
+            model.head.register_forward_hook(lambda mod, args, out: nan_at(out))
+        return model
+
+    monkeypatch.setattr(training, "build_model", build)
+    return built
+
+
+@pytest.mark.parametrize("where,words", [("grad", "non-finite gradient"), ("logits", "non-finite loss")])
+def test_divergence_stops_before_the_parameters_are_poisoned(tmp_path, monkeypatch, where, words):
+    """A NaN gradient or loss at step 2 raises TrainingDivergedError naming the step (and the
+    parameters), records diverged.json, and takes no optimizer step with it: clipping a NaN norm used
+    to spread NaN into every parameter, and the next forward failed in an input check far away."""
+    from gpattn.training import TrainingDivergedError
+
+    built = _poison(monkeypatch, at_call=3, where=where)
+    cfg = TrainConfig(dataset="digits", attention="softmax", **TINY)
+    with pytest.raises(TrainingDivergedError, match=f"diverged at step 2: {words}") as info:
+        train(cfg, tmp_path)
+    assert info.value.step == 2
+    if where == "grad":
+        assert "head.weight" in str(info.value)
+    assert all(torch.isfinite(p).all() for p in built[0].parameters())
+    record = json.loads((tmp_path / "diverged.json").read_text())
+    assert record["step"] == 2 and record["config"]["attention"] == "softmax"
+    assert not (tmp_path / "metrics.json").exists()
+    # the CLI reports it as a failed run (exit 1), not a traceback
+    _poison(monkeypatch, at_call=3, where=where)
+    code = main(["train", "--dataset", "digits", "--epochs", "1", "--embed-dim", "16", "--num-heads", "2",
+                 "--num-layers", "1", "--no-progress", "--out", str(tmp_path / "cli")])  # fmt: skip
+    assert code == 1
+
+
+@pytest.mark.slow
+def test_compare_records_a_diverged_variant_and_goes_on(tmp_path, monkeypatch, capsys):
+    from gpattn.compare import compare
+
+    _poison(monkeypatch, at_call=3, only="kernel")
+    base = TrainConfig(dataset="digits", **{**TINY, "epochs": 1})
+    results = compare("softmax,kernel", [0, 1], tmp_path, base, progress=False, log=lambda s: None)
+    assert results["kernel"]["0"]["diverged"]["step"] == 2 and results["kernel"]["1"]["diverged"]["step"] == 2
+    assert results["softmax"]["0"]["in_domain"]["accuracy"] > 0.2
+    report = (tmp_path / "report.md").read_text()
+    assert "| kernel (diverged: 2/2 seeds) | – |" in report and "## Diverged runs" in report
+    assert "- kernel, seed 1: training diverged at step 2" in report
+    assert json.loads((tmp_path / "results.json").read_text())["kernel"]["1"]["diverged"]["step"] == 2
+
+    # a rerun reads the recorded divergence (and the finished softmax runs) instead of training again
+    def no_training(*args, **kwargs):
+        raise AssertionError("compare trained again")
+
+    monkeypatch.setattr("gpattn.compare.train", no_training)
+    again = compare("softmax,kernel", [0, 1], tmp_path, base, progress=False, log=lambda s: None)
+    assert again == results
