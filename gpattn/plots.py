@@ -34,6 +34,26 @@ def _save(fig: Figure, path) -> Path:
     return path
 
 
+# Curves per plot: the ten tab10 colours, then the same colours with another dash pattern, so up to
+# 40 series (a CoLA report has 16 rows) stay distinguishable instead of repeating after ten.
+_COLOURS = tuple(f"tab:{c}" for c in ("blue", "orange", "green", "red", "purple", "brown", "pink", "gray",
+                                     "olive", "cyan"))
+_DASHES = ("-", "--", ":", "-.")
+
+
+def _line_style(i: int) -> dict:
+    """Colour and line style of the ``i``-th curve: distinct for ``i < 40``."""
+    return {"color": _COLOURS[i % len(_COLOURS)], "linestyle": _DASHES[(i // len(_COLOURS)) % len(_DASHES)]}
+
+
+def _legend(ax, n: int) -> None:
+    """Inside the axes for a few curves; beside them for many, where it would hide the curves."""
+    if n > 8:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+    else:
+        ax.legend(fontsize="small")
+
+
 def _check_dict(obj, name: str) -> None:
     if not isinstance(obj, dict) or not obj:
         raise ValueError(f"{name} must be a non-empty dict name -> (...), got {type(obj).__name__} {obj!r:.80}")
@@ -70,14 +90,14 @@ def risk_coverage(curves: dict, path, title: str | None = None) -> Path:
     legend (a fraction, as in metrics.json)."""
     _check_dict(curves, "curves")
     fig, (ax,) = _figure(width=6.0)
-    for name, (probs, labels) in curves.items():
+    for i, (name, (probs, labels)) in enumerate(curves.items()):
         coverage, risk = M.risk_coverage_curve(probs, labels)
-        ax.plot(coverage, risk, linewidth=1.5, label=f"{name} (AURC = {np.mean(risk):.4f})")
+        ax.plot(coverage, risk, linewidth=1.5, label=f"{name} (AURC = {np.mean(risk):.4f})", **_line_style(i))
     ax.set_xlim(0.0, 1.0)
     ax.set_ylim(bottom=0.0)
     ax.set_xlabel("coverage")
     ax.set_ylabel("selective risk")
-    ax.legend(fontsize="small")
+    _legend(ax, len(curves))
     if title:
         ax.set_title(title)
     return _save(fig, path)
@@ -128,15 +148,15 @@ def scaling_curves(rows, path, x: str = "T", y: str = "ms_median", group: str = 
     if not series:
         raise ValueError(f"rows hold no point with positive finite {x!r} and {y!r} ({len(rows)} rows)")
     fig, (ax,) = _figure(width=6.0)
-    for name, pts in series.items():
+    for i, (name, pts) in enumerate(series.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linewidth=1.5, label=name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linewidth=1.5, label=name, **_line_style(i))
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel(x)
     ax.set_ylabel(y)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    _legend(ax, len(series))
     if title:
         ax.set_title(title)
     return _save(fig, path)

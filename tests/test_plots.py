@@ -121,3 +121,23 @@ def test_import_changes_no_matplotlib_global(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "ok svg"
     _assert_png(tmp_path / "s.png")
+
+
+@pytest.mark.parametrize("kind", ["risk_coverage", "scaling_curves"])
+def test_many_curves_stay_distinguishable(monkeypatch, tmp_path, kind):
+    # A CoLA report plots 16 variants: matplotlib's default cycle repeats its 10 colours, so two
+    # curves were drawn alike. Every (colour, line style) pair must differ, for up to 40 curves.
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    n = 16
+    if kind == "risk_coverage":
+        plots.risk_coverage({f"v{i}": _probs_labels(i) for i in range(n)}, tmp_path / "rc.png")
+    else:
+        rows = [{"variant": f"v{i}", "T": t, "ms_median": (i + 1) * t} for i in range(n) for t in (8, 16)]
+        plots.scaling_curves(rows, tmp_path / "s.png")
+    (ax,) = figures[0].axes
+    styles = {(line.get_color(), line.get_linestyle()) for line in ax.get_lines() if line.get_label().startswith("v")}
+    assert len(styles) == n
+    assert len({(plots._line_style(i)["color"], plots._line_style(i)["linestyle"]) for i in range(40)}) == 40
+    # the legend of many curves sits beside the axes, not over the curves
+    assert ax.get_legend().get_bbox_to_anchor().x0 > ax.bbox.x1 - 1
