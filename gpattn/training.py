@@ -91,6 +91,32 @@ class TrainConfig:
     eval_batch_size: int = 256
     progress: bool = True
 
+    def __post_init__(self):
+        """The training loop's own settings, checked before any data is loaded (the model's, the
+        attention's and the objective's are checked where they are used, with the same kind of message)."""
+
+        def bad(name, want):
+            return ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("epochs", "batch_size", "eval_batch_size", "train_samples", "num_samples"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise bad(name, "a positive int")
+        for name in ("checkpoint_every", "beta_anneal_steps", "alpha_anneal_steps"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise bad(name, "an int >= 0 (0 = off)")
+        if not is_int(self.seed):
+            raise bad("seed", "an int")
+        for name, positive in (("lr", True), ("weight_decay", False), ("grad_clip", False)):
+            v = getattr(self, name)
+            number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not number or v < 0 or (positive and v == 0):
+                raise bad(name, "a finite number > 0" if positive else "a finite number >= 0 (0 = off)")
+        if self.average not in ("probs", "logits"):
+            raise bad("average", "'probs' or 'logits'")
+
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
@@ -351,6 +377,19 @@ class _Interrupt:
         return False
 
 
+def _load_checkpoint(path: Path) -> dict:
+    """A checkpoint written by :func:`train`, or a ``ValueError`` naming the file: a truncated or
+    foreign file otherwise fails deep inside unpickling with a message about neither."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # unpickling raises anything from UnpicklingError to ValueError/EOFError
+        raise ValueError(f"{path} is not a readable gpattn checkpoint ({type(err).__name__}: {err})") from err
+    if not isinstance(ckpt, dict) or not {"config", "model"} <= set(ckpt):
+        got = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise ValueError(f"{path} is not a gpattn checkpoint: expected a dict with 'config' and 'model', got {got}")
+    return ckpt
+
+
 def load_run(path) -> tuple[TrainConfig, torch.nn.Module, object, dict]:
     """Load a checkpoint file (or a run folder) -> (config, model, data bundle, checkpoint dict)."""
     from gpattn.data import load_dataset
@@ -360,7 +399,7 @@ def load_run(path) -> tuple[TrainConfig, torch.nn.Module, object, dict]:
         path = path / CHECKPOINT
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = _load_checkpoint(path)
     cfg = TrainConfig.from_dict(ckpt["config"])
     bundle = load_dataset(
         cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
@@ -420,7 +459,7 @@ def train(
     if resume:
         if ckpt_path is None or not ckpt_path.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        ckpt = _load_checkpoint(ckpt_path)
         saved = {k: v for k, v in ckpt["config"].items() if k not in ("progress", "checkpoint_every")}
         mine = {k: v for k, v in cfg.to_dict().items() if k not in ("progress", "checkpoint_every")}
         if json.loads(json.dumps(saved)) != json.loads(json.dumps(mine)):
