@@ -31,6 +31,15 @@ def _layers(text: str):
         raise argparse.ArgumentTypeError(f"--attention-layers takes all, last, auto or indices; got {text!r}") from None
 
 
+def _seeds(text: str) -> list[int]:
+    """``--seeds 0,1,2``; an empty list or a repeated seed is refused by ``compare`` itself."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        return [int(t) for t in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds takes a comma list of ints such as 0,1,2; got {text!r}") from None
+
+
 def _training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="named settings (gpattn.presets); explicit flags override them")
     p.add_argument("--dataset", help="digits, cola, text_table, ... (default digits)")
@@ -143,7 +152,7 @@ def cmd_compare(args) -> int:
     variants = args.attention or preset.get("variants") or "all+baselines"
     if args.ensemble:
         variants = f"{variants},softmax+ens{args.ensemble}"
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else preset.get("seeds", [0, 1, 2])
+    seeds = args.seeds if args.seeds is not None else preset.get("seeds", [0, 1, 2])
     compare(variants, seeds, args.out, cfg, progress=cfg.progress)
     print(f"wrote {Path(args.out) / 'report.md'}")
     return 0
@@ -180,14 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention",
         help="comma list of variant specs (name[+ts][+mcdropout][+ensN]), 'all', 'all+baselines' (default)",
     )
-    p.add_argument("--seeds", help="comma list, default 0,1,2")
+    p.add_argument("--seeds", type=_seeds, help="comma list, default 0,1,2")
     p.add_argument("--ensemble", type=int, default=0, help="add a deep ensemble of N softmax models")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("demo", help="every variant and baseline on digits -> runs/demo/report.md")
     _training_args(p)
-    p.add_argument("--seeds", help="comma list, default 0,1")
+    p.add_argument("--seeds", type=_seeds, help="comma list, default 0,1")
     p.add_argument("--out", default="runs/demo")
     p.set_defaults(func=cmd_demo)
     return parser

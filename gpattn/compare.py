@@ -134,6 +134,9 @@ def compare(variants, seeds, out, base: TrainConfig, progress: bool = True, log=
     from gpattn import metrics as M
     from gpattn.data import load_dataset
 
+    seeds = list(seeds)
+    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds) or len(set(seeds)) < len(seeds):
+        raise ValueError(f"seeds must be a non-empty list of distinct ints, got {seeds!r}")
     specs = expand_variants(variants)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
