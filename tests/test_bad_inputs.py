@@ -83,3 +83,62 @@ def test_model_empty_batch_and_all_padding_rows():
     out = model(ids, mask)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[0], model(ids[:1], None)[0])
+
+
+@pytest.mark.parametrize(
+    "flag, value, words",
+    [
+        ("--epochs", "0", "epochs must be a positive int, got 0"),  # trained nothing and reported metrics
+        ("--epochs", "-1", "epochs must be a positive int"),
+        ("--batch-size", "0", "batch_size must be a positive int"),  # was a ZeroDivisionError traceback
+        ("--checkpoint-every", "-5", "checkpoint_every must be an int >= 0"),  # was silently ignored
+        ("--lr", "inf", "lr must be a finite number > 0"),
+    ],
+)
+def test_cli_bad_training_numbers_are_named(tmp_path, capsys, flag, value, words):
+    # the flag after COMMON: the last one wins
+    code = main(["train", "--dataset", "digits", *COMMON, flag, value, "--out", str(tmp_path / "run")])
+    assert code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before any data is loaded or folder written
+
+
+def test_train_config_checks_its_own_fields():
+    from gpattn.training import TrainConfig
+
+    for field, value in [("num_samples", 0), ("train_samples", 1.5), ("eval_batch_size", 0), ("seed", "1"),
+                         ("weight_decay", -1e-3), ("grad_clip", float("nan")), ("average", "mean"),
+                         ("beta_anneal_steps", -1), ("batch_size", True)]:
+        with pytest.raises(ValueError, match=field):
+            TrainConfig(**{field: value})
+    TrainConfig(grad_clip=0.0, checkpoint_every=0, weight_decay=0.0)  # 0 = off is valid
+
+
+@pytest.mark.parametrize("seeds, words", [("a,b", "--seeds takes a comma list of ints"),
+                                          ("", "non-empty list of distinct ints"),  # ran the default seeds
+                                          ("1,1", "distinct")])
+def test_cli_compare_bad_seeds(tmp_path, capsys, seeds, words):
+    try:
+        code = main(["compare", "--dataset", "digits", "--attention", "softmax", "--seeds", seeds, *COMMON,
+                     "--out", str(tmp_path / "cmp")])
+    except SystemExit as stop:  # argparse's own usage error
+        code = stop.code
+    assert code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "cmp" / "runs").exists()
+
+
+@pytest.mark.parametrize("content", [b"garbage\n", b""])
+def test_cli_evaluate_and_resume_a_corrupt_checkpoint_name_the_file(tmp_path, capsys, content):
+    # torch.load of a foreign file failed with "invalid literal for int() ... 'arbage'"
+    bad = tmp_path / "run" / "checkpoint.pt"
+    bad.parent.mkdir()
+    bad.write_bytes(content)
+    assert main(["evaluate", "--checkpoint", str(bad)]) == 2
+    assert f"{bad} is not a readable gpattn checkpoint" in capsys.readouterr().err
+    code, err = _cli(tmp_path, capsys, "--dataset", "digits", "--resume")
+    assert code == 2 and "is not a readable gpattn checkpoint" in err
+
+
+def test_cli_evaluate_a_torch_file_that_is_no_checkpoint(tmp_path, capsys):
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "other.pt")]) == 2
+    assert "expected a dict with 'config' and 'model', got ['weights']" in capsys.readouterr().err
