@@ -32,6 +32,14 @@ def expected_nll(logits: torch.Tensor, labels: torch.Tensor, likelihood: str = "
     if labels.shape != logits.shape[:1]:
         raise ValueError(f"labels must have shape (B,) = {tuple(logits.shape[:1])}, got {tuple(labels.shape)}")
     B, P, C = logits.shape
+    if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise ValueError(f"labels must be class indices of integer dtype, got {labels.dtype}")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= C):
+        raise ValueError(
+            f"labels must lie in [0, C={C}) for logits of shape {tuple(logits.shape)}, "
+            f"got values in [{int(labels.min())}, {int(labels.max())}]"
+        )
+    labels = labels.long()
     if likelihood == "expected":
         return F.cross_entropy(logits.reshape(B * P, C), labels.repeat_interleave(P))
     if likelihood == "predictive":

@@ -82,3 +82,11 @@ def test_errors():
         ELBOObjective(5)(logits, y, {"kl": torch.tensor(1.0)})
     with pytest.raises(ValueError, match=r"\(B, P, C\)"):
         expected_nll(logits[:, 0], y)
+    C = logits.shape[-1]
+    for bad in (torch.full_like(y, C), torch.full_like(y, -1)):  # torch said only "Target 5 is out of bounds"
+        for likelihood in ("expected", "predictive"):
+            with pytest.raises(ValueError, match=rf"labels must lie in \[0, C={C}\)"):
+                expected_nll(logits, bad, likelihood)
+    with pytest.raises(ValueError, match="integer dtype"):
+        expected_nll(logits, y.float())
+    torch.testing.assert_close(expected_nll(logits, y.int()), expected_nll(logits, y))
