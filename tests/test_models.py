@@ -117,6 +117,29 @@ def test_kernel_instances_are_copied_per_layer():
     assert kernels[0] is not kernels[1] and kernels[0] is not k
 
 
+@pytest.mark.parametrize("name", gpattn.list_attention())
+def test_image_models_use_the_seeds_image_kernel(name):
+    # seed 003 §5.1: SGPA and kernel attention use ARD-RBF on images, the exponential kernel on text
+    from gpytorch.kernels import RBFKernel, ScaleKernel
+
+    from gpattn.kernels import ExponentialKernel
+
+    def kernels(model):
+        return [m.kernel for m in model.encoder.attention_modules() if m.name == name and hasattr(m, "kernel")]
+
+    vit = ViTClassifier(3, image_shape=(1, 4, 4), embed_dim=8, num_heads=2, attention=name)
+    text = TransformerClassifier(3, vocab_size=10, embed_dim=8, num_heads=2, attention=name)
+    if gpattn.attention_options(name).get("kernel") != "exponential":  # cgp/scgp: canonical RBF everywhere
+        assert [type(k) for k in kernels(vit)] == [type(k) for k in kernels(text)]
+        return
+    assert kernels(vit)
+    assert all(isinstance(k, ScaleKernel) and isinstance(k.base_kernel, RBFKernel) for k in kernels(vit))
+    assert all(isinstance(k, ExponentialKernel) for k in kernels(text))
+    chosen = ViTClassifier(3, image_shape=(1, 4, 4), embed_dim=8, num_heads=2, attention=name,
+                           attention_options={"kernel": "exponential"})
+    assert all(isinstance(k, ExponentialKernel) for k in kernels(chosen))  # the caller's kernel wins
+
+
 def test_loss_terms_are_summed_over_layers():
     torch.manual_seed(0)
     model = TransformerClassifier(2, vocab_size=30, embed_dim=16, num_heads=2, attention=_NoisyAttention)

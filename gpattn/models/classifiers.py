@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from gpattn.attention.registry import attention_options as attention_defaults
 from gpattn.models._blocks import Encoder, MCDropout, repeat_samples
 
 __all__ = ["TransformerClassifier", "ViTClassifier"]
@@ -32,6 +33,21 @@ _ENCODER_ARGS = (
     "mc_dropout",
     "pooling",
 )
+
+
+#: the kernel of kernel-based attention on images: seed 003 §5.1 (after seed 004's SGPA) uses the ARD-RBF
+#: kernel for SGPA and kernel attention on images and the exponential dot-product kernel on text
+IMAGE_KERNEL = "rbf"
+
+
+def _image_attention_options(attention, options: dict | None) -> dict:
+    """``options`` with ``kernel=IMAGE_KERNEL`` added when the variant's own default is the text kernel
+    (``"exponential"``) and the caller chose none; a kernel given by the caller is kept."""
+    options = dict(options or {})
+    if isinstance(attention, str) and "kernel" not in options:
+        if attention_defaults(attention).get("kernel") == "exponential":
+            options["kernel"] = IMAGE_KERNEL
+    return options
 
 
 class _SequenceClassifier(nn.Module):
@@ -181,7 +197,11 @@ class TransformerClassifier(_SequenceClassifier):
 
 class ViTClassifier(_SequenceClassifier):
     """Vision transformer: non-overlapping ``patch_size`` patches of ``(B, C, Hpx, Wpx)`` images, a
-    linear patch embedding, CLS (default) or mean pooling. Other arguments as ``TransformerClassifier``."""
+    linear patch embedding, CLS (default) or mean pooling. Other arguments as ``TransformerClassifier``.
+
+    Variants whose kernel defaults to the text kernel (``sgpa``, ``sgpa-decoupled``, ``kernel``,
+    ``kernel-asym``: exponential dot product) get the ARD-RBF kernel here, as in the seeds' image
+    experiments, unless ``attention_options`` names a kernel."""
 
     def __init__(
         self,
@@ -204,6 +224,7 @@ class ViTClassifier(_SequenceClassifier):
         if Hpx % patch_size or Wpx % patch_size:
             raise ValueError(f"image size {Hpx}x{Wpx} is not divisible by patch_size={patch_size}")
         num_patches = (Hpx // patch_size) * (Wpx // patch_size)
+        attention_options = _image_attention_options(attention, attention_options)
         shared = {k: v for k, v in locals().items() if k in _ENCODER_ARGS}
         super().__init__(num_classes, max_tokens=num_patches, **shared)
         self.image_shape, self.patch_size = tuple(image_shape), patch_size
