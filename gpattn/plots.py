@@ -46,6 +46,11 @@ def _line_style(i: int) -> dict:
     return {"color": _COLOURS[i % len(_COLOURS)], "linestyle": _DASHES[(i // len(_COLOURS)) % len(_DASHES)]}
 
 
+def _width(n: int) -> float:
+    """Figure width for ``n`` curves: room for a legend beside the axes when :func:`_legend` puts it there."""
+    return 6.0 if n <= 8 else 9.5
+
+
 def _legend(ax, n: int) -> None:
     """Inside the axes for a few curves; beside them for many, where it would hide the curves."""
     if n > 8:
@@ -89,7 +94,7 @@ def risk_coverage(curves: dict, path, title: str | None = None) -> Path:
     """Selective risk against coverage per variant (``curves``: name -> (probs, labels)), AURC in the
     legend (a fraction, as in metrics.json)."""
     _check_dict(curves, "curves")
-    fig, (ax,) = _figure(width=6.0)
+    fig, (ax,) = _figure(width=_width(len(curves)))
     for i, (name, (probs, labels)) in enumerate(curves.items()):
         coverage, risk = M.risk_coverage_curve(probs, labels)
         ax.plot(coverage, risk, linewidth=1.5, label=f"{name} (AURC = {np.mean(risk):.4f})", **_line_style(i))
@@ -147,7 +152,7 @@ def scaling_curves(rows, path, x: str = "T", y: str = "ms_median", group: str = 
             series.setdefault(str(row[group]), []).append((float(row[x]), float(row[y])))
     if not series:
         raise ValueError(f"rows hold no point with positive finite {x!r} and {y!r} ({len(rows)} rows)")
-    fig, (ax,) = _figure(width=6.0)
+    fig, (ax,) = _figure(width=_width(len(series)))
     for i, (name, pts) in enumerate(series.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linewidth=1.5, label=name, **_line_style(i))
