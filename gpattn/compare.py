@@ -237,33 +237,47 @@ def _fmt(values, scale=1.0) -> str:
     return f"{np.mean(vals):.3f} ± {np.std(vals, ddof=1):.3f}"
 
 
-#: (metric, lower is better) compared with the reference in report.md
-DELTA_COLUMNS = (("nll", True), ("ece", True), ("accuracy", False), ("mcc", False), ("auroc", False))
+#: the direction of every metric shown in report.md: True = lower is better
+LOWER_IS_BETTER = {"nll": True, "ece": True, "aurc": True, "accuracy": False, "mcc": False, "auroc": False,
+                   "ood_auroc": False}
 
 
-def _against_reference(results: dict, seeds, bundle, reference: str = "softmax", split: str = "in_domain") -> list:
-    """Paired differences to the reference (MSP) per seed: mean ± std of (variant − reference) and in
-    how many seeds the variant is better. Empty when the reference was not run."""
+def _split_columns(split: str, results: dict, seeds, bundle) -> tuple:
+    """The metrics report.md shows for ``split``: MCC only for text, and an unlabelled OOD split only
+    its detection metrics."""
+    default = REPORT_COLUMNS["ood"] if split in bundle.ood_splits else ("accuracy", "nll", "ece")
+    cols = REPORT_COLUMNS.get(split, default)
+    if bundle.kind == "image":
+        cols = tuple(c for c in cols if c != "mcc")
+    if split in bundle.ood_splits and not any(
+        results[s][str(seed)][split].get("accuracy") is not None for s in results for seed in seeds
+    ):
+        cols = tuple(c for c in cols if c.startswith("ood_"))
+    return cols
+
+
+def _against_reference(results: dict, seeds, split: str, cols, reference: str = "softmax") -> list:
+    """Paired differences to the reference (MSP) per seed on ``split``: mean ± std of (variant −
+    reference) and in how many seeds the variant is better. Empty when the reference was not run."""
     if reference not in results:
         return []
-    cols = [(c, low) for c, low in DELTA_COLUMNS if not (c == "mcc" and bundle.kind == "image")]
     lines = [
         f"## Against {reference} (MSP), {split}",
         "",
         f"Paired over seeds: mean ± std of (variant − {reference}); `k/n` = seeds in which the variant is "
-        "better (lower NLL/ECE, higher accuracy/MCC/AUROC).",
+        "better (lower NLL/ECE/AURC, higher accuracy/MCC/AUROC).",
         "",
-        "| variant | " + " | ".join(f"Δ {c}" for c, _ in cols) + " |",
+        "| variant | " + " | ".join(f"Δ {c}" for c in cols) + " |",
         "|---" * (len(cols) + 1) + "|",
     ]
     for spec, per_seed in results.items():
         if spec == reference:
             continue
         cells = []
-        for col, lower in cols:
+        for col in cols:
             pairs = [(per_seed[str(s)][split].get(col), results[reference][str(s)][split].get(col)) for s in seeds]
             diffs = [v - r for v, r in pairs if v is not None and r is not None]
-            better = sum((d < 0) if lower else (d > 0) for d in diffs)
+            better = sum((d < 0) if LOWER_IS_BETTER[col] else (d > 0) for d in diffs)
             sign = "+" if diffs and np.mean(diffs) >= 0 else ""
             cells.append(f"{sign}{_fmt(diffs)} ({better}/{len(diffs)})" if diffs else "–")
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
@@ -284,23 +298,16 @@ def write_report(results: dict, path: Path, base: TrainConfig, seeds, bundle) ->
         "of N models.",
         "",
     ]
-    for split in bundle.eval_splits:
-        cols = REPORT_COLUMNS.get(
-            split, REPORT_COLUMNS["ood"] if split in bundle.ood_splits else ("accuracy", "nll", "ece")
-        )
-        if bundle.kind == "image":
-            cols = tuple(c for c in cols if c != "mcc")
-        if split in bundle.ood_splits and not any(
-            results[s][str(seed)][split].get("accuracy") is not None for s in results for seed in seeds
-        ):
-            cols = tuple(c for c in cols if c.startswith("ood_"))
+    columns = {split: _split_columns(split, results, seeds, bundle) for split in bundle.eval_splits}
+    for split, cols in columns.items():
         lines += [f"## {split}", "", "| variant | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         for spec, per_seed in results.items():
             cells = [_fmt([per_seed[str(s)][split].get(c) for s in seeds]) for c in cols]
             lines.append(f"| {_label(spec, per_seed, seeds)} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += _diverged_notes(results, seeds)
-    lines += _against_reference(results, seeds, bundle)
+    for split, cols in columns.items():
+        lines += _against_reference(results, seeds, split, cols)
     lines += [
         "## Plots",
         "",

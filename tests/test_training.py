@@ -177,6 +177,20 @@ def test_compare_report_with_baselines(tmp_path):
     ts_row = next(line for line in delta.splitlines() if line.startswith("| softmax+ts |"))
     assert "| +0.000 ± 0.000 (0/2) |" in ts_row, ts_row
     assert "| softmax |" not in delta and "| kernel |" in delta
+    assert "Δ aurc" in delta and "Δ mcc" not in delta  # the split's own columns (no MCC for images)
+    # one paired table per split, with that split's columns: the seeds' claims are about shift and OOD too
+    from gpattn.compare import _fmt
+
+    for split, col, header in (("shift", "nll", "| variant | Δ accuracy | Δ nll | Δ ece |"),
+                               ("ood", "ood_auroc", "| variant | Δ ood_auroc |")):
+        table = report.split(f"## Against softmax (MSP), {split}")[1].split("## ")[0]
+        assert header in table, table
+        diffs = [results["kernel"][s][split][col] - results["softmax"][s][split][col] for s in ("0", "1")]
+        better = sum(d < 0 if col == "nll" else d > 0 for d in diffs)
+        cell = ("+" if sum(diffs) >= 0 else "") + f"{_fmt(diffs)} ({better}/2)"
+        assert f" {cell} |" in next(ln for ln in table.splitlines() if ln.startswith("| kernel |")), (cell, table)
+    shift = report.split("## Against softmax (MSP), shift")[1].split("## ")[0]
+    assert "| +0.000 ± 0.000 (0/2) |" in next(ln for ln in shift.splitlines() if ln.startswith("| softmax+ts |"))
     assert results["softmax+ts"]["0"]["temperature"] > 0
     # temperature scaling is fitted on val: it must not raise the val-fitted NLL's in-domain counterpart much
     assert results["softmax+ts"]["0"]["in_domain"]["accuracy"] == results["softmax"]["0"]["in_domain"]["accuracy"]
