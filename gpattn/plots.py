@@ -20,10 +20,13 @@ from gpattn import metrics as M
 __all__ = ["ood_histograms", "reliability_diagram", "risk_coverage", "scaling_curves"]
 
 
-def _figure(ncols: int = 1, width: float = 5.0, height: float = 4.0) -> tuple[Figure, list]:
-    fig = Figure(figsize=(width * ncols, height), layout="constrained")
+def _figure(ncols: int = 1, width: float = 5.0, height: float = 4.0, n: int | None = None) -> tuple[Figure, list]:
+    """A figure of ``n`` panels (default ``ncols``) of ``width`` x ``height`` inches, ``ncols`` a row."""
+    n = ncols if n is None else n
+    nrows = math.ceil(n / ncols)
+    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
+    axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(n)]
     return fig, axes
 
 
@@ -113,7 +116,7 @@ def ood_histograms(scores: dict, path, title: str | None = None, bins: int = 30)
     in-distribution and OOD scores (max probability by default upstream) on shared bins, OOD AUROC in
     each panel's title."""
     _check_dict(scores, "scores")
-    fig, axes = _figure(ncols=len(scores), width=4.0, height=3.5)
+    fig, axes = _figure(ncols=min(len(scores), 4), width=4.0, height=3.5, n=len(scores))  # rows of 4 panels
     for ax, (name, (s_in, s_out)) in zip(axes, scores.items()):
         auroc = M.ood_metrics(s_in, s_out)["ood_auroc"]
         a = np.asarray(M._as_float64(s_in, "scores_in"))

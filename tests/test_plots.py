@@ -141,3 +141,15 @@ def test_many_curves_stay_distinguishable(monkeypatch, tmp_path, kind):
     assert len({(plots._line_style(i)["color"], plots._line_style(i)["linestyle"]) for i in range(40)}) == 40
     # the legend of many curves sits beside the axes, not over the curves
     assert ax.get_legend().get_bbox_to_anchor().x0 > ax.bbox.x1 - 1
+
+
+def test_ood_histograms_of_many_variants_wrap_into_rows(monkeypatch, tmp_path):
+    # one row of 14 panels was a 5600 x 350 px strip; rows of at most four panels stay readable
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    rng = np.random.default_rng(5)
+    plots.ood_histograms({f"v{i}": (rng.beta(8, 2, 50), rng.beta(4, 3, 40)) for i in range(14)}, tmp_path / "o.png")
+    fig = figures[0]
+    width, height = fig.get_size_inches()
+    assert len(fig.axes) == 14 and width <= 4 * 4.0 + 1e-9 and height == 4 * 3.5
+    assert [ax.get_title().split(" ")[0] for ax in fig.axes] == [f"v{i}" for i in range(14)]
