@@ -34,11 +34,13 @@ def expected_nll(logits: torch.Tensor, labels: torch.Tensor, likelihood: str = "
     B, P, C = logits.shape
     if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
         raise ValueError(f"labels must be class indices of integer dtype, got {labels.dtype}")
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= C):
-        raise ValueError(
-            f"labels must lie in [0, C={C}) for logits of shape {tuple(logits.shape)}, "
-            f"got values in [{int(labels.min())}, {int(labels.max())}]"
-        )
+    if labels.numel():
+        low, high = (int(v) for v in torch.aminmax(labels))  # one pass, one sync per step
+        if low < 0 or high >= C:
+            raise ValueError(
+                f"labels must lie in [0, C={C}) for logits of shape {tuple(logits.shape)}, "
+                f"got values in [{low}, {high}]"
+            )
     labels = labels.long()
     if likelihood == "expected":
         return F.cross_entropy(logits.reshape(B * P, C), labels.repeat_interleave(P))

@@ -98,7 +98,7 @@ class TrainConfig:
         def bad(name, want):
             return ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
 
-        def is_int(v):
+        def is_int(v):  # plain ints only (not data._images.is_int's NumPy ints): config.json must serialise
             return isinstance(v, int) and not isinstance(v, bool)
 
         for name in ("epochs", "batch_size", "eval_batch_size", "train_samples", "num_samples"):

@@ -181,14 +181,17 @@ def test_compare_report_with_baselines(tmp_path):
     # one paired table per split, with that split's columns: the seeds' claims are about shift and OOD too
     from gpattn.compare import _fmt
 
-    for split, col, header in (("shift", "nll", "| variant | Δ accuracy | Δ nll | Δ ece |"),
-                               ("ood", "ood_auroc", "| variant | Δ ood_auroc |")):
+    lower = {"accuracy": False, "nll": True, "ece": True, "ood_auroc": False}  # written out, not imported
+    for split, header in (("shift", "| variant | Δ accuracy | Δ nll | Δ ece |"), ("ood", "| variant | Δ ood_auroc |")):
         table = report.split(f"## Against softmax (MSP), {split}")[1].split("## ")[0]
         assert header in table, table
-        diffs = [results["kernel"][s][split][col] - results["softmax"][s][split][col] for s in ("0", "1")]
-        better = sum(d < 0 if col == "nll" else d > 0 for d in diffs)
-        cell = ("+" if sum(diffs) >= 0 else "") + f"{_fmt(diffs)} ({better}/2)"
-        assert f" {cell} |" in next(ln for ln in table.splitlines() if ln.startswith("| kernel |")), (cell, table)
+        cols = [c.strip().removeprefix("Δ ") for c in header.strip("| ").split("|")[1:]]
+        for spec in ("kernel", "softmax+laplace", "softmax+ens2"):  # every cell: value, sign and k/n
+            row = next(ln for ln in table.splitlines() if ln.startswith(f"| {spec} |"))
+            for col, got in zip(cols, row.strip("| ").split(" | ")[1:]):
+                diffs = [results[spec][s][split][col] - results["softmax"][s][split][col] for s in ("0", "1")]
+                better = sum(d < 0 if lower[col] else d > 0 for d in diffs)
+                assert got == ("+" if sum(diffs) >= 0 else "") + f"{_fmt(diffs)} ({better}/2)", (spec, col, got)
     shift = report.split("## Against softmax (MSP), shift")[1].split("## ")[0]
     assert "| +0.000 ± 0.000 (0/2) |" in next(ln for ln in shift.splitlines() if ln.startswith("| softmax+ts |"))
     assert results["softmax+ts"]["0"]["temperature"] > 0
