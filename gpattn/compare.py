@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpattn._io import load_file
 from gpattn.attention.registry import attention_class, list_attention
 from gpattn.training import DIVERGED, TrainConfig, TrainingDivergedError, evaluate_predictions, train
 
@@ -102,16 +103,16 @@ def _run(base: TrainConfig, attention: str, mcdropout: bool, seed: int, root: Pa
         raise TrainingDivergedError(record["message"], record["step"])
     if not (same_config and done.is_file()):
         train(cfg, folder, bundle=bundle)
-    return cfg, folder, torch.load(done, weights_only=False)
+    return cfg, folder, load_file(done, what="predictions file")
 
 
 def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:
     """Sample logits of a last-layer Laplace fitted post hoc on the trained run in ``folder``."""
     from gpattn.laplace import fit_last_layer_laplace, laplace_torch_available
-    from gpattn.training import CHECKPOINT, build_model
+    from gpattn.training import CHECKPOINT, _load_checkpoint, build_model
 
     model = build_model(cfg, bundle)
-    model.load_state_dict(torch.load(folder / CHECKPOINT, map_location="cpu", weights_only=False)["model"])
+    model.load_state_dict(_load_checkpoint(folder / CHECKPOINT)["model"])
     backend = "laplace-torch" if laplace_torch_available() else "dense"
     la = fit_last_layer_laplace(model, bundle.splits["train"], backend=backend)
     g = torch.Generator().manual_seed(cfg.seed)

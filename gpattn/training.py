@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from gpattn._io import load_file
 from gpattn.models import TransformerClassifier, ViTClassifier
 from gpattn.objectives import ELBOObjective
 
@@ -377,13 +378,11 @@ class _Interrupt:
         return False
 
 
-def _load_checkpoint(path: Path) -> dict:
+def _load_checkpoint(path: Path, map_location="cpu") -> dict:
     """A checkpoint written by :func:`train`, or a ``ValueError`` naming the file: a truncated or
-    foreign file otherwise fails deep inside unpickling with a message about neither."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # unpickling raises anything from UnpicklingError to ValueError/EOFError
-        raise ValueError(f"{path} is not a readable gpattn checkpoint ({type(err).__name__}: {err})") from err
+    foreign file otherwise fails deep inside unpickling with a message about neither, and a file that
+    is not plain data is refused unread (:func:`gpattn._io.load_file`, ``weights_only=True``)."""
+    ckpt = load_file(path, map_location=map_location, what="checkpoint")
     if not isinstance(ckpt, dict) or not {"config", "model"} <= set(ckpt):
         got = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
         raise ValueError(f"{path} is not a gpattn checkpoint: expected a dict with 'config' and 'model', got {got}")
