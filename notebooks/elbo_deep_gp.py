@@ -258,7 +258,7 @@ for name, cfg in configs.items():
     t0 = time.time()
     run_dir = OUT / "runs" / name
     metrics_json = train(cfg, run_dir, bundle=bundle)["in_domain"]
-    preds = torch.load(run_dir / "predictions.pt", weights_only=False)
+    preds = torch.load(run_dir / "predictions.pt", weights_only=True)
     probs = M.average_samples(preds["test"]["logits"])  # shape: (N_test, C), mean of the P softmaxes
     results[name] = M.classification_metrics(probs, preds["test"]["labels"])
     probs_test[name] = probs

@@ -32,7 +32,7 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     while time.time() < deadline and proc.poll() is None:  # bounded wait for a mid-epoch checkpoint
         if (cut / "checkpoint.pt").is_file():
             try:
-                step = torch.load(cut / "checkpoint.pt", weights_only=False)["step"]
+                step = torch.load(cut / "checkpoint.pt", weights_only=True)["step"]
             except Exception:  # noqa: BLE001 - being replaced right now; atomic rename means retry
                 step = 0
             if 3 <= step:
@@ -43,7 +43,7 @@ def test_sigterm_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert "--resume" in err
-    saved = torch.load(cut / "checkpoint.pt", weights_only=False)["step"]
+    saved = torch.load(cut / "checkpoint.pt", weights_only=True)["step"]
     assert 3 <= saved < 3 * 28, saved  # mid-run (28 steps per epoch)
 
     resumed = run([*cmd, "--out", str(cut), "--resume"])
@@ -65,7 +65,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         atomic_save({"step": 2}, path)
     monkeypatch.undo()
-    assert torch.load(path, weights_only=False) == {"step": 1}
+    assert torch.load(path, weights_only=True) == {"step": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no temporary left behind
 
 
@@ -83,5 +83,5 @@ def test_interrupt_saves_current_step(tmp_path):
     )
     with pytest.raises(KeyboardInterrupt):
         train(cfg, tmp_path, stop_after_steps=4)
-    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert ckpt["step"] == 4 and "rng" in ckpt and "optimizer" in ckpt

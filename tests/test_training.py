@@ -52,7 +52,7 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path):
     full = train(cfg, tmp_path / "full")
     with pytest.raises(KeyboardInterrupt):
         train(cfg, tmp_path / "cut", stop_after_steps=5)  # mid-epoch (digits train: 28 steps per epoch)
-    ckpt = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+    ckpt = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
     assert ckpt["step"] == 5
     resumed = train(cfg, tmp_path / "cut", resume=True)
     assert resumed == full
