@@ -9,6 +9,7 @@ from gpytorch.kernels import Kernel
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import register
 from gpattn.kernels import make_kernel
+from gpattn.variational._scale import PRIOR_VARIANCE
 from gpattn.variational.sgpa import AmortisedDiagonalVariationalDistribution, SGPAVariationalStrategy
 from gpattn.variational.sgpa_decoupled import (
     DecoupledSGPAVariationalStrategy,
@@ -50,7 +51,7 @@ class SGPAttention(AttentionBase):
     ):
         super().__init__(embed_dim, num_heads, **base)
         self.strategy = SGPAVariationalStrategy(
-            make_kernel(kernel, num_heads, self.head_dim),
+            make_kernel(kernel, num_heads, self.head_dim, prior_variance=PRIOR_VARIANCE),
             AmortisedDiagonalVariationalDistribution(num_heads, self.head_dim, self.value_dim),
             jitter=jitter,
             covariance=covariance,
@@ -67,7 +68,7 @@ class SGPAttention(AttentionBase):
     def _attend(self, x, mask):
         cond = self._condition(x, mask)
         self.set_loss_terms(kl_seq=cond.kl_divergence().sum((1, 2)).mean(0))
-        return cond.rsample() if self.sampling else cond.mean
+        return (cond.rsample() if self.sampling else cond.mean), cond.mean
 
     def _posterior(self, x, mask):
         return self._condition(x, mask).posterior()
@@ -108,7 +109,7 @@ class DecoupledSGPAttention(AttentionBase):
         if isinstance(num_global, bool) or not isinstance(num_global, int) or num_global < 1:
             raise ValueError(f"num_global must be a positive int, got {num_global!r}")
         self.strategy = DecoupledSGPAVariationalStrategy(
-            make_kernel(kernel, num_heads, self.head_dim),
+            make_kernel(kernel, num_heads, self.head_dim, prior_variance=PRIOR_VARIANCE),
             WhitenedGlobalVariationalDistribution(num_heads, num_global, self.value_dim),
             torch.randn(num_heads, num_global, embed_dim),
             jitter=jitter,
@@ -135,7 +136,7 @@ class DecoupledSGPAttention(AttentionBase):
         cond = self._condition(x, mask)
         gamma, beta = cond.kl_divergence_parts()
         self.set_loss_terms(kl_seq=gamma.sum((1, 2)).mean(0), kl_global=beta.sum())
-        return cond.rsample() if self.sampling else cond.mean
+        return (cond.rsample() if self.sampling else cond.mean), cond.mean
 
     def _posterior(self, x, mask):
         return self._condition(x, mask).posterior()

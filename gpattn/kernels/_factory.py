@@ -7,24 +7,37 @@ from gpytorch.kernels import Kernel, RBFKernel, ScaleKernel
 from linear_operator import to_dense
 
 from gpattn.kernels.exponential import ExponentialKernel
+from gpattn.variational._scale import exponential_lengthscale
 
 __all__ = ["KERNEL_NAMES", "evaluate_kernel", "make_kernel"]
 
 KERNEL_NAMES = ("exponential", "rbf")
 
 
-def make_kernel(kernel: str | Kernel, num_heads: int, head_dim: int) -> Kernel:
+def make_kernel(kernel: str | Kernel, num_heads: int, head_dim: int, *, prior_variance: float | None = None) -> Kernel:
     """``"exponential"`` (text default), ``"rbf"`` (ARD-RBF with outputscale, images) or any gpytorch
-    ``Kernel`` instance (used as given: its batch_shape must broadcast against ``(B, H)``)."""
+    ``Kernel`` instance (used as given: its batch_shape must broadcast against ``(B, H)``).
+
+    ``prior_variance`` (GP variants): initialise a kernel built from its name on the scale of the
+    residual stream (:mod:`gpattn.variational._scale`): outputscale = ``prior_variance`` and, for the
+    exponential kernel, ℓ = √Dh. ``None`` keeps the kernel's own defaults (the kernel-attention
+    baselines)."""
     if isinstance(kernel, Kernel):
         return kernel
     batch = torch.Size([num_heads])
     if kernel == "exponential":
-        return ExponentialKernel(ard_num_dims=head_dim, batch_shape=batch)
+        k = ExponentialKernel(ard_num_dims=head_dim, batch_shape=batch)
+        if prior_variance is not None:
+            k.lengthscale = exponential_lengthscale(head_dim)
+            k.outputscale = prior_variance
+        return k
     if kernel == "rbf":
         base = RBFKernel(ard_num_dims=head_dim, batch_shape=batch)
         base.lengthscale = float(head_dim) ** 0.5
-        return ScaleKernel(base, batch_shape=batch)
+        k = ScaleKernel(base, batch_shape=batch)
+        if prior_variance is not None:
+            k.outputscale = prior_variance
+        return k
     raise ValueError(
         f"kernel must be one of {list(KERNEL_NAMES)} or a gpytorch.kernels.Kernel instance, got {kernel!r}"
     )

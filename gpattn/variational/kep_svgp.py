@@ -35,6 +35,7 @@ from linear_operator.operators import (
 )
 
 from gpattn.variational._linalg import cholesky, safe_sqrt
+from gpattn.variational._scale import KEP_POSTERIOR_STD
 
 __all__ = [
     "KEPSVGP",
@@ -144,9 +145,11 @@ class KSVDProjection(nn.Module):
 
     :math:`\tilde X \in \mathbb R^{D_h \times s}` the s landmark tokens (:func:`landmark_indices`) of
     the head-sliced layer input, :math:`\omega_e, \omega_r \in \mathbb R^{s\times r}` per head
-    (orthogonal init, per head), :math:`\Lambda = \operatorname{diag}(\exp \log\lambda) > 0` the top-r
-    singular values (log-parameterised; init :math:`\log\lambda \sim U(-2, 0)`, the released
-    :math:`\Lambda^{-1/2} = e^{p}, p \sim U(0, 1)`).
+    (orthogonal init, per head, with :math:`\omega_r = \omega_e`), :math:`\Lambda =
+    \operatorname{diag}(\exp \log\lambda) > 0` the top-r singular values (log-parameterised; init
+    :math:`\Lambda = I`, so that J starts near 0 on LayerNorm-ed inputs — the released
+    :math:`\Lambda^{-1/2} = e^{p}, p \sim U(0, 1)` with independent ω's starts at J ≈ 29, whose
+    :math:`\eta J^2` dominated the first epoch; :mod:`gpattn.variational._scale`).
     """
 
     def __init__(self, num_heads: int, head_dim: int, rank: int, num_landmarks: int):
@@ -161,8 +164,9 @@ class KSVDProjection(nn.Module):
         with torch.no_grad():
             for h in range(self.num_heads):  # orthogonal per head (not over the flattened (H, s·r) tensor)
                 nn.init.orthogonal_(self.omega_e[h])
-                nn.init.orthogonal_(self.omega_r[h])
-            self.log_lambda.uniform_(-2.0, 0.0)
+            # ω_r = ω_e and Λ = I: J starts near its stationary value 0 (gpattn.variational._scale)
+            self.omega_r.copy_(self.omega_e)
+            self.log_lambda.zero_()
 
     @property
     def lam(self) -> torch.Tensor:
@@ -203,7 +207,9 @@ class KEPVariationalDistribution(nn.Module):
 
     ``variational_mean[h, c]`` is :math:`m_c`; :math:`L_c` = strictly-lower part of ``chol_offdiag[h, c]``
     + diag(exp(``log_chol_diag[h, c]``)), as gpytorch's ``CholeskyVariationalDistribution`` keeps a full
-    square tensor and masks its upper part. Init: :math:`m_c \sim N(0, I)` (released), :math:`L_c = I/2`.
+    square tensor and masks its upper part. Init: :math:`m_c \sim N(0, \rho^2 I)`, :math:`L_c = \rho I` with
+    :math:`\rho` = ``KEP_POSTERIOR_STD`` = 0.1 (near-deterministic, :mod:`gpattn.variational._scale`; the
+    released :math:`m_c \sim N(0, I)`, :math:`L_c = I/2` made the layer's output 5× its input).
     """
 
     def __init__(self, num_heads: int, rank: int):
@@ -216,9 +222,10 @@ class KEPVariationalDistribution(nn.Module):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            self.variational_mean.normal_()
+            # near-deterministic start on the stream's scale (gpattn.variational._scale)
+            self.variational_mean.normal_(0.0, KEP_POSTERIOR_STD)
             self.chol_offdiag.zero_()
-            self.log_chol_diag.fill_(math.log(0.5))
+            self.log_chol_diag.fill_(math.log(KEP_POSTERIOR_STD))
 
     @property
     def chol(self) -> torch.Tensor:
@@ -483,8 +490,9 @@ class KEPSVGP(nn.Module):
         return kep_kl_divergence(self.ksvd.lam, self.variational.variational_mean, self.variational.chol)
 
     # ---------------------------------------------------------------- the layer
-    def forward(self, x, q, k, mask=None, *, sample: bool = True):
-        """Head outputs (a sample, or the posterior mean when ``sample=False``) and the loss terms.
+    def forward(self, x, q, k, mask=None, *, sample: bool = True, return_mean: bool = False):
+        """Head outputs (a sample, or the posterior mean when ``sample=False``) and the loss terms
+        (and, with ``return_mean``, the posterior mean as a third element).
 
         # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask (B, T) or None -> (B, H, T, Dv), dict
         """
@@ -500,10 +508,12 @@ class KEPSVGP(nn.Module):
                 token_independent=self.token_independent,
                 residual=feats["residual"],
             )
-        else:
-            heads = kep_mean(feats["a"], m, self.out_weight, self.out_bias)
+        mean = kep_mean(feats["a"], m, self.out_weight, self.out_bias) if return_mean or not sample else None
+        if not sample:
+            heads = mean
         J = self.ksvd.objective(feats["e"], feats["r"], mask)
-        return heads, {"kl_global": self.kl_divergence(), "ksvd": J.pow(2)}
+        terms = {"kl_global": self.kl_divergence(), "ksvd": J.pow(2)}
+        return (heads, terms, mean) if return_mean else (heads, terms)
 
     def posterior(self, x, q, k, mask=None, *, jitter: float = 0.0) -> MultivariateNormal:
         """# shape: -> MultivariateNormal batch (B, H, Dv), event T"""

@@ -1,0 +1,72 @@
+"""GP layers start on the scale of the residual stream (gpattn.variational._scale, MATH.md §9).
+
+At initialisation, on LayerNorm-ed inputs, the norm per real token of a GP layer's posterior-mean
+output and of a sample's deviation from it must lie in a stated band of the input's norm, for T from 1
+to 512 and with padding. Before this was pinned, sgpa's mean was 3.4–22× and kep-svgp's 3.7–5× the
+input, and every GP variant's spread 0.5–2.6× (the exact ELBO then collapsed the layers).
+"""
+
+import pytest
+import torch
+
+import gpattn
+
+GP_VARIANTS = [n for n in gpattn.list_attention() if gpattn.build_attention(n, 8, 2).is_gp]
+#: the bands (fractions of the LayerNorm-ed input's norm per token)
+MEAN_BAND = (0.01, 1.0)
+SPREAD_BAND = (0.03, 0.5)
+D, H = 128, 4
+
+
+def _scale(layer, x, mask, draws=6):
+    real = torch.ones(x.shape[:2]) if mask is None else (~mask).float()
+
+    def per_token(t):
+        return float((t.norm(dim=-1) * real).sum() / real.sum())
+
+    with torch.no_grad():
+        with gpattn.deterministic():
+            mean = layer(x, mask)
+        diag = layer.diagnostics()
+        spread = torch.stack([layer(x, mask) - mean for _ in range(draws)]).pow(2).mean(0).sqrt()
+    ref = per_token(x)
+    return per_token(mean) / ref, per_token(spread) / ref, diag, per_token(mean), ref
+
+
+def test_every_gp_variant_is_covered():
+    assert set(GP_VARIANTS) == {"cgp", "kep-svgp", "scgp", "sgpa", "sgpa-decoupled"}
+
+
+@pytest.mark.parametrize("T", [1, 16, 128, 512])
+@pytest.mark.parametrize("name", GP_VARIANTS)
+def test_output_mean_and_spread_start_on_the_input_scale(name, T):
+    torch.manual_seed(0)
+    layer = gpattn.build_attention(name, D, H)
+    B = 2
+    x = torch.nn.functional.layer_norm(torch.randn(B, T, D), (D,))
+    mask = None
+    if T > 1:  # the second sequence is padded to a third of its length
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        mask[1, max(1, T // 3) :] = True
+    mean_ratio, spread_ratio, diag, mean_norm, in_norm = _scale(layer, x, mask)
+    assert MEAN_BAND[0] <= mean_ratio <= MEAN_BAND[1], (name, T, mean_ratio)
+    assert SPREAD_BAND[0] <= spread_ratio <= SPREAD_BAND[1], (name, T, spread_ratio)
+    # the layer's own diagnostics (gpattn.diagnostics) measure the same per-token norms
+    assert diag["spread_norm"] == 0  # deterministic(): no sample was drawn
+    torch.testing.assert_close(float(diag["mean_norm"]), mean_norm, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(float(diag["input_norm"]), in_norm, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", GP_VARIANTS)
+def test_diagnostics_spread_is_the_sample_deviation(name):
+    torch.manual_seed(1)
+    layer = gpattn.build_attention(name, 32, 2)
+    x = torch.nn.functional.layer_norm(torch.randn(3, 7, 32), (32,))
+    with torch.no_grad():
+        with gpattn.deterministic():
+            mean = layer(x)
+        torch.manual_seed(5)
+        y = layer(x)
+        diag = layer.diagnostics()
+    torch.testing.assert_close(float(diag["spread_norm"]), float((y - mean).norm(dim=-1).mean()), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(float(diag["mean_norm"]), float(mean.norm(dim=-1).mean()), rtol=1e-4, atol=1e-6)
