@@ -204,8 +204,9 @@ fig.savefig(OUT / "scgp_to_cgp_error_vs_m.png", dpi=120)
 # ## 3. The regularisers vs Monte-Carlo estimates of the same bounds
 #
 # **CGP** (eqs. 42–44): $R = E_{z_o}[(\nu - m_q)^\top\Sigma_q^{-1}(\nu - m_q)] + \log|\Sigma_q|$ + the
-# same for $(z, m_k, \Sigma_k)$, $z_o \sim N(0, K_o)$. The layer offers the exact expectation
-# (`prior_samples=None`) and the paper's $P_o$-sample estimator; both are compared with a dense
+# same for $(z, m_k, \Sigma_k)$, $z_o \sim N(0, K_o)$, with the conditionals' observation noise
+# $\sigma^2 I$ in $\Sigma_q, \Sigma_k$ (the bounded form: $R \ge 2T\log\sigma^2$). The layer offers the exact
+# expectation (`prior_samples=None`) and the paper's $P_o$-sample estimator; both are compared with a dense
 # Monte-Carlo estimate written here, and the $P_o$-estimator's spread is shown against $1/\sqrt{P_o}$.
 
 # %%
@@ -218,7 +219,7 @@ with torch.no_grad():
     S_k = K_k - Hk @ K_ok
     zo = torch.linalg.cholesky(K_o + 1e-12 * I)[:, None] @ torch.randn(H, N_REG, T, 1, generator=g, dtype=F64)
     R_mc, R_var = 0.0, 0.0
-    for target, Hx, S in ((nu_all, HA, S_q), (z_full, Hk, S_k)):
+    for target, Hx, S in ((nu_all, HA, S_q + S2 * I), (z_full, Hk, S_k + S2 * I)):  # bounded: + σ²I
         r = target.mT[:, :, None, :] - (Hx[:, None] @ zo)[..., 0][:, None]  # shape: (H, Dv, N, T)
         quad = (r * torch.linalg.solve(S[:, None, None], r[..., None])[..., 0]).sum(-1)
         R_mc = R_mc + quad.mean(-1) + torch.logdet(S)[:, None]

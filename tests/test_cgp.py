@@ -161,8 +161,9 @@ def dense_regularizer_mc(q, k, o, nu, z, N, seed):
     A = K["K_o"] + SIGMA**2 * eye
     Hq = torch.linalg.solve(A, K["K_qo"].mT).mT  # K_qo A⁻¹
     Hk = torch.linalg.solve(A, K["K_ok"]).mT  # K_ko A⁻¹
-    S_q = K["K_q"] - Hq @ K["K_qo"].mT
-    S_k = K["K_k"] - Hk @ K["K_ok"]
+    # the bounded form: each conditional with the observation noise σ²I
+    S_q = K["K_q"] - Hq @ K["K_qo"].mT + SIGMA**2 * eye
+    S_k = K["K_k"] - Hk @ K["K_ok"] + SIGMA**2 * eye
     g = torch.Generator().manual_seed(seed)
     L = torch.linalg.cholesky(K["K_o"] + 1e-12 * eye)
     z_o = L[:, :, None] @ torch.randn(*K["K_o"].shape[:2], N, n, 1, generator=g, dtype=torch.float64)
@@ -208,7 +209,7 @@ def test_regularizer_is_eq_44_at_the_drawn_prior_samples():
     ref = 0.0
     for target, K_xo in ((R.out, K["K_qo"]), (z, K["K_ok"].mT)):
         Hx = torch.linalg.solve(A, K_xo.mT).mT  # K_xo A⁻¹
-        S = (K["K_q"] if K_xo is K["K_qo"] else K["K_k"]) - Hx @ K_xo.mT
+        S = (K["K_q"] if K_xo is K["K_qo"] else K["K_k"]) - Hx @ K_xo.mT + SIGMA**2 * eye
         m = Hx @ z_o  # shape: (1, H, T, P)
         quad = 0.0
         for i in range(P):
@@ -343,3 +344,33 @@ def test_learnable_sigma_gets_gradient():
     (y.sum() + layer.loss_terms()["cgp"]).backward()
     g = layer.gp.raw_sigma.grad
     assert g is not None and torch.isfinite(g).all() and (g != 0).all()
+
+
+@pytest.mark.parametrize("prior_samples", [None, 10])
+@pytest.mark.parametrize("scale", [1.0, 1e-2, 1e-4])
+def test_regularizer_is_bounded_below_as_the_gp_variances_shrink(prior_samples, scale):
+    """R ≥ 2T log σ² per head and value column: the conditionals carry the observation noise σ²I, so
+    log|Σ_q + σ²I| ≥ T log σ² and the quadratic forms are ≥ 0. Without the noise (eq. 37 as printed) the
+    noise-free Σ_q = σ_q²(…) → 0 as σ_q, σ_k → 0 while ν and z shrink with them: R ran to −∞ (at
+    scale 1e-4 it was ≈ 2T log 1e-8, far below the bound)."""
+    gp = make_gp(prior_samples=prior_samples, jitter=0.0)
+    gp.covar.sigma_q = SIG_Q * scale
+    gp.covar.sigma_k = SIG_K * scale
+    q, k, o, v = make_inputs(21, b=2)
+    torch.manual_seed(0)
+    R = gp(q, k, o, v * scale, sample=False).regularizer  # shape: (B, H, Dv)
+    bound = 2 * T * torch.log(torch.tensor(SIGMA**2, dtype=torch.float64))
+    assert torch.isfinite(R).all()
+    assert (R >= bound - 1e-9).all(), (R.min(), bound)
+
+
+def test_learned_sigma_has_a_floor():
+    """A learned σ cannot reach 0, where the bound 2T log σ² itself would run to −∞."""
+    from gpattn.variational.cgp import SIGMA_FLOOR
+
+    layer = gpattn.build_attention("cgp", 8, 2, learn_sigma=True)
+    with torch.no_grad():
+        layer.gp.raw_sigma.fill_(-1e4)
+    assert (layer.gp.sigma >= SIGMA_FLOOR).all()
+    with pytest.raises(ValueError, match="SIGMA_FLOOR"):
+        gpattn.build_attention("cgp", 8, 2, learn_sigma=True, sigma=SIGMA_FLOOR / 2)

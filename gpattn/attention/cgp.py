@@ -42,10 +42,10 @@ class _CorrelatedGPAttention(AttentionBase):
 
     def _attend(self, x, mask):
         q, k, o, v = self._inputs(x)
-        out, reg = self.gp(q, k, o, v, mask, sample=self.sampling)
+        out, reg, mean = self.gp(q, k, o, v, mask, sample=self.sampling)
         # MATH §7: mean over the batch of Σ_{h,d} R / 2 (α weighting lives in the objective)
         self.set_loss_terms(cgp=reg.sum((-2, -1)).mean() / 2)
-        return out.to(v.dtype)
+        return out.to(v.dtype), mean.to(v.dtype)
 
     def _posterior(self, x, mask):
         q, k, o, v = self._inputs(x)

@@ -18,15 +18,19 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-from gpytorch.constraints import Positive
+from gpytorch.constraints import GreaterThan
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.kernels import Kernel
 from linear_operator.operators import CholLinearOperator, TriangularLinearOperator
 
 from gpattn.kernels.cross_covariance import CrossCovarianceKernel
 from gpattn.variational._linalg import add_jitter, cholesky, full_precision, gp_algebra, tri_solve
+from gpattn.variational._scale import CGP_SIGMA
 
-__all__ = ["CorrelatedGP", "CorrelatedGPBase", "CorrelatedGPOutput", "add_diag", "logdet_from_cholesky"]
+#: lower bound of a learned σ: keeps the regulariser's bound 2T log σ² finite
+SIGMA_FLOOR = 1e-3
+
+__all__ = ["SIGMA_FLOOR", "CorrelatedGP", "CorrelatedGPBase", "CorrelatedGPOutput", "add_diag", "logdet_from_cholesky"]
 
 
 def add_diag(A: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -41,6 +45,8 @@ class CorrelatedGPOutput(NamedTuple):
     out: torch.Tensor
     #: the regulariser :math:`R` per head and value column (``None`` if not asked).  # shape: (B, H, Dv)
     regularizer: torch.Tensor | None
+    #: the predictive mean :math:`\nu`.  # shape: (B, H, T, Dv)
+    mean: torch.Tensor | None = None
 
 
 def logdet_from_cholesky(L: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -62,7 +68,9 @@ class CorrelatedGPBase(nn.Module):
     :param sigma: the noise standard deviation :math:`\sigma` (:math:`\sigma^2` is added to the Gram
         matrices of the conditioning sets). Default 0.1: seed 003 App. F uses :math:`\sigma = 0.1` for
         SCGPT on CIFAR10 (0.5 on CoLA) and states no value for CGPT, so both use 0.1.
-    :param learn_sigma: learn :math:`\sigma` per head (default: fixed, as in the seed).
+    :param learn_sigma: learn :math:`\sigma` per head (default: fixed, as in the seed). A learned σ is
+        constrained to :math:`\sigma > ` ``SIGMA_FLOOR`` (1e-3): the regulariser's bound
+        :math:`2T\log\sigma^2` would otherwise run to −∞ with σ.
     :param jitter: added to the diagonal of the matrices that are PSD only in exact arithmetic
         before their Cholesky factorisation (the numerics policy escalates it on failure).
     """
@@ -98,11 +106,15 @@ class CorrelatedGPBase(nn.Module):
             raise ValueError(f"jitter must be a float >= 0, got {jitter!r}")
         self.num_heads = num_heads
         self.jitter = float(jitter)
-        self.covar = CrossCovarianceKernel(canonical, batch_shape=torch.Size([num_heads]))
+        self.covar = CrossCovarianceKernel(
+            canonical, batch_shape=torch.Size([num_heads]), sigma_q=CGP_SIGMA, sigma_k=CGP_SIGMA
+        )  # σ_q = σ_k on the stream's scale (gpattn.variational._scale)
         self.learn_sigma = learn_sigma
         self._sigma_value = float(sigma)  # the fixed σ, kept exact (a float32 buffer would round it)
         if learn_sigma:
-            self.sigma_constraint = Positive()
+            if not sigma > SIGMA_FLOOR:
+                raise ValueError(f"sigma must be > SIGMA_FLOOR = {SIGMA_FLOOR} with learn_sigma=True, got {sigma!r}")
+            self.sigma_constraint = GreaterThan(SIGMA_FLOOR)
             raw = self.sigma_constraint.inverse_transform(torch.full((num_heads,), float(sigma), dtype=torch.float64))
             self.raw_sigma = nn.Parameter(raw.to(torch.get_default_dtype()))
 
@@ -188,8 +200,8 @@ class CorrelatedGPBase(nn.Module):
         self._check(q, k, o, v, mask)
         with gp_algebra(q.device.type):
             valid, (q, k, o, v) = self._prepare(mask, q, k, o, v)
-            out, reg = self._forward(q, k, o, v, valid, sample=sample, regularize=regularize, **options)
-        return CorrelatedGPOutput(out, reg)
+            out, reg, mean = self._forward(q, k, o, v, valid, sample=sample, regularize=regularize, **options)
+        return CorrelatedGPOutput(out, reg, mean)
 
     def posterior(self, q, k, o, v, mask=None, **options) -> MultivariateNormal:
         """:math:`p(z_q \\mid z_k)` per value column: batch ``(B, H, Dv)``, event ``T``."""
@@ -244,14 +256,25 @@ class CorrelatedGP(CorrelatedGPBase):
 
     Regulariser (App. A, eqs. 42–44), per head and value column, with prior samples
     :math:`z_o^{(i)}\sim\mathcal N(0, K_o)`, :math:`m_q^{(i)} = K_{qo}A^{-1}z_o^{(i)}`,
-    :math:`m_k^{(i)} = K_{ko}A^{-1}z_o^{(i)}`, :math:`\Sigma_q = K_q - K_{qo}A^{-1}K_{oq}`,
-    :math:`\Sigma_k = K_k - K_{ko}A^{-1}K_{ok}` (+ jitter):
+    :math:`m_k^{(i)} = K_{ko}A^{-1}z_o^{(i)}`, :math:`\Sigma_q = K_q - K_{qo}A^{-1}K_{oq} + \sigma^2 I`,
+    :math:`\Sigma_k = K_k - K_{ko}A^{-1}K_{ok} + \sigma^2 I`:
 
     .. math::
         R = \tfrac{1}{P_o}\sum_i (\nu - m_q^{(i)})^\top\Sigma_q^{-1}(\nu - m_q^{(i)}) + \log|\Sigma_q|
           + \tfrac{1}{P_o}\sum_i (z - m_k^{(i)})^\top\Sigma_k^{-1}(z - m_k^{(i)}) + \log|\Sigma_k|,
 
-    i.e. :math:`-2\times` the lower bound without its :math:`T\log 2\pi` constants. The prior samples
+    i.e. :math:`-2\times` the lower bound without its :math:`T\log 2\pi` constants.
+
+    **Bounded** (**Decision**, MATH §9): the conditionals carry the observation noise :math:`\sigma^2 I`
+    of the conditioning sets, as the sparse bound does (App. E: :math:`z_q\mid z_m \sim
+    \mathcal N(\cdot, \sigma^2 I)`). Without it (eq. 37 as printed) :math:`\Sigma_q` is the
+    noise-free conditional :math:`K_q - K_{qo}A^{-1}K_{oq}`, which tends to 0 when the GP variances
+    shrink (:math:`\sigma_q \to 0`, or queries predicted exactly from the latent inputs), and since
+    the quadratic terms stay bounded there (ν and :math:`m_q^{(i)}` shrink with
+    :math:`\sigma_q` too), :math:`\log|\Sigma_q| \to -\infty`: R ran to −∞ (bounded only by the jitter,
+    :math:`T\log(\text{jitter})`), and training rewarded a vanishing attention output. With the noise,
+    :math:`\log|\Sigma_q + \sigma^2 I| \ge T\log\sigma^2` and the quadratic forms are ≥ 0, so
+    :math:`R \ge 2T\log\sigma^2` per head and value column (``tests/test_cgp.py`` pins the bound). The prior samples
     are shared by the Dv columns of a head. ``prior_samples=None`` uses the exact expectation over
     :math:`z_o` instead (:math:`E[\cdot] = \nu^\top\Sigma_q^{-1}\nu + \mathrm{tr}(\Sigma_q^{-1}
     K_{qo}A^{-1}K_oA^{-1}K_{oq})`, the :math:`P_o\to\infty` limit). The layer reports
@@ -305,9 +328,10 @@ class CorrelatedGP(CorrelatedGPBase):
         """R of eqs. 42–44 per head and value column.  # shape: (B, H, Dv)"""
         L_o, W, K_k = Kb["L_o"], Kb["W"], Kb["K_k"]
         W_k = tri_solve(L_o, Kb["K_ok"])  # L_o⁻¹ K_ok
-        # Σ_q = K_q − K_qo A⁻¹ K_oq and Σ_k = K_k − K_ko A⁻¹ K_ok, the conditionals given z_o (eq. 37)
-        L_q = cholesky(add_jitter(Kb["K_q"] - W.mT @ W, self.jitter), name="cgp: Sigma_q")
-        L_kk = cholesky(add_jitter(K_k - W_k.mT @ W_k, self.jitter), name="cgp: Sigma_k")
+        # Σ_q = K_q − K_qo A⁻¹ K_oq and Σ_k = K_k − K_ko A⁻¹ K_ok, the conditionals given z_o (eq. 37),
+        # each with the observation noise σ²I: the bound of R below (class docstring)
+        L_q = cholesky(add_diag(Kb["K_q"] - W.mT @ W, s2), name="cgp: Sigma_q + sigma^2 I")
+        L_kk = cholesky(add_diag(K_k - W_k.mT @ W_k, s2), name="cgp: Sigma_k + sigma^2 I")
         z = add_diag(K_k, s2) @ v  # eq. 24: z = (K_k + σ²I) v
         if valid is not None:
             z = z * valid[..., :, None]
@@ -347,7 +371,7 @@ class CorrelatedGP(CorrelatedGPBase):
         Kb = self._blocks(q, k, o, valid)
         nu = self._mean(Kb, v)
         if not (sample or regularize):
-            return nu, None
+            return nu, None, nu
         s2 = self.noise(q)
         self._second_order(q, k, valid, Kb)
         G = None
@@ -357,10 +381,10 @@ class CorrelatedGP(CorrelatedGPBase):
             L = cholesky(add_jitter(Sigma, self.jitter), name="cgp: predictive covariance")
             out = nu + L @ torch.randn_like(nu)  # one factor for all Dv columns
         if not regularize:
-            return out, None
+            return out, None, nu
         if G is None and self.prior_samples is None:
             G = tri_solve(Kb["L_o"].mT, Kb["W"], upper=True)
-        return out, self._regularizer(v, valid, nu, s2, Kb, G)
+        return out, self._regularizer(v, valid, nu, s2, Kb, G), nu
 
     def _posterior(self, q, k, o, v, valid):
         Kb = self._blocks(q, k, o, valid)

@@ -236,7 +236,7 @@ class SparseCorrelatedGP(CorrelatedGPBase):
             sigma = t.s2.sqrt()
             out = nu + sigma * eps[..., :T, :] + root @ eps[..., T:, :]  # σ ε₁ + K_qm R ε₂
         reg = self.regularizer(t, nu, z, valid) if regularize else None
-        return out, reg
+        return out, reg, nu
 
     def _posterior(self, q, k, o, v, valid, inducing=None):
         t = self._terms_for(q, k, o, valid, inducing)
