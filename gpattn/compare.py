@@ -23,7 +23,7 @@ import torch
 
 from gpattn._io import load_file
 from gpattn.attention.registry import attention_class, list_attention
-from gpattn.training import DIVERGED, TrainConfig, TrainingDivergedError, evaluate_predictions, train
+from gpattn.training import COLLAPSE, DIVERGED, TrainConfig, TrainingDivergedError, evaluate_predictions, train
 
 __all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "write_report"]
 
@@ -155,11 +155,14 @@ def compare(variants, seeds, out, base: TrainConfig, progress: bool = True, log=
             log(f"[compare] {spec.spec} seed {seed}")
             members = []
             try:
+                collapse = []
                 for j in range(spec.ensemble):
                     cfg, folder, member = _run(
                         base, spec.attention, spec.mcdropout, seed + 1000 * j, out, bundle, progress
                     )
                     members.append(_laplace_predictions(cfg, folder, bundle, member) if spec.laplace else member)
+                    if (folder / COLLAPSE).is_file():  # gpattn.diagnostics: a collapsed layer or the base rate
+                        collapse += json.loads((folder / COLLAPSE).read_text())["warnings"]
             except TrainingDivergedError as err:  # one diverged run must not end the whole comparison
                 log(f"[compare] {spec.spec} seed {seed}: {err}")
                 results[spec.spec][str(seed)] = {"diverged": {"step": err.step, "message": str(err)}} | {
@@ -177,6 +180,9 @@ def compare(variants, seeds, out, base: TrainConfig, progress: bool = True, log=
             metrics = evaluate_predictions(preds, bundle, base.average, temperature)
             if spec.ts:
                 metrics["temperature"] = temperature
+            if collapse:
+                metrics["collapse"] = collapse
+                log(f"[compare] {spec.spec} seed {seed}: collapse: " + "; ".join(collapse))
             results[spec.spec][str(seed)] = metrics
             if seed == seeds[0]:
                 plot_preds[spec.spec] = (preds, temperature, bundle)
@@ -214,10 +220,31 @@ def _diverged_seeds(per_seed: dict, seeds) -> list:
     return [s for s in seeds if "diverged" in per_seed[str(s)]]
 
 
+def _collapsed_seeds(per_seed: dict, seeds) -> list:
+    return [s for s in seeds if per_seed[str(s)].get("collapse")]
+
+
 def _label(spec: str, per_seed: dict, seeds) -> str:
-    """The row name, flagged when some seeds diverged (their cells are left out of mean ± std)."""
+    """The row name, flagged when some seeds diverged (their cells are left out of mean ± std) or
+    collapsed (a GP layer's mean under its noise, or training at the base rate: gpattn.diagnostics)."""
+    flags = []
     bad = _diverged_seeds(per_seed, seeds)
-    return f"{spec} (diverged: {len(bad)}/{len(seeds)} seeds)" if bad else spec
+    if bad:
+        flags.append(f"diverged: {len(bad)}/{len(seeds)} seeds")
+    collapsed = _collapsed_seeds(per_seed, seeds)
+    if collapsed:
+        flags.append(f"collapse: {len(collapsed)}/{len(seeds)} seeds")
+    return f"{spec} ({'; '.join(flags)})" if flags else spec
+
+
+def _collapse_notes(results: dict, seeds) -> list:
+    notes = [
+        f"- {spec}, seed {s}: {msg}"
+        for spec, per_seed in results.items()
+        for s in _collapsed_seeds(per_seed, seeds)
+        for msg in per_seed[str(s)]["collapse"]
+    ]
+    return ["## Collapse warnings", "", *notes, ""] if notes else []
 
 
 def _diverged_notes(results: dict, seeds) -> list:
@@ -293,6 +320,8 @@ def write_report(results: dict, path: Path, base: TrainConfig, seeds, bundle) ->
         f"Seeds {list(seeds)}; {base.num_layers} layers, width {base.embed_dim}, {base.num_heads} heads, "
         f"{base.epochs} epochs, batch {base.batch_size}, lr {base.lr}; {base.num_samples} Monte-Carlo samples, "
         f"predictions averaged over {base.average}.",
+        f"Objective: β = {base.beta:g}, α = {base.alpha:g}, η = {base.eta:g}, KL scaling {base.kl_scaling!r}"
+        + (" (the exact ELBO weights)." if base.beta == base.alpha == 1 else " (tempered: β = α = 1 is the ELBO)."),
         "Values are fractions (not percent), mean ± std over seeds. AUROC = failure prediction (in-domain), "
         "ood_auroc = OOD detection with the max-probability score. `+ts` = temperature scaling on the "
         "validation split, `+laplace` = last-layer Laplace, `+mcdropout` = MC dropout, `+ensN` = deep ensemble "
@@ -307,6 +336,7 @@ def write_report(results: dict, path: Path, base: TrainConfig, seeds, bundle) ->
             lines.append(f"| {_label(spec, per_seed, seeds)} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += _diverged_notes(results, seeds)
+    lines += _collapse_notes(results, seeds)
     for split, cols in columns.items():
         lines += _against_reference(results, seeds, split, cols)
     lines += [

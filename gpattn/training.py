@@ -26,6 +26,7 @@ import math
 import os
 import signal
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gpattn._io import load_file
+from gpattn.diagnostics import EpochStats, GPCollapseWarning, base_rate_entropy, collapse_warnings
 from gpattn.models import TransformerClassifier, ViTClassifier
 from gpattn.objectives import ELBOObjective
 
@@ -49,6 +51,8 @@ __all__ = [
 
 CHECKPOINT = "checkpoint.pt"
 DIVERGED = "diverged.json"
+#: the collapse checks of a finished run (gpattn.diagnostics): base-rate entropy and warnings
+COLLAPSE = "collapse.json"
 PART_KEYS = ("nll", "kl_seq", "kl_global", "ksvd", "cgp", "beta", "alpha")
 
 
@@ -454,6 +458,8 @@ def train(
         kl_scaling=cfg.kl_scaling,
     )
     step, history = 0, []
+    stats = EpochStats()  # epoch means of the loss parts and of each GP layer's scale (gpattn.diagnostics)
+    base_rate = base_rate_entropy(train_split.labels, bundle.num_classes)
     ckpt_path = out / CHECKPOINT if out is not None else None
     if resume:
         if ckpt_path is None or not ckpt_path.is_file():
@@ -469,6 +475,8 @@ def train(
         if scheduler is not None:
             scheduler.load_state_dict(ckpt["scheduler"])
         step, history = ckpt["step"], ckpt["history"]
+        if "epoch_stats" in ckpt:
+            stats.load_state_dict(ckpt["epoch_stats"])
         torch.set_rng_state(ckpt["rng"])
 
     def save():
@@ -481,6 +489,7 @@ def train(
                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
                     "step": step,
                     "history": history,
+                    "epoch_stats": stats.state_dict(),
                     "rng": torch.get_rng_state(),
                 },
                 ckpt_path,
@@ -509,6 +518,8 @@ def train(
                     mask = None if mask is None else mask.to(dist.device)
                     logits = model(x.to(dist.device), mask, num_samples=cfg.train_samples)
                     loss, parts = objective(logits, y.to(dist.device), model.loss_terms(), step=step)
+                    layer_stats = model.layer_diagnostics() if hasattr(model, "layer_diagnostics") else []
+                    stats.add({k: v * weight for k, v in parts.items()}, layer_stats)
                     # a non-finite loss still goes through backward and the all-reduce below, so that
                     # every rank reaches the same check instead of the others waiting for this one
                     (loss * weight).backward()
@@ -533,7 +544,11 @@ def train(
                 if offset + 1 == steps_per_epoch:
                     keys = sorted(parts)
                     values = dist.allreduce_sum(torch.stack([parts[k].detach().float().cpu() for k in keys]) * weight)
-                    history.append({"epoch": epoch + 1, "step": step, **dict(zip(keys, values.tolist()))})
+                    entry = {"epoch": epoch + 1, "step": step, **dict(zip(keys, values.tolist()))}
+                    # the epoch's means over its steps (this rank's; the keys above are the last batch's)
+                    entry.update(stats.summary(), base_rate_entropy=base_rate)
+                    history.append(entry)
+                    stats = EpochStats()
                     save()
                 elif cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     save()
@@ -551,6 +566,10 @@ def train(
             _write_json({"step": err.step, "message": str(err), "config": cfg.to_dict()}, out / DIVERGED)
         raise
     bar.close()
+    warnings_ = collapse_warnings(history, base_rate)
+    if dist.main:
+        for msg in warnings_:
+            warnings.warn(f"{cfg.attention} seed {cfg.seed}: {msg}", GPCollapseWarning, stacklevel=2)
 
     preds = {
         key: {
@@ -565,4 +584,5 @@ def train(
         torch.save(preds, out / "predictions.pt")
         _write_json(result, out / "metrics.json")
         _write_json(history, out / "history.json")
+        _write_json({"base_rate_entropy": base_rate, "warnings": warnings_}, out / COLLAPSE)
     return result

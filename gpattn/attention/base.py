@@ -1,7 +1,9 @@
 """The attention contract (DESIGN.md "The contract"): one base class every variant derives from.
 
-A variant implements ``_attend(x, mask)`` returning per-head outputs ``(B, H, T, Dv)``; GP variants
-also implement ``_posterior(x, mask)`` returning a gpytorch ``MultivariateNormal`` with batch
+A variant implements ``_attend(x, mask)`` returning per-head outputs ``(B, H, T, Dv)`` (GP variants:
+the pair ``(output, posterior mean)``, from which :meth:`AttentionBase.diagnostics` measures the
+layer's scale); GP variants also implement ``_posterior(x, mask)`` returning a gpytorch
+``MultivariateNormal`` with batch
 ``(B, H, Dv)`` and event ``T``. The base class validates inputs, projects, merges heads, applies
 ``W_o``, handles all-padding rows and records the loss terms of the last forward.
 """
@@ -145,15 +147,20 @@ class AttentionBase(nn.Module):
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """# shape: x (B, T, D), key_padding_mask (B, T) bool (True = padding) -> (B, T, D)"""
         x, key_padding_mask = self.check_inputs(x, key_padding_mask)
-        self._loss_terms = {}
+        self._loss_terms, self._diagnostics = {}, {}
         mask, keep = self._effective_mask(key_padding_mask)
         # all-padding sequences never reach the variant's math (nor its loss terms): their output is 0
         xs = x if keep is None else x[keep]
         if xs.shape[0] == 0:  # empty batch, or nothing but padding: a defined zero result with a graph
             return x.new_zeros(x.shape) + 0 * sum(p.sum() for p in self.parameters())
         heads = self._attend(xs, mask)  # shape: (B', H, T, Dv)
+        mean = None
+        if isinstance(heads, tuple):  # GP variants: (sample or mean, posterior mean)
+            heads, mean = heads
         Bk, H, T, Dv = heads.shape
         y = self.out_proj(heads.transpose(1, 2).reshape(Bk, T, H * Dv))
+        if mean is not None:
+            self._record_diagnostics(xs, mask, heads, mean)
         if keep is not None:
             y = x.new_zeros(x.shape).index_put((keep.nonzero()[:, 0],), y)
         return y
@@ -171,11 +178,45 @@ class AttentionBase(nn.Module):
         """Scalar loss terms of the last forward (empty for deterministic baselines)."""
         return dict(self._loss_terms)
 
+    @torch.no_grad()
+    def _record_diagnostics(self, x, mask, heads, mean) -> None:
+        """The layer's output scale against its input (:meth:`diagnostics`): detached 0-dim tensors, no
+        host synchronisation.  # shape: x (B, T, D), heads, mean (B, H, T, Dv), mask (B, T) or None"""
+        B, H, T, Dv = heads.shape
+
+        def flat(h):
+            return h.transpose(1, 2).reshape(B, T, H * Dv)
+
+        mean_out = self.out_proj(flat(mean))  # shape: (B, T, D): E[layer output]
+        spread = torch.nn.functional.linear(flat(heads - mean), self.out_proj.weight)  # W_o (f − E f)
+        if mask is None:
+            real = x.new_ones(B, T)
+        else:
+            real = (~mask).to(x.dtype)
+        count = real.sum().clamp_min(1)
+
+        def per_token(t):
+            return (t.float().norm(dim=-1) * real).sum() / count
+
+        self._diagnostics = {
+            "input_norm": per_token(x),
+            "mean_norm": per_token(mean_out),
+            "spread_norm": per_token(spread),
+        }
+
+    def diagnostics(self) -> dict[str, torch.Tensor]:
+        """Output scale of the last forward of a GP variant, per real token (detached 0-dim tensors):
+        ``input_norm`` ‖x‖ of the (LayerNorm-ed) layer input, ``mean_norm`` ‖E[y]‖ of the posterior mean
+        output and ``spread_norm`` ‖y − E[y]‖ of the drawn sample (0 when not sampling). Collapse shows
+        as a mean far below the spread, or both far below the input (``gpattn.training`` logs them per
+        epoch and warns). Empty for the other variants."""
+        return dict(getattr(self, "_diagnostics", {}))
+
     def extra_repr(self) -> str:
         return f"name={self.name!r}, embed_dim={self.embed_dim}, num_heads={self.num_heads}"
 
     def __getstate__(self):
         # the last forward's loss terms hold autograd graphs: never pickle them
         state = self.__dict__.copy()
-        state["_loss_terms"] = {}
+        state["_loss_terms"], state["_diagnostics"] = {}, {}
         return state

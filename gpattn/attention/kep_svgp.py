@@ -108,9 +108,9 @@ class KEPSVGPAttention(AttentionBase):
         p = self.project(x)
         with gp_algebra(x.device.type):
             x, q, k = full_precision(x, p["q"], p["k"])
-            heads, terms = self.kep(x, q, k, mask, sample=self.sampling)  # shape: (B, H, T, Dv)
+            heads, terms, mean = self.kep(x, q, k, mask, sample=self.sampling, return_mean=True)  # (B, H, T, Dv)
         self.set_loss_terms(**terms)
-        return heads
+        return heads, mean
 
     def _posterior(self, x, mask):
         p = self.project(x)

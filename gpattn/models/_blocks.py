@@ -154,6 +154,17 @@ class Encoder(nn.Module):
     def attention_modules(self) -> list[nn.Module]:
         return [b.attn for b in self.blocks]
 
+    def layer_diagnostics(self) -> list[dict]:
+        """Per GP attention layer of the last forward: its index, its loss terms and its output scale
+        (:meth:`gpattn.attention.base.AttentionBase.diagnostics`), as detached 0-dim tensors."""
+        rows = []
+        for i, layer in enumerate(self.attention_modules()):
+            diag = layer.diagnostics() if hasattr(layer, "diagnostics") else {}
+            if diag:
+                terms = {k: v.detach() for k, v in layer.loss_terms().items()}
+                rows.append({"layer": i, **terms, **diag})
+        return rows
+
     def loss_terms(self) -> dict[str, torch.Tensor]:
         total: dict[str, torch.Tensor] = {}
         for layer in self.attention_modules():

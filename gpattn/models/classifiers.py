@@ -127,6 +127,10 @@ class _SequenceClassifier(nn.Module):
         """Loss terms of every attention layer in the last forward, summed over layers."""
         return self.encoder.loss_terms()
 
+    def layer_diagnostics(self) -> list[dict]:
+        """Per GP attention layer of the last forward: loss terms and output scale (``Encoder``)."""
+        return self.encoder.layer_diagnostics()
+
 
 class TransformerClassifier(_SequenceClassifier):
     """Pre-LN transformer over token ids ``(B, T)`` (with ``key_padding_mask``, True = padding) or
