@@ -81,6 +81,9 @@ def test_shift_file_with_unknown_labels(tmp_path):
     assert bundle.splits["shift"].labels.tolist() == [1, 0] * 5
     assert [f["role"] for f in bundle.info["files"]] == ["train", "shift"]
     assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in bundle.info["files"])
+    unlabelled = make_text_table(tmp_path / "nolabel.tsv", n=10, columns=("id", "text"))
+    with pytest.raises(ValueError, match="nolabel.tsv has no label column 'label': shift_file must be labelled"):
+        load_dataset("text_table", path=train, shift_file=unlabelled)
     with pytest.raises(ValueError, match="unknown_labels must be one of 'error', 'drop', 'unlabelled'"):
         load_dataset("text_table", path=train, shift_file=ok, unknown_labels="map")
 

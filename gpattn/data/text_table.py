@@ -342,6 +342,11 @@ def load_text_table(
             table, split, delimiter, header, encoding, col_text, col_label, split == "shift"
         )
         files.append(record)
+        if e_raw is None and split == "shift":
+            raise ValueError(
+                f"{table} has no label column {col_label!r}: shift_file must be labelled with the training "
+                f"file's columns (an unlabelled file belongs in ood_file)"
+            )
         if e_raw is None:  # an OOD file without the label column: unlabelled by construction
             e_labels = [-1] * len(e_texts)
         else:
