@@ -1,7 +1,8 @@
 """gpattn — Gaussian-process attention for transformers (PyTorch, GPyTorch, LinearOperator).
 
 Public API: :func:`build_attention`, :func:`list_attention`, :func:`attention_options`,
-:class:`deterministic`, and the subpackages (``kernels``, ``variational``, ``attention``, ``models``,
+:class:`deterministic`, :func:`load_run` (score new inputs with a saved run,
+:mod:`gpattn.inference`), and the subpackages (``kernels``, ``variational``, ``attention``, ``models``,
 ``objectives``, ``metrics``, ``data``, ``training``, ``plots``, ``testing``), imported on first use.
 Importing gpattn changes no gpytorch / linear_operator / matplotlib global setting.
 """
@@ -18,6 +19,7 @@ _SUBMODULES = (
     "cli",
     "compare",
     "data",
+    "inference",
     "kernels",
     "laplace",
     "metrics",
@@ -39,9 +41,11 @@ __all__ = [
     "compare",
     "data",
     "deterministic",
+    "inference",
     "is_deterministic",
     "kernels",
     "list_attention",
+    "load_run",
     "metrics",
     "models",
     "objectives",
@@ -51,6 +55,14 @@ __all__ = [
     "training",
     "variational",
 ]
+
+
+def load_run(path, device=None):
+    """A saved run ready to score new inputs: ``gpattn.load_run(run_dir).predict(["a sentence"], num_samples=10)``
+    (see :mod:`gpattn.inference`; needs no data file)."""
+    from gpattn.inference import load_run as _load_run
+
+    return _load_run(path, device)
 
 
 def __getattr__(name):

@@ -6,6 +6,7 @@ import argparse
 import ast
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 __all__ = ["main"]
@@ -40,14 +41,33 @@ def _seeds(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--seeds takes a comma list of ints such as 0,1,2; got {text!r}") from None
 
 
+def _ood_scores(text: str) -> list[str]:
+    from gpattn.metrics import OOD_SCORE_NAMES
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in OOD_SCORE_NAMES]
+    if bad or not names:
+        accepted = ", ".join(OOD_SCORE_NAMES)
+        raise argparse.ArgumentTypeError(f"--ood-score takes a comma list of {accepted}; got {text!r}")
+    return names
+
+
 def _training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="named settings (gpattn.presets); explicit flags override them")
     p.add_argument("--dataset", help="digits, cola, text_table, ... (default digits)")
     p.add_argument("--data-dir", help="folder with the data files (default $GPATTN_DATA_DIR or ~/.cache/gpattn)")
     p.add_argument("--download", action="store_true", default=None, help="download missing files (checksummed)")
-    p.add_argument("--dataset-option", type=_kv, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--dataset-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
+        help="a data set option, repeatable; `gpattn data NAME` lists them with defaults and accepted values "
+        "(text_table: path, text_column, label_column, delimiter, header, shift_file, ood_file, unknown_labels, ...)",
+    )
     p.add_argument("--attention-layers", type=_layers, help="all | last | auto (default) | indices 0,1")
-    p.add_argument("--attention-option", type=_kv, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--attention-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
+        help="an attention option, repeatable (gpattn.attention_options(NAME) lists them); in compare it applies "
+        "to every variant that takes it — for one variant write name[key=value,...], e.g. sto[tau=2]",
+    )
     for flag, typ in (
         ("--epochs", int),
         ("--batch-size", int),
@@ -63,6 +83,13 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     ):
         p.add_argument(flag, type=typ)
     p.add_argument("--kl-scaling", choices=["elbo", "peer"])
+    p.add_argument(
+        "--ood-score",
+        type=_ood_scores,
+        default=["msp"],
+        help="OOD score(s) shown in the printout, report.md tables and histograms, comma list of "
+        "msp (default), entropy, energy, mc-variance, mutual-information; metrics.json has all of them",
+    )
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
 
 
@@ -74,7 +101,11 @@ def _config(args, **extra):
     preset = {}
     if getattr(args, "preset", None):
         preset = get_preset(args.preset)
-        values.update({k: v for k, v in preset.items() if k not in ("variants", "seeds")})
+        values.update({k: v for k, v in preset.items() if k not in ("variants", "seeds", "variant_options")})
+        # a single run of a variant the preset sets options for (train --preset cola --attention sto)
+        own = preset.get("variant_options", {}).get(extra.get("attention"))
+        if own:
+            values["attention_options"] = {**own, **values.get("attention_options", {})}
     for f in (
         "dataset",
         "data_dir",
@@ -105,12 +136,27 @@ def _config(args, **extra):
     return TrainConfig.from_dict(values), preset
 
 
-def _print_metrics(metrics: dict) -> None:
+def _print_metrics(metrics: dict, ood_scores=("msp",)) -> None:
+    from gpattn.metrics import ood_score_key
+
+    aurocs = tuple(ood_score_key(score, "ood_auroc") for score in ood_scores)
     for split, row in metrics.items():
         if not isinstance(row, dict):
             continue
-        shown = {k: row[k] for k in ("accuracy", "mcc", "nll", "ece", "ood_auroc") if row.get(k) is not None}
-        print(f"  {split:>10}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+        shown = {k: row[k] for k in ("accuracy", "mcc", "nll", "ece", *aurocs) if row.get(k) is not None}
+        size = f" [{row['n']} examples, {row['n_labelled']} labelled]" if "n" in row else ""
+        print(f"  {split:>10}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()) + size)
+        if row.get("n_labelled") == 0 and row.get("accuracy") is None:
+            print(f"  {'':>10}  (no labelled example: classification metrics are null)")
+
+
+def _print_data(folder: Path) -> None:
+    from gpattn.data.summary import summary_lines
+
+    if (folder / "data.json").is_file():
+        print("data:")
+        for line in summary_lines(json.loads((folder / "data.json").read_text())):
+            print(f"  {line}")
 
 
 def cmd_train(args) -> int:
@@ -119,8 +165,10 @@ def cmd_train(args) -> int:
     cfg, _ = _config(args, attention=args.attention, seed=args.seed)
     out = Path(args.out)
     metrics = train(cfg, out, resume=args.resume)
+    _print_data(out)
+    print(f"objective: beta {cfg.beta}, alpha {cfg.alpha}, eta {cfg.eta} (kl_scaling {cfg.kl_scaling!r})")
     print(f"wrote {out / 'metrics.json'}")
-    _print_metrics(metrics)
+    _print_metrics(metrics, args.ood_score)
     return 0
 
 
@@ -141,7 +189,7 @@ def cmd_evaluate(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     print(f"wrote {out / 'metrics.json'}")
-    _print_metrics(metrics)
+    _print_metrics(metrics, args.ood_score)
     return 0
 
 
@@ -153,7 +201,10 @@ def cmd_compare(args) -> int:
     if args.ensemble:
         variants = f"{variants},softmax+ens{args.ensemble}"
     seeds = args.seeds if args.seeds is not None else preset.get("seeds", [0, 1, 2])
-    compare(variants, seeds, args.out, cfg, progress=cfg.progress)
+    compare(
+        variants, seeds, args.out, cfg, progress=cfg.progress, ood_scores=args.ood_score,
+        variant_options=preset.get("variant_options"),
+    )
     print(f"wrote {Path(args.out) / 'report.md'}")
     return 0
 
@@ -163,6 +214,32 @@ def cmd_demo(args) -> int:
     args.attention = None
     args.ensemble = 0
     return cmd_compare(args)
+
+
+def cmd_data(args) -> int:
+    """``gpattn data [NAME]``: the data sets, or one data set's options with defaults and accepted values."""
+    import inspect
+
+    from gpattn.data import dataset_options, list_datasets
+    from gpattn.data._bundle import _loader
+
+    if not args.name:
+        print("data sets (gpattn data NAME lists a data set's options):")
+        for name in list_datasets():
+            doc = (inspect.getdoc(_loader(name)) or "").split("\n")[0]
+            print(f"  {name:<14} {doc}")
+        return 0
+    loader = _loader(args.name)
+    helps = getattr(inspect.getmodule(loader), "OPTION_HELP", {})
+    print(f"{args.name}: {inspect.getdoc(loader)}\n")
+    print("options (--dataset-option KEY=VALUE; values are Python literals, else strings):")
+    for key, default in dataset_options(args.name).items():
+        shown = "required" if default is inspect.Parameter.empty else f"default {default!r}"
+        print(f"  {key} ({shown})")
+        if key in helps:
+            print(textwrap.fill(helps[key], width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    print("\ncommon: --data-dir DIR (default $GPATTN_DATA_DIR or ~/.cache/gpattn), --download, --seed")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("evaluate", help="evaluate a checkpoint; writes metrics.json")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--num-samples", type=int)
+    p.add_argument("--ood-score", type=_ood_scores, default=["msp"], help="OOD score(s) printed (all in metrics.json)")
     p.add_argument("--out")
     p.set_defaults(func=cmd_evaluate)
 
@@ -187,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     _training_args(p)
     p.add_argument(
         "--attention",
-        help="comma list of variant specs (name[+ts][+mcdropout][+ensN]), 'all', 'all+baselines' (default)",
+        help="comma list of variant specs name[key=value,...][+ts][+laplace][+mcdropout][+ensN], e.g. "
+        "sto[tau=2]+ts; 'all', 'all+baselines' (default)",
     )
     p.add_argument("--seeds", type=_seeds, help="comma list, default 0,1,2")
     p.add_argument("--ensemble", type=int, default=0, help="add a deep ensemble of N softmax models")
@@ -199,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=_seeds, help="comma list, default 0,1")
     p.add_argument("--out", default="runs/demo")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("data", help="list the data sets, or one data set's options, defaults and accepted values")
+    p.add_argument("name", nargs="?", help="a data set name (e.g. text_table)")
+    p.set_defaults(func=cmd_data)
     return parser
 
 

@@ -6,12 +6,18 @@ A *variant spec* is a registered attention name with optional modifiers:
 else the dense float64 back end),
 ``softmax+mcdropout`` (dropout kept on at prediction), ``softmax+ens5`` (deep ensemble of 5
 independently seeded models: the seed run plus members seeded ``seed + 1000·j``). Modifiers combine
-(``kep-svgp+ens5``). Runs are cached under ``OUT/runs/<name>/seed<S>``: a finished run with the same
-configuration is reused, so ``+ts`` and ensembles cost no retraining of the members they share.
+(``kep-svgp+ens5``). Attention options for one variant go in brackets after its name, comma-separated
+``key=value`` pairs: ``sto[tau=2]``, ``h-sto[tau1=1,tau2=20]+ts`` (values are Python literals, else
+strings); ``--attention-option`` applies to every variant that takes the option and is left out, with a
+note, for the others. Runs are cached under ``OUT/runs/<name>/seed<S>``: a finished run is reused only
+if its configuration and its data (the content fingerprint in its ``data.json``, so an edited data file
+is noticed) are the same, and the log says "reused" or "trained" (and why) for every run, so ``+ts``
+and ensembles cost no retraining of the members they share.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import math
@@ -22,10 +28,10 @@ import numpy as np
 import torch
 
 from gpattn._io import load_file
-from gpattn.attention.registry import attention_class, list_attention
+from gpattn.attention.registry import attention_class, attention_options, list_attention
 from gpattn.training import COLLAPSE, DIVERGED, TrainConfig, TrainingDivergedError, evaluate_predictions, train
 
-__all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "write_report"]
+__all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "split_variants", "write_report"]
 
 BASELINES = ("softmax+ts", "softmax+mcdropout", "softmax+laplace", "softmax+ens5")
 
@@ -45,19 +51,47 @@ class VariantSpec:
     mcdropout: bool = False
     laplace: bool = False
     ensemble: int = 1
+    options: tuple = ()  # ((key, value), ...) from ``name[key=value,...]``
 
     @property
     def run_name(self) -> str:
         """The trained model this spec evaluates (post-hoc modifiers need no run of their own)."""
-        return self.attention + ("+mcdropout" if self.mcdropout else "")
+        opts = "[" + ",".join(f"{k}={v}" for k, v in self.options) + "]" if self.options else ""
+        return self.attention + opts + ("+mcdropout" if self.mcdropout else "")
+
+
+_SPEC = re.compile(r"\s*([A-Za-z0-9_-]+)\s*(?:\[([^\]]*)\])?\s*((?:\+[^+]*)*)\s*")
+
+
+def _option_value(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def parse_variant(spec: str) -> VariantSpec:
-    name, *mods = spec.strip().split("+")
+    match = _SPEC.fullmatch(spec)
+    if match is None:
+        raise ValueError(
+            f"cannot parse variant {spec!r}: expected name[key=value,...]+modifier, e.g. sto[tau=2]+ts"
+        )
+    name, opts, mod_text = match.group(1), match.group(2), match.group(3)
     attention_class(name)  # ValueError listing the valid names
+    options = []
+    if opts is not None:
+        valid = attention_options(name)
+        for item in (t.strip() for t in opts.split(",") if t.strip()):
+            if "=" not in item:
+                raise ValueError(f"variant {spec!r}: expected key=value inside [...], got {item!r}")
+            key, value = (t.strip() for t in item.split("=", 1))
+            if key not in valid:
+                known = ", ".join(sorted(valid))
+                raise ValueError(f"variant {spec!r}: unknown option {key!r} for attention {name!r}; valid: {known}")
+            options.append((key, _option_value(value)))
     ts = mc = la = False
     ens = 1
-    for mod in mods:
+    for mod in (m.strip() for m in mod_text.split("+")[1:]):
         if mod == "ts":
             ts = True
         elif mod == "laplace":
@@ -70,14 +104,28 @@ def parse_variant(spec: str) -> VariantSpec:
             raise ValueError(
                 f"unknown modifier {mod!r} in variant {spec!r}; valid: +ts, +laplace, +mcdropout, +ensN (N >= 2)"
             )
-    return VariantSpec(spec.strip(), name, ts, mc, la, ens)
+    return VariantSpec(spec.strip(), name, ts, mc, la, ens, tuple(options))
 
 
-def expand_variants(variants) -> list[VariantSpec]:
+def split_variants(text: str) -> list[str]:
+    """A comma list of specs, commas inside ``[...]`` kept: ``"sto[tau=2,hard=True],softmax+ts"``."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [p.strip() for p in [*parts, cur] if p.strip()]
+
+
+def expand_variants(variants, variant_options: dict | None = None) -> list[VariantSpec]:
     """A comma list or list of specs; ``all`` = every registered variant; ``all+baselines`` adds
-    :data:`BASELINES` (softmax+ts, softmax+mcdropout, softmax+laplace and a deep ensemble softmax+ens5)."""
+    :data:`BASELINES` (softmax+ts, softmax+mcdropout, softmax+laplace and a deep ensemble softmax+ens5).
+    ``variant_options`` (a preset's ``{name: {option: value}}``) fills in options a spec does not set."""
     if isinstance(variants, str):
-        variants = [v for v in variants.split(",") if v.strip()]
+        variants = split_variants(variants)
     out: list[str] = []
     for v in variants:
         if v == "all":
@@ -88,20 +136,47 @@ def expand_variants(variants) -> list[VariantSpec]:
             out.append(v)
     if not out:
         raise ValueError("no variants to compare")
-    return [parse_variant(v) for v in dict.fromkeys(out)]
+    specs = [parse_variant(v) for v in dict.fromkeys(out)]
+    if variant_options:
+        specs = [
+            dataclasses.replace(s, options=tuple({**variant_options[s.attention], **dict(s.options)}.items()))
+            if s.attention in variant_options else s
+            for s in specs
+        ]
+    return specs
 
 
-def _run(base: TrainConfig, attention: str, mcdropout: bool, seed: int, root: Path, bundle, progress: bool):
-    cfg = dataclasses.replace(base, attention=attention, mc_dropout=mcdropout, seed=seed, progress=progress)
-    folder = root / "runs" / (attention + ("+mcdropout" if mcdropout else "")) / f"seed{seed}"
+def _run(base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, progress: bool, fingerprint, log):
+    """(config, folder, predictions) of one trained run: reused when its configuration and data are the
+    same as now, else trained; the log line says which and why."""
+    options = {k: v for k, v in base.attention_options.items() if k in attention_options(spec.attention)}
+    options.update(dict(spec.options))
+    cfg = dataclasses.replace(
+        base, attention=spec.attention, attention_options=options, mc_dropout=spec.mcdropout, seed=seed,
+        progress=progress,
+    )
+    folder = root / "runs" / spec.run_name / f"seed{seed}"
     done, diverged = folder / "predictions.pt", folder / DIVERGED
     same_config = (folder / "config.json").is_file() and json.loads((folder / "config.json").read_text()) == json.loads(
         json.dumps(cfg.to_dict())
     )
-    if same_config and diverged.is_file():  # a deterministic rerun would diverge again
+    data_file = folder / "data.json"
+    old_print = json.loads(data_file.read_text()).get("fingerprint") if data_file.is_file() else None
+    same_data = old_print == fingerprint
+    if same_config and same_data and diverged.is_file():  # a deterministic rerun would diverge again
         record = json.loads(diverged.read_text())
+        log(f"[compare]   {spec.run_name} seed {seed}: reused (diverged before with this configuration and data)")
         raise TrainingDivergedError(record["message"], record["step"])
-    if not (same_config and done.is_file()):
+    if same_config and same_data and done.is_file():
+        log(f"[compare]   {spec.run_name} seed {seed}: reused {folder} (same configuration and data)")
+    else:
+        why = (
+            "no finished run" if not done.is_file() and not diverged.is_file()
+            else "configuration changed" if not same_config
+            else "data changed" if old_print is not None
+            else "no data fingerprint recorded"
+        )
+        log(f"[compare]   {spec.run_name} seed {seed}: trained ({why}) -> {folder}")
         train(cfg, folder, bundle=bundle)
     return cfg, folder, load_file(done, what="predictions file")
 
@@ -113,8 +188,9 @@ def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:
 
     model = build_model(cfg, bundle)
     model.load_state_dict(_load_checkpoint(folder / CHECKPOINT)["model"])
-    backend = "laplace-torch" if laplace_torch_available() else "dense"
-    la = fit_last_layer_laplace(model, bundle.splits["train"], backend=backend)
+    # the dense back end computes the full Hessian (laplace-torch's default is K-FAC "kron")
+    backend, structure = ("laplace-torch", "kron") if laplace_torch_available() else ("dense", "full")
+    la = fit_last_layer_laplace(model, bundle.splits["train"], backend=backend, hessian_structure=structure)
     g = torch.Generator().manual_seed(cfg.seed)
     return {
         k: {
@@ -129,21 +205,43 @@ def _log(message: str) -> None:
     print(message, flush=True)
 
 
-def compare(variants, seeds, out, base: TrainConfig, progress: bool = True, log=_log) -> dict:
-    """Train / evaluate every variant spec for every seed; write ``results.json``, ``report.md`` and
-    the plots under ``out``; return the results dict ``{spec: {seed: metrics}}``."""
+def compare(
+    variants, seeds, out, base: TrainConfig, progress: bool = True, log=_log, ood_scores=("msp",),
+    variant_options: dict | None = None,
+) -> dict:
+    """Train / evaluate every variant spec for every seed; write ``results.json``, ``data.json``,
+    ``report.md`` and the plots under ``out``; return the results dict ``{spec: {seed: metrics}}``.
+
+    ``ood_scores``: the OOD scores (:data:`gpattn.metrics.OOD_SCORE_NAMES`) shown in report.md and the
+    histograms (every score is in results.json). ``variant_options``: per-variant default options
+    (a preset's), beneath the options a spec gives in brackets."""
     from gpattn import metrics as M
     from gpattn.data import load_dataset
+    from gpattn.data.summary import data_summary, summary_lines
+    from gpattn.laplace import laplace_torch_available
 
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds) or len(set(seeds)) < len(seeds):
         raise ValueError(f"seeds must be a non-empty list of distinct ints, got {seeds!r}")
-    specs = expand_variants(variants)
+    ood_scores = [ood_scores] if isinstance(ood_scores, str) else list(ood_scores)
+    for score in ood_scores:
+        M.ood_score_key(score, "ood_auroc")  # ValueError listing the accepted names
+    specs = expand_variants(variants, variant_options)
+    notes = _option_notes(specs, base)
+    for note in notes:
+        log(f"[compare] {note}")
+    if any(s.laplace for s in specs) and not laplace_torch_available():
+        notes.append(
+            "`+laplace`: laplace-torch is not installed, so the last-layer Laplace was fitted with gpattn's dense "
+            "float64 back end (full Hessian of the last layer; laplace-torch would use K-FAC)."
+        )
+        log(f"[compare] {notes[-1]}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict]] = {}
-    plot_preds: dict[str, tuple] = {}
+    plot_preds: dict[str, dict] = {}
     bundles: dict[int, object] = {}
+    summaries: dict[int, dict] = {}
     for spec in specs:
         results[spec.spec] = {}
         for seed in seeds:
@@ -151,6 +249,13 @@ def compare(variants, seeds, out, base: TrainConfig, progress: bool = True, log=
                 bundles[seed] = load_dataset(
                     base.dataset, data_dir=base.data_dir, download=base.download, seed=seed, **base.dataset_options
                 )
+                summaries[seed] = data_summary(bundles[seed])
+                if len(summaries) == 1:
+                    for line in summary_lines(summaries[seed]):
+                        log(f"[compare] data (seed {seed}): {line[2:]}")
+                else:
+                    sizes = ", ".join(f"{k} {n}" for k, n in summaries[seed]["sizes"].items())
+                    log(f"[compare] data (seed {seed}): {sizes}; fingerprint {summaries[seed]['fingerprint']}")
             bundle = bundles[seed]
             log(f"[compare] {spec.spec} seed {seed}")
             members = []
@@ -158,7 +263,7 @@ def compare(variants, seeds, out, base: TrainConfig, progress: bool = True, log=
                 collapse = []
                 for j in range(spec.ensemble):
                     cfg, folder, member = _run(
-                        base, spec.attention, spec.mcdropout, seed + 1000 * j, out, bundle, progress
+                        base, spec, seed + 1000 * j, out, bundle, progress, summaries[seed]["fingerprint"], log
                     )
                     members.append(_laplace_predictions(cfg, folder, bundle, member) if spec.laplace else member)
                     if (folder / COLLAPSE).is_file():  # gpattn.diagnostics: a collapsed layer or the base rate
@@ -184,36 +289,98 @@ def compare(variants, seeds, out, base: TrainConfig, progress: bool = True, log=
                 metrics["collapse"] = collapse
                 log(f"[compare] {spec.spec} seed {seed}: collapse: " + "; ".join(collapse))
             results[spec.spec][str(seed)] = metrics
-            if seed == seeds[0]:
-                plot_preds[spec.spec] = (preds, temperature, bundle)
+            plot_preds.setdefault(spec.spec, {})[seed] = (preds, temperature, bundle)
     (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    _plots(plot_preds, out, base.average)
-    write_report(results, out / "report.md", base, seeds, bundles[seeds[0]])
+    data = {"seeds": {str(s): summaries[s] for s in seeds}, "ood_scores": ood_scores, "notes": notes}
+    (out / "data.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    plot_notes = _plots(plot_preds, out, base.average, ood_scores)
+    write_report(
+        results, out / "report.md", base, seeds, bundles[seeds[0]], summaries=summaries, ood_scores=ood_scores,
+        notes=notes, plot_notes=plot_notes, specs=specs,
+    )
     return results
 
 
-def _plots(plot_preds, out: Path, average: str) -> None:
+def _option_notes(specs, base: TrainConfig) -> list[str]:
+    """``--attention-option``s apply to the variants that take them; say which variants leave one out,
+    and refuse an option that no variant takes (a typo)."""
+    given = dict(base.attention_options)
+    if not given:
+        return []
+    takers = {k: [s.attention for s in specs if k in attention_options(s.attention)] for k in given}
+    unused = sorted(k for k, names in takers.items() if not names)
+    if unused:
+        raise ValueError(
+            f"attention option(s) {unused} apply to none of the variants {sorted({s.attention for s in specs})}; "
+            f"set options for one variant as name[key=value], e.g. sto[tau=2]"
+        )
+    notes = []
+    for k, names in takers.items():
+        left = sorted({s.attention for s in specs} - set(names))
+        if left:
+            notes.append(f"attention option {k}={given[k]!r} applies to {sorted(set(names))}; left out for {left}")
+    return notes
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def _plots(plot_preds, out: Path, average: str, ood_scores=("msp",)) -> list[str]:
+    """Reliability diagrams of every labelled evaluation split, pooled over seeds (plus the historical
+    in-domain diagram of the first seed), risk-coverage (first seed) and OOD histograms for every chosen
+    score (first seed); returns the report's lines that name them."""
     from gpattn import metrics as M
     from gpattn import plots
 
-    curves, ood = {}, {}
-    for spec, (preds, temperature, bundle) in plot_preds.items():
-
-        def probs(split, preds=preds, temperature=temperature):
-            return M.average_samples(preds[split]["logits"] / temperature, average=average)
-
-        test = bundle.eval_splits["in_domain"]
-        p_in = probs(test)
-        labels = preds[test]["labels"]
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec)
-        plots.reliability_diagram(p_in, labels, out / f"reliability_{safe}.png", title=f"{spec} (in-domain)")
-        curves[spec] = (p_in, labels)
-        for name in bundle.ood_splits:
-            p_out = probs(bundle.eval_splits[name])
-            ood[spec] = (M.ood_scores(p_in, "max_prob"), M.ood_scores(p_out, "max_prob"))
+    curves, ood = {}, {score: {} for score in ood_scores}
+    pooled = set()
+    for spec, per_seed in plot_preds.items():
+        first = next(iter(per_seed))
+        for seed, (preds, temperature, bundle) in per_seed.items():
+            test = bundle.eval_splits["in_domain"]
+            if seed == first:
+                p_in = M.average_samples(preds[test]["logits"] / temperature, average=average)
+                labels = preds[test]["labels"]
+                plots.reliability_diagram(
+                    p_in, labels, out / f"reliability_{_safe(spec)}.png", title=f"{spec} (in-domain, seed {seed})"
+                )
+                curves[spec] = (p_in, labels)
+                scores_in = M.all_ood_scores(preds[test]["logits"] / temperature, average)
+                for name in bundle.ood_splits:
+                    scores_out = M.all_ood_scores(preds[bundle.eval_splits[name]]["logits"] / temperature, average)
+                    for score in ood_scores:
+                        ood[score][spec] = (scores_in[score], scores_out[score])
+        bundle = per_seed[first][2]
+        for split, key in bundle.eval_splits.items():
+            probs, labels = [], []
+            for preds, temperature, _ in per_seed.values():
+                known = preds[key]["labels"] >= 0
+                if bool(known.any()):
+                    p = M.average_samples(preds[key]["logits"] / temperature, average=average)
+                    probs.append(p[known.numpy()])
+                    labels.append(preds[key]["labels"][known])
+            if probs:
+                seeds_txt = f"{len(probs)} seed{'s' if len(probs) > 1 else ''} pooled"
+                plots.reliability_diagram(
+                    np.concatenate(probs), torch.cat(labels), out / f"reliability_{_safe(spec)}_{split}.png",
+                    title=f"{spec} ({split}, {seeds_txt})",
+                )
+                pooled.add(split)
     plots.risk_coverage(curves, out / "risk_coverage.png", title="risk–coverage (in-domain)")
-    if ood:
-        plots.ood_histograms(ood, out / "ood_histograms.png", title="max-probability scores: in-domain vs OOD")
+    lines = [
+        "- `risk_coverage.png` (in-domain, first seed); `reliability_<variant>.png` (in-domain, first seed)",
+        f"- `reliability_<variant>_<split>.png` for every labelled evaluation split ({', '.join(sorted(pooled))}): "
+        "predictions of all seeds pooled (each seed's test examples once per seed)",
+    ]
+    for score, per_spec in ood.items():
+        if per_spec:
+            name = "ood_histograms.png" if score == "msp" else f"ood_histograms_{_safe(score)}.png"
+            plots.ood_histograms(
+                per_spec, out / name, title=f"{score} scores: in-domain vs OOD (first seed; higher = more in-domain)"
+            )
+            lines.append(f"- `{name}`: OOD score {score}, first seed")
+    return lines
 
 
 def _diverged_seeds(per_seed: dict, seeds) -> list:
@@ -270,13 +437,18 @@ LOWER_IS_BETTER = {"nll": True, "ece": True, "aurc": True, "accuracy": False, "m
                    "ood_auroc": False}
 
 
-def _split_columns(split: str, results: dict, seeds, bundle) -> tuple:
-    """The metrics report.md shows for ``split``: MCC only for text, and an unlabelled OOD split only
-    its detection metrics."""
+def _split_columns(split: str, results: dict, seeds, bundle, ood_scores=("msp",)) -> tuple:
+    """The metrics report.md shows for ``split``: MCC only for text, an OOD split's detection AUROC under
+    every chosen score, and an unlabelled OOD split only its detection metrics."""
+    from gpattn.metrics import ood_score_key
+
     default = REPORT_COLUMNS["ood"] if split in bundle.ood_splits else ("accuracy", "nll", "ece")
     cols = REPORT_COLUMNS.get(split, default)
     if bundle.kind == "image":
         cols = tuple(c for c in cols if c != "mcc")
+    if split in bundle.ood_splits:
+        chosen = tuple(ood_score_key(score, "ood_auroc") for score in ood_scores)
+        cols = tuple(c for c in cols if not c.startswith("ood_")) + chosen
     if split in bundle.ood_splits and not any(
         results[s][str(seed)][split].get("accuracy") is not None for s in results for seed in seeds
     ):
@@ -305,32 +477,62 @@ def _against_reference(results: dict, seeds, split: str, cols, reference: str = 
         for col in cols:
             pairs = [(per_seed[str(s)][split].get(col), results[reference][str(s)][split].get(col)) for s in seeds]
             diffs = [v - r for v, r in pairs if v is not None and r is not None]
-            better = sum((d < 0) if LOWER_IS_BETTER[col] else (d > 0) for d in diffs)
+            better = sum((d < 0) if LOWER_IS_BETTER.get(col, False) else (d > 0) for d in diffs)
             sign = "+" if diffs and np.mean(diffs) >= 0 else ""
             cells.append(f"{sign}{_fmt(diffs)} ({better}/{len(diffs)})" if diffs else "–")
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
-def write_report(results: dict, path: Path, base: TrainConfig, seeds, bundle) -> None:
-    """report.md: one table per evaluation split, mean ± std (sample std) over seeds; fractions."""
+def write_report(
+    results: dict, path: Path, base: TrainConfig, seeds, bundle, *, summaries=None, ood_scores=("msp",), notes=(),
+    plot_notes=None, specs=None,
+) -> None:
+    """report.md: what was run (data files, split sizes, class counts, objective weights, options), one
+    table per evaluation split, mean ± std (sample std) over seeds; fractions."""
+    from gpattn.data.summary import summary_lines
+
     lines = [
         f"# gpattn compare — {base.dataset}",
         "",
         f"Seeds {list(seeds)}; {base.num_layers} layers, width {base.embed_dim}, {base.num_heads} heads, "
         f"{base.epochs} epochs, batch {base.batch_size}, lr {base.lr}; {base.num_samples} Monte-Carlo samples, "
         f"predictions averaged over {base.average}.",
-        f"Objective: β = {base.beta:g}, α = {base.alpha:g}, η = {base.eta:g}, KL scaling {base.kl_scaling!r}"
-        + (" (the exact ELBO weights)." if base.beta == base.alpha == 1 else " (tempered: β = α = 1 is the ELBO)."),
+        f"Objective (MATH §9): β = {base.beta:g} (KL weight, annealed over {base.beta_anneal_steps} steps), "
+        f"α = {base.alpha:g} (CGP regulariser weight, annealed over {base.alpha_anneal_steps} steps), "
+        f"η = {base.eta:g} (KSVD weight), KL scaling {base.kl_scaling!r}"
+        + (" — the exact ELBO weights." if base.beta == base.alpha == 1 else " — tempered (β = α = 1 is the ELBO)."),
         "Values are fractions (not percent), mean ± std over seeds. AUROC = failure prediction (in-domain), "
-        "ood_auroc = OOD detection with the max-probability score. `+ts` = temperature scaling on the "
+        f"ood_auroc = OOD detection with the max-probability (msp) score, ood_auroc_<score> with another score "
+        f"(shown: {', '.join(ood_scores)}; every score is in results.json). `+ts` = temperature scaling on the "
         "validation split, `+laplace` = last-layer Laplace, `+mcdropout` = MC dropout, `+ensN` = deep ensemble "
         "of N models.",
         "",
     ]
-    columns = {split: _split_columns(split, results, seeds, bundle) for split in bundle.eval_splits}
+    if summaries:
+        first = summaries[seeds[0]]
+        lines += [f"## Data (seed {seeds[0]}; every seed in data.json)", "", *summary_lines(first), ""]
+    opts = [s for s in (specs or ()) if s.options]
+    if opts or base.attention_options or notes:
+        lines += ["## Options and notes", ""]
+        if base.attention_options:
+            lines.append(f"- --attention-option (every variant that takes it): {base.attention_options}")
+        lines += [f"- {s.spec}: attention options {dict(s.options)} (run `{s.run_name}`)" for s in opts]
+        lines += [f"- {n}" for n in notes]
+        lines.append("")
+    columns = {split: _split_columns(split, results, seeds, bundle, ood_scores) for split in bundle.eval_splits}
     for split, cols in columns.items():
-        lines += [f"## {split}", "", "| variant | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        lines += [f"## {split}", ""]
+        ran = [
+            results[s][str(seed)][split] for s in results for seed in seeds if results[s][str(seed)][split]
+        ]
+        if ran and "n" in ran[0]:
+            row = ran[0]
+            counts = ", ".join(f"{c}: {k}" for c, k in row["class_counts"].items())
+            lines += [f"{row['n']} examples, {row['n_labelled']} labelled ({counts}).", ""]
+            if row["n_labelled"] == 0 and split not in bundle.ood_splits:
+                lines += ["No example of this split has a label known to training: no classification metrics.", ""]
+        lines += ["| variant | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         for spec, per_seed in results.items():
             cells = [_fmt([per_seed[str(s)][split].get(c) for s in seeds]) for c in cols]
             lines.append(f"| {_label(spec, per_seed, seeds)} | " + " | ".join(cells) + " |")
@@ -342,7 +544,7 @@ def write_report(results: dict, path: Path, base: TrainConfig, seeds, bundle) ->
     lines += [
         "## Plots",
         "",
-        "- `risk_coverage.png`, `ood_histograms.png`, `reliability_<variant>.png` (first seed)",
+        *(plot_notes or ["- `risk_coverage.png`, `ood_histograms.png`, `reliability_<variant>.png` (first seed)"]),
         "",
     ]
     Path(path).write_text("\n".join(lines))

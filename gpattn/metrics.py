@@ -52,7 +52,9 @@ __all__ = [
     "METRIC_KEYS",
     "NLL_EPS",
     "OOD_KEYS",
+    "OOD_SCORE_NAMES",
     "accuracy",
+    "all_ood_scores",
     "aupr_error",
     "aupr_success",
     "aurc",
@@ -68,7 +70,9 @@ __all__ = [
     "mce",
     "nll",
     "ood_metrics",
+    "ood_score_key",
     "ood_scores",
+    "predictive_entropy_split",
     "risk_coverage_curve",
     "temperature_scale",
 ]
@@ -455,15 +459,19 @@ def ood_scores(probs, kind: str = "max_prob", logits=None, sample_probs=None) ->
     - ``"energy"``: −E(x) = logsumexp_k z_k (needs ``logits`` (N, C), e.g. mean logits over samples);
     - ``"mc_variance"``: −(1/C) Σ_k Var_P[p_k] with the population variance (ddof 0) across the P
       samples (needs ``sample_probs`` (N, P, C), the per-sample softmax outputs).
-    ``probs`` may be None for the last two.
+    - ``"mutual_information"``: −MI = −(H(p̄) − (1/P) Σ_s H(p_s)), the epistemic part of the predictive
+      entropy (BALD; needs ``sample_probs``; p̄ is their mean).
+    ``probs`` may be None for the last three.
     """
     if kind in ("max_prob", "entropy"):
         p = _check_probs(probs, allow_empty=True)  # shape: (N, C)
         if kind == "max_prob":
             return p.max(axis=1)
         return np.sum(special.xlogy(p, p), axis=1)
-    if kind not in ("energy", "mc_variance"):
-        raise ValueError(f"kind must be one of 'max_prob', 'entropy', 'energy', 'mc_variance', got {kind!r}")
+    if kind not in ("energy", "mc_variance", "mutual_information"):
+        raise ValueError(
+            f"kind must be one of 'max_prob', 'entropy', 'energy', 'mc_variance', 'mutual_information', got {kind!r}"
+        )
     n = None if probs is None else _check_probs(probs, allow_empty=True).shape[0]
     if kind == "energy":
         if logits is None:
@@ -473,11 +481,55 @@ def ood_scores(probs, kind: str = "max_prob", logits=None, sample_probs=None) ->
             raise ValueError(f"logits must have shape (N, C) with N = {n}, got shape {tuple(z.shape)}")
         return special.logsumexp(z, axis=1)
     if sample_probs is None:
-        raise ValueError("ood_scores(kind='mc_variance') needs sample_probs of shape (N, P, C), got None")
+        raise ValueError(f"ood_scores(kind={kind!r}) needs sample_probs of shape (N, P, C), got None")
     sp = _as_float64(sample_probs, "sample_probs")  # shape: (N, P, C)
     if sp.ndim != 3 or (n is not None and sp.shape[0] != n):
         raise ValueError(f"sample_probs must have shape (N, P, C) with N = {n}, got shape {tuple(sp.shape)}")
+    if kind == "mutual_information":
+        return -predictive_entropy_split(sp)[2]
     return -np.mean(np.var(sp, axis=1), axis=1)
+
+
+def predictive_entropy_split(sample_probs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(total, aleatoric, epistemic) uncertainty in nats of per-sample probabilities (N, P, C): the
+    entropy of the mean H(p̄), the expected entropy (1/P) Σ_s H(p_s), and their difference, the mutual
+    information between the prediction and the model (≥ 0 up to round-off, clamped at 0)."""
+    sp = _as_float64(sample_probs, "sample_probs")  # shape: (N, P, C)
+    if sp.ndim != 3:
+        raise ValueError(f"sample_probs must have shape (N, P, C), got shape {tuple(sp.shape)}")
+    mean = sp.mean(axis=1)  # shape: (N, C)
+    total = -np.sum(special.xlogy(mean, mean), axis=1)
+    expected = -np.sum(special.xlogy(sp, sp), axis=2).mean(axis=1)
+    return total, expected, np.maximum(total - expected, 0.0)
+
+
+#: OOD scores by their CLI names (``--ood-score``) -> :func:`ood_scores` kinds; metrics.json keeps the
+#: max-probability (msp) results under ``ood_auroc`` ..., the others as ``ood_auroc_<kind>`` ...
+OOD_SCORE_NAMES = {
+    "msp": "max_prob",
+    "entropy": "entropy",
+    "energy": "energy",
+    "mc-variance": "mc_variance",
+    "mutual-information": "mutual_information",
+}
+
+
+def ood_score_key(name: str, key: str) -> str:
+    """The metrics.json key of OOD metric ``key`` (e.g. "ood_auroc") under score ``name`` (CLI name)."""
+    if name not in OOD_SCORE_NAMES:
+        raise ValueError(f"OOD score must be one of {', '.join(OOD_SCORE_NAMES)}, got {name!r}")
+    return key if name == "msp" else f"{key}_{OOD_SCORE_NAMES[name]}"
+
+
+def all_ood_scores(sample_logits, average: str = "probs") -> dict[str, np.ndarray]:
+    """Every OOD score (CLI name -> (N,), higher = more in-distribution) of sample logits (N, P, C);
+    msp and entropy use the predictive probabilities of :func:`average_samples` with ``average``."""
+    z = _as_float64(sample_logits, "sample_logits")  # shape: (N, P, C)
+    sp = special.softmax(z, axis=2)
+    p = average_samples(z, average)
+    return {
+        name: ood_scores(p, kind, logits=z.mean(axis=1), sample_probs=sp) for name, kind in OOD_SCORE_NAMES.items()
+    }
 
 
 def ood_metrics(scores_in, scores_out) -> dict[str, float]:

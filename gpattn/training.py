@@ -300,28 +300,39 @@ def predict(model, split, num_samples: int, batch_size: int = 256, dist: _Dist |
 
 
 def evaluate_predictions(preds: dict, bundle, average: str = "probs", temperature: float = 1.0) -> dict:
-    """metrics.json content from sample logits: classification metrics per evaluation split (``None``
-    where labels are unknown) and, for OOD splits, OOD-detection metrics against ``in_domain``."""
+    """metrics.json content from sample logits: classification metrics per evaluation split, on its
+    labelled rows (``None`` where no row has a label; ``n`` / ``n_labelled`` / ``class_counts`` say
+    which), and for OOD splits the OOD-detection metrics against ``in_domain`` under every score
+    (max probability as ``ood_auroc`` ..., the others as ``ood_auroc_<score>`` ...)."""
     from gpattn import metrics as M
 
     def probs_of(name):
         logits = preds[bundle.eval_splits[name]]["logits"] / temperature
         return M.average_samples(logits, average=average), logits
 
+    names = bundle.info.get("class_names") or [str(k) for k in range(bundle.num_classes)]
     result = {}
-    p_in, _ = probs_of("in_domain")
+    _, logits_in = probs_of("in_domain")
+    scores_in = M.all_ood_scores(logits_in, average)
     for name, key in bundle.eval_splits.items():
         probs, logits = probs_of(name)
         labels = preds[key]["labels"]
-        if len(labels) and bool((labels >= 0).all()):
-            row = M.classification_metrics(probs, labels)
+        known = labels >= 0
+        if bool(known.any()):
+            row = M.classification_metrics(probs[known.numpy()], labels[known])
         else:
             row = {k: None for k in M.METRIC_KEYS}
         if name in bundle.ood_splits:
-            row.update(M.ood_metrics(M.ood_scores(p_in, "max_prob"), M.ood_scores(probs, "max_prob")))
+            for score, values in M.all_ood_scores(logits, average).items():
+                detect = M.ood_metrics(scores_in[score], values)
+                row.update({M.ood_score_key(score, k): v for k, v in detect.items()})
         result[name] = {
             k: (None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)) for k, v in row.items()
         }
+        counts = torch.bincount(labels[known], minlength=len(names)).tolist()
+        result[name].update(
+            n=len(labels), n_labelled=int(known.sum()), class_counts={c: k for c, k in zip(names, counts)}
+        )
     return result
 
 
@@ -436,6 +447,12 @@ def train(
         bundle = load_dataset(
             cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
         )
+    from gpattn.data.summary import data_summary
+    from gpattn.inference import bundle_meta
+
+    if out is not None and int(os.environ.get("RANK", "0")) == 0:
+        _write_json(data_summary(bundle), out / "data.json")  # files, sizes, class counts, fingerprint
+    meta = bundle_meta(bundle)  # plain data: what gpattn.load_run needs without the data files
     dist = _Dist()
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
@@ -491,6 +508,7 @@ def train(
                     "history": history,
                     "epoch_stats": stats.state_dict(),
                     "rng": torch.get_rng_state(),
+                    "data": meta,
                 },
                 ckpt_path,
             )

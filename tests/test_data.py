@@ -598,7 +598,12 @@ def test_text_table_ood_file(tmp_path):
     path = make_text_table(tmp_path / "in.tsv", n=60, seed=0)
     labelled = make_text_table(tmp_path / "ood.tsv", n=9, seed=5, class_names=("negative", "positive", "other"))
     unlabelled = make_text_table(tmp_path / "ood_nolabel.csv", n=7, seed=6, columns=("id", "text"))
-    bundle = load_dataset("text_table", path=path, ood_file=labelled)
+    with pytest.raises(ValueError, match=r"ood.tsv line 4: label 'other' .*unknown_labels='drop'"):
+        load_dataset("text_table", path=path, ood_file=labelled)  # was silently -1
+    bundle = load_dataset("text_table", path=path, ood_file=labelled, unknown_labels="unlabelled")
+    assert bundle.info["unknown_labels"]["ood"] == {"policy": "unlabelled", "rows": 3, "values": ["other"]}
+    dropped = load_dataset("text_table", path=path, ood_file=labelled, unknown_labels="drop")
+    assert dropped.splits["ood"].labels.tolist() == [0, 2] * 3
     assert bundle.eval_splits == {"in_domain": "test", "ood": "ood"} and bundle.ood_splits == ("ood",)
     # fixture classes cycle negative, positive, other; known names map to the training ids, unknown to -1
     assert bundle.splits["ood"].labels.tolist() == [0, 2, -1] * 3

@@ -101,4 +101,4 @@ def test_compare_flags_a_collapsed_row(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| softmax (collapse: 1/1 seeds) |" in report
     assert "## Collapse warnings" in report and "base-rate entropy" in report
-    assert "Objective: β = 1, α = 1" in report and "exact ELBO" in report
+    assert "Objective (MATH §9): β = 1 " in report and "the exact ELBO weights" in report

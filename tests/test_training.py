@@ -244,9 +244,11 @@ def test_presets_are_valid_configs():
 
     for name in PRESETS:
         preset = get_preset(name)
-        cfg = TrainConfig.from_dict({k: v for k, v in preset.items() if k not in ("variants", "seeds")})
+        cfg = TrainConfig.from_dict(
+            {k: v for k, v in preset.items() if k not in ("variants", "seeds", "variant_options")}
+        )
         assert cfg.dataset in list_datasets(), name
-        specs = expand_variants(preset["variants"])
+        specs = expand_variants(preset["variants"], preset.get("variant_options"))
         assert {s.attention for s in specs} >= set(__import__("gpattn").list_attention()), name
         assert preset["seeds"], name
     with pytest.raises(ValueError, match="valid presets"):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import re
+from collections import Counter
 from pathlib import Path
 
 from gpattn.data._bundle import DataNotFoundError, DatasetBundle, register_dataset
@@ -15,29 +17,102 @@ __all__ = ["load_text_table", "read_table"]
 Column = str | int | None
 _DELIMITERS = {".tsv": "\t", ".tab": "\t", ".csv": ","}
 _INT = re.compile(r"[+-]?\d+")
+#: what people type for a delimiter -> the character (a single character is accepted as itself)
+DELIMITER_NAMES = {
+    "tab": "\t", "\\t": "\t", "tsv": "\t", "comma": ",", "csv": ",", "semicolon": ";", "pipe": "|",
+    "space": " ", "colon": ":",
+}
+_TRUE = ("true", "yes", "y", "on", "1")
+_FALSE = ("false", "no", "n", "off", "0")
+#: ``unknown_labels``: what to do with a label of an evaluation file (``shift_file``, ``ood_file``) that
+#: the training file never had
+UNKNOWN_LABELS = ("error", "drop", "unlabelled")
+#: a first row (header=False) whose label occurs once among at least this many rows is taken for a header
+_HEADER_MIN_ROWS = 20
+
+
+#: every option of ``text_table``: accepted values and meaning (``gpattn data text_table`` prints it)
+OPTION_HELP = {
+    "path": "required. The training table: a .tsv/.tab/.csv file, or a list of files pooled before "
+    "splitting (CLI: path=data/a.tsv or path=\"['a.tsv','b.tsv']\"). A relative path is tried in the "
+    "working directory, then in --data-dir.",
+    "text_column": "column name (header=True) or 0-based index of the text. Default: 'text', else the "
+    "other column of a two-column table.",
+    "label_column": "column name (header=True) or 0-based index of the label. Default: 'label' with a "
+    "header, index 1 without.",
+    "delimiter": "a single character or a name: tab (also \\t), comma, semicolon, pipe, space, colon. "
+    "Default: from the extension (.tsv/.tab tab, .csv comma). Tab files are read without quote "
+    "processing; other delimiters use CSV quoting.",
+    "header": "whether the first row holds column names: true/false, yes/no, 1/0, on/off (any case). "
+    "Default true. A first row that contradicts the setting is an error naming the line.",
+    "shift_file": "a labelled file with the same columns, evaluated as split 'shift' (distribution "
+    "shift: accuracy, NLL, ECE).",
+    "ood_file": "a file with the same columns (the label column may be absent), evaluated as split "
+    "'ood' (OOD detection against the test split; classification metrics where labelled).",
+    "unknown_labels": "what to do with labels of shift_file/ood_file that training never saw: "
+    "'error' (default: stop, naming file and line), 'drop' (leave those rows out), 'unlabelled' (keep "
+    "them with label -1; classification metrics use the labelled rows). The report says how many.",
+    "val_fraction": "fraction of each class held out for validation (temperature scaling, Laplace "
+    "prior), 0 < x < 1; default 0.1.",
+    "test_fraction": "fraction of each class held out as the in-domain test split, 0 < x < 1; default 0.2.",
+    "max_len": "tokens kept per text (the first max_len); default 256.",
+    "min_freq": "a word enters the vocabulary if it occurs at least this often in train; default 1.",
+    "max_vocab_size": "keep at most this many words (most frequent first); default None (all).",
+    "encoding": "text encoding of the files; default utf-8.",
+}
+
+
+def parse_bool(name: str, value) -> bool:
+    """``value`` as a bool: True/False, 1/0, or the strings true/false, yes/no, y/n, on/off, 1/0 in any case."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(
+        f"{name} must be a boolean, got {value!r}; accepted: True/False, 1/0, or (any case) "
+        f"{'/'.join(_TRUE)} for true and {'/'.join(_FALSE)} for false"
+    )
+
+
+def parse_delimiter(delimiter) -> str | None:
+    """None (from the file extension), a single character, or a name of :data:`DELIMITER_NAMES`."""
+    if delimiter is None:
+        return None
+    if isinstance(delimiter, str):
+        if len(delimiter) == 1:
+            return delimiter
+        key = delimiter.strip().lower() if delimiter.strip() else delimiter
+        if key in DELIMITER_NAMES:
+            return DELIMITER_NAMES[key]
+    names = ", ".join(repr(k) for k in DELIMITER_NAMES)
+    raise ValueError(
+        f"delimiter must be a single character or one of the names {names}, got {delimiter!r} "
+        f"(leave it unset to infer it from the extension: {', '.join(_DELIMITERS)})"
+    )
 
 
 def _delimiter_for(path: Path, delimiter: str | None) -> str:
     if delimiter is not None:
-        if not isinstance(delimiter, str) or len(delimiter) != 1:
-            raise ValueError(f"delimiter must be a single character, got {delimiter!r}")
-        return delimiter
+        return parse_delimiter(delimiter)
     suffix = path.suffix.lower()
     if suffix not in _DELIMITERS:
         raise ValueError(
             f"cannot infer the delimiter of {path} from its extension {suffix!r} (known: "
-            f"{', '.join(_DELIMITERS)}); pass delimiter=..."
+            f"{', '.join(_DELIMITERS)}); pass delimiter=... (a character, or tab, comma, semicolon, pipe)"
         )
     return _DELIMITERS[suffix]
 
 
 def read_table(path, delimiter: str | None = None, header: bool = True, encoding: str = "utf-8"):
-    """(column names or None, rows as lists of str, first data line number) of a delimited file.
+    """(column names or None, rows as (line number, list of str)) of a delimited file.
 
     A tab-delimited file is read without quote processing (quotes are text, as in CoLA's TSVs);
     any other delimiter uses the CSV quoting rules. Blank lines are skipped.
     """
     path = Path(path)
+    header = parse_bool("header", header)
     delim = _delimiter_for(path, delimiter)
     quoting = csv.QUOTE_NONE if delim == "\t" else csv.QUOTE_MINIMAL
     with open(path, newline="", encoding=encoding) as handle:
@@ -117,6 +192,76 @@ def _sort_labels(values) -> list[str]:
     return sorted(unique)
 
 
+def file_record(path: Path, role: str, rows: int) -> dict:
+    """What the report says about a data file: role, path, size in bytes, SHA-256 of its content, rows."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"role": role, "path": str(Path(path).resolve()), "bytes": path.stat().st_size,
+            "sha256": digest.hexdigest(), "rows": rows}
+
+
+def _check_header(path: Path, header: bool, header_line, names, rows, label_idx, label_column, text_idx) -> None:
+    """Refuse a header setting that the file contradicts (instead of losing or inventing a row)."""
+    labels = [row[label_idx].strip() for _, row in rows if label_idx < len(row)]
+    counts = Counter(labels)
+    if header and isinstance(label_column, int) and names is not None:
+        cell = names[label_idx]
+        if cell in counts:
+            raise ValueError(
+                f"{path} line {header_line}: header=True, but this first row looks like data: its label cell "
+                f"{cell!r} (label_column={label_column}) is also the label of {counts[cell]} other row(s). "
+                f"Pass header=False if the file has no header row (or name the column, label_column='...', "
+                f"if it does)."
+            )
+    if not header and rows:
+        line, first = rows[0]
+        value = first[label_idx].strip() if label_idx < len(first) else ""
+        column_words = {"label", "labels", "class", "target", "y", "category", "sentiment", "text", "sentence"}
+        looks_named = value.lower() in column_words or (
+            text_idx < len(first) and first[text_idx].strip().lower() in column_words
+        )
+        rare = counts[value] == 1 and len(labels) >= _HEADER_MIN_ROWS and min(
+            (c for v, c in counts.items() if v != value), default=0
+        ) >= 2
+        if looks_named or rare:
+            why = (
+                f"its cells {[c.strip() for c in first]} look like column names"
+                if looks_named
+                else f"its label {value!r} occurs in no other of the {len(labels)} rows"
+            )
+            raise ValueError(
+                f"{path} line {line}: header=False, but this first row looks like a header row: {why}. "
+                f"Pass header=True (the default) to read it as column names; if it is data, it would be a "
+                f"class with one example."
+            )
+
+
+def _read_labelled(path: Path, role: str, delimiter, header, encoding, text_column, label_column, need_label):
+    """(texts, raw labels or None, line numbers, file record) of one table, with the header checks."""
+    names, rows = read_table(path, delimiter, header, encoding)
+    if not rows:
+        raise ValueError(f"{path} has no data rows")
+    header_line = 1 if names is not None else None
+    width = len(names) if names is not None else max(len(r) for _, r in rows)
+    if role != "train":
+        if isinstance(label_column, str):
+            need_label = names is not None and label_column in names
+        elif isinstance(label_column, int):
+            need_label = label_column < width
+    text_idx, label_idx = _resolve_columns(text_column, label_column, names, width, path, need_label=need_label)
+    texts = _cells(rows, text_idx, path, "text")
+    raw = None
+    if label_idx is not None:
+        _check_header(path, header, header_line, names, rows, label_idx, label_column, text_idx)
+        raw = [cell.strip() for cell in _cells(rows, label_idx, path, "label")]
+        for (line, _), value in zip(rows, raw):
+            if not value:
+                raise ValueError(f"{path} line {line}: empty label")
+    return texts, raw, [line for line, _ in rows], file_record(path, role, len(rows)), (names, text_idx, label_idx)
+
+
 @register_dataset("text_table")
 def load_text_table(
     *,
@@ -128,7 +273,9 @@ def load_text_table(
     label_column: Column = None,
     delimiter: str | None = None,
     header: bool = True,
+    shift_file=None,
     ood_file=None,
+    unknown_labels: str = "error",
     val_fraction: float = 0.1,
     test_fraction: float = 0.2,
     max_len: int = 256,
@@ -138,34 +285,45 @@ def load_text_table(
 ) -> DatasetBundle:
     """A (text, label) table split stratified and seeded into train / val / test.
 
-    ``path``: a ``.tsv``/``.tab``/``.csv`` file (else pass ``delimiter``); relative paths are tried in
-    the working directory, then in ``data_dir``. Columns are names (with ``header=True``) or 0-based
-    indices: ``label_column`` defaults to "label" (index 1 without a header); ``text_column`` to
-    "text", else the other column of a two-column table (index 0 without a header). Labels may be any
-    strings: the sorted unique labels (numerically if all are integers) become 0..K-1 and
-    ``info["class_names"]`` keeps the names. ``ood_file`` (same columns) becomes split "ood", with
-    its labels where the label column exists and is a known class, else -1. Vocabulary from train only.
+    Every option is listed, with accepted values, by ``gpattn data text_table`` (:data:`OPTION_HELP`).
+    ``path``: a ``.tsv``/``.tab``/``.csv`` file, or a list of them (pooled, then split); relative
+    paths are tried in the working directory, then in ``data_dir``. Columns are names (with
+    ``header=True``) or 0-based indices. Labels may be any strings: the sorted unique labels
+    (numerically if all are integers) become 0..K-1 and ``info["class_names"]`` keeps the names.
+    ``shift_file`` (labelled, same columns) becomes split "shift"; ``ood_file`` (same columns, label
+    column optional) becomes split "ood". A label of an evaluation file that training never saw is an
+    error unless ``unknown_labels`` says otherwise. Vocabulary from train only. ``info["files"]``
+    records every file read (path, bytes, sha256, rows); ``info["unknown_labels"]`` what was done with
+    unknown labels per split.
     """
     val_fraction = check_fraction("val_fraction", val_fraction, allow_zero=False)
     test_fraction = check_fraction("test_fraction", test_fraction, allow_zero=False)
     if val_fraction + test_fraction >= 1:
         raise ValueError(f"val_fraction + test_fraction must be < 1, got {val_fraction} + {test_fraction}")
-    if not isinstance(header, bool):
-        raise ValueError(f"header must be a bool, got {header!r}")
-    table = _find(path, data_dir)
-    names, rows = read_table(table, delimiter, header, encoding)
-    if not rows:
-        raise ValueError(f"{table} has no data rows")
-    width = len(names) if names is not None else max(len(r) for _, r in rows)
-    text_idx, label_idx = _resolve_columns(text_column, label_column, names, width, table)
-    texts = _cells(rows, text_idx, table, "text")
-    raw_labels = [cell.strip() for cell in _cells(rows, label_idx, table, "label")]
-    for (line, _), value in zip(rows, raw_labels):
-        if not value:
-            raise ValueError(f"{table} line {line}: empty label")
+    header = parse_bool("header", header)
+    delimiter = parse_delimiter(delimiter)
+    if unknown_labels not in UNKNOWN_LABELS:
+        accepted = ", ".join(map(repr, UNKNOWN_LABELS))
+        raise ValueError(f"unknown_labels must be one of {accepted}, got {unknown_labels!r}")
+    paths = list(path) if isinstance(path, (list, tuple)) else [path]
+    if not paths:
+        raise ValueError("path must name at least one file")
+    texts, raw_labels, files, sources = [], [], [], []
+    for one in paths:
+        table = _find(one, data_dir)
+        t, raw, _, record, (names, text_idx, label_idx) = _read_labelled(
+            table, "train", delimiter, header, encoding, text_column, label_column, True
+        )
+        texts += t
+        raw_labels += raw
+        files.append(record)
+        sources.append(str(table))
+    # later files use the first file's columns: by name with a header, else by index
+    col_text = names[text_idx] if names is not None and not isinstance(text_column, int) else text_idx
+    col_label = names[label_idx] if names is not None and not isinstance(label_column, int) else label_idx
     class_names = _sort_labels(raw_labels)
     if len(class_names) < 2:
-        raise ValueError(f"{table} has a single label value {class_names}; need at least 2 classes")
+        raise ValueError(f"{', '.join(sources)} has a single label value {class_names}; need at least 2 classes")
     to_id = {name: i for i, name in enumerate(class_names)}
     label_ids = [to_id[v] for v in raw_labels]
 
@@ -173,35 +331,35 @@ def load_text_table(
     split_texts = {key: [texts[i] for i in idx] for key, idx in (("train", tr), ("val", va), ("test", te))}
     split_labels = {key: [label_ids[i] for i in idx] for key, idx in (("train", tr), ("val", va), ("test", te))}
     eval_splits, ood_splits = {"in_domain": "test"}, ()
-    info = {"source": str(table), "class_names": class_names, "seed": seed, "max_len": max_len}
+    info = {"source": sources[0] if len(sources) == 1 else sources, "class_names": class_names, "seed": seed,
+            "max_len": max_len, "unknown_labels": {}}
 
-    if ood_file is not None:
-        ood_table = _find(ood_file, data_dir)
-        ood_names, ood_rows = read_table(ood_table, delimiter, header, encoding)
-        if not ood_rows:
-            raise ValueError(f"{ood_table} has no data rows")
-        ood_width = len(ood_names) if ood_names is not None else max(len(r) for _, r in ood_rows)
-        # The OOD table uses the main table's columns: by name with a header, else by index.
-        ood_text = names[text_idx] if names is not None and not isinstance(text_column, int) else text_idx
-        ood_label = names[label_idx] if names is not None and not isinstance(label_column, int) else label_idx
-        if isinstance(ood_label, str):
-            has_label = ood_names is not None and ood_label in ood_names
-        else:
-            has_label = ood_label < ood_width
-        ood_text_idx, ood_label_idx = _resolve_columns(
-            ood_text, ood_label, ood_names, ood_width, ood_table, need_label=has_label
+    for split, extra in (("shift", shift_file), ("ood", ood_file)):
+        if extra is None:
+            continue
+        table = _find(extra, data_dir)
+        e_texts, e_raw, lines, record, _ = _read_labelled(
+            table, split, delimiter, header, encoding, col_text, col_label, split == "shift"
         )
-        split_texts["ood"] = _cells(ood_rows, ood_text_idx, ood_table, "text")
-        if has_label:
-            ood_raw = [c.strip() for c in _cells(ood_rows, ood_label_idx, ood_table, "label")]
-            split_labels["ood"] = [to_id.get(v, -1) for v in ood_raw]
+        files.append(record)
+        if e_raw is None and split == "shift":
+            raise ValueError(
+                f"{table} has no label column {col_label!r}: shift_file must be labelled with the training "
+                f"file's columns (an unlabelled file belongs in ood_file)"
+            )
+        if e_raw is None:  # an OOD file without the label column: unlabelled by construction
+            e_labels = [-1] * len(e_texts)
         else:
-            split_labels["ood"] = [-1] * len(ood_rows)
-        info["ood_source"] = str(ood_table)
-        info["ood_labelled"] = has_label
+            e_texts, e_labels, handled = _known_labels(table, split, e_texts, e_raw, lines, to_id, unknown_labels)
+            info["unknown_labels"][split] = handled
+        split_texts[split], split_labels[split] = e_texts, e_labels
+        info[f"{split}_source"] = str(table)
+        info[f"{split}_labelled"] = e_raw is not None
+        eval_splits[split] = split
+    if ood_file is not None:
         info["ood_unknown_labels"] = sum(v == -1 for v in split_labels["ood"])
-        eval_splits["ood"] = "ood"
         ood_splits = ("ood",)
+    info["files"] = files
 
     return build_text_bundle(
         "text_table",
@@ -215,3 +373,23 @@ def load_text_table(
         min_freq=min_freq,
         max_vocab_size=max_vocab_size,
     )
+
+
+def _known_labels(table, split, texts, raw, lines, to_id, unknown_labels):
+    """Map an evaluation file's labels to the training ids; labels training never saw are an error
+    (``unknown_labels="error"``), left out (``"drop"``) or kept as unlabelled rows, id -1 (``"unlabelled"``)."""
+    unknown = [(line, v) for line, v in zip(lines, raw) if v not in to_id]
+    handled = {"policy": unknown_labels, "rows": len(unknown), "values": sorted({v for _, v in unknown})}
+    if unknown and unknown_labels == "error":
+        line, value = unknown[0]
+        shown = handled["values"][:5] + (["..."] if len(handled["values"]) > 5 else [])
+        raise ValueError(
+            f"{table} line {line}: label {value!r} of the {split} file never occurs in training "
+            f"(training labels: {sorted(to_id)}); {len(unknown)} of {len(raw)} rows have such labels "
+            f"({shown}). Pass unknown_labels='drop' to leave those rows out, or unknown_labels='unlabelled' "
+            f"to keep them without a label (classification metrics then use the labelled rows only)."
+        )
+    if unknown_labels == "drop":
+        keep = [i for i, v in enumerate(raw) if v in to_id]
+        return [texts[i] for i in keep], [to_id[raw[i]] for i in keep], handled
+    return texts, [to_id.get(v, -1) for v in raw], handled

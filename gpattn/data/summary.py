@@ -1,0 +1,79 @@
+"""What a run was trained and evaluated on: files, split sizes, class counts, a content fingerprint.
+
+``data_summary(bundle)`` is written as ``data.json`` next to every run (``gpattn train``) and by
+``gpattn compare``; ``compare`` reuses a finished run only when its ``fingerprint`` (a SHA-256 of every
+split's tensors and the vocabulary, so an edited data file changes it whatever the loader) is the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+__all__ = ["bundle_fingerprint", "data_summary", "summary_lines"]
+
+
+def bundle_fingerprint(bundle) -> str:
+    """SHA-256 of the bundle's content: every split's inputs, labels, mask and groups, and the vocabulary."""
+    digest = hashlib.sha256()
+    digest.update(f"{bundle.name}|{bundle.kind}|{bundle.num_classes}|{sorted(bundle.eval_splits.items())}".encode())
+    for key in sorted(bundle.splits):
+        split = bundle.splits[key]
+        digest.update(key.encode())
+        for t in (split.inputs, split.labels, split.mask, split.groups):
+            if t is not None:
+                t = t.contiguous()
+                digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
+                digest.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes())
+    for word in bundle.vocab or ():
+        digest.update(word.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def data_summary(bundle) -> dict:
+    """Plain data: data set name, files read (role, path, bytes, sha256, rows) where the loader records
+    them, rows per split, labelled class counts per split, what was done with unknown labels, and the
+    content fingerprint."""
+    names = bundle.info.get("class_names") or [str(k) for k in range(bundle.num_classes)]
+    sizes, counts, unlabelled = {}, {}, {}
+    for key, split in bundle.splits.items():
+        labels = split.labels
+        known = labels >= 0
+        sizes[key] = len(split)
+        counts[key] = dict(zip(names, torch.bincount(labels[known], minlength=len(names)).tolist()))
+        unlabelled[key] = int((~known).sum())
+    return {
+        "dataset": bundle.name,
+        "files": list(bundle.info.get("files", [])),
+        "source": bundle.info.get("source"),
+        "class_names": list(names),
+        "sizes": sizes,
+        "class_counts": counts,
+        "unlabelled": unlabelled,
+        "unknown_labels": bundle.info.get("unknown_labels", {}),
+        "eval_splits": dict(bundle.eval_splits),
+        "fingerprint": bundle_fingerprint(bundle),
+    }
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """Markdown / stdout lines of :func:`data_summary`."""
+    lines = []
+    for f in summary["files"]:
+        lines.append(f"- file ({f['role']}): `{f['path']}`, {f['bytes']} bytes, {f['rows']} rows, sha256 {f['sha256']}")
+    if not summary["files"] and summary.get("source"):
+        lines.append(f"- source: {summary['source']}")
+    for key, n in summary["sizes"].items():
+        counts = ", ".join(f"{c}: {k}" for c, k in summary["class_counts"][key].items())
+        extra = f", {summary['unlabelled'][key]} unlabelled" if summary["unlabelled"][key] else ""
+        lines.append(f"- split `{key}`: {n} rows ({counts}{extra})")
+    for split, handled in summary.get("unknown_labels", {}).items():
+        if handled.get("rows"):
+            lines.append(
+                f"- {split}: {handled['rows']} rows with labels unknown to training {handled['values'][:10]} "
+                f"were {'dropped' if handled['policy'] == 'drop' else 'kept unlabelled'} (unknown_labels="
+                f"{handled['policy']!r})"
+            )
+    lines.append(f"- content fingerprint (sha256 of the splits' tensors and the vocabulary): {summary['fingerprint']}")
+    return lines

@@ -1,0 +1,157 @@
+"""Score new inputs with a saved run: ``gpattn.load_run(run_dir).predict(["a sentence", ...], num_samples=P)``.
+
+A run's checkpoint carries, as plain data (``checkpoint["data"]``, readable with ``weights_only=True``),
+everything needed to rebuild the model and encode new inputs: the data set's kind, the class names, the
+vocabulary and the tokenizer's ``max_len`` for text, the image shape for images. No data file is read.
+
+``Run.predict`` returns :class:`Prediction`: the predictive probabilities (the mean over P Monte-Carlo
+samples of the softmax, or of the logits with ``average="logits"`` runs) and the split of the predictive
+entropy into its aleatoric part (expected entropy of the samples) and epistemic part (mutual information
+between prediction and model = total − expected), in nats; no gradients, in batches, on the run's device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from pathlib import Path
+
+import torch
+
+__all__ = ["Prediction", "Run", "bundle_meta", "load_run"]
+
+
+def bundle_meta(bundle) -> dict:
+    """Plain data (str, int, list, dict) of what rebuilding a model and encoding new inputs needs."""
+    meta = {
+        "dataset": bundle.name,
+        "kind": bundle.kind,
+        "num_classes": int(bundle.num_classes),
+        "class_names": [str(c) for c in bundle.info.get("class_names") or range(bundle.num_classes)],
+    }
+    if bundle.kind == "text":
+        meta["vocab"] = list(bundle.vocab)
+        meta["model_max_len"] = max(int(s.inputs.shape[1]) for s in bundle.splits.values())
+        max_len = bundle.info.get("max_len")
+        meta["max_len"] = int(max_len) if max_len is not None else None
+        meta["tokenizer"] = "gpattn.data._text.tokenize (lowercased words and punctuation)"
+    else:
+        meta["image_shape"] = [int(v) for v in bundle.image_shape]
+    return meta
+
+
+def _stub_bundle(meta: dict):
+    """What :func:`gpattn.training.build_model` reads of a bundle, from :func:`bundle_meta`."""
+    width = meta.get("model_max_len", 1)
+    return types.SimpleNamespace(
+        kind=meta["kind"],
+        num_classes=meta["num_classes"],
+        vocab_size=len(meta["vocab"]) if meta["kind"] == "text" else None,
+        image_shape=tuple(meta["image_shape"]) if meta["kind"] == "image" else None,
+        splits={"any": types.SimpleNamespace(inputs=torch.empty(0, width))},
+    )
+
+
+@dataclasses.dataclass
+class Prediction:
+    """``probs`` (N, C) predictive probabilities; ``total_entropy`` = H(p̄), ``expected_entropy`` (aleatoric)
+    = mean over samples of H(p_s), ``mutual_information`` (epistemic) = total − expected, each (N,) in nats;
+    ``sample_probs`` (N, P, C); ``labels`` the predicted class names."""
+
+    probs: torch.Tensor
+    total_entropy: torch.Tensor
+    expected_entropy: torch.Tensor
+    mutual_information: torch.Tensor
+    sample_probs: torch.Tensor
+    labels: list[str]
+
+    @property
+    def aleatoric(self) -> torch.Tensor:
+        return self.expected_entropy
+
+    @property
+    def epistemic(self) -> torch.Tensor:
+        return self.mutual_information
+
+
+class Run:
+    """A trained run: its config, model (eval mode) and data metadata. Use :func:`load_run`."""
+
+    def __init__(self, cfg, model, meta: dict, path: Path):
+        self.cfg, self.model, self.meta, self.path = cfg, model, meta, path
+        self.class_names = list(meta["class_names"])
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def to(self, device) -> Run:
+        self.model.to(device)
+        return self
+
+    def encode(self, texts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and padding mask of ``texts`` with the run's vocabulary and tokenizer."""
+        from gpattn.data._text import encode, tokenize
+
+        if self.meta["kind"] != "text":
+            raise ValueError(f"this run was trained on images ({self.meta['dataset']}); pass an image tensor")
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise ValueError("texts must be a list of strings (wrap a single sentence in a list)")
+        limit = min(v for v in (self.meta.get("max_len"), self.meta["model_max_len"]) if v is not None)
+        return encode([tokenize(t) for t in texts], self.meta["vocab"], limit)
+
+    @torch.no_grad()
+    def predict(self, inputs, num_samples: int | None = None, batch_size: int = 256) -> Prediction:
+        """Predictive probabilities and their entropy split for a list of texts (text runs) or an image
+        tensor (N, C, Hpx, Wpx) in [0, 1] (image runs); ``num_samples`` defaults to the run's."""
+        from gpattn import metrics as M
+
+        P = num_samples or self.cfg.num_samples
+        if isinstance(P, bool) or not isinstance(P, int) or P < 1:
+            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        if self.meta["kind"] == "text":
+            ids, mask = self.encode(list(inputs))
+        else:
+            ids = torch.as_tensor(inputs, dtype=torch.float32)
+            if ids.dim() != 4 or tuple(ids.shape[1:]) != tuple(self.meta["image_shape"]):
+                raise ValueError(f"images must have shape (N, {', '.join(map(str, self.meta['image_shape']))}), "
+                                 f"got {tuple(ids.shape)}")
+            mask = None
+        self.model.eval()
+        device = self.device
+        chunks = []
+        for start in range(0, ids.shape[0], batch_size):
+            x = ids[start : start + batch_size].to(device)
+            m = None if mask is None else mask[start : start + batch_size].to(device)
+            chunks.append(self.model(x, m, num_samples=P).float().cpu())
+        logits = torch.cat(chunks) if chunks else torch.zeros(0, P, self.meta["num_classes"])  # shape: (N, P, C)
+        sample_probs = torch.softmax(logits, dim=-1)
+        probs = torch.as_tensor(M.average_samples(logits, self.cfg.average), dtype=torch.float32)
+        split = M.predictive_entropy_split(sample_probs)
+        total, expected, mi = (torch.as_tensor(v, dtype=torch.float32) for v in split)
+        labels = [self.class_names[k] for k in probs.argmax(1).tolist()]
+        return Prediction(probs, total, expected, mi, sample_probs, labels)
+
+
+def load_run(path, device=None) -> Run:
+    """A saved run (folder or ``checkpoint.pt``) ready to score new inputs, without its data files."""
+    from gpattn.training import CHECKPOINT, TrainConfig, _load_checkpoint, build_model
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / CHECKPOINT
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    ckpt = _load_checkpoint(path)
+    if "data" not in ckpt:
+        raise ValueError(
+            f"{path} was written before checkpoints carried their vocabulary; use gpattn.training.load_run "
+            f"(which reloads the data set) or retrain"
+        )
+    cfg = TrainConfig.from_dict(ckpt["config"])
+    model = build_model(cfg, _stub_bundle(ckpt["data"]))
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    if device is not None:
+        model.to(device)
+    return Run(cfg, model, ckpt["data"], path)
