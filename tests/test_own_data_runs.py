@@ -54,7 +54,7 @@ def test_readme_recipe_three_files_report_and_cache(tmp_path, capsys):
     assert "- split `train`: 63 rows (negative: 21, neutral: 21, positive: 21)" in report
     assert "- split `shift`: 30 rows (negative: 10, neutral: 10, positive: 10)" in report
     assert "- split `ood`: 20 rows (negative: 0, neutral: 0, positive: 0, 20 unlabelled)" in report
-    assert "beta 1.0" in report and "alpha 1.0" in report and "eta 0.1" in report
+    assert "β = 1 (KL weight" in report and "α = 1 (CGP" in report and "η = 0.1 (KSVD" in report
     assert "| variant | ood_auroc | ood_auroc_mutual_information |" in report
     results = json.loads((out / "results.json").read_text())
     shift = results["softmax"]["0"]["shift"]
