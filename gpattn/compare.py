@@ -157,9 +157,10 @@ def _run(base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, pr
     )
     folder = root / "runs" / spec.run_name / f"seed{seed}"
     done, diverged = folder / "predictions.pt", folder / DIVERGED
-    same_config = (folder / "config.json").is_file() and json.loads((folder / "config.json").read_text()) == json.loads(
-        json.dumps(cfg.to_dict())
-    )
+    # progress bars and checkpoint frequency never change a result: toggling --no-progress reuses runs
+    same_config = (folder / "config.json").is_file() and TrainConfig.result_key(
+        json.loads((folder / "config.json").read_text())
+    ) == TrainConfig.result_key(cfg.to_dict())
     data_file = folder / "data.json"
     old_print = json.loads(data_file.read_text()).get("fingerprint") if data_file.is_file() else None
     same_data = old_print == fingerprint

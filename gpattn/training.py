@@ -133,6 +133,15 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    #: fields that change how a run is shown or checkpointed, never its result
+    PRESENTATION_FIELDS = ("progress", "checkpoint_every")
+
+    @classmethod
+    def result_key(cls, d: dict) -> dict:
+        """A config dict (``to_dict()`` or a ``config.json``) without :data:`PRESENTATION_FIELDS`,
+        JSON-normalised: equal keys mean runs with the same result (resume, compare's cache)."""
+        return json.loads(json.dumps({k: v for k, v in d.items() if k not in cls.PRESENTATION_FIELDS}))
+
 
 # ----------------------------------------------------------------------------- model and batches
 #: where ``attention_layers="auto"`` puts a variant (seed 002 replaces only the last layer by KEP-SVGP)
@@ -482,9 +491,8 @@ def train(
         if ckpt_path is None or not ckpt_path.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
         ckpt = _load_checkpoint(ckpt_path)
-        saved = {k: v for k, v in ckpt["config"].items() if k not in ("progress", "checkpoint_every")}
-        mine = {k: v for k, v in cfg.to_dict().items() if k not in ("progress", "checkpoint_every")}
-        if json.loads(json.dumps(saved)) != json.loads(json.dumps(mine)):
+        saved, mine = TrainConfig.result_key(ckpt["config"]), TrainConfig.result_key(cfg.to_dict())
+        if saved != mine:
             diff = sorted(k for k in mine if saved.get(k) != mine[k])
             raise ValueError(f"--resume: the checkpoint was written with a different configuration ({diff})")
         model.load_state_dict(ckpt["model"])

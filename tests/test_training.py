@@ -329,3 +329,15 @@ def test_compare_records_a_diverged_variant_and_goes_on(tmp_path, monkeypatch, c
     monkeypatch.setattr("gpattn.compare.train", no_training)
     again = compare("softmax,kernel", [0, 1], tmp_path, base, progress=False, log=lambda s: None)
     assert again == results
+
+
+def test_compare_cache_ignores_progress_bars(tmp_path):
+    """A finished run is reused whether or not progress bars are shown (a --no-progress rerun of the
+    cola comparison retrained every run before)."""
+    from gpattn.compare import compare
+
+    base = TrainConfig(dataset="digits", attention="softmax", **{**TINY, "epochs": 1})
+    compare("softmax", [0], tmp_path, base, progress=True, log=lambda s: None)
+    lines = []
+    compare("softmax", [0], tmp_path, base, progress=False, log=lines.append)
+    assert any("softmax seed 0: reused" in ln for ln in lines), lines
