@@ -135,14 +135,9 @@ class Run:
 
 def load_run(path, device=None) -> Run:
     """A saved run (folder or ``checkpoint.pt``) ready to score new inputs, without its data files."""
-    from gpattn.training import CHECKPOINT, TrainConfig, _load_checkpoint, build_model
+    from gpattn.training import TrainConfig, _run_checkpoint, build_model
 
-    path = Path(path)
-    if path.is_dir():
-        path = path / CHECKPOINT
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    ckpt = _load_checkpoint(path)
+    path, ckpt = _run_checkpoint(path)
     if "data" not in ckpt:
         raise ValueError(
             f"{path} was written before checkpoints carried their vocabulary; use gpattn.training.load_run "

@@ -413,16 +413,21 @@ def _load_checkpoint(path: Path, map_location="cpu") -> dict:
     return ckpt
 
 
-def load_run(path) -> tuple[TrainConfig, torch.nn.Module, object, dict]:
-    """Load a checkpoint file (or a run folder) -> (config, model, data bundle, checkpoint dict)."""
-    from gpattn.data import load_dataset
-
+def _run_checkpoint(path) -> tuple[Path, dict]:
+    """A checkpoint file or a run folder -> (checkpoint path, its contents, loaded safely)."""
     path = Path(path)
     if path.is_dir():
         path = path / CHECKPOINT
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    ckpt = _load_checkpoint(path)
+    return path, _load_checkpoint(path)
+
+
+def load_run(path) -> tuple[TrainConfig, torch.nn.Module, object, dict]:
+    """Load a checkpoint file (or a run folder) -> (config, model, data bundle, checkpoint dict)."""
+    from gpattn.data import load_dataset
+
+    path, ckpt = _run_checkpoint(path)
     cfg = TrainConfig.from_dict(ckpt["config"])
     bundle = load_dataset(
         cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
