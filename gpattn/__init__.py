@@ -1,7 +1,8 @@
 """gpattn — Gaussian-process attention for transformers (PyTorch, GPyTorch, LinearOperator).
 
 Public API: :func:`build_attention`, :func:`list_attention`, :func:`attention_options`,
-:class:`deterministic`, :class:`validation` / :func:`set_validation` (opt-in value checks), :func:`load_run` (score new inputs with a saved run,
+:class:`deterministic`, :class:`validation` / :func:`set_validation` (opt-in value checks),
+:func:`load_run` (score new inputs with a saved run,
 :mod:`gpattn.inference`), and the subpackages (``kernels``, ``variational``, ``attention``, ``models``,
 ``objectives``, ``metrics``, ``data``, ``training``, ``plots``, ``testing``), imported on first use.
 Importing gpattn changes no gpytorch / linear_operator / matplotlib global setting.

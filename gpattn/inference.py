@@ -135,23 +135,22 @@ class Run:
 
 def load_run(path, device=None) -> Run:
     """A saved run (folder or ``checkpoint.pt``) ready to score new inputs, without its data files."""
-    from gpattn.training import CHECKPOINT, TrainConfig, _load_checkpoint, build_model
+    from gpattn.training import CHECKPOINT, TrainConfig, _as_device, _load_checkpoint, build_model
 
     path = Path(path)
     if path.is_dir():
         path = path / CHECKPOINT
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    ckpt = _load_checkpoint(path)
+    target = torch.device("cpu") if device is None else _as_device(device)
+    ckpt = _load_checkpoint(path, map_location=target)
     if "data" not in ckpt:
         raise ValueError(
             f"{path} was written before checkpoints carried their vocabulary; use gpattn.training.load_run "
             f"(which reloads the data set) or retrain"
         )
     cfg = TrainConfig.from_dict(ckpt["config"])
-    model = build_model(cfg, _stub_bundle(ckpt["data"]))
+    model = build_model(cfg, _stub_bundle(ckpt["data"])).to(target)
     model.load_state_dict(ckpt["model"])
     model.eval()
-    if device is not None:
-        model.to(device)
     return Run(cfg, model, ckpt["data"], path)
