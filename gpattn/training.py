@@ -258,7 +258,10 @@ class TrainingDivergedError(FloatingPointError):
         self.step = step
 
 
-_DIVERGED_HINT = "lower the learning rate (--lr) or temper the objective (--beta/--alpha)"
+_DIVERGED_HINT = (
+    "lower the learning rate (--lr) or temper the objective (--beta/--alpha); --validate checks the inputs and "
+    "escalates the jitter of failed Cholesky factorisations"
+)
 
 
 class _DivergenceGuard:

@@ -1,15 +1,18 @@
 """The numerics policy of gpattn in one place (DESIGN.md "Numerics policy").
 
 * every factorisation goes through :func:`cholesky`, a wrapper of linear_operator's
-  ``psd_safe_cholesky``: a plain Cholesky first, then a *bounded* jitter escalation, and a
-  ``NotPSDError`` that names the layer and the matrix size — never an unbounded retry loop;
+  ``psd_safe_cholesky``: a plain Cholesky first, then — with ``gpattn.validation()`` on — a *bounded*
+  jitter escalation, and a ``NotPSDError`` that names the layer and the matrix size — never an
+  unbounded retry loop; with validation off (the default) nothing is read back from the device: the
+  same escalation runs branch-free for matrices up to :data:`LADDER_MAX_SIZE`, and a factor that still
+  fails is NaN, which the trainer reports as a divergence;
 * GP algebra runs inside :func:`gp_algebra`: autocast disabled (float32 at least) and GPyTorch's
   silent CG/Lanczos switch above 800 points turned off, so the exact Cholesky paths are used;
 * variances are clamped at 0 before a square root (:func:`safe_sqrt`);
 * no explicit inverses: triangular solves (:func:`tri_solve`).
 
 Counters in :data:`STATS` record jitter escalations and factorisation failures (read by
-``benchmarks/stability.py``).
+``benchmarks/stability.py``, which runs with validation on; off, only ``cholesky_calls`` counts).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from linear_operator.utils.errors import NotPSDError
 from linear_operator.utils.warnings import NumericalWarning
+
+from gpattn._settings import is_validating
 
 __all__ = [
     "STATS",
@@ -40,6 +45,11 @@ STATS = {"cholesky_calls": 0, "jitter_escalations": 0, "not_psd": 0}
 
 #: matrices up to this size use exact Cholesky paths inside gpytorch too (never CG/Lanczos)
 _EXACT_SIZE = 10**9
+
+#: with validation off, matrices up to this size run the whole jitter escalation without reading the
+#: device (every try computed: a few extra small batched factorisations cost less than a host sync;
+#: SCGP's m x m covariance bracket needs it routinely when T < m); larger ones are factorised once
+LADDER_MAX_SIZE = 128
 
 
 def reset_stats() -> None:
@@ -64,9 +74,19 @@ def cholesky(A: torch.Tensor, *, max_tries: int = 4, name: str = "") -> torch.Te
     Tries ``torch.linalg.cholesky_ex`` first; only on failure escalates jitter through
     ``psd_safe_cholesky`` (at most ``max_tries`` times, 1e-6/1e-8 relative to float32/float64 and
     ×10 each time). Raises ``NotPSDError`` naming ``name`` and the size after the last try.
+
+    That is the behaviour with ``gpattn.validation()`` on. Off (the default), asking whether a
+    factorisation failed would read ``info`` back from the device on every call, so nothing is read:
+    matrices up to :data:`LADDER_MAX_SIZE` run the same escalation branch-free (:func:`_ladder`: the
+    same factor, bit for bit), and a factor that still fails is NaN — the loss turns non-finite and
+    the trainer stops with a divergence naming the step (``--validate`` then names the matrix).
     """
     STATS["cholesky_calls"] += 1
     L, info = torch.linalg.cholesky_ex(A)
+    if not is_validating():
+        if A.shape[-1] <= LADDER_MAX_SIZE:
+            L, info = _ladder(A, L, info, max_tries)
+        return torch.where((info > 0)[..., None, None], torch.nan, L)
     if not bool(info.any()):
         return L
     STATS["jitter_escalations"] += 1
@@ -82,6 +102,25 @@ def cholesky(A: torch.Tensor, *, max_tries: int = 4, name: str = "") -> torch.Te
             f"positive definite after {max_tries} jitter escalations; increase the layer's `jitter` "
             f"option or use float64 ({err})"
         ) from err
+
+
+def _ladder(A: torch.Tensor, L: torch.Tensor, info: torch.Tensor, max_tries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear_operator's ``psd_safe_cholesky`` escalation without its host reads: every one of the
+    ``max_tries`` tries is computed, each adding jitter·10^i (cumulatively, in the same float
+    operations) to the diagonals of the matrices that still fail, so each matrix gets the factor of
+    the first try that succeeds for it — the factor ``psd_safe_cholesky`` returns.
+    # shape: A, L (..., n, n), info (...) -> (..., n, n), (...)"""
+    if max_tries < 1:
+        return L, info
+    jitter = gpytorch.settings.cholesky_jitter.value(A.dtype)
+    Aprime, previous = A.clone(), 0
+    for i in range(max_tries):
+        new = jitter * (10**i)
+        step = ((info > 0) * (new - previous)).unsqueeze(-1).expand(*Aprime.shape[:-1])
+        Aprime.diagonal(dim1=-1, dim2=-2).add_(step)
+        previous = new
+        L, info = torch.linalg.cholesky_ex(Aprime)
+    return L, info
 
 
 def tri_solve(L: torch.Tensor, B: torch.Tensor, *, upper: bool = False, left: bool = True) -> torch.Tensor:
@@ -113,7 +152,8 @@ def gp_algebra(device_type: str = "cpu"):
     The gpytorch settings are context managers, so nothing global changes outside the block.
     """
     with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+        if torch.amp.is_autocast_available(device_type):  # not for "meta" (shape and device checks)
+            stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
         stack.enter_context(gpytorch.settings.max_cholesky_size(_EXACT_SIZE))
         stack.enter_context(gpytorch.settings.max_root_decomposition_size(_EXACT_SIZE))
         stack.enter_context(
