@@ -398,10 +398,15 @@ class _Dist:
             out[r :: self.world] = part
         return out
 
-    def close(self) -> None:
+    def close(self, barrier: bool = True) -> None:
+        """End the process group this object started (``barrier``: wait for every rank first; off when
+        leaving on an exception, which every rank may not share). Left open, gloo's threads abort the
+        interpreter at exit ("terminate called without an active exception")."""
         if self.owned and self.dist.is_initialized():
-            self.dist.barrier()
+            if barrier:
+                self.dist.barrier()
             self.dist.destroy_process_group()
+            self.owned = False
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -714,10 +719,13 @@ def train(
         except TrainingDivergedError as err:
             diverged(err)
             raise
+        finally:
+            dist.close(barrier=False)  # every rank stops here together (dist.any_rank, stop_after_steps)
         bar.close()
         raise
     except TrainingDivergedError as err:
         diverged(err)
+        dist.close(barrier=False)  # the divergence record is the same on every rank
         raise
     bar.close()
     warnings_ = collapse_warnings(history, base_rate)
