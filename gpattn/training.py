@@ -566,7 +566,11 @@ def load_run(path, device=None) -> tuple[TrainConfig, torch.nn.Module, object, d
 
 
 def _as_device(device) -> torch.device:
-    return device if isinstance(device, torch.device) else resolve_device(device)
+    """A ``torch.device`` from one, from ``auto``/``cpu``/``cuda[:N]`` (checked, :func:`resolve_device`), or
+    from any other name torch knows (``mps``, ...)."""
+    if isinstance(device, torch.device):
+        return device
+    return resolve_device(device) if _valid_device(device) else torch.device(device)
 
 
 # ----------------------------------------------------------------------------- the loop
