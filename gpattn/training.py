@@ -6,16 +6,22 @@ evaluation split of the data set with Monte-Carlo predictions, writing ``metrics
 "CLI and outputs") and ``predictions.pt`` (the sample logits of every split, so that post-hoc
 temperature scaling and ensembles need no retraining).
 
-Multi-process: under ``torchrun --nproc_per_node=N -m gpattn train ...`` every rank walks the same
-global batch order and takes rows ``rank::N`` of each global batch (a deterministic sharding
-equivalent to a DistributedSampler over batches); gradients are weighted by each shard's share and
-summed across ranks, so N processes take the same steps as one process with the same global batch.
-Rank 0 alone writes files and shows progress; predictions are sharded and gathered.
+Device: ``cfg.device`` (``--device auto|cpu|cuda[:N]``); ``cfg.precision`` ``bf16`` runs the model
+under autocast. A training step reads nothing back from the device unless ``gpattn.validation()`` is
+on (``--validate``): divergence is watched on the device (:class:`_DivergenceGuard`) and read at the
+epoch end, a checkpoint or an interruption.
+
+Multi-process: under ``torchrun --nproc_per_node=N -m gpattn train ...`` the model is wrapped in
+``DistributedDataParallel`` (NCCL on GPUs, gloo on CPU); every rank walks the same global batch order
+and takes rows ``rank::N`` of each global batch (a deterministic sharding equivalent to a
+DistributedSampler over batches); each rank's loss is weighted by its shard's share, so N processes
+take the same steps as one process with the same global batch. Rank 0 alone writes files and shows
+progress; predictions are sharded and gathered, the epoch statistics summed over ranks.
 
 Determinism and resume: the model is initialised from ``seed``; epoch e visits the training set in
-the order ``randperm(N, generator=seed·1000003 + e)``; the global torch RNG (attention samples,
-dropout) is saved in every checkpoint. A resumed run therefore replays exactly the steps an
-uninterrupted run would have taken.
+the order ``randperm(N, generator=seed·1000003 + e)``; every rank's torch RNG states (CPU, and CUDA
+on a GPU: attention samples, dropout) are saved in every checkpoint and each rank restores its own.
+A resumed run therefore replays exactly the steps an uninterrupted run would have taken.
 """
 
 from __future__ import annotations
@@ -588,6 +594,7 @@ def train(
     """
     from gpattn.data import load_dataset
 
+    resolve_device(cfg.device)  # CUDA asked for where there is none: refused before any file is written
     out = Path(out) if out is not None else None
     if out is not None and int(os.environ.get("RANK", "0")) == 0:
         out.mkdir(parents=True, exist_ok=True)

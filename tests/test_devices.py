@@ -35,6 +35,7 @@ def test_resolve_device(monkeypatch):
 def test_cli_cuda_without_gpu_is_a_clear_error(tmp_path, capsys):
     assert main(["train", *COMMON, "--device", "cuda", "--out", str(tmp_path / "run")]) == 2
     assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before any file is written
 
 
 def test_cli_device_cpu_auto_and_bf16(tmp_path, capsys):
