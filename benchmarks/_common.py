@@ -164,6 +164,49 @@ class PeakRSS:
         return max(0.0, kb / 1024.0 - self.base)
 
 
+class DevicePeak:
+    """Peak extra memory of a measured region: resident memory on the CPU (:class:`PeakRSS`), the CUDA
+    caching allocator's peak allocation on a GPU. Same interface (``reset``, ``peak_extra_mb``, ``exact``)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._rss = PeakRSS() if self.device.type == "cpu" else None
+        self._base = 0
+
+    @property
+    def exact(self) -> bool:
+        return True if self._rss is None else getattr(self._rss, "exact", False)
+
+    def reset(self) -> None:
+        if self._rss is not None:
+            self._rss.reset()
+            return
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._base = torch.cuda.memory_allocated(self.device)
+
+    def peak_extra_mb(self) -> float:
+        if self._rss is not None:
+            return self._rss.peak_extra_mb()
+        torch.cuda.synchronize(self.device)
+        return (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued work (timings of GPU work end here); nothing on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def add_device_argument(parser) -> None:
+    """The scripts' ``--device auto|cpu|cuda[:N]`` (default auto: CUDA when available)."""
+    parser.add_argument(
+        "--device", default="auto", metavar="auto|cpu|cuda[:N]",
+        help="where to measure (default auto: CUDA when available); GPU memory is the allocator's peak",
+    )
+
+
 def _limit_address_space(extra_mb: float | None) -> None:
     """Cap this process's virtual memory at its current size + ``extra_mb`` (+ slack for thread
     arenas), so an allocation too large for the budget fails with an error instead of driving a shared

@@ -34,18 +34,21 @@ from pathlib import Path
 import torch
 from _common import (
     REFERENCE,
-    PeakRSS,
+    DevicePeak,
+    add_device_argument,
     add_omp_wait_policy_argument,
     default_mem_limit_mb,
     machine_info,
     omp_env,
     parse_variants,
     run_isolated,
+    synchronize,
     variant_configs,
     write_outputs,
 )
 
 import gpattn
+from gpattn.training import resolve_device
 
 MODES = ("forward", "fwd+bwd")
 
@@ -71,12 +74,14 @@ def measure_case(
     max_reps: int,
     budget: float,
     seed: int = 0,
+    device: str = "cpu",
 ) -> dict:
-    """Time ``reps`` calls of one layer and record the peak extra resident memory (run in a child)."""
+    """Time ``reps`` calls of one layer on ``device`` and record the peak extra memory (run in a child):
+    resident memory on the CPU, the CUDA allocator's peak on a GPU (timings wait for the device)."""
     torch.manual_seed(seed)
     D = heads * head_dim
-    layer = gpattn.build_attention(name, D, heads, **options)
-    x = torch.randn(batch, T, D)  # shape: (B, T, D)
+    layer = gpattn.build_attention(name, D, heads, **options).to(device)
+    x = torch.randn(batch, T, D, device=device)  # shape: (B, T, D)
     params = [p for p in layer.parameters() if p.requires_grad]
 
     if mode == "forward":
@@ -99,14 +104,16 @@ def measure_case(
     else:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
-    peak = PeakRSS()
+    peak = DevicePeak(device)
     times = []
 
     def timed():
         for p in params:
             p.grad = None
+        synchronize(device)
         start = time.perf_counter()
         call()
+        synchronize(device)
         times.append(time.perf_counter() - start)
 
     for _ in range(max(1, warmup)):
@@ -353,6 +360,7 @@ def parse_args(argv):
     p.add_argument("--markdown", default=None, help="write the results as markdown tables here")
     p.add_argument("--png", default=None, help="time-vs-T plot (default: next to --json, else none)")
     add_omp_wait_policy_argument(p)
+    add_device_argument(p)
     p.add_argument("--no-isolate", action="store_true", help="run cases in this process (no timeout / memory cap)")
     args = p.parse_args(argv)
     if args.threads < 1:
@@ -371,8 +379,10 @@ def main(argv=None) -> dict:
     heads, head_dim = 4, 32
     mem_limit = default_mem_limit_mb(args.mem_limit_mb)
     configs = variant_configs(parse_variants(args.variants))
+    device = str(resolve_device(args.device))
     meta = {
         **machine_info(args.threads),
+        "device": device,
         "omp_wait_policy": omp_env(args.omp_wait_policy).get("OMP_WAIT_POLICY"),
         "profile": "smoke" if args.smoke else "quick" if args.quick else "full",
         "B": batch,
@@ -391,7 +401,7 @@ def main(argv=None) -> dict:
     }
     print(
         f"attention_scaling: {meta['profile']} profile, B={batch}, H={heads}, Dh={head_dim}, T={list(profile['ts'])}, "
-        f"{args.threads} threads, variants: {', '.join(c['variant'] for c in configs)}",
+        f"{args.threads} threads, device {device}, variants: {', '.join(c['variant'] for c in configs)}",
         flush=True,
     )
     module = Path(__file__).stem
@@ -419,6 +429,7 @@ def main(argv=None) -> dict:
                             min_reps=profile["min_reps"],
                             max_reps=profile["max_reps"],
                             budget=profile["budget"],
+                            device=device,
                         ),
                         timeout=profile["timeout"],
                         threads=args.threads,

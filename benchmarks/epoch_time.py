@@ -32,19 +32,21 @@ from pathlib import Path
 import torch
 from _common import (
     REFERENCE,
-    PeakRSS,
+    DevicePeak,
+    add_device_argument,
     add_omp_wait_policy_argument,
     default_mem_limit_mb,
     machine_info,
     omp_env,
     parse_variants,
     run_isolated,
+    synchronize,
     variant_configs,
     write_outputs,
 )
 
 from gpattn.objectives import ELBOObjective
-from gpattn.training import TrainConfig, build_model
+from gpattn.training import TrainConfig, build_model, resolve_device
 
 #: seed 002 App. D.1 CoLA model ("2-layer Transformer, embedding dimension 128, hidden dimension 256,
 #: 4 heads", batch size 32), as TrainConfig fields
@@ -59,10 +61,12 @@ def _batch(split, idx):
 
 
 def time_epoch(cfg: dict, bundle, max_steps: int | None, warmup_steps: int = 1) -> dict:
-    """Train one epoch (or its first ``max_steps`` steps) and time every optimizer step (in a child)."""
+    """Train one epoch (or its first ``max_steps`` steps) on ``cfg.device`` and time every optimizer step
+    (in a child; GPU timings wait for the device)."""
     cfg = TrainConfig.from_dict(cfg)
+    device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg, bundle)
+    model = build_model(cfg, bundle).to(device)
     split = bundle.splits["train"]
     n = len(split.labels)
     steps_per_epoch = max(1, math.ceil(n / cfg.batch_size))
@@ -76,7 +80,8 @@ def time_epoch(cfg: dict, bundle, max_steps: int | None, warmup_steps: int = 1) 
     model.train()
 
     def step(i):
-        x, mask, y = _batch(split, order[i * cfg.batch_size : (i + 1) * cfg.batch_size])
+        x, mask, y = (t.to(device) for t in _batch(split, order[i * cfg.batch_size : (i + 1) * cfg.batch_size]))
+        synchronize(device)
         start = time.perf_counter()
         logits = model(x, mask, num_samples=cfg.train_samples)  # shape: (B, P, C)
         loss, _ = objective(logits, y, model.loss_terms(), step=i)
@@ -86,13 +91,15 @@ def time_epoch(cfg: dict, bundle, max_steps: int | None, warmup_steps: int = 1) 
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         scheduler.step()
+        synchronize(device)
+        elapsed = time.perf_counter() - start
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss at step {i}")
-        return time.perf_counter() - start, x.shape[1]
+        return elapsed, x.shape[1]
 
     for i in range(warmup_steps):
         step(i % steps_per_epoch)
-    peak = PeakRSS()
+    peak = DevicePeak(device)
     peak.reset()
     times, lengths = [], []
     for i in range(steps):
@@ -158,6 +165,7 @@ def parse_args(argv):
     p.add_argument("--mem-limit-mb", type=float, default=None, help="memory budget per variant")
     p.add_argument("--json", default=None, help="write rows and metadata here")
     add_omp_wait_policy_argument(p)
+    add_device_argument(p)
     p.add_argument("--markdown", default=None, help="write the results as a markdown table here")
     p.add_argument("--no-isolate", action="store_true", help="run in this process (no timeout / memory cap)")
     args = p.parse_args(argv)
@@ -186,9 +194,11 @@ def main(argv=None) -> dict:
         seed=args.seed,
         epochs=1,
         progress=False,
+        device=str(resolve_device(args.device)),
     )
     meta = {
         **machine_info(args.threads),
+        "device": base["device"],
         "omp_wait_policy": omp_env(args.omp_wait_policy).get("OMP_WAIT_POLICY"),
         "model": {k: base[k] for k in ("embed_dim", "num_heads", "num_layers", "mlp_ratio", "dropout", "batch_size")},
         "attention_layers": args.attention_layers,

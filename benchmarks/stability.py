@@ -157,6 +157,7 @@ def main(argv=None) -> int:
             print(format_row(row))
         return _verdict(rows)
     torch.set_num_threads(args.threads)
+    gpattn.set_validation(True)  # the escalation counters and NotPSDErrors are read only with validation on
     variants = gpattn.list_attention() if args.variants == "all" else args.variants.split(",")
     if args.fixture:
         from gpattn.data.fixtures import make_cola_zip

@@ -1,7 +1,8 @@
 """gpattn — Gaussian-process attention for transformers (PyTorch, GPyTorch, LinearOperator).
 
 Public API: :func:`build_attention`, :func:`list_attention`, :func:`attention_options`,
-:class:`deterministic`, :func:`load_run` (score new inputs with a saved run,
+:class:`deterministic`, :class:`validation` / :func:`set_validation` (opt-in value checks),
+:func:`load_run` (score new inputs with a saved run,
 :mod:`gpattn.inference`), and the subpackages (``kernels``, ``variational``, ``attention``, ``models``,
 ``objectives``, ``metrics``, ``data``, ``training``, ``plots``, ``testing``), imported on first use.
 Importing gpattn changes no gpytorch / linear_operator / matplotlib global setting.
@@ -9,7 +10,7 @@ Importing gpattn changes no gpytorch / linear_operator / matplotlib global setti
 
 import importlib
 
-from gpattn._settings import deterministic, is_deterministic
+from gpattn._settings import deterministic, is_deterministic, is_validating, set_validation, validation
 from gpattn.attention import attention_options, build_attention, list_attention
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "deterministic",
     "inference",
     "is_deterministic",
+    "is_validating",
     "kernels",
     "list_attention",
     "load_run",
@@ -51,8 +53,10 @@ __all__ = [
     "objectives",
     "plots",
     "presets",
+    "set_validation",
     "testing",
     "training",
+    "validation",
     "variational",
 ]
 

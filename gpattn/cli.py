@@ -91,6 +91,28 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         "msp (default), entropy, energy, mc-variance, mutual-information; metrics.json has all of them",
     )
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    _device_arg(p)
+    p.add_argument(
+        "--precision", choices=["fp32", "bf16"],
+        help="fp32 (default) or bf16 autocast for the model; the GP algebra stays in fp32/fp64",
+    )
+    _validate_arg(p)
+
+
+def _device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device", metavar="auto|cpu|cuda[:N]",
+        help="where to run: auto (default: CUDA when available), cpu, cuda or cuda:N; under torchrun auto and "
+        "cuda mean each process's own GPU",
+    )
+
+
+def _validate_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--validate", action="store_true",
+        help="value checks that synchronise host and device on every forward and step (NaN inputs, token ids, "
+        "labels, Cholesky failures with jitter escalation, divergence at the step it happens); off by default",
+    )
 
 
 def _config(args, **extra):
@@ -123,6 +145,8 @@ def _config(args, **extra):
         "alpha",
         "checkpoint_every",
         "kl_scaling",
+        "device",
+        "precision",
     ):
         val = getattr(args, f, None)
         if val is not None:
@@ -159,12 +183,19 @@ def _print_data(folder: Path) -> None:
             print(f"  {line}")
 
 
+def _validation(args):
+    from gpattn import validation
+
+    return validation(bool(getattr(args, "validate", False)))
+
+
 def cmd_train(args) -> int:
     from gpattn.training import train
 
     cfg, _ = _config(args, attention=args.attention, seed=args.seed)
     out = Path(args.out)
-    metrics = train(cfg, out, resume=args.resume)
+    with _validation(args):
+        metrics = train(cfg, out, resume=args.resume)
     _print_data(out)
     print(f"objective: beta {cfg.beta}, alpha {cfg.alpha}, eta {cfg.eta} (kl_scaling {cfg.kl_scaling!r})")
     print(f"wrote {out / 'metrics.json'}")
@@ -177,13 +208,17 @@ def cmd_evaluate(args) -> int:
 
     from gpattn.training import evaluate_predictions, load_run, predict
 
-    cfg, model, bundle, _ = load_run(args.checkpoint)
+    cfg, model, bundle, _ = load_run(args.checkpoint, device=args.device or "auto")
     P = args.num_samples or cfg.num_samples
     torch.manual_seed(cfg.seed)
-    preds = {
-        k: {"logits": predict(model, bundle.splits[k], P, cfg.eval_batch_size), "labels": bundle.splits[k].labels}
-        for k in sorted({"val", *bundle.eval_splits.values()})
-    }
+    with _validation(args):
+        preds = {
+            k: {
+                "logits": predict(model, bundle.splits[k], P, cfg.eval_batch_size, precision=cfg.precision),
+                "labels": bundle.splits[k].labels,
+            }
+            for k in sorted({"val", *bundle.eval_splits.values()})
+        }
     metrics = evaluate_predictions(preds, bundle, cfg.average)
     out = Path(args.out) if args.out else Path(args.checkpoint).resolve().parent
     out.mkdir(parents=True, exist_ok=True)
@@ -201,10 +236,11 @@ def cmd_compare(args) -> int:
     if args.ensemble:
         variants = f"{variants},softmax+ens{args.ensemble}"
     seeds = args.seeds if args.seeds is not None else preset.get("seeds", [0, 1, 2])
-    compare(
-        variants, seeds, args.out, cfg, progress=cfg.progress, ood_scores=args.ood_score,
-        variant_options=preset.get("variant_options"),
-    )
+    with _validation(args):
+        compare(
+            variants, seeds, args.out, cfg, progress=cfg.progress, ood_scores=args.ood_score,
+            variant_options=preset.get("variant_options"),
+        )
     print(f"wrote {Path(args.out) / 'report.md'}")
     return 0
 
@@ -259,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int)
     p.add_argument("--ood-score", type=_ood_scores, default=["msp"], help="OOD score(s) printed (all in metrics.json)")
     p.add_argument("--out")
+    _device_arg(p)
+    _validate_arg(p)
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("compare", help="variants x seeds -> report.md, results.json, plots")

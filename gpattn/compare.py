@@ -29,7 +29,15 @@ import torch
 
 from gpattn._io import load_file
 from gpattn.attention.registry import attention_class, attention_options, list_attention
-from gpattn.training import COLLAPSE, DIVERGED, TrainConfig, TrainingDivergedError, evaluate_predictions, train
+from gpattn.training import (
+    COLLAPSE,
+    DIVERGED,
+    TrainConfig,
+    TrainingDivergedError,
+    _same_run,
+    evaluate_predictions,
+    train,
+)
 
 __all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "split_variants", "write_report"]
 
@@ -157,10 +165,9 @@ def _run(base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, pr
     )
     folder = root / "runs" / spec.run_name / f"seed{seed}"
     done, diverged = folder / "predictions.pt", folder / DIVERGED
-    # progress bars and checkpoint frequency never change a result: toggling --no-progress reuses runs
-    same_config = (folder / "config.json").is_file() and TrainConfig.result_key(
-        json.loads((folder / "config.json").read_text())
-    ) == TrainConfig.result_key(cfg.to_dict())
+    # up to the settings that do not change the result (training.RUN_SETTINGS: e.g. the device)
+    config_file = folder / "config.json"
+    same_config = config_file.is_file() and _same_run(json.loads(config_file.read_text()), cfg)[0]
     data_file = folder / "data.json"
     old_print = json.loads(data_file.read_text()).get("fingerprint") if data_file.is_file() else None
     same_data = old_print == fingerprint
@@ -185,10 +192,11 @@ def _run(base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, pr
 def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:
     """Sample logits of a last-layer Laplace fitted post hoc on the trained run in ``folder``."""
     from gpattn.laplace import fit_last_layer_laplace, laplace_torch_available
-    from gpattn.training import CHECKPOINT, _load_checkpoint, build_model
+    from gpattn.training import CHECKPOINT, _load_checkpoint, build_model, resolve_device
 
-    model = build_model(cfg, bundle)
-    model.load_state_dict(_load_checkpoint(folder / CHECKPOINT)["model"])
+    device = resolve_device(cfg.device)
+    model = build_model(cfg, bundle).to(device)
+    model.load_state_dict(_load_checkpoint(folder / CHECKPOINT, map_location=device)["model"])
     # the dense back end computes the full Hessian (laplace-torch's default is K-FAC "kron")
     backend, structure = ("laplace-torch", "kron") if laplace_torch_available() else ("dense", "full")
     la = fit_last_layer_laplace(model, bundle.splits["train"], backend=backend, hessian_structure=structure)

@@ -135,18 +135,17 @@ class Run:
 
 def load_run(path, device=None) -> Run:
     """A saved run (folder or ``checkpoint.pt``) ready to score new inputs, without its data files."""
-    from gpattn.training import TrainConfig, _run_checkpoint, build_model
+    from gpattn.training import TrainConfig, _as_device, _run_checkpoint, build_model
 
-    path, ckpt = _run_checkpoint(path)
+    target = torch.device("cpu") if device is None else _as_device(device)
+    path, ckpt = _run_checkpoint(path, map_location=target)
     if "data" not in ckpt:
         raise ValueError(
             f"{path} was written before checkpoints carried their vocabulary; use gpattn.training.load_run "
             f"(which reloads the data set) or retrain"
         )
     cfg = TrainConfig.from_dict(ckpt["config"])
-    model = build_model(cfg, _stub_bundle(ckpt["data"]))
+    model = build_model(cfg, _stub_bundle(ckpt["data"])).to(target)
     model.load_state_dict(ckpt["model"])
     model.eval()
-    if device is not None:
-        model.to(device)
     return Run(cfg, model, ckpt["data"], path)

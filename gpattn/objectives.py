@@ -15,6 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from gpattn._settings import is_validating
+
 __all__ = ["ELBOObjective", "expected_nll"]
 
 TERMS = ("kl_seq", "kl_global", "ksvd", "cgp")
@@ -34,8 +36,8 @@ def expected_nll(logits: torch.Tensor, labels: torch.Tensor, likelihood: str = "
     B, P, C = logits.shape
     if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
         raise ValueError(f"labels must be class indices of integer dtype, got {labels.dtype}")
-    if labels.numel():
-        low, high = (int(v) for v in torch.aminmax(labels))  # one pass, one sync per step
+    if labels.numel() and is_validating():  # reads the device: opt-in (gpattn.validation())
+        low, high = (int(v) for v in torch.aminmax(labels))
         if low < 0 or high >= C:
             raise ValueError(
                 f"labels must lie in [0, C={C}) for logits of shape {tuple(logits.shape)}, "

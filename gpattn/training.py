@@ -6,16 +6,22 @@ evaluation split of the data set with Monte-Carlo predictions, writing ``metrics
 "CLI and outputs") and ``predictions.pt`` (the sample logits of every split, so that post-hoc
 temperature scaling and ensembles need no retraining).
 
-Multi-process: under ``torchrun --nproc_per_node=N -m gpattn train ...`` every rank walks the same
-global batch order and takes rows ``rank::N`` of each global batch (a deterministic sharding
-equivalent to a DistributedSampler over batches); gradients are weighted by each shard's share and
-summed across ranks, so N processes take the same steps as one process with the same global batch.
-Rank 0 alone writes files and shows progress; predictions are sharded and gathered.
+Device: ``cfg.device`` (``--device auto|cpu|cuda[:N]``); ``cfg.precision`` ``bf16`` runs the model
+under autocast. A training step reads nothing back from the device unless ``gpattn.validation()`` is
+on (``--validate``): divergence is watched on the device (:class:`_DivergenceGuard`) and read at the
+epoch end, a checkpoint or an interruption.
+
+Multi-process: under ``torchrun --nproc_per_node=N -m gpattn train ...`` the model is wrapped in
+``DistributedDataParallel`` (NCCL on GPUs, gloo on CPU); every rank walks the same global batch order
+and takes rows ``rank::N`` of each global batch (a deterministic sharding equivalent to a
+DistributedSampler over batches); each rank's loss is weighted by its shard's share, so N processes
+take the same steps as one process with the same global batch. Rank 0 alone writes files and shows
+progress; predictions are sharded and gathered, the epoch statistics summed over ranks.
 
 Determinism and resume: the model is initialised from ``seed``; epoch e visits the training set in
-the order ``randperm(N, generator=seed·1000003 + e)``; the global torch RNG (attention samples,
-dropout) is saved in every checkpoint. A resumed run therefore replays exactly the steps an
-uninterrupted run would have taken.
+the order ``randperm(N, generator=seed·1000003 + e)``; every rank's torch RNG states (CPU, and CUDA
+on a GPU: attention samples, dropout) are saved in every checkpoint and each rank restores its own.
+A resumed run therefore replays exactly the steps an uninterrupted run would have taken.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gpattn._io import load_file
+from gpattn._settings import is_validating
 from gpattn.diagnostics import EpochStats, GPCollapseWarning, base_rate_entropy, collapse_warnings
 from gpattn.models import TransformerClassifier, ViTClassifier
 from gpattn.objectives import ELBOObjective
@@ -54,6 +61,56 @@ DIVERGED = "diverged.json"
 #: the collapse checks of a finished run (gpattn.diagnostics): base-rate entropy and warnings
 COLLAPSE = "collapse.json"
 PART_KEYS = ("nll", "kl_seq", "kl_global", "ksvd", "cgp", "beta", "alpha")
+#: settings that change where and how a run executes, not what it computes: a run trained with other
+#: values is resumed (``--resume``) and reused (``gpattn compare``) as it is. ``device`` is one of them:
+#: CPU and GPU kernels differ only in float round-off, and a run trained on a GPU must stay usable on a
+#: CPU-only machine. ``precision`` is not: bf16 autocast changes the results.
+RUN_SETTINGS = ("progress", "checkpoint_every", "device")
+#: ``--precision``: autocast dtype of the model outside the GP algebra (which stays in fp32/fp64)
+PRECISIONS = ("fp32", "bf16")
+
+
+def _valid_device(spec) -> bool:
+    if not isinstance(spec, str):
+        return False
+    if spec in ("auto", "cpu", "cuda"):
+        return True
+    kind, _, index = spec.partition(":")
+    return kind == "cuda" and index.isdigit()
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N`` -> a ``torch.device``.
+
+    Under torchrun, ``auto`` and ``cuda`` mean this process's GPU (``cuda:LOCAL_RANK``). Asking for CUDA
+    where there is none is a ``ValueError`` naming ``--device``."""
+    if not _valid_device(spec):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {spec!r}")
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {spec}: CUDA is not available here (torch.cuda.is_available() is False)")
+    if spec in ("auto", "cuda"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    device = torch.device(spec)
+    if device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {spec}: there are {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def _autocast(device: torch.device, precision: str):
+    """The model's autocast for ``precision`` on ``device`` (fp32: off)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def _same_run(saved: dict, cfg: TrainConfig) -> tuple[bool, list]:
+    """Whether a saved config.json describes the same run as ``cfg`` (up to :data:`RUN_SETTINGS`), and
+    the keys that differ."""
+    defaults = TrainConfig().to_dict()
+    saved = {k: v for k, v in {**defaults, **saved}.items() if k not in RUN_SETTINGS}
+    mine = {k: v for k, v in cfg.to_dict().items() if k not in RUN_SETTINGS}
+    saved, mine = json.loads(json.dumps(saved)), json.loads(json.dumps(mine))
+    return saved == mine, sorted(k for k in mine if saved.get(k) != mine[k])
 
 
 @dataclasses.dataclass
@@ -95,6 +152,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     eval_batch_size: int = 256
     progress: bool = True
+    device: str = "auto"
+    precision: str = "fp32"
 
     def __post_init__(self):
         """The training loop's own settings, checked before any data is loaded (the model's, the
@@ -121,6 +180,10 @@ class TrainConfig:
                 raise bad(name, "a finite number > 0" if positive else "a finite number >= 0 (0 = off)")
         if self.average not in ("probs", "logits"):
             raise bad("average", "'probs' or 'logits'")
+        if not _valid_device(self.device):
+            raise ValueError(f"device (--device) must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision (--precision) must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -133,14 +196,6 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    #: fields that change how a run is shown or checkpointed, never its result
-    PRESENTATION_FIELDS = ("progress", "checkpoint_every")
-
-    @classmethod
-    def result_key(cls, d: dict) -> dict:
-        """A config dict (``to_dict()`` or a ``config.json``) without :data:`PRESENTATION_FIELDS`,
-        JSON-normalised: equal keys mean runs with the same result (resume, compare's cache)."""
-        return json.loads(json.dumps({k: v for k, v in d.items() if k not in cls.PRESENTATION_FIELDS}))
 
 
 # ----------------------------------------------------------------------------- model and batches
@@ -180,14 +235,19 @@ def build_model(cfg: TrainConfig, bundle) -> torch.nn.Module:
     raise ValueError(f"data set kind must be 'text' or 'image', got {bundle.kind!r}")
 
 
-def _batch(split, idx):
-    """Inputs, mask and labels of rows ``idx``; text batches are cut to their longest real sequence."""
+def _batch(split, idx, device=None):
+    """Inputs, mask and labels of rows ``idx`` on ``device`` (host tensors when None); text batches are
+    cut to their longest real sequence (read on the host, before the copy: no device synchronisation)."""
     x = split.inputs[idx]
     mask = None if split.mask is None else split.mask[idx]
     if mask is not None:
-        longest = int((~mask).sum(1).max()) if len(idx) else 1
+        longest = int((~mask).sum(1).numpy().max()) if len(idx) else 1
         x, mask = x[:, : max(longest, 1)], mask[:, : max(longest, 1)]
-    return x, mask, split.labels[idx]
+    y = split.labels[idx]
+    if device is not None and torch.device(device).type != "cpu":  # pinned host memory: an asynchronous copy
+        x, y = (t.pin_memory().to(device, non_blocking=True) for t in (x, y))
+        mask = None if mask is None else mask.pin_memory().to(device, non_blocking=True)
+    return x, mask, y
 
 
 def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -205,45 +265,91 @@ class TrainingDivergedError(FloatingPointError):
         self.step = step
 
 
-_DIVERGED_HINT = "lower the learning rate (--lr) or temper the objective (--beta/--alpha)"
+_DIVERGED_HINT = (
+    "lower the learning rate (--lr) or temper the objective (--beta/--alpha); --validate checks the inputs and "
+    "escalates the jitter of failed Cholesky factorisations"
+)
 
 
-def _check_gradients(model, step: int, loss, max_norm: float) -> None:
-    """Clip to ``max_norm`` (0 = no clipping) and raise if the total gradient norm is not finite:
-    clipping would spread a NaN into every parameter, and the next forward would fail far from the cause."""
-    params = [q for q in model.parameters() if q.grad is not None]
-    norm = torch.nn.utils.get_total_norm([q.grad for q in params])
-    if bool(torch.isfinite(norm)):
-        if max_norm:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return
-    bad = [n for n, q in model.named_parameters() if q.grad is not None and not bool(torch.isfinite(q.grad).all())]
-    shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-    raise TrainingDivergedError(
-        f"training diverged at step {step}: non-finite gradient (loss {float(loss.detach()):.4g} is finite) "
-        f"in {shown}; no optimizer step was taken with it; {_DIVERGED_HINT}",
-        step,
-    )
+class _DivergenceGuard:
+    """Non-finite losses and gradients, watched on the device without a host synchronisation per step.
+
+    Every step :meth:`update` records the first step whose loss (on any rank) or total gradient norm is
+    not finite, with the parameters whose gradient is not finite and this rank's loss parts, in device
+    tensors, and returns ``found_inf``: 1 from that step on. The optimizer (fused Adam, the mechanism
+    ``torch.amp.GradScaler`` uses) skips every step with ``found_inf`` 1, so no parameter ever takes a
+    non-finite update and the model keeps its last finite parameters. :meth:`check` reads the record
+    (one synchronisation) and raises :class:`TrainingDivergedError` naming that step: every step with
+    validation on (``gpattn.validation()``, ``--validate``), else at the next epoch end, checkpoint
+    or interruption, before anything is saved."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        self.first = torch.full((), -1, dtype=torch.long, device=device)  # first bad step, -1 = none
+        self.loss_bad = torch.zeros((), dtype=torch.bool, device=device)  # the loss (else a gradient)
+        self.grads_bad = torch.zeros(len(self.named), dtype=torch.bool, device=device)
+        self.parts = torch.zeros(len(PART_KEYS) + 1, dtype=torch.float64, device=device)
+
+    def update(self, step: int, loss_bad: torch.Tensor, parts: dict, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to ``max_norm`` (0 = off) and record this step; returns ``found_inf``."""
+        grads = [q.grad for _, q in self.named if q.grad is not None]
+        per = torch.stack(torch._foreach_norm(grads)) if grads else self.parts.new_zeros(0)  # one norm per tensor
+        norm = torch.linalg.vector_norm(per)
+        if max_norm and grads:
+            torch.nn.utils.clip_grads_with_norm_([q for _, q in self.named if q.grad is not None], max_norm, norm)
+        new = (loss_bad | ~torch.isfinite(norm)) & (self.first < 0)
+        self.first = torch.where(new, step, self.first)
+        self.loss_bad = torch.where(new, loss_bad, self.loss_bad)
+        if len(grads) == len(self.named):
+            self.grads_bad = torch.where(new, ~torch.isfinite(per), self.grads_bad)
+        values = torch.stack([parts[k].detach().to(self.parts) for k in (*PART_KEYS, "loss")])
+        self.parts = torch.where(new, values, self.parts)
+        return (self.first >= 0).float()
+
+    def check(self) -> None:
+        """Raise :class:`TrainingDivergedError` if a step diverged (reads the device: one synchronisation)."""
+        step = int(self.first)
+        if step < 0:
+            return
+        parts = dict(zip((*PART_KEYS, "loss"), self.parts.tolist()))
+        if bool(self.loss_bad):
+            raise TrainingDivergedError(
+                f"training diverged at step {step}: non-finite loss on a rank (this rank: {parts}); no optimizer "
+                f"step was taken with it; {_DIVERGED_HINT}",
+                step,
+            )
+        bad = [n for (n, _), b in zip(self.named, self.grads_bad.tolist()) if b]
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise TrainingDivergedError(
+            f"training diverged at step {step}: non-finite gradient (loss {parts['loss']:.4g} is finite) "
+            f"in {shown}; no optimizer step was taken with it; {_DIVERGED_HINT}",
+            step,
+        )
 
 
 class _Dist:
-    """Multi-process context from torchrun's environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``):
-    gloo on CPU, nccl when CUDA is present. A single process is world 1, rank 0."""
+    """Multi-process context from torchrun's environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``): NCCL
+    when the run's device is a GPU, gloo on CPU. A single process is world 1, rank 0.
 
-    def __init__(self):
+    Gradients are reduced by ``DistributedDataParallel`` (:meth:`wrap`); the small host-side agreements
+    (an interrupt request) go through a gloo group on CPU tensors, so they never synchronise a GPU."""
+
+    def __init__(self, device_spec: str = "auto"):
         import torch.distributed as dist
 
         self.dist = dist
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.owned = False
-        self.device = torch.device("cpu")
+        self.device = resolve_device(device_spec)
+        self.cpu_group = None
         if self.world > 1 and not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend=backend)
-            self.owned = True
-            if backend == "nccl":
-                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
+            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
+            self.owned = True
+        if self.world > 1:
+            gloo = dist.get_backend() == "gloo"
+            self.cpu_group = None if gloo else dist.new_group(backend="gloo")
         self.rank = dist.get_rank() if self.world > 1 else 0
 
     @property
@@ -254,20 +360,18 @@ class _Dist:
         """This rank's rows of a global batch (every rank sees the same global order)."""
         return idx[self.rank :: self.world]
 
-    def allreduce_grads(self, model: torch.nn.Module) -> None:
-        """Sum of the ranks' (already weighted) gradients, in one flat buffer."""
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``DistributedDataParallel`` around ``model`` (the model itself in one process).
+
+        The set of parameters a training forward uses never changes during a run (the variant, its
+        options and the sampling mode are fixed; every registered variant's model uses all of its
+        parameters, tests/test_distributed.py), so ``static_graph=True``: DDP learns that set in the
+        first step instead of searching the autograd graph every step (``find_unused_parameters``), and a
+        variant with an option that leaves a parameter unused still trains."""
         if self.world == 1:
-            return
-        for p in model.parameters():  # every rank must reduce the same buffer
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in model.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.dist.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+            return model
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, static_graph=True)
 
     def allreduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
@@ -275,36 +379,74 @@ class _Dist:
             self.dist.all_reduce(t)
         return t
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (a CPU all-reduce: no device synchronisation)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)])
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.cpu_group)
+        return bool(t[0] > 0)
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj`` (picklable, on the CPU), in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        parts = [None] * self.world
+        self.dist.all_gather_object(parts, obj, group=self.cpu_group)
+        return parts
+
     def gather_rows(self, local: torch.Tensor, n: int) -> torch.Tensor:
         """Reassemble rows sharded as ``rank::world`` into their original order."""
         if self.world == 1:
             return local
-        parts = [None] * self.world
-        self.dist.all_gather_object(parts, local.cpu())
+        parts = self.gather_objects(local.cpu())
         out = torch.empty(n, *local.shape[1:], dtype=local.dtype)
         for r, part in enumerate(parts):
             out[r :: self.world] = part
         return out
 
-    def close(self) -> None:
+    def close(self, barrier: bool = True) -> None:
+        """End the process group this object started (``barrier``: wait for every rank first; off when
+        leaving on an exception, which every rank may not share). Left open, gloo's threads abort the
+        interpreter at exit ("terminate called without an active exception")."""
         if self.owned and self.dist.is_initialized():
-            self.dist.barrier()
+            if barrier:
+                self.dist.barrier()
             self.dist.destroy_process_group()
+            self.owned = False
+
+
+def _rng_state(device: torch.device) -> dict:
+    """This process's random state: the CPU generator and, on a GPU, the device's generator."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 @torch.no_grad()
-def predict(model, split, num_samples: int, batch_size: int = 256, dist: _Dist | None = None) -> torch.Tensor:
-    """Sample logits of a whole split in eval mode (sharded over ranks under torchrun).  # shape: (N, P, C)"""
+def predict(
+    model, split, num_samples: int, batch_size: int = 256, dist: _Dist | None = None, precision: str = "fp32"
+) -> torch.Tensor:
+    """Sample logits of a whole split in eval mode, on the model's device (sharded over ranks under
+    torchrun), returned on the CPU.  # shape: (N, P, C)"""
     model.eval()
     n = len(split.labels)
     rows = torch.arange(n) if dist is None else dist.shard(torch.arange(n))
     device = next(model.parameters()).device
     out = []
     for start in range(0, len(rows), batch_size):
-        x, mask, _ = _batch(split, rows[start : start + batch_size])
-        mask = None if mask is None else mask.to(device)
-        out.append(model(x.to(device), mask, num_samples=num_samples).float().cpu())
-    local = torch.cat(out) if out else torch.zeros(0, num_samples, getattr(model, "num_classes", 2))
+        x, mask, _ = _batch(split, rows[start : start + batch_size], device)
+        with _autocast(device, precision):
+            out.append(model(x, mask, num_samples=num_samples).float())
+    classes = getattr(model, "num_classes", 2)
+    local = torch.cat(out).cpu() if out else torch.zeros(0, num_samples, classes)  # one copy to the host
     return local if dist is None else dist.gather_rows(local, n)
 
 
@@ -392,10 +534,6 @@ class _Interrupt:
             raise KeyboardInterrupt(f"signal {signum} (second)")
         self.requested = signum
 
-    def check(self, step: int) -> None:
-        if self.requested is not None:
-            raise KeyboardInterrupt(f"signal {self.requested} at step {step}")
-
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
@@ -413,28 +551,38 @@ def _load_checkpoint(path: Path, map_location="cpu") -> dict:
     return ckpt
 
 
-def _run_checkpoint(path) -> tuple[Path, dict]:
+def _run_checkpoint(path, map_location="cpu") -> tuple[Path, dict]:
     """A checkpoint file or a run folder -> (checkpoint path, its contents, loaded safely)."""
     path = Path(path)
     if path.is_dir():
         path = path / CHECKPOINT
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    return path, _load_checkpoint(path)
+    return path, _load_checkpoint(path, map_location=map_location)
 
 
-def load_run(path) -> tuple[TrainConfig, torch.nn.Module, object, dict]:
-    """Load a checkpoint file (or a run folder) -> (config, model, data bundle, checkpoint dict)."""
+def load_run(path, device=None) -> tuple[TrainConfig, torch.nn.Module, object, dict]:
+    """Load a checkpoint file (or a run folder) -> (config, model, data bundle, checkpoint dict), the
+    model on ``device`` (``auto``/``cpu``/``cuda[:N]`` or a ``torch.device``; default: the CPU)."""
     from gpattn.data import load_dataset
 
-    path, ckpt = _run_checkpoint(path)
+    device = torch.device("cpu") if device is None else _as_device(device)
+    path, ckpt = _run_checkpoint(path, map_location=device)
     cfg = TrainConfig.from_dict(ckpt["config"])
     bundle = load_dataset(
         cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
     )
-    model = build_model(cfg, bundle)
+    model = build_model(cfg, bundle).to(device)
     model.load_state_dict(ckpt["model"])
     return cfg, model, bundle, ckpt
+
+
+def _as_device(device) -> torch.device:
+    """A ``torch.device`` from one, from ``auto``/``cpu``/``cuda[:N]`` (checked, :func:`resolve_device`), or
+    from any other name torch knows (``mps``, ...)."""
+    if isinstance(device, torch.device):
+        return device
+    return resolve_device(device) if _valid_device(device) else torch.device(device)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -452,6 +600,7 @@ def train(
     """
     from gpattn.data import load_dataset
 
+    resolve_device(cfg.device)  # CUDA asked for where there is none: refused before any file is written
     out = Path(out) if out is not None else None
     if out is not None and int(os.environ.get("RANK", "0")) == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -467,17 +616,19 @@ def train(
     if out is not None and int(os.environ.get("RANK", "0")) == 0:
         _write_json(data_summary(bundle), out / "data.json")  # files, sizes, class counts, fingerprint
     meta = bundle_meta(bundle)  # plain data: what gpattn.load_run needs without the data files
-    dist = _Dist()
+    dist = _Dist(cfg.device)
+    device = dist.device
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
-    model = build_model(cfg, bundle).to(dist.device)
+    model = build_model(cfg, bundle).to(device)
     if dist.rank > 0:  # identical initial weights, independent Monte-Carlo noise per rank
         torch.manual_seed(cfg.seed * 1000003 + dist.rank)
     train_split = bundle.splits["train"]
     n = len(train_split.labels)
     steps_per_epoch = max(1, math.ceil(n / cfg.batch_size))
     total_steps = steps_per_epoch * cfg.epochs
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # fused: one kernel per step, and it skips a step flagged by ``found_inf`` on the device (_DivergenceGuard)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps)) if cfg.cosine else None
     objective = ELBOObjective(
         n,
@@ -495,10 +646,9 @@ def train(
     if resume:
         if ckpt_path is None or not ckpt_path.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-        ckpt = _load_checkpoint(ckpt_path)
-        saved, mine = TrainConfig.result_key(ckpt["config"]), TrainConfig.result_key(cfg.to_dict())
-        if saved != mine:
-            diff = sorted(k for k in mine if saved.get(k) != mine[k])
+        ckpt = _load_checkpoint(ckpt_path)  # on the CPU: RNG states must be host tensors
+        same, diff = _same_run(ckpt["config"], cfg)
+        if not same:
             raise ValueError(f"--resume: the checkpoint was written with a different configuration ({diff})")
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -506,10 +656,18 @@ def train(
             scheduler.load_state_dict(ckpt["scheduler"])
         step, history = ckpt["step"], ckpt["history"]
         if "epoch_stats" in ckpt:
-            stats.load_state_dict(ckpt["epoch_stats"])
-        torch.set_rng_state(ckpt["rng"])
+            stats.load_state_dict(_to_device(ckpt["epoch_stats"], device))
+        ranks = ckpt.get("rng_ranks")
+        if ranks is not None and len(ranks) == dist.world:
+            _set_rng_state(ranks[dist.rank], device)  # each rank's own generators
+        else:  # a checkpoint from before per-rank states, or from another number of processes
+            torch.set_rng_state(ckpt["rng"])
+    net = dist.wrap(model)  # DistributedDataParallel under torchrun
+    guard = _DivergenceGuard(model, device)
 
     def save():
+        guard.check()  # never save parameters or statistics of a diverged run
+        states = dist.gather_objects(_rng_state(device))  # collective: every rank calls save()
         if ckpt_path is not None and dist.main:
             atomic_save(
                 {
@@ -519,12 +677,18 @@ def train(
                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
                     "step": step,
                     "history": history,
-                    "epoch_stats": stats.state_dict(),
-                    "rng": torch.get_rng_state(),
+                    "epoch_stats": _to_device(stats.state_dict(), "cpu"),
+                    "rng": states[0]["cpu"],
+                    "rng_ranks": states,
                     "data": meta,
                 },
                 ckpt_path,
             )
+
+    def diverged(err: TrainingDivergedError) -> None:
+        bar.close()
+        if out is not None and dist.main:
+            _write_json({"step": err.step, "message": str(err), "config": cfg.to_dict()}, out / DIVERGED)
 
     bar = tqdm(
         total=total_steps,
@@ -539,46 +703,23 @@ def train(
             while step < total_steps:
                 epoch, offset = divmod(step, steps_per_epoch)
                 order = _epoch_order(n, cfg.seed, epoch)
-                model.train()
                 idx = order[offset * cfg.batch_size : (offset + 1) * cfg.batch_size]
-                local = dist.shard(idx)
-                weight = len(local) / len(idx)  # ranks' weighted gradients sum to the global batch's
-                optimizer.zero_grad(set_to_none=False)
-                if len(local):
-                    x, mask, y = _batch(train_split, local)
-                    mask = None if mask is None else mask.to(dist.device)
-                    logits = model(x.to(dist.device), mask, num_samples=cfg.train_samples)
-                    loss, parts = objective(logits, y.to(dist.device), model.loss_terms(), step=step)
-                    layer_stats = model.layer_diagnostics() if hasattr(model, "layer_diagnostics") else []
-                    stats.add({k: v * weight for k, v in parts.items()}, layer_stats)
-                    # a non-finite loss still goes through backward and the all-reduce below, so that
-                    # every rank reaches the same check instead of the others waiting for this one
-                    (loss * weight).backward()
-                else:  # more ranks than rows in this (last) batch: contribute zero gradients
-                    loss = torch.zeros(())
-                    parts = {k: torch.zeros(()) for k in (*PART_KEYS, "loss")}
-                dist.allreduce_grads(model)
-                if dist.allreduce_sum(torch.tensor([float(not torch.isfinite(loss))])).item() > 0:
-                    raise TrainingDivergedError(
-                        f"training diverged at step {step}: non-finite loss on a rank (this rank: "
-                        f"{ {k: float(v.detach()) for k, v in parts.items()} }); no optimizer step was taken "
-                        f"with it; {_DIVERGED_HINT}",
-                        step,
-                    )
-                _check_gradients(model, step, loss, cfg.grad_clip)
-                optimizer.step()
+                parts = _train_step(
+                    net, model, objective, optimizer, guard, stats, train_split, idx, step, cfg, dist
+                )
                 if scheduler is not None:
                     scheduler.step()
                 step += 1
                 bar.update(1)
-                bar.set_postfix(loss=f"{float(loss.detach()):.3f}", refresh=False)
                 if offset + 1 == steps_per_epoch:
+                    guard.check()
                     keys = sorted(parts)
-                    values = dist.allreduce_sum(torch.stack([parts[k].detach().float().cpu() for k in keys]) * weight)
+                    values = dist.allreduce_sum(torch.stack([parts[k].detach().double() for k in keys]))
                     entry = {"epoch": epoch + 1, "step": step, **dict(zip(keys, values.tolist()))}
-                    # the epoch's means over its steps (this rank's; the keys above are the last batch's)
-                    entry.update(stats.summary(), base_rate_entropy=base_rate)
+                    # the epoch's means over its steps and ranks (the keys above are the last batch's)
+                    entry.update(_reduced(stats, dist).summary(), base_rate_entropy=base_rate)
                     history.append(entry)
+                    bar.set_postfix(loss=f"{entry['train']['loss']:.3f}", refresh=False)  # read once an epoch
                     stats = EpochStats()
                     save()
                 elif cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -586,15 +727,22 @@ def train(
                 if stop_after_steps is not None and step >= stop_after_steps and step < total_steps:
                     save()
                     raise KeyboardInterrupt(f"stopped after {step} steps")
-                interrupt.check(step)
+                if dist.any_rank(interrupt.requested is not None):  # every rank stops at the same step
+                    raise KeyboardInterrupt(f"signal {interrupt.requested or 'on another rank'} at step {step}")
+        guard.check()
     except KeyboardInterrupt:
-        save()
+        try:
+            save()
+        except TrainingDivergedError as err:
+            diverged(err)
+            raise
+        finally:
+            dist.close(barrier=False)  # every rank stops here together (dist.any_rank, stop_after_steps)
         bar.close()
         raise
     except TrainingDivergedError as err:
-        bar.close()
-        if out is not None and dist.main:
-            _write_json({"step": err.step, "message": str(err), "config": cfg.to_dict()}, out / DIVERGED)
+        diverged(err)
+        dist.close(barrier=False)  # the divergence record is the same on every rank
         raise
     bar.close()
     warnings_ = collapse_warnings(history, base_rate)
@@ -604,7 +752,7 @@ def train(
 
     preds = {
         key: {
-            "logits": predict(model, bundle.splits[key], cfg.num_samples, cfg.eval_batch_size, dist),
+            "logits": predict(model, bundle.splits[key], cfg.num_samples, cfg.eval_batch_size, dist, cfg.precision),
             "labels": bundle.splits[key].labels,
         }
         for key in sorted({"val", *bundle.eval_splits.values()})
@@ -617,3 +765,68 @@ def train(
         _write_json(history, out / "history.json")
         _write_json({"base_rate_entropy": base_rate, "warnings": warnings_}, out / COLLAPSE)
     return result
+
+
+def _train_step(net, model, objective, optimizer, guard, stats, split, idx, step: int, cfg, dist) -> dict:
+    """One optimizer step on this rank's rows of the global batch ``idx``; returns this rank's loss parts
+    (weighted by its share of the batch). No host-device synchronisation unless validation is on.
+
+    Each rank's loss is weighted by its share of the global batch (times the world size, since DDP
+    averages the ranks' gradients), so N processes take the steps one process takes on the same batch.
+    A rank with no row in a (last, small) batch runs the batch's first row with weight 0: under DDP every
+    rank must take part in the backward."""
+    device = dist.device
+    model.train()
+    local = dist.shard(idx)
+    weight = len(local) / len(idx)
+    rows = local if len(local) else idx[:1]
+    optimizer.zero_grad(set_to_none=False)
+    x, mask, y = _batch(split, rows, device)
+    with _autocast(device, cfg.precision):
+        logits = net(x, mask, num_samples=cfg.train_samples)
+        loss, parts = objective(logits, y, model.loss_terms(), step=step)
+    parts = {k: v * weight for k, v in parts.items()}
+    layer_stats = model.layer_diagnostics() if hasattr(model, "layer_diagnostics") else []
+    stats.add(parts, [{k: v if k == "layer" else v * weight for k, v in row.items()} for row in layer_stats])
+    # a non-finite loss still goes through backward, so that every rank takes part in the reduction
+    (loss * (weight * dist.world)).backward()
+    loss_bad = dist.allreduce_sum((~torch.isfinite(loss.detach())).float()) > 0  # on the device
+    found_inf = guard.update(step, loss_bad, parts, cfg.grad_clip)
+    if is_validating():
+        guard.check()  # raise before the (skipped) step, as soon as it happens
+    optimizer.found_inf = found_inf  # fused Adam skips the update where it is 1
+    optimizer.step()
+    return parts
+
+
+def _to_device(tree, device):
+    """A copy of a nested dict/list of tensors on ``device``."""
+    if torch.is_tensor(tree):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: _to_device(v, device) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_device(v, device) for v in tree)
+    return tree
+
+
+def _reduced(stats: EpochStats, dist: _Dist) -> EpochStats:
+    """The epoch statistics summed over ranks (each rank's were weighted by its share of every batch)."""
+    if dist.world == 1:
+        return stats
+    keys = [("parts", k) for k in sorted(stats.parts)] + [
+        (i, k) for i in sorted(stats.layers) for k in sorted(stats.layers[i])
+    ]
+    if not keys:
+        return stats
+    values = dist.allreduce_sum(
+        torch.stack([stats.parts[k] if i == "parts" else stats.layers[i][k] for i, k in keys])
+    )
+    out = EpochStats()
+    out.steps = stats.steps
+    for (i, k), v in zip(keys, values):
+        if i == "parts":
+            out.parts[k] = v
+        else:
+            out.layers.setdefault(i, {})[k] = v
+    return out

@@ -214,6 +214,7 @@ def test_attention_scaling_smoke_schema(tmp_path):
     result = scaling.main(["--smoke", "--threads", "1", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["meta"]["ts"] == [16, 32] and data["meta"]["B"] == 2
+    assert data["meta"]["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # --device auto
     rows = data["rows"]
     labels = {c["variant"] for c in data["meta"]["configs"]}
     assert {c["name"] for c in data["meta"]["configs"]} == set(gpattn.list_attention())
@@ -250,6 +251,7 @@ def test_epoch_time_smoke_schema(tmp_path):
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert {r["name"] for r in rows} == set(gpattn.list_attention())
+    assert data["meta"]["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # --device auto
     ref = next(r for r in rows if r["variant"] == "softmax")
     for r in rows:
         assert r["status"] == "ok", f"{r['variant']}: {r['reason']}"
@@ -265,3 +267,16 @@ def test_epoch_time_smoke_schema(tmp_path):
         "dropout": 0.1,
         "batch_size": 8,
     }
+
+
+@pytest.mark.slow
+def test_compile_breaks_none_in_deterministic_mode(tmp_path):
+    """Every registered layer traces into one graph under gpattn.deterministic() (issue 18: the
+    ExitStack in gp_algebra used to break sgpa's graph 11 times)."""
+    compile_breaks = importlib.import_module("compile_breaks")
+    rows = compile_breaks.main(["--device", "cpu", "--markdown", str(tmp_path / "breaks.md")])
+    assert {r["variant"] for r in rows} == set(gpattn.list_attention())
+    for r in rows:
+        if r["mode"] == "deterministic":
+            assert (r["graphs"], r["breaks"]) == (1, 0), r
+    assert "| softmax | deterministic | 1 | 0 |" in (tmp_path / "breaks.md").read_text()

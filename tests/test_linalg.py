@@ -7,6 +7,7 @@ import gpytorch
 import pytest
 import torch
 
+import gpattn
 from gpattn.variational import _linalg as L
 
 
@@ -24,7 +25,8 @@ def test_cholesky_escalates_jitter_on_singular_psd():
     v = torch.randn(6, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     A = v @ v.T  # rank 1: PSD, not PD
     L.reset_stats()
-    F = L.cholesky(A)
+    with gpattn.validation():
+        F = L.cholesky(A)
     assert torch.isfinite(F).all()
     assert (F @ F.T - A).abs().max() < 1e-5
     assert L.STATS["jitter_escalations"] == 1 and L.STATS["not_psd"] == 0
@@ -33,9 +35,27 @@ def test_cholesky_escalates_jitter_on_singular_psd():
 def test_cholesky_raises_named_error_after_bounded_tries():
     A = -torch.eye(4, dtype=torch.float64)
     L.reset_stats()
-    with pytest.raises(L.NotPSDError, match=r"4x4.*in sgpa layer 2.*jitter"):
+    with gpattn.validation(), pytest.raises(L.NotPSDError, match=r"4x4.*in sgpa layer 2.*jitter"):
         L.cholesky(A, name="sgpa layer 2", max_tries=2)
     assert L.STATS["not_psd"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_escalation_without_host_reads_gives_the_same_factors(dtype):
+    """Validation off (the default): the branch-free ladder returns psd_safe_cholesky's factor bit for
+    bit, per batch element (a PD matrix keeps its plain factor, a singular one gets the first jitter
+    that works), and NaN where every try fails, instead of raising."""
+    g = torch.Generator().manual_seed(2)
+    v = torch.randn(3, 6, 2, dtype=dtype, generator=g)
+    A = v @ v.mT  # rank 2
+    A[0] += 6 * torch.eye(6, dtype=dtype)  # positive definite: no jitter
+    with gpattn.validation():
+        want = L.cholesky(A)
+    got = L.cholesky(A)
+    assert torch.equal(got, want)
+    bad = L.cholesky(-torch.eye(4, dtype=dtype).expand(2, 4, 4), max_tries=2)
+    assert torch.isnan(bad).all()
+    assert torch.equal(L.cholesky(-torch.eye(4, dtype=dtype), max_tries=0).isnan(), torch.ones(4, 4, dtype=torch.bool))
 
 
 def test_safe_sqrt_clamps_negative_round_off():

@@ -155,7 +155,7 @@ def test_input_errors():
     ids, mask = _ids()
     with pytest.raises(ValueError, match="token ids"):
         model(ids.float(), mask)
-    with pytest.raises(ValueError, match="vocab_size"):
+    with gpattn.validation(), pytest.raises(ValueError, match="vocab_size"):  # a value check: opt-in
         model(ids + 100, mask)
     with pytest.raises(ValueError, match="key_padding_mask"):
         model(ids, mask[:, :3])

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import gpattn
 from gpattn.objectives import ELBOObjective, expected_nll
 
 
@@ -85,7 +86,8 @@ def test_errors():
     C = logits.shape[-1]
     for bad in (torch.full_like(y, C), torch.full_like(y, -1)):  # torch said only "Target 5 is out of bounds"
         for likelihood in ("expected", "predictive"):
-            with pytest.raises(ValueError, match=rf"labels must lie in \[0, C={C}\)"):
+            # a value check (it reads the device): with validation on
+            with gpattn.validation(), pytest.raises(ValueError, match=rf"labels must lie in \[0, C={C}\)"):
                 expected_nll(logits, bad, likelihood)
     with pytest.raises(ValueError, match="integer dtype"):
         expected_nll(logits, y.float())

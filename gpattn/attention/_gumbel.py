@@ -66,7 +66,8 @@ def _random_words(count: int, generator: torch.Generator | None) -> list[np.ndar
     may use more than one (NumPy releases the GIL while it draws); the bits never depend on the thread
     count.
     """
-    seed = int(torch.randint(0, _SEED_HIGH, (), generator=generator))
+    # a CPU generator's draw read as host memory (NumPy): this path never runs for device tensors
+    seed = int(torch.randint(0, _SEED_HIGH, (1,), generator=generator).numpy()[0])
     if count < _PARALLEL_MIN_WORDS:
         return [np.random.SFC64(seed).random_raw(count)]
     streams = [np.random.SFC64(s) for s in np.random.SeedSequence(seed).spawn(2)]

@@ -6,6 +6,9 @@ layer's scale); GP variants also implement ``_posterior(x, mask)`` returning a g
 ``MultivariateNormal`` with batch
 ``(B, H, Dv)`` and event ``T``. The base class validates inputs, projects, merges heads, applies
 ``W_o``, handles all-padding rows and records the loss terms of the last forward.
+
+No host-device synchronisation in a forward: the checks that read tensor values (NaN/Inf inputs) run
+only with ``gpattn.validation()`` on, and all-padding rows are handled by masked arithmetic.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from gpattn._settings import is_deterministic
+from gpattn._settings import is_deterministic, is_validating
 
 __all__ = ["AttentionBase"]
 
@@ -31,8 +34,9 @@ class AttentionBase(nn.Module):
     ``is_gp`` — whether ``posterior()`` is available; ``stochastic`` — whether it samples.
 
     All-padding rows (every key padded) are a defined result: the output is 0 for that sequence, and
-    the sequence is left out of the variant's math and loss terms (``kl_seq`` averages over the
-    other sequences).
+    the sequence is left out of the variant's loss terms (``kl_seq`` averages over the other
+    sequences, :meth:`batch_mean`) and diagnostics. Without reading the mask on the host, such a row
+    runs through the variant's math as if unpadded (finite values), and its output is then zeroed.
     """
 
     name: str = ""
@@ -81,6 +85,22 @@ class AttentionBase(nn.Module):
         ``kl_global`` the total over global parameters, ``ksvd``, ``cgp``; MATH.md §9)."""
         self._loss_terms.update(terms)
 
+    def batch_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """Mean over the batch axis 0 of the sequences with at least one real key (all-padding rows of
+        this forward are left out, without a host read).  # shape: (B, ...) -> (...)"""
+        keep = getattr(self, "_keep", None)
+        if keep is None:
+            return t.mean(0)
+        keep = keep.reshape(-1, *([1] * (t.dim() - 1)))
+        return torch.where(keep, t, 0).sum(0) / keep.sum().clamp_min(1).to(t.dtype)
+
+    @property
+    def loss_mask(self) -> torch.Tensor | None:
+        """The caller's key padding mask of this forward, all-padding rows included (True = padding): for
+        per-token loss terms, whose means must leave those rows out (the mask given to ``_attend`` has
+        them unpadded).  # shape: (B, T) or None"""
+        return getattr(self, "_loss_mask", None)
+
     # ------------------------------------------------------------------ to implement
     def _attend(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """# shape: x (B, T, D), mask (B, T) bool or None -> (B, H, T, Dv)"""
@@ -113,7 +133,7 @@ class AttentionBase(nn.Module):
             raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
         if x.shape[1] == 0:
             raise ValueError(f"x has no tokens (T=0): shape {tuple(x.shape)}")
-        if not bool(torch.isfinite(x).all()):
+        if is_validating() and not bool(torch.isfinite(x).all()):  # reads the device: opt-in
             raise ValueError(f"x contains NaN or Inf values (shape {tuple(x.shape)})")
         if key_padding_mask is not None:
             m = key_padding_mask
@@ -133,46 +153,44 @@ class AttentionBase(nn.Module):
 
     @staticmethod
     def _effective_mask(mask):
-        """Drop the mask where nothing is padded. Returns (mask or None, keep (B,) bool or None), where
-        ``keep`` marks the sequences with at least one real key (None when every sequence has one)."""
-        if mask is None or not bool(mask.any()):
+        """The mask the variant sees, without a host read: (mask or None, keep (B,) bool or None), where
+        ``keep`` marks the sequences with at least one real key; an all-padding row is given unpadded
+        to the variant (its output is zeroed afterwards, its loss terms left out)."""
+        if mask is None:
             return None, None
-        empty = mask.all(-1)
-        if bool(empty.any()):
-            keep = ~empty
-            mask = mask[keep]
-            return (mask if bool(mask.any()) else None), keep
-        return mask, None
+        keep = ~mask.all(-1)  # shape: (B,)
+        return mask & keep[:, None], keep
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """# shape: x (B, T, D), key_padding_mask (B, T) bool (True = padding) -> (B, T, D)"""
         x, key_padding_mask = self.check_inputs(x, key_padding_mask)
         self._loss_terms, self._diagnostics = {}, {}
-        mask, keep = self._effective_mask(key_padding_mask)
-        # all-padding sequences never reach the variant's math (nor its loss terms): their output is 0
-        xs = x if keep is None else x[keep]
-        if xs.shape[0] == 0:  # empty batch, or nothing but padding: a defined zero result with a graph
+        if x.shape[0] == 0:  # empty batch: a defined zero result with a graph
             return x.new_zeros(x.shape) + 0 * sum(p.sum() for p in self.parameters())
-        heads = self._attend(xs, mask)  # shape: (B', H, T, Dv)
+        mask, keep = self._effective_mask(key_padding_mask)
+        self._keep, self._loss_mask = keep, key_padding_mask
+        try:
+            heads = self._attend(x, mask)  # shape: (B, H, T, Dv)
+        finally:
+            self._keep = self._loss_mask = None
         mean = None
         if isinstance(heads, tuple):  # GP variants: (sample or mean, posterior mean)
             heads, mean = heads
-        Bk, H, T, Dv = heads.shape
-        y = self.out_proj(heads.transpose(1, 2).reshape(Bk, T, H * Dv))
+        B, H, T, Dv = heads.shape
+        y = self.out_proj(heads.transpose(1, 2).reshape(B, T, H * Dv))
         if mean is not None:
-            self._record_diagnostics(xs, mask, heads, mean)
-        if keep is not None:
-            y = x.new_zeros(x.shape).index_put((keep.nonzero()[:, 0],), y)
+            self._record_diagnostics(x, key_padding_mask, heads, mean)
+        if keep is not None:  # all-padding sequences: output 0 (masked arithmetic, no host read)
+            y = torch.where(keep[:, None, None], y, 0)
         return y
 
     def posterior(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None):
         """Posterior over the per-head outputs (before W_o): ``MultivariateNormal`` with batch
         ``(B, H, Dv)`` and event ``T``. GP variants only; the others raise ``NotImplementedError``."""
         x, key_padding_mask = self.check_inputs(x, key_padding_mask)
-        if key_padding_mask is not None and bool(key_padding_mask.all(-1).any()):
+        if key_padding_mask is not None and bool(key_padding_mask.all(-1).any()):  # an analysis call: may read
             raise ValueError("posterior(): a sequence in the batch has every key padded (no posterior to give)")
-        mask, _ = self._effective_mask(key_padding_mask)
-        return self._posterior(x, mask)
+        return self._posterior(x, key_padding_mask)
 
     def loss_terms(self) -> dict[str, torch.Tensor]:
         """Scalar loss terms of the last forward (empty for deterministic baselines)."""

@@ -44,7 +44,7 @@ class _CorrelatedGPAttention(AttentionBase):
         q, k, o, v = self._inputs(x)
         out, reg, mean = self.gp(q, k, o, v, mask, sample=self.sampling)
         # MATH §7: mean over the batch of Σ_{h,d} R / 2 (α weighting lives in the objective)
-        self.set_loss_terms(cgp=reg.sum((-2, -1)).mean() / 2)
+        self.set_loss_terms(cgp=self.batch_mean(reg.sum((-2, -1))).mean() / 2)
         return out.to(v.dtype), mean.to(v.dtype)
 
     def _posterior(self, x, mask):

@@ -108,7 +108,10 @@ class KEPSVGPAttention(AttentionBase):
         p = self.project(x)
         with gp_algebra(x.device.type):
             x, q, k = full_precision(x, p["q"], p["k"])
-            heads, terms, mean = self.kep(x, q, k, mask, sample=self.sampling, return_mean=True)  # (B, H, T, Dv)
+            # the KSVD means run over the caller's real tokens: all-padding rows are left out
+            heads, terms, mean = self.kep(
+                x, q, k, mask, sample=self.sampling, return_mean=True, loss_mask=self.loss_mask
+            )  # shape: (B, H, T, Dv)
         self.set_loss_terms(**terms)
         return heads, mean
 

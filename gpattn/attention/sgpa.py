@@ -67,7 +67,7 @@ class SGPAttention(AttentionBase):
 
     def _attend(self, x, mask):
         cond = self._condition(x, mask)
-        self.set_loss_terms(kl_seq=cond.kl_divergence().sum((1, 2)).mean(0))
+        self.set_loss_terms(kl_seq=self.batch_mean(cond.kl_divergence().sum((1, 2))))
         return (cond.rsample() if self.sampling else cond.mean), cond.mean
 
     def _posterior(self, x, mask):
@@ -135,7 +135,7 @@ class DecoupledSGPAttention(AttentionBase):
     def _attend(self, x, mask):
         cond = self._condition(x, mask)
         gamma, beta = cond.kl_divergence_parts()
-        self.set_loss_terms(kl_seq=gamma.sum((1, 2)).mean(0), kl_global=beta.sum())
+        self.set_loss_terms(kl_seq=self.batch_mean(gamma.sum((1, 2))), kl_global=beta.sum())
         return (cond.rsample() if self.sampling else cond.mean), cond.mean
 
     def _posterior(self, x, mask):

@@ -1,15 +1,18 @@
 """The numerics policy of gpattn in one place (DESIGN.md "Numerics policy").
 
 * every factorisation goes through :func:`cholesky`, a wrapper of linear_operator's
-  ``psd_safe_cholesky``: a plain Cholesky first, then a *bounded* jitter escalation, and a
-  ``NotPSDError`` that names the layer and the matrix size — never an unbounded retry loop;
+  ``psd_safe_cholesky``: a plain Cholesky first, then — with ``gpattn.validation()`` on — a *bounded*
+  jitter escalation, and a ``NotPSDError`` that names the layer and the matrix size — never an
+  unbounded retry loop; with validation off (the default) matrices up to :data:`LADDER_MAX_SIZE` read
+  nothing back from the device: the same escalation runs branch-free, and a factor that still fails is
+  NaN, which the trainer reports as a divergence (larger ones keep the check: see :func:`cholesky`);
 * GP algebra runs inside :func:`gp_algebra`: autocast disabled (float32 at least) and GPyTorch's
   silent CG/Lanczos switch above 800 points turned off, so the exact Cholesky paths are used;
 * variances are clamped at 0 before a square root (:func:`safe_sqrt`);
 * no explicit inverses: triangular solves (:func:`tri_solve`).
 
 Counters in :data:`STATS` record jitter escalations and factorisation failures (read by
-``benchmarks/stability.py``).
+``benchmarks/stability.py``, which runs with validation on; off, only ``cholesky_calls`` counts).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 from linear_operator.utils.cholesky import psd_safe_cholesky
 from linear_operator.utils.errors import NotPSDError
 from linear_operator.utils.warnings import NumericalWarning
+
+from gpattn._settings import is_validating
 
 __all__ = [
     "STATS",
@@ -40,6 +45,13 @@ STATS = {"cholesky_calls": 0, "jitter_escalations": 0, "not_psd": 0}
 
 #: matrices up to this size use exact Cholesky paths inside gpytorch too (never CG/Lanczos)
 _EXACT_SIZE = 10**9
+
+#: with validation off, matrices up to this size run the whole jitter escalation without reading the
+#: device (every try computed: a few extra small batched factorisations cost less than a host sync;
+#: SCGP's m x m covariance bracket needs it routinely when T < m). Larger ones keep the host check:
+#: their O(n^3) factorisation dwarfs one read, while 4 extra ones would not (and SGPA's T x T key
+#: Gram needs the escalation in float32 at T = 1024)
+LADDER_MAX_SIZE = 128
 
 
 def reset_stats() -> None:
@@ -64,9 +76,19 @@ def cholesky(A: torch.Tensor, *, max_tries: int = 4, name: str = "") -> torch.Te
     Tries ``torch.linalg.cholesky_ex`` first; only on failure escalates jitter through
     ``psd_safe_cholesky`` (at most ``max_tries`` times, 1e-6/1e-8 relative to float32/float64 and
     ×10 each time). Raises ``NotPSDError`` naming ``name`` and the size after the last try.
+
+    That is the behaviour with ``gpattn.validation()`` on, and for matrices larger than
+    :data:`LADDER_MAX_SIZE`. Off (the default), asking whether a small factorisation failed would read
+    ``info`` back from the device on every call, so nothing is read: they run the same escalation
+    branch-free (:func:`_ladder`: the same factor, bit for bit), and a factor that still fails is NaN —
+    the loss turns non-finite and the trainer stops with a divergence naming the step (``--validate``
+    then names the matrix).
     """
     STATS["cholesky_calls"] += 1
     L, info = torch.linalg.cholesky_ex(A)
+    if not is_validating() and A.shape[-1] <= LADDER_MAX_SIZE:
+        L, info = _ladder(A, L, info, max_tries)
+        return torch.where((info > 0)[..., None, None], torch.nan, L)
     if not bool(info.any()):
         return L
     STATS["jitter_escalations"] += 1
@@ -82,6 +104,25 @@ def cholesky(A: torch.Tensor, *, max_tries: int = 4, name: str = "") -> torch.Te
             f"positive definite after {max_tries} jitter escalations; increase the layer's `jitter` "
             f"option or use float64 ({err})"
         ) from err
+
+
+def _ladder(A: torch.Tensor, L: torch.Tensor, info: torch.Tensor, max_tries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear_operator's ``psd_safe_cholesky`` escalation without its host reads: every one of the
+    ``max_tries`` tries is computed, each adding jitter·10^i (cumulatively, in the same float
+    operations) to the diagonals of the matrices that still fail, so each matrix gets the factor of
+    the first try that succeeds for it — the factor ``psd_safe_cholesky`` returns.
+    # shape: A, L (..., n, n), info (...) -> (..., n, n), (...)"""
+    if max_tries < 1:
+        return L, info
+    jitter = gpytorch.settings.cholesky_jitter.value(A.dtype)
+    Aprime, previous = A.clone(), 0
+    for i in range(max_tries):
+        new = jitter * (10**i)
+        step = ((info > 0) * (new - previous)).unsqueeze(-1).expand(*Aprime.shape[:-1])
+        Aprime.diagonal(dim1=-1, dim2=-2).add_(step)
+        previous = new
+        L, info = torch.linalg.cholesky_ex(Aprime)
+    return L, info
 
 
 def tri_solve(L: torch.Tensor, B: torch.Tensor, *, upper: bool = False, left: bool = True) -> torch.Tensor:
@@ -110,13 +151,18 @@ def full_precision(*tensors: torch.Tensor | None) -> list:
 def gp_algebra(device_type: str = "cpu"):
     """Exact, full-precision GP algebra: autocast off, gpytorch's CG/Lanczos switch off.
 
-    The gpytorch settings are context managers, so nothing global changes outside the block.
+    The gpytorch settings are context managers, so nothing global changes outside the block. (Plain
+    nested ``with`` blocks, not an ``ExitStack``: torch.compile traces them without a graph break.)
     """
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-        stack.enter_context(gpytorch.settings.max_cholesky_size(_EXACT_SIZE))
-        stack.enter_context(gpytorch.settings.max_root_decomposition_size(_EXACT_SIZE))
-        stack.enter_context(
-            gpytorch.settings.fast_computations(covar_root_decomposition=False, log_prob=False, solves=False)
-        )
+    off = (  # autocast off; "meta" (shape and device checks) has no autocast
+        torch.autocast(device_type=device_type, enabled=False)
+        if torch.amp.is_autocast_available(device_type)
+        else contextlib.nullcontext()
+    )
+    with (
+        off,
+        gpytorch.settings.max_cholesky_size(_EXACT_SIZE),
+        gpytorch.settings.max_root_decomposition_size(_EXACT_SIZE),
+        gpytorch.settings.fast_computations(covar_root_decomposition=False, log_prob=False, solves=False),
+    ):
         yield

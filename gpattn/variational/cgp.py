@@ -127,8 +127,12 @@ class CorrelatedGPBase(nn.Module):
         return torch.full((self.num_heads,), self._sigma_value, dtype=torch.float64)
 
     def noise(self, like: torch.Tensor) -> torch.Tensor:
-        """:math:`\\sigma^2` shaped to broadcast against ``(B, H, n, n)``.  # shape: (H, 1, 1)"""
-        return self.sigma.to(like).pow(2)[:, None, None]
+        """:math:`\\sigma^2` shaped to broadcast against ``(B, H, n, n)``, on ``like``'s device and dtype
+        (a fixed σ is made there directly: no host tensor copied per call).  # shape: (H, 1, 1)"""
+        sigma = self.sigma_constraint.transform(self.raw_sigma) if self.learn_sigma else None
+        if sigma is None:
+            sigma = like.new_full((self.num_heads,), self._sigma_value)
+        return sigma.to(like).pow(2)[:, None, None]
 
     # ------------------------------------------------------------------ masked dense blocks
     def cross(

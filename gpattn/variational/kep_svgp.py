@@ -490,11 +490,12 @@ class KEPSVGP(nn.Module):
         return kep_kl_divergence(self.ksvd.lam, self.variational.variational_mean, self.variational.chol)
 
     # ---------------------------------------------------------------- the layer
-    def forward(self, x, q, k, mask=None, *, sample: bool = True, return_mean: bool = False):
+    def forward(self, x, q, k, mask=None, *, sample: bool = True, return_mean: bool = False, loss_mask=None):
         """Head outputs (a sample, or the posterior mean when ``sample=False``) and the loss terms
-        (and, with ``return_mean``, the posterior mean as a third element).
+        (and, with ``return_mean``, the posterior mean as a third element). ``loss_mask`` (default
+        ``mask``) chooses the real tokens the KSVD objective averages over.
 
-        # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask (B, T) or None -> (B, H, T, Dv), dict
+        # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask, loss_mask (B, T) or None -> (B, H, T, Dv), dict
         """
         feats = self.features(x, q, k, mask)
         m = self.variational.variational_mean
@@ -511,7 +512,7 @@ class KEPSVGP(nn.Module):
         mean = kep_mean(feats["a"], m, self.out_weight, self.out_bias) if return_mean or not sample else None
         if not sample:
             heads = mean
-        J = self.ksvd.objective(feats["e"], feats["r"], mask)
+        J = self.ksvd.objective(feats["e"], feats["r"], mask if loss_mask is None else loss_mask)
         terms = {"kl_global": self.kl_divergence(), "ksvd": J.pow(2)}
         return (heads, terms, mean) if return_mean else (heads, terms)
 

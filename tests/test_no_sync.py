@@ -1,0 +1,101 @@
+"""No host-device synchronisation in a layer's forward or a training step in the default configuration
+(issue 18). There is no GPU on CI, so the test counts the Tensor methods that read a value back to the
+host (and so wait for the device): ``item``, ``__bool__``, ``__int__``, ``__float__``, ``tolist``,
+``nonzero``, ``cpu``; and runs every layer on the ``meta`` device, where any such read fails and any
+tensor made on the wrong device does not mix with the input's."""
+
+import collections
+import traceback
+
+import pytest
+import torch
+
+import gpattn
+from gpattn.data import load_dataset
+from gpattn.models import TransformerClassifier
+from gpattn.objectives import ELBOObjective
+from gpattn.training import EpochStats, TrainConfig, _Dist, _DivergenceGuard, _train_step, build_model
+
+READS = ("item", "__bool__", "__int__", "__float__", "tolist", "nonzero", "cpu")
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counter of host reads of tensor values, by method and the gpattn line that made them."""
+    counts = collections.Counter()
+    for name in READS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/gpattn/" in f.filename]
+            where = f"{frames[-1].filename.split('/gpattn/')[-1]}:{frames[-1].lineno}" if frames else "?"
+            counts[f"{_name} at {where}"] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts
+
+
+def _inputs(B=3, T=6, D=8):
+    x = torch.randn(B, T, D)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, 4:] = True  # some padding
+    mask[2] = True  # a sequence that is all padding
+    return x, mask
+
+
+@pytest.mark.parametrize("name", gpattn.list_attention())
+def test_layer_forward_reads_nothing_back(name, host_reads):
+    torch.manual_seed(0)
+    layer = gpattn.build_attention(name, 8, 2)
+    x, mask = _inputs()
+    host_reads.clear()  # construction may read values: only the forward counts
+    y = layer(x, mask)
+    layer(x)  # no mask
+    with gpattn.deterministic():
+        layer(x, mask)
+    y.sum().backward()
+    assert dict(host_reads) == {}
+
+
+@pytest.mark.parametrize("name", gpattn.list_attention())
+def test_layer_runs_on_the_meta_device(name):
+    """A value read or a tensor made on the CPU fails on ``meta``: the forward makes everything on its
+    input's device."""
+    torch.manual_seed(0)
+    layer = gpattn.build_attention(name, 8, 2).to("meta")
+    x, mask = (t.to("meta") for t in _inputs())
+    y = layer(x, mask)
+    assert y.device.type == "meta" and y.shape == x.shape
+    with gpattn.deterministic():
+        assert layer(x, mask).device.type == "meta"
+
+
+def test_model_forward_and_objective_read_nothing_back(host_reads):
+    torch.manual_seed(0)
+    model = TransformerClassifier(3, vocab_size=20, embed_dim=8, num_heads=2, attention="sgpa")
+    host_reads.clear()
+    ids = torch.randint(1, 20, (4, 5))
+    mask = torch.zeros(4, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    logits = model(ids, mask, num_samples=2)
+    loss, _ = ELBOObjective(100)(logits, torch.tensor([0, 1, 2, 0]), model.loss_terms())
+    loss.backward()
+    assert dict(host_reads) == {}
+
+
+@pytest.mark.parametrize("name", ["softmax", "sgpa", "cgp", "sto"])
+def test_training_step_reads_nothing_back(name, host_reads):
+    bundle = load_dataset("digits", seed=0)
+    cfg = TrainConfig(attention=name, embed_dim=8, num_heads=2, num_layers=1, device="cpu", progress=False)
+    torch.manual_seed(0)
+    model = build_model(cfg, bundle)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    guard, stats, dist = _DivergenceGuard(model, torch.device("cpu")), EpochStats(), _Dist("cpu")
+    objective = ELBOObjective(len(bundle.splits["train"].labels))
+    host_reads.clear()  # building the model and data may read values: not part of a step
+    for step in range(2):
+        idx = torch.arange(step * 16, (step + 1) * 16)
+        _train_step(model, model, objective, optimizer, guard, stats, bundle.splits["train"], idx, step, cfg, dist)
+    assert dict(host_reads) == {}
+    guard.check()  # the one read, at the epoch end
