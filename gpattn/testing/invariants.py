@@ -71,10 +71,14 @@ def check_all_padding_row(name, **options):
     y = _run(layer, x, mask)
     assert torch.isfinite(y).all(), f"{name}: all-padding row gives non-finite values"
     assert torch.equal(y[1], torch.zeros_like(y[1])), f"{name}: all-padding row is not zero"
+    # in float64: the all-padding row now runs in the same batch (no host read to drop it), so a
+    # batch of 2 against a batch of 1 differs by float32 round-off, which scgp's capacitance matrices
+    # amplify to ~1e-4 when T < m (measured); the property checked is that the row does not disturb
+    layer, x = layer.double(), x.double()
     with deterministic():
         alone = layer(x[:1], None)
         both = layer(x, mask)
-    torch.testing.assert_close(both[0], alone[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(both[0], alone[0], rtol=1e-9, atol=1e-9)
 
 
 def check_gradients(name, **options):
