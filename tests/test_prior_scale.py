@@ -14,7 +14,7 @@ import gpattn
 GP_VARIANTS = [n for n in gpattn.list_attention() if gpattn.build_attention(n, 8, 2).is_gp]
 #: the bands (fractions of the LayerNorm-ed input's norm per token)
 MEAN_BAND = (0.01, 1.0)
-SPREAD_BAND = (0.03, 1.0)
+SPREAD_BAND = (0.03, 0.5)
 D, H = 128, 4
 
 

@@ -207,9 +207,9 @@ class KEPVariationalDistribution(nn.Module):
 
     ``variational_mean[h, c]`` is :math:`m_c`; :math:`L_c` = strictly-lower part of ``chol_offdiag[h, c]``
     + diag(exp(``log_chol_diag[h, c]``)), as gpytorch's ``CholeskyVariationalDistribution`` keeps a full
-    square tensor and masks its upper part. Init: :math:`m_c \sim N(0, 0.1^2 I)`, :math:`L_c = I/2`
-    (:mod:`gpattn.variational._scale`: the released :math:`m_c \sim N(0, I)` made the layer's output 5× its
-    input; a smaller :math:`L_c` was measured worse calibrated).
+    square tensor and masks its upper part. Init: :math:`m_c \sim N(0, 0.1^2 I)`, :math:`L_c = 0.1 I`
+    (:mod:`gpattn.variational._scale`: the released :math:`m_c \sim N(0, I)`, :math:`L_c = I/2` made the
+    layer's output 5× its input; the measured trade-off of :math:`L_c` is stated there).
     """
 
     def __init__(self, num_heads: int, rank: int):
@@ -222,7 +222,7 @@ class KEPVariationalDistribution(nn.Module):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            # a small mean on the stream's scale, the released covariance (gpattn.variational._scale)
+            # near-deterministic start on the stream's scale (gpattn.variational._scale)
             self.variational_mean.normal_(0.0, KEP_MEAN_STD)
             self.chol_offdiag.zero_()
             self.log_chol_diag.fill_(math.log(KEP_COVARIANCE_STD))
