@@ -471,7 +471,9 @@ print(f"total time {time.time() - t_start:.1f} s")
 assert err_dup < 1e-12 and err_P < 1e-12 and err_single < 1e-12, (err_dup, err_P, err_single)  # KL_seq: batch mean
 assert err_glob < 1e-12, err_glob  # KL_global: independent of the batch
 assert max(defects.values()) < 1e-12, defects  # loss = nll + β(kl_seq + kl_global/N) + η ksvd; peer adds (1 − 1/N)
-assert min(defects_broken["formula"], defects_broken["N-differences"]) > 1e-3, defects_broken  # the check bites
+# the check bites: the broken objective is off by β·kl_seq·(1 − 1/N) ≈ 1e-3 of the loss here (kl_seq is
+# small at the stream-scale initialisation), six orders of magnitude above the exact one's bound
+assert min(defects_broken["formula"], defects_broken["N-differences"]) > 1e-6, defects_broken
 
 # %%
 for name, res in results.items():
