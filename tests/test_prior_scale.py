@@ -70,3 +70,6 @@ def test_diagnostics_spread_is_the_sample_deviation(name):
         diag = layer.diagnostics()
     torch.testing.assert_close(float(diag["spread_norm"]), float((y - mean).norm(dim=-1).mean()), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(float(diag["mean_norm"]), float(mean.norm(dim=-1).mean()), rtol=1e-4, atol=1e-6)
+    with torch.no_grad():  # prediction (eval mode) skips the measurement
+        layer.eval()(x)
+    assert layer.diagnostics() == {}

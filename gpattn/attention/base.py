@@ -178,7 +178,7 @@ class AttentionBase(nn.Module):
             heads, mean = heads
         B, H, T, Dv = heads.shape
         y = self.out_proj(heads.transpose(1, 2).reshape(B, T, H * Dv))
-        if mean is not None:
+        if mean is not None and self.training:  # the trainer reads them; prediction skips the extra W_o
             self._record_diagnostics(x, key_padding_mask, heads, mean)
         if keep is not None:  # all-padding sequences: output 0 (masked arithmetic, no host read)
             y = torch.where(keep[:, None, None], y, 0)
@@ -223,7 +223,8 @@ class AttentionBase(nn.Module):
         }
 
     def diagnostics(self) -> dict[str, torch.Tensor]:
-        """Output scale of the last forward of a GP variant, per real token (detached 0-dim tensors):
+        """Output scale of the last training-mode forward of a GP variant, per real token (detached 0-dim
+        tensors; empty after an eval-mode forward):
         ``input_norm`` ‖x‖ of the (LayerNorm-ed) layer input, ``mean_norm`` ‖E[y]‖ of the posterior mean
         output and ``spread_norm`` ‖y − E[y]‖ of the drawn sample (0 when not sampling). Collapse shows
         as a mean far below the spread, or both far below the input (``gpattn.training`` logs them per
