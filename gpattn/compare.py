@@ -29,6 +29,7 @@ import torch
 
 from gpattn._io import load_file
 from gpattn.attention.registry import attention_class, attention_options, list_attention
+from gpattn.objectives import DEFAULT_ALPHA
 from gpattn.training import (
     COLLAPSE,
     DIVERGED,
@@ -509,8 +510,13 @@ def write_report(
         f"predictions averaged over {base.average}.",
         f"Objective (MATH §9): β = {base.beta:g} (KL weight, annealed over {base.beta_anneal_steps} steps), "
         f"α = {base.alpha:g} (CGP regulariser weight, annealed over {base.alpha_anneal_steps} steps), "
-        f"η = {base.eta:g} (KSVD weight), KL scaling {base.kl_scaling!r}"
-        + (" — the exact ELBO weights." if base.beta == base.alpha == 1 else " — tempered (β = α = 1 is the ELBO)."),
+        f"η = {base.eta:g} (KSVD weight), KL scaling {base.kl_scaling!r}. "
+        + ("β = 1: the ELBO" if base.beta == 1 else "β ≠ 1: a tempered ELBO (β = 1 is the ELBO)")
+        + (
+            f"; α is the library default {DEFAULT_ALPHA:g} (R is not an ELBO term; gpattn.objectives.DEFAULT_ALPHA)."
+            if base.alpha == DEFAULT_ALPHA
+            else f"; α differs from the library default {DEFAULT_ALPHA:g} (R is not an ELBO term)."
+        ),
         "Values are fractions (not percent), mean ± std over seeds. AUROC = failure prediction (in-domain), "
         f"ood_auroc = OOD detection with the max-probability (msp) score, ood_auroc_<score> with another score "
         f"(shown: {', '.join(ood_scores)}; every score is in results.json). `+ts` = temperature scaling on the "

@@ -43,7 +43,7 @@ from gpattn._io import load_file
 from gpattn._settings import is_validating
 from gpattn.diagnostics import EpochStats, GPCollapseWarning, base_rate_entropy, collapse_warnings
 from gpattn.models import TransformerClassifier, ViTClassifier
-from gpattn.objectives import ELBOObjective
+from gpattn.objectives import DEFAULT_ALPHA, ELBOObjective
 
 __all__ = [
     "TrainConfig",
@@ -146,7 +146,7 @@ class TrainConfig:
     beta: float = 1.0
     beta_anneal_steps: int = 0
     eta: float = 0.1
-    alpha: float = 1.0
+    alpha: float = DEFAULT_ALPHA
     alpha_anneal_steps: int = 0
     kl_scaling: str = "elbo"
     checkpoint_every: int = 0

@@ -14,6 +14,7 @@ from gpattn.diagnostics import (
     collapse_warnings,
 )
 from gpattn.models import TransformerClassifier
+from gpattn.objectives import DEFAULT_ALPHA
 from gpattn.training import COLLAPSE, TrainConfig, train
 
 TINY = dict(embed_dim=16, num_heads=2, num_layers=1, batch_size=32, pooling="mean", patch_size=4,
@@ -101,15 +102,16 @@ def test_compare_flags_a_collapsed_row(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| softmax (collapse: 1/1 seeds) |" in report
     assert "## Collapse warnings" in report and "base-rate entropy" in report
-    assert "Objective (MATH §9): β = 1 " in report and "the exact ELBO weights" in report
+    assert "Objective (MATH §9): β = 1 " in report and "β = 1: the ELBO" in report
+    assert f"α is the library default {DEFAULT_ALPHA:g}" in report
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["sgpa", "sgpa-decoupled", "kep-svgp"])
+@pytest.mark.parametrize("attention", ["sgpa", "sgpa-decoupled", "kep-svgp", "cgp", "scgp"])
 def test_plain_train_on_a_users_table_does_not_collapse(tmp_path, attention):
-    """``gpattn train --dataset text_table`` with a GP variant and no preset uses the exact ELBO (β = α = 1);
-    at the stream-scale initialisation it learns (before: kl_seq 8.1 -> 0.007 and predictions at the
-    class prior)."""
+    """``gpattn train --dataset text_table`` with a GP variant and no preset uses the exact ELBO (β = 1) and
+    the library's CGP weight α = DEFAULT_ALPHA; at the stream-scale initialisation it learns (before:
+    kl_seq 8.1 -> 0.007 and predictions at the class prior; cgp / scgp at the base rate with α = 1)."""
     from gpattn.data.fixtures import make_text_table
 
     path = make_text_table(tmp_path / "reviews.tsv", n=300, seed=0)
@@ -117,7 +119,7 @@ def test_plain_train_on_a_users_table_does_not_collapse(tmp_path, attention):
         dataset="text_table", dataset_options={"path": str(path)}, attention=attention, epochs=4,
         embed_dim=32, num_heads=2, num_layers=2, batch_size=32, num_samples=4, progress=False,
     )  # fmt: skip
-    assert cfg.beta == 1.0 and cfg.alpha == 1.0
+    assert cfg.beta == 1.0 and cfg.alpha == DEFAULT_ALPHA
     with warnings.catch_warnings():
         warnings.simplefilter("error", GPCollapseWarning)
         metrics = train(cfg, tmp_path / "run")
