@@ -21,6 +21,17 @@ from gpattn._settings import is_deterministic, is_validating
 __all__ = ["AttentionBase"]
 
 
+def _check_num_samples(num_samples) -> int:
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive int or None, got {num_samples!r}")
+    return num_samples
+
+
+def _repeat_rows(P: int, *tensors):
+    """Each tensor (or None) repeated P times along the batch axis, B-major."""
+    return tuple(t if t is None or P == 1 else t.repeat_interleave(P, 0) for t in tensors)
+
+
 class AttentionBase(nn.Module):
     """Multi-head self-attention with ``x (B, T, D) -> y (B, T, D)``.
 
@@ -43,6 +54,9 @@ class AttentionBase(nn.Module):
     projections: tuple[str, ...] = ("q", "k", "v")
     is_gp: bool = False
     stochastic: bool = False
+    #: ``_attend(x, mask, num_samples=P)`` draws P samples from one factorisation (the GP variants);
+    #: otherwise a sampling forward with ``num_samples`` repeats the batch P times before ``_attend``
+    native_samples: bool = False
 
     def __init__(self, embed_dim: int, num_heads: int, *, bias: bool = True, value_dim: int | None = None):
         super().__init__()
@@ -101,9 +115,22 @@ class AttentionBase(nn.Module):
         them unpadded).  # shape: (B, T) or None"""
         return getattr(self, "_loss_mask", None)
 
+    @staticmethod
+    def fold_samples(samples: torch.Tensor) -> torch.Tensor:
+        """A leading sample axis folded B-major into the batch.  # shape: (P, B, ...) -> (B·P, ...)"""
+        P, B = samples.shape[:2]
+        return samples.transpose(0, 1).reshape(B * P, *samples.shape[2:])
+
+    def draw(self, rsample, num_samples: int | None) -> torch.Tensor:
+        """``rsample()`` (one draw) or ``rsample(P)`` folded B-major: the helper of ``_attend`` for a
+        conditional with gpytorch's ``rsample(num_samples)``.  # shape: -> (B, ...) or (B·P, ...)"""
+        return rsample() if num_samples is None else self.fold_samples(rsample(num_samples))
+
     # ------------------------------------------------------------------ to implement
-    def _attend(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """# shape: x (B, T, D), mask (B, T) bool or None -> (B, H, T, Dv)"""
+    def _attend(self, x: torch.Tensor, mask: torch.Tensor | None, num_samples: int | None = None) -> torch.Tensor:
+        """# shape: x (B, T, D), mask (B, T) bool or None -> (B, H, T, Dv); variants with
+        ``native_samples`` take ``num_samples=P`` and return ``(B·P, H, T, Dv)`` draws (B-major,
+        :meth:`fold_samples`) with the ``(B, H, T, Dv)`` posterior mean"""
         raise NotImplementedError
 
     def _posterior(self, x: torch.Tensor, mask: torch.Tensor | None):
@@ -161,27 +188,49 @@ class AttentionBase(nn.Module):
         keep = ~mask.all(-1)  # shape: (B,)
         return mask & keep[:, None], keep
 
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """# shape: x (B, T, D), key_padding_mask (B, T) bool (True = padding) -> (B, T, D)"""
+    def forward(
+        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, num_samples: int | None = None
+    ) -> torch.Tensor:
+        """# shape: x (B, T, D), key_padding_mask (B, T) bool (True = padding) -> (B, T, D), or (B·P, T, D)
+        with ``num_samples=P``: P draws per input, B-major (row b·P + p is draw p of sequence b).
+
+        With ``num_samples`` a GP variant factorises once per sequence and draws its P samples from
+        that factorisation (the first sampling layer of a deep GP, MATH.md §9); a layer that does not
+        sample in this forward computes its output once and repeats it; the other stochastic variants
+        (Gumbel attention) run on the batch repeated P times. The loss terms are those of the B
+        sequences (each sequence's terms once, as with the repeated batch, whose rows share them)."""
         x, key_padding_mask = self.check_inputs(x, key_padding_mask)
+        P = 1 if num_samples is None else _check_num_samples(num_samples)
+        if P > 1 and self.sampling and not self.native_samples:
+            x = x.repeat_interleave(P, 0)
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask.repeat_interleave(P, 0)
+            P = 1
         self._loss_terms, self._diagnostics = {}, {}
         if x.shape[0] == 0:  # empty batch: a defined zero result with a graph
             return x.new_zeros(x.shape) + 0 * sum(p.sum() for p in self.parameters())
         mask, keep = self._effective_mask(key_padding_mask)
         self._keep, self._loss_mask = keep, key_padding_mask
         try:
-            heads = self._attend(x, mask)  # shape: (B, H, T, Dv)
+            if P > 1 and self.sampling:
+                heads = self._attend(x, mask, num_samples=P)  # shape: (B·P, H, T, Dv), mean (B, H, T, Dv)
+            else:
+                heads = self._attend(x, mask)  # shape: (B, H, T, Dv)
         finally:
             self._keep = self._loss_mask = None
         mean = None
         if isinstance(heads, tuple):  # GP variants: (sample or mean, posterior mean)
             heads, mean = heads
-        B, H, T, Dv = heads.shape
-        y = self.out_proj(heads.transpose(1, 2).reshape(B, T, H * Dv))
+        drawn = heads.shape[0] // x.shape[0]  # P when the variant drew the samples, else 1
+        BP, H, T, Dv = heads.shape
+        y = self.out_proj(heads.transpose(1, 2).reshape(BP, T, H * Dv))
         if mean is not None and self.training:  # the trainer reads them; prediction skips the extra W_o
-            self._record_diagnostics(x, key_padding_mask, heads, mean)
+            self._record_diagnostics(
+                *_repeat_rows(drawn, x, key_padding_mask), heads, mean.repeat_interleave(drawn, 0)
+            )
         if keep is not None:  # all-padding sequences: output 0 (masked arithmetic, no host read)
-            y = torch.where(keep[:, None, None], y, 0)
+            y = torch.where(keep.repeat_interleave(drawn, 0)[:, None, None], y, 0)
+        if P > drawn:  # this forward did not sample: every draw is the same
+            y = y.repeat_interleave(P, 0)
         return y
 
     def posterior(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None):

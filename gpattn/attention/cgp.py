@@ -27,6 +27,7 @@ class _CorrelatedGPAttention(AttentionBase):
     projections = ("q", "k", "o", "v")
     is_gp = True
     stochastic = True
+    native_samples = True
 
     def _init_scale(self, input_scale):
         if input_scale is None:
@@ -40,11 +41,13 @@ class _CorrelatedGPAttention(AttentionBase):
         c = self.input_scale
         return p["q"] * c, p["k"] * c, p["o"] * c, p["v"]
 
-    def _attend(self, x, mask):
+    def _attend(self, x, mask, num_samples=None):
         q, k, o, v = self._inputs(x)
-        out, reg, mean = self.gp(q, k, o, v, mask, sample=self.sampling)
+        out, reg, mean = self.gp(q, k, o, v, mask, sample=self.sampling, num_samples=num_samples)
         # MATH §7: mean over the batch of Σ_{h,d} R / 2 (α weighting lives in the objective)
         self.set_loss_terms(cgp=self.batch_mean(reg.sum((-2, -1))).mean() / 2)
+        if num_samples is not None and self.sampling:
+            out = self.fold_samples(out)
         return out.to(v.dtype), mean.to(v.dtype)
 
     def _posterior(self, x, mask):

@@ -58,6 +58,7 @@ class KEPSVGPAttention(AttentionBase):
     projections = ("q", "k")
     is_gp = True
     stochastic = True
+    native_samples = True
 
     def __init__(
         self,
@@ -104,15 +105,18 @@ class KEPSVGPAttention(AttentionBase):
             include_residual=include_residual,
         )
 
-    def _attend(self, x, mask):
+    def _attend(self, x, mask, num_samples=None):
         p = self.project(x)
         with gp_algebra(x.device.type):
             x, q, k = full_precision(x, p["q"], p["k"])
             # the KSVD means run over the caller's real tokens: all-padding rows are left out
             heads, terms, mean = self.kep(
-                x, q, k, mask, sample=self.sampling, return_mean=True, loss_mask=self.loss_mask
-            )  # shape: (B, H, T, Dv)
+                x, q, k, mask, sample=self.sampling, return_mean=True, loss_mask=self.loss_mask,
+                num_samples=num_samples,
+            )  # shape: (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P
         self.set_loss_terms(**terms)
+        if num_samples is not None and self.sampling:
+            heads = self.fold_samples(heads)
         return heads, mean
 
     def _posterior(self, x, mask):

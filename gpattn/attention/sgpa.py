@@ -38,6 +38,7 @@ class SGPAttention(AttentionBase):
     projections = ("qk", "v")
     is_gp = True
     stochastic = True
+    native_samples = True
 
     def __init__(
         self,
@@ -65,10 +66,10 @@ class SGPAttention(AttentionBase):
         p = self.project(x)
         return self.strategy.condition(p["qk"], p["v"], mask)
 
-    def _attend(self, x, mask):
+    def _attend(self, x, mask, num_samples=None):
         cond = self._condition(x, mask)
         self.set_loss_terms(kl_seq=self.batch_mean(cond.kl_divergence().sum((1, 2))))
-        return (cond.rsample() if self.sampling else cond.mean), cond.mean
+        return (self.draw(cond.rsample, num_samples) if self.sampling else cond.mean), cond.mean
 
     def _posterior(self, x, mask):
         return self._condition(x, mask).posterior()
@@ -93,6 +94,7 @@ class DecoupledSGPAttention(AttentionBase):
     projections = ("qk", "v")
     is_gp = True
     stochastic = True
+    native_samples = True
 
     def __init__(
         self,
@@ -132,11 +134,11 @@ class DecoupledSGPAttention(AttentionBase):
         p = self.project(x)
         return self.strategy.condition(p["qk"], p["v"], self.global_keys(), mask)
 
-    def _attend(self, x, mask):
+    def _attend(self, x, mask, num_samples=None):
         cond = self._condition(x, mask)
         gamma, beta = cond.kl_divergence_parts()
         self.set_loss_terms(kl_seq=self.batch_mean(gamma.sum((1, 2))), kl_global=beta.sum())
-        return (cond.rsample() if self.sampling else cond.mean), cond.mean
+        return (self.draw(cond.rsample, num_samples) if self.sampling else cond.mean), cond.mean
 
     def _posterior(self, x, mask):
         return self._condition(x, mask).posterior()

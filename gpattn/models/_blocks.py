@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from gpytorch.kernels import Kernel
 
 from gpattn._settings import is_deterministic
+from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import build_attention
 
 __all__ = ["Block", "Encoder", "MCDropout", "repeat_samples", "resolve_attention_layers"]
@@ -67,8 +68,15 @@ class Block(nn.Module):
             m.active for m in self.modules() if isinstance(m, MCDropout)
         )
 
-    def forward(self, x, mask):
-        x = x + self.drop(self.attn(self.norm1(x), mask))
+    def forward(self, x, mask, num_samples: int | None = None):
+        """``num_samples=P``: the attention draws P samples per input (a gpattn layer factorises once,
+        :meth:`gpattn.attention.base.AttentionBase.forward`) and the residual stream is repeated to
+        match.  # shape: (B, T, D) -> (B·P, T, D), B-major"""
+        if num_samples is None:
+            x = x + self.drop(self.attn(self.norm1(x), mask))
+        else:
+            a = self.attn(self.norm1(x), mask, num_samples=num_samples)  # shape: (B·P, T, D)
+            x = x.repeat_interleave(num_samples, 0) + self.drop(a)
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -140,12 +148,20 @@ class Encoder(nn.Module):
         return repeat_samples(x, mask, pending)[0]
 
     def propagate(self, x, mask, num_samples: int = 1):
-        """Run the stack, repeating the batch ``num_samples`` times (B-major) only just before the
-        first block that samples, so the deterministic blocks below it run once per input (in eval
-        mode a softmax model runs once, not P times). Returns ``(x, mask, pending)``: x and mask
-        have ``B·P/pending`` rows and the caller still owes a repeat by ``pending``."""
+        """Run the stack with an explicit sample axis: the first block that samples draws the
+        ``num_samples`` samples (a gpattn attention from one factorisation per input; any other
+        attention module on the batch repeated B-major just before it), and every later block
+        propagates one sample per incoming sample (deep-GP). The deterministic blocks below it run
+        once per input (in eval mode a softmax model runs once, not P times). Returns
+        ``(x, mask, pending)``: x and mask have ``B·P/pending`` rows and the caller still owes a
+        repeat by ``pending``."""
         for block in self.blocks:
             if num_samples > 1 and block.samples:
+                if isinstance(block.attn, AttentionBase):
+                    x = block(x, mask, num_samples=num_samples)
+                    mask = None if mask is None else mask.repeat_interleave(num_samples, 0)
+                    num_samples = 1
+                    continue
                 x, mask = repeat_samples(x, mask, num_samples)
                 num_samples = 1
             x = block(x, mask)

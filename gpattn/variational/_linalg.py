@@ -36,7 +36,9 @@ __all__ = [
     "full_precision",
     "gp_algebra",
     "reset_stats",
+    "matmul_samples",
     "safe_sqrt",
+    "standard_normal",
     "tri_solve",
 ]
 
@@ -166,3 +168,31 @@ def gp_algebra(device_type: str = "cpu"):
         gpytorch.settings.fast_computations(covar_root_decomposition=False, log_prob=False, solves=False),
     ):
         yield
+
+
+def standard_normal(shape, like: torch.Tensor, num_samples: int | None, generator=None) -> torch.Tensor:
+    """ε ~ N(0, I) with an optional leading sample axis P (gpytorch's ``rsample(num_samples)`` layout).
+
+    With ``num_samples`` the numbers are drawn batch-major — as ``(B, P, *rest)`` for ``shape = (B,
+    *rest)``, then viewed as ``(P, B, *rest)`` — so that P draws from one factorisation consume the
+    random stream exactly as one draw for a batch repeated P times (B-major) would: the same seed gives
+    the same samples either way.  # shape: (P, *shape) or shape"""
+    opts = {"dtype": like.dtype, "device": like.device, "generator": generator}
+    if num_samples is None:
+        return torch.randn(shape, **opts)
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive int or None, got {num_samples!r}")
+    return torch.randn(shape[0], num_samples, *shape[1:], **opts).transpose(0, 1)
+
+
+def matmul_samples(A: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """``A @ X`` where X may carry one extra leading sample axis P that A lacks, computed as one batched
+    product over the columns of all P draws (``torch.matmul`` would copy A P times to broadcast it).
+
+    # shape: A (..., n, k), X (..., k, d) or (P, ..., k, d) -> (..., n, d) or (P, ..., n, d)"""
+    if X.dim() <= A.dim():
+        return A @ X
+    P, d = X.shape[0], X.shape[-1]
+    cols = X.movedim(0, -2)  # shape: (..., k, P, d)
+    out = A @ cols.reshape(*cols.shape[:-2], P * d)  # shape: (..., n, P·d)
+    return out.view(*out.shape[:-1], P, d).movedim(-2, 0)

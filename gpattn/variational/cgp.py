@@ -24,7 +24,15 @@ from gpytorch.kernels import Kernel
 from linear_operator.operators import CholLinearOperator, TriangularLinearOperator
 
 from gpattn.kernels.cross_covariance import CrossCovarianceKernel
-from gpattn.variational._linalg import add_jitter, cholesky, full_precision, gp_algebra, tri_solve
+from gpattn.variational._linalg import (
+    add_jitter,
+    cholesky,
+    full_precision,
+    gp_algebra,
+    matmul_samples,
+    standard_normal,
+    tri_solve,
+)
 from gpattn.variational._scale import CGP_SIGMA
 
 #: lower bound of a learned σ: keeps the regulariser's bound 2T log σ² finite
@@ -194,17 +202,22 @@ class CorrelatedGPBase(nn.Module):
         *,
         sample: bool = True,
         regularize: bool = True,
+        num_samples: int | None = None,
         **options,
     ) -> CorrelatedGPOutput:
         """A sample of :math:`z_q \\mid z_k` (its mean :math:`\\nu` if ``sample=False``) and the
-        regulariser :math:`R`.
+        regulariser :math:`R`; ``num_samples=P`` draws P samples from the one factorisation, on a
+        leading axis.
 
         # shape: q, k, o (B, H, T, Dh) projected inputs, v (B, H, T, Dv), mask (B, T) bool (True = padding)
+        #        -> out (B, H, T, Dv), or (P, B, H, T, Dv) when sampling with num_samples=P
         """
         self._check(q, k, o, v, mask)
         with gp_algebra(q.device.type):
             valid, (q, k, o, v) = self._prepare(mask, q, k, o, v)
-            out, reg, mean = self._forward(q, k, o, v, valid, sample=sample, regularize=regularize, **options)
+            out, reg, mean = self._forward(
+                q, k, o, v, valid, sample=sample, regularize=regularize, num_samples=num_samples, **options
+            )
         return CorrelatedGPOutput(out, reg, mean)
 
     def posterior(self, q, k, o, v, mask=None, **options) -> MultivariateNormal:
@@ -224,7 +237,7 @@ class CorrelatedGPBase(nn.Module):
             return self._conditional_mean(q, k, o, z, valid, **options)
 
     # ------------------------------------------------------------------ to implement
-    def _forward(self, q, k, o, v, valid, *, sample, regularize):
+    def _forward(self, q, k, o, v, valid, *, sample, regularize, num_samples=None):
         raise NotImplementedError
 
     def _posterior(self, q, k, o, v, valid):
@@ -371,7 +384,7 @@ class CorrelatedGP(CorrelatedGPBase):
         return Kb["K_qo"] @ torch.cholesky_solve(Kb["K_ok"] @ v, Kb["L_o"])  # shape: (B, H, T, Dv)
 
     # ------------------------------------------------------------------ the three entry points
-    def _forward(self, q, k, o, v, valid, *, sample, regularize):
+    def _forward(self, q, k, o, v, valid, *, sample, regularize, num_samples=None):
         Kb = self._blocks(q, k, o, valid)
         nu = self._mean(Kb, v)
         if not (sample or regularize):
@@ -383,7 +396,7 @@ class CorrelatedGP(CorrelatedGPBase):
         if sample:
             Sigma, G = self._covariance(s2, Kb)
             L = cholesky(add_jitter(Sigma, self.jitter), name="cgp: predictive covariance")
-            out = nu + L @ torch.randn_like(nu)  # one factor for all Dv columns
+            out = nu + matmul_samples(L, standard_normal(nu.shape, nu, num_samples))  # one factor: all columns, draws
         if not regularize:
             return out, None, nu
         if G is None and self.prior_samples is None:

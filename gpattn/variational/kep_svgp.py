@@ -34,7 +34,7 @@ from linear_operator.operators import (
     TriangularLinearOperator,
 )
 
-from gpattn.variational._linalg import cholesky, safe_sqrt
+from gpattn.variational._linalg import cholesky, matmul_samples, safe_sqrt, standard_normal
 from gpattn.variational._scale import KEP_COVARIANCE_STD, KEP_MEAN_STD
 
 __all__ = [
@@ -278,8 +278,10 @@ def kep_sample(
     token_independent: bool = False,
     residual: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    num_samples: int | None = None,
 ) -> torch.Tensor:
-    r"""One reparameterised sample of the head output (seed 002 eq. 18, MATH §6).
+    r"""One reparameterised sample of the head output (seed 002 eq. 18, MATH §6), or ``num_samples``
+    independent samples on a leading axis (the features ``a`` computed once).
 
     Exact (default): :math:`f_c = a (m_c + L_c \varepsilon_c)`, :math:`\varepsilon_c \sim N(0, I_r)`
     shared by the T tokens — the exact low-rank root :math:`a L_c`, O(T·r²); then :math:`F W + b`.
@@ -290,23 +292,27 @@ def kep_sample(
     token in the token-independent mode).
 
     # shape: a (B, H, T, r), m (H, r_c, r), L (H, r_c, r, r), weight (H, r_c, Dv), bias (H, Dv),
-    #        residual (B, H, T, q) or None -> (B, H, T, Dv)
+    #        residual (B, H, T, q) or None -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P
     """
     B, H, T, r = a.shape
     rc = m.shape[-2]
-    opts = {"dtype": a.dtype, "device": a.device, "generator": generator}
+
+    def randn(*shape):
+        return standard_normal(shape, a, num_samples, generator)
+
     if not token_independent:
-        eps = torch.randn(B, H, rc, r, **opts)  # one ε_c ∈ R^r per (b, h, c), shared by the tokens
+        eps = randn(B, H, rc, r)  # one ε_c ∈ R^r per (b, h, c), shared by the tokens
         u = m + (L @ eps[..., None])[..., 0]  # shape: (B, H, r_c, r): u_c = m_c + L_c ε_c
         if residual is None:  # (a uᵀ) W + b = a (uᵀ W) + b: one T-sized product
-            return a @ (u.mT @ weight) + bias[:, None, :]
-        f = a @ u.mT + residual @ torch.randn(B, H, residual.shape[-1], rc, **opts)  # shape: (B, H, T, r_c)
+            return matmul_samples(a, u.mT @ weight) + bias[:, None, :]
+        noise = matmul_samples(residual, randn(B, H, residual.shape[-1], rc))
+        f = matmul_samples(a, u.mT) + noise  # shape: ([P,] B, H, T, r_c)
     else:
-        eps = torch.randn(B, H, T, rc, r, **opts)  # one ε per (b, h, t, c)
+        eps = randn(B, H, T, rc, r)  # one ε per (b, h, t, c)
         noise = (a[..., None, :] * (L[:, None] @ eps[..., None])[..., 0]).sum(-1)  # shape: (B, H, T, r_c): a_t L_c ε
         f = a @ m.mT + noise
         if residual is not None:
-            eps_res = torch.randn(B, H, T, rc, residual.shape[-1], **opts)
+            eps_res = randn(B, H, T, rc, residual.shape[-1])
             f = f + (residual[..., None, :] * eps_res).sum(-1)
     return f @ weight + bias[:, None, :]
 
@@ -490,12 +496,17 @@ class KEPSVGP(nn.Module):
         return kep_kl_divergence(self.ksvd.lam, self.variational.variational_mean, self.variational.chol)
 
     # ---------------------------------------------------------------- the layer
-    def forward(self, x, q, k, mask=None, *, sample: bool = True, return_mean: bool = False, loss_mask=None):
+    def forward(
+        self, x, q, k, mask=None, *, sample: bool = True, return_mean: bool = False, loss_mask=None,
+        num_samples: int | None = None,
+    ):
         """Head outputs (a sample, or the posterior mean when ``sample=False``) and the loss terms
         (and, with ``return_mean``, the posterior mean as a third element). ``loss_mask`` (default
-        ``mask``) chooses the real tokens the KSVD objective averages over.
+        ``mask``) chooses the real tokens the KSVD objective averages over; ``num_samples=P`` draws P
+        samples from the one set of features, on a leading axis.
 
-        # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask, loss_mask (B, T) or None -> (B, H, T, Dv), dict
+        # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask, loss_mask (B, T) or None -> (B, H, T, Dv)
+        #        (or (P, B, H, T, Dv) when sampling with num_samples=P), dict
         """
         feats = self.features(x, q, k, mask)
         m = self.variational.variational_mean
@@ -508,6 +519,7 @@ class KEPSVGP(nn.Module):
                 self.out_bias,
                 token_independent=self.token_independent,
                 residual=feats["residual"],
+                num_samples=num_samples,
             )
         mean = kep_mean(feats["a"], m, self.out_weight, self.out_bias) if return_mean or not sample else None
         if not sample:

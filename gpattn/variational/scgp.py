@@ -14,7 +14,7 @@ import torch.nn as nn
 from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import DiagLinearOperator, LowRankRootLinearOperator
 
-from gpattn.variational._linalg import add_jitter, cholesky, tri_solve
+from gpattn.variational._linalg import add_jitter, cholesky, matmul_samples, standard_normal, tri_solve
 from gpattn.variational.cgp import CorrelatedGPBase
 
 __all__ = ["DTCTerms", "SparseCorrelatedGP"]
@@ -224,7 +224,7 @@ class SparseCorrelatedGP(CorrelatedGPBase):
             s, s_keys = (x.to(q) for x in inducing)
         return self.terms(q, k, o, s, s_keys, valid)
 
-    def _forward(self, q, k, o, v, valid, *, sample, regularize, inducing=None):
+    def _forward(self, q, k, o, v, valid, *, sample, regularize, num_samples=None, inducing=None):
         t = self._terms_for(q, k, o, valid, inducing)
         z = v if valid is None else v * valid[..., :, None]  # eq. 34: z = v, padded keys removed
         nu = self.predictive_mean(t, z)
@@ -232,9 +232,9 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         if sample:
             root = self.covariance_root(t)  # shape: (B, H, T, m)
             B, H, T, Dv = nu.shape
-            eps = torch.randn(B, H, T + root.shape[-1], Dv, dtype=nu.dtype, device=nu.device)
+            eps = standard_normal((B, H, T + root.shape[-1], Dv), nu, num_samples)  # shape: ([P,] B, H, T + m, Dv)
             sigma = t.s2.sqrt()
-            out = nu + sigma * eps[..., :T, :] + root @ eps[..., T:, :]  # σ ε₁ + K_qm R ε₂
+            out = nu + sigma * eps[..., :T, :] + matmul_samples(root, eps[..., T:, :])  # σ ε₁ + K_qm R ε₂
         reg = self.regularizer(t, nu, z, valid) if regularize else None
         return out, reg, nu
 

@@ -40,7 +40,14 @@ from gpytorch.kernels import Kernel
 from linear_operator.operators import DiagLinearOperator, LinearOperator, RootLinearOperator
 
 from gpattn.kernels import evaluate_kernel
-from gpattn.variational._linalg import cholesky, full_precision, gp_algebra, safe_sqrt
+from gpattn.variational._linalg import (
+    cholesky,
+    full_precision,
+    gp_algebra,
+    matmul_samples,
+    safe_sqrt,
+    standard_normal,
+)
 
 __all__ = [
     "COVARIANCE_MODES",
@@ -126,15 +133,6 @@ def isolate_padding(K: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     both = real[:, None, :, None] & real[:, None, None, :]  # shape: (B, 1, T, T)
     eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
     return torch.where(both, K, eye)
-
-
-def standard_normal(shape, like: torch.Tensor, num_samples: int | None, generator=None) -> torch.Tensor:
-    """ε ~ N(0, I) with an optional leading sample axis P.  # shape: (P, *shape) or shape"""
-    if num_samples is not None:
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive int or None, got {num_samples!r}")
-        shape = (num_samples, *shape)
-    return torch.randn(shape, dtype=like.dtype, device=like.device, generator=generator)
 
 
 def posterior_distribution(mean: torch.Tensor, covariance: LinearOperator) -> MultivariateNormal:
@@ -238,7 +236,7 @@ class SGPAConditional:
         eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)
         if self.covariance == "diag":
             return self.mean + safe_sqrt(self.variance()) * eps
-        return self.mean + self.chol @ (self.std * eps)
+        return self.mean + matmul_samples(self.chol, self.std * eps)
 
 
 class SGPAVariationalStrategy(nn.Module):

@@ -43,7 +43,7 @@ from linear_operator.operators import (
 )
 
 from gpattn.kernels import evaluate_kernel
-from gpattn.variational._linalg import cholesky, full_precision, gp_algebra, safe_sqrt, tri_solve
+from gpattn.variational._linalg import cholesky, full_precision, gp_algebra, matmul_samples, safe_sqrt, tri_solve
 from gpattn.variational.sgpa import (
     add_diagonal,
     check_covariance,
@@ -216,14 +216,14 @@ class DecoupledSGPAConditional:
         jit = relative_jitter(self.gram_diag, self.jitter, pad)  # shape: (B, H, 1, 1)
         if self.mask is None:
             L = cholesky(add_diagonal(R, jit[..., 0]), name="sgpa-decoupled (K_qq - Q_qq)")
-            return L @ eps
+            return matmul_samples(L, eps)
         perm = torch.argsort(self.mask.to(torch.int8), dim=-1, stable=True)  # shape: (B, T), real first
         rows = perm[:, None, :, None].expand(B, H, T, T)
         R = R.gather(-2, rows).gather(-1, rows.mT)  # R[perm][:, perm]
         L = cholesky(add_diagonal(R, jit[..., 0]), name="sgpa-decoupled (K_qq - Q_qq)")
         inv = torch.argsort(perm, dim=-1)[:, None, :, None].expand(B, H, T, eps.shape[-1])  # shape: (B, H, T, Dv)
         inv = inv.expand(*eps.shape[:-4], *inv.shape)
-        return (L @ eps).gather(-2, inv)  # rows back in token order (ε's row order is immaterial)
+        return matmul_samples(L, eps).gather(-2, inv)  # rows back in token order (ε's row order is immaterial)
 
     def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Exact reparameterised sample(s).
@@ -248,7 +248,7 @@ class DecoupledSGPAConditional:
             cols = eps_g.reshape(-1, H, Dv, M).permute(1, 2, 3, 0)  # shape: (H, Dv, M, N), N = P·B
             low = self.scale_tril @ cols  # shape: (H, Dv, M, N)
             low_rank = low.permute(3, 0, 2, 1).reshape(*lead, H, M, Dv)  # shape: (..., B, H, M, Dv)
-            return self.mean + self._residual_sample(eps) + self.interp @ low_rank
+            return self.mean + self._residual_sample(eps) + matmul_samples(self.interp, low_rank)
 
 
 class DecoupledSGPAVariationalStrategy(nn.Module):

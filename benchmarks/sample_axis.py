@@ -1,0 +1,112 @@
+"""Monte-Carlo prediction cost of the first GP layer: P = 10 draws against one (issue 19 item 3).
+
+For every GP variant, one layer ``gpattn.build_attention(name, D, H)`` in eval mode (sampling on) on
+LayerNorm-ed x of shape (B, T, D) with some padding, without gradients: the median time of
+
+* ``P=1``: ``layer(x, mask)`` — one draw;
+* ``P=10``: ``layer(x, mask, num_samples=10)`` — the explicit sample axis: one factorisation per
+  sequence, ten draws from it;
+* ``P=10 repeated``: ``layer`` on the batch repeated ten times (the previous behaviour of the models:
+  ten factorisations per sequence, the same draws — ``tests/test_sample_axis.py``).
+
+The ratios to ``P=1`` are what the issue's target (P = 10 costs at most 1.5x P = 1) is about; softmax is
+listed as the reference row (it does not sample: its P = 10 output is one forward repeated).
+
+    python benchmarks/sample_axis.py --markdown out.md        # defaults: B=32, T=64, D=128, H=4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+from _common import REFERENCE, add_device_argument, machine_info, synchronize, variant_configs, write_json
+
+import gpattn
+from gpattn.attention.registry import attention_class
+from gpattn.training import resolve_device
+
+
+def _median_ms(fn, reps: int, device) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def measure(cfg: dict, args, device) -> dict:
+    torch.manual_seed(0)
+    B, T, D, H, P = args.batch, args.tokens, args.width, args.heads, args.samples
+    layer = gpattn.build_attention(cfg["name"], D, H, **cfg["options"]).to(device).eval()
+    x = torch.nn.functional.layer_norm(torch.randn(B, T, D, device=device), (D,))
+    mask = torch.zeros(B, T, dtype=torch.bool, device=device)
+    mask[: B // 2, T - T // 4 :] = True  # half the sequences padded by a quarter
+    xr, mr = x.repeat_interleave(P, 0), mask.repeat_interleave(P, 0)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = _median_ms(lambda: layer(x, mask), args.reps, device)
+        many = _median_ms(lambda: layer(x, mask, num_samples=P), args.reps, device)
+        repeated = _median_ms(lambda: layer(xr, mr), args.reps, device)
+    return {
+        "variant": cfg["variant"],
+        "options": cfg["options"],
+        "p1_ms": one,
+        f"p{P}_ms": many,
+        f"p{P}_repeated_ms": repeated,
+        "ratio": many / one,
+        "ratio_repeated": repeated / one,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--variants", default=None, help="comma list (default: softmax and every GP variant)")
+    parser.add_argument("--json", default=None, help="write the rows and the machine here")
+    parser.add_argument("--markdown", default=None, help="write the table here")
+    add_device_argument(parser)
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
+    names = args.variants.split(",") if args.variants else [REFERENCE] + [
+        n for n in gpattn.list_attention() if attention_class(n).is_gp
+    ]
+    rows = [measure(cfg, args, device) for cfg in variant_configs(names)]
+    P = args.samples
+    lines = [
+        f"B={args.batch}, T={args.tokens}, D={args.width}, H={args.heads}, eval mode, no gradients, "
+        f"median of {args.reps}; device {device}, {torch.get_num_threads()} threads",
+        "",
+        f"| variant | P=1 ms | P={P} ms | ratio | P={P} repeated batch ms | ratio |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['p1_ms']:.2f} | {r[f'p{P}_ms']:.2f} | {r['ratio']:.2f} | "
+            f"{r[f'p{P}_repeated_ms']:.2f} | {r['ratio_repeated']:.2f} |"
+        )
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(text + "\n")
+    if args.json:
+        write_json({"machine": machine_info(), "args": vars(args), "rows": rows}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
