@@ -1,11 +1,11 @@
 """Sequence and image classifiers over any registered attention (DESIGN.md "Models").
 
 Both return logits with an explicit Monte-Carlo axis: ``forward(inputs, key_padding_mask=None,
-num_samples=P) -> (B, P, C)``. Samples propagate through depth as in a deep GP (MATH.md §9): the
-embedded batch is repeated P times (B-major, ``(B·P, T, D)`` inside the stack) just before the first
-layer that samples (a stochastic attention or active dropout), so the first GP layer draws P samples,
-every later layer draws one sample per incoming sample, and the deterministic layers below it run once
-per input; a model that samples nothing (softmax in eval mode) returns P equal draws.
+num_samples=P) -> (B, P, C)``. Samples propagate through depth as in a deep GP (MATH.md §9): the first
+layer that samples (a stochastic attention or active dropout) draws the P samples — a gpattn attention
+factorises once per input and draws P times (``(B·P, T, D)`` inside the stack, B-major) — every later
+layer draws one sample per incoming sample, and the deterministic layers below it run once per input;
+a model that samples nothing (softmax in eval mode) returns P equal draws.
 """
 
 from __future__ import annotations
