@@ -118,7 +118,10 @@ COMPOSED = {
     "name": "sum",
     "kernels": [
         {"name": "exponential", "lengthscale": 3.0},
-        {"name": "product", "kernels": ["canonical-rbf", {"name": "scale", "base": {"name": "matern", "nu": 1.5}, "outputscale": 0.5}]},
+        {
+            "name": "product",
+            "kernels": ["canonical-rbf", {"name": "scale", "base": {"name": "matern", "nu": 1.5}, "outputscale": 0.5}],
+        },
     ],
 }
 
@@ -194,9 +197,18 @@ def test_stream_scale_of_the_exponential_kernel_and_explicit_options():
     "spec, message",
     [
         (3, r"kernel must be a kernel name \(ard-rbf, canonical-rbf, exponential, matern\)"),
-        ({"name": "sum", "kernels": ["exponential", "laplace"]}, r"kernel\['kernels'\]\[1\]: unknown kernel name 'laplace'"),
-        ({"name": "ard-rbf", "period": 2.0}, r"unknown option\(s\) \['period'\] for kernel 'ard-rbf'; valid: lengthscale"),
-        ({"name": "scale", "base": {"name": "exponential", "lengthscale": -1}}, r"kernel\['base'\]\['lengthscale'\] must"),
+        (
+            {"name": "sum", "kernels": ["exponential", "laplace"]},
+            r"kernel\['kernels'\]\[1\]: unknown kernel name 'laplace'",
+        ),
+        (
+            {"name": "ard-rbf", "period": 2.0},
+            r"unknown option\(s\) \['period'\] for kernel 'ard-rbf'; valid: lengthscale",
+        ),
+        (
+            {"name": "scale", "base": {"name": "exponential", "lengthscale": -1}},
+            r"kernel\['base'\]\['lengthscale'\] must",
+        ),
         ({"name": "matern", "nu": 2}, r"kernel\['nu'\] must be one of \[0.5, 1.5, 2.5\], got 2"),
         ({"name": "scale"}, r"kernel 'scale' needs 'base'"),
         ({"name": "product", "kernels": ["exponential"]}, r"kernel\['kernels'\] must be a list of at least two"),
@@ -294,6 +306,7 @@ def test_the_cli_reads_a_kernel_spec():
     assert _kv("kernel=ard-rbf") == ("kernel", "ard-rbf")
 
 
+@pytest.mark.slow  # three tiny trainings, ~8 s on one thread
 def test_a_composed_kernel_trains_checkpoints_resumes_and_reloads(tmp_path):
     """CLI → config.json → an interrupted and resumed run → load_run: the same spec and the same
     predictions as the uninterrupted run."""
@@ -323,7 +336,11 @@ def test_a_composed_kernel_trains_checkpoints_resumes_and_reloads(tmp_path):
 
 
 def test_correlated_gps_take_stationary_specs_only():
-    for spec in ("ard-rbf", "matern", {"name": "product", "kernels": ["canonical-rbf", {"name": "scale", "base": "matern"}]}):
+    for spec in (
+        "ard-rbf",
+        "matern",
+        {"name": "product", "kernels": ["canonical-rbf", {"name": "scale", "base": "matern"}]},
+    ):
         layer = gpattn.build_attention("scgp", 8, 2, kernel=spec)
         assert torch.isfinite(layer(torch.randn(2, 5, 8))).all()
     with pytest.raises(ValueError, match=r"kernel\['kernels'\]\[1\]: kernel 'exponential' is not stationary"):

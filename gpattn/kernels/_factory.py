@@ -250,8 +250,10 @@ def kernel_spec(kernel: Kernel):
         raise ValueError(f"{type(kernel).__name__} with active_dims has no kernel spec")
     kind = type(kernel)
     if kind is ExponentialKernel:
-        return {"name": "exponential", **options(lengthscale=_uniform(kernel.lengthscale),
-                                                 outputscale=_uniform(kernel.outputscale))}
+        return {
+            "name": "exponential",
+            **options(lengthscale=_uniform(kernel.lengthscale), outputscale=_uniform(kernel.outputscale)),
+        }
     if kind is CanonicalRBFKernel:
         return "canonical-rbf"
     if kind is MaternKernel:
@@ -259,10 +261,16 @@ def kernel_spec(kernel: Kernel):
     if kind is ScaleKernel:
         scale = _uniform(kernel.outputscale)
         if type(kernel.base_kernel) is RBFKernel and kernel.base_kernel.active_dims is None:
-            return {"name": "ard-rbf", **options(lengthscale=_uniform(kernel.base_kernel.lengthscale), outputscale=scale)}
+            return {
+                "name": "ard-rbf",
+                **options(lengthscale=_uniform(kernel.base_kernel.lengthscale), outputscale=scale),
+            }
         return {"name": "scale", "base": kernel_spec(kernel.base_kernel), **options(outputscale=scale)}
     if kind in (AdditiveKernel, ProductKernel):
-        return {"name": "sum" if kind is AdditiveKernel else "product", "kernels": [kernel_spec(k) for k in kernel.kernels]}
+        return {
+            "name": "sum" if kind is AdditiveKernel else "product",
+            "kernels": [kernel_spec(k) for k in kernel.kernels],
+        }
     raise ValueError(
         f"{kind.__name__} has no kernel spec; specs build {', '.join(KERNEL_NAMES)} and their sum, product and scale"
     )

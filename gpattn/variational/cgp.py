@@ -99,7 +99,7 @@ class CorrelatedGPBase(nn.Module):
         elif isinstance(kernel, Kernel):
             canonical = kernel
         else:
-            raise ValueError(f"kernel must be 'canonical-rbf' or a gpytorch.kernels.Kernel instance, got {type(kernel)}")
+            raise ValueError(f"kernel must be 'canonical-rbf' or a gpytorch.kernels.Kernel, got {type(kernel)}")
         if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not sigma > 0:
             raise ValueError(f"sigma must be a float > 0, got {sigma!r}")
         if not isinstance(learn_sigma, bool):
