@@ -177,7 +177,7 @@ def _check_width(kernel: Kernel, width: int, head_dim: int, where: str, applied=
         width = len(dims)
     if kernel.ard_num_dims is not None and kernel.ard_num_dims != width:
         raise ValueError(
-            f"{where}: {type(kernel).__name__} has ard_num_dims={kernel.ard_num_dims}, but a GP attention kernel sees "
+            f"{where}: {type(kernel).__name__} has ard_num_dims={kernel.ard_num_dims}, but an attention kernel sees "
             f"one head's projected tokens, of width {width} (Dh = embed_dim / num_heads = {head_dim}, not embed_dim); "
             f"build it with ard_num_dims={width}"
         )
