@@ -66,7 +66,9 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
         help="an attention option, repeatable (gpattn.attention_options(NAME) lists them); in compare it applies "
-        "to every variant that takes it — for one variant write name[key=value,...], e.g. sto[tau=2]",
+        "to every variant that takes it — for one variant write name[key=value,...], e.g. sto[tau=2]; VALUE is a "
+        "Python literal, so a kernel spec (docs/kernels.md) reads kernel=ard-rbf or "
+        "kernel=\"{'name': 'sum', 'kernels': ['exponential', 'ard-rbf']}\"",
     )
     for flag, typ in (
         ("--epochs", int),

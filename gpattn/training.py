@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from gpattn._io import load_file
 from gpattn._settings import is_validating
 from gpattn.diagnostics import EpochStats, GPCollapseWarning, base_rate_entropy, collapse_warnings
+from gpattn.kernels import require_kernel_spec
 from gpattn.models import TransformerClassifier, ViTClassifier
 from gpattn.objectives import DEFAULT_ALPHA, ELBOObjective
 
@@ -184,6 +185,9 @@ class TrainConfig:
             raise ValueError(f"device (--device) must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision (--precision) must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if isinstance(self.attention_options, dict) and "kernel" in self.attention_options:
+            # config.json stores kernel specs (gpattn.kernels), never a kernel instance
+            require_kernel_spec(self.attention_options["kernel"], name="attention_options['kernel']")
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:

@@ -7,6 +7,7 @@ from gpytorch.kernels import Kernel
 
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import register
+from gpattn.kernels import make_kernel
 from gpattn.variational.cgp import CorrelatedGP
 from gpattn.variational.scgp import SparseCorrelatedGP
 
@@ -36,6 +37,11 @@ class _CorrelatedGPAttention(AttentionBase):
             raise ValueError(f"input_scale must be a float > 0 or None, got {input_scale!r}")
         self.input_scale = float(input_scale)
 
+    def _canonical(self, kernel):
+        """κ_o from the ``kernel`` option, checked against the head width. A spec must be stationary:
+        the prior variance of z_q is σ_q² κ_o(x, x) (gpattn.variational._scale)."""
+        return make_kernel(kernel, self.num_heads, self.head_dim, rbf="canonical-rbf", stationary=True)
+
     def _inputs(self, x):
         p = self.project(x)  # shape: each (B, H, T, Dh), v (B, H, T, Dv)
         c = self.input_scale
@@ -60,7 +66,9 @@ class CGPAttention(_CorrelatedGPAttention):
     """Exact correlated-GP attention, CGPT (seed 003 §3; MATH.md §7): see
     :class:`gpattn.variational.cgp.CorrelatedGP` for the equations. Cost O(T³) per (B, H).
 
-    :param kernel: canonical kernel κ_o, ``"rbf"`` = exp(−½‖a−b‖²) or any gpytorch ``Kernel``.
+    :param kernel: canonical kernel κ_o as a kernel spec (:mod:`gpattn.kernels`): ``"canonical-rbf"`` =
+        exp(−½‖a−b‖²) (default; the legacy ``"rbf"`` means it here), another stationary spec, or a
+        gpytorch ``Kernel`` (batch_shape ``(H,)`` or ``()``, ``ard_num_dims`` = Dh; checked here).
     :param sigma: noise standard deviation σ (default 0.1, seed 003 App. F).
     :param learn_sigma: learn σ per head (default fixed).
     :param jitter: diagonal jitter before factorising Σ, Σ_q, Σ_k and K_o.
@@ -74,7 +82,7 @@ class CGPAttention(_CorrelatedGPAttention):
         embed_dim: int,
         num_heads: int,
         *,
-        kernel: str | Kernel = "rbf",
+        kernel: str | dict | Kernel = "canonical-rbf",
         sigma: float = 0.1,
         learn_sigma: bool = False,
         jitter: float = 1e-5,
@@ -85,7 +93,12 @@ class CGPAttention(_CorrelatedGPAttention):
         super().__init__(embed_dim, num_heads, **base)
         self._init_scale(input_scale)
         self.gp = CorrelatedGP(
-            num_heads, kernel=kernel, sigma=sigma, learn_sigma=learn_sigma, jitter=jitter, prior_samples=prior_samples
+            num_heads,
+            kernel=self._canonical(kernel),
+            sigma=sigma,
+            learn_sigma=learn_sigma,
+            jitter=jitter,
+            prior_samples=prior_samples,
         )
 
 
@@ -107,7 +120,7 @@ class SCGPAttention(_CorrelatedGPAttention):
         embed_dim: int,
         num_heads: int,
         *,
-        kernel: str | Kernel = "rbf",
+        kernel: str | dict | Kernel = "canonical-rbf",
         sigma: float = 0.1,
         learn_sigma: bool = False,
         jitter: float = 1e-5,
@@ -130,7 +143,7 @@ class SCGPAttention(_CorrelatedGPAttention):
             amortize=amortize,
             seq_len=seq_len,
             inducing_std=self.input_scale / 3**0.5,
-            kernel=kernel,
+            kernel=self._canonical(kernel),
             sigma=sigma,
             learn_sigma=learn_sigma,
             jitter=jitter,

@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import torch
+
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import register
 from gpattn.variational._linalg import full_precision, gp_algebra
 from gpattn.variational.kep_svgp import KEPSVGP, MERGES
 
 __all__ = ["KEPSVGPAttention"]
+
+
+#: the only kernel of KEP-SVGP: κ(q, k) = φ(q)·φ(k) with the cosine feature map φ(t) = t / ‖t‖
+KEP_KERNEL = "cosine"
+
+
+def _check_kernel(kernel) -> None:
+    """``kernel=`` of kep-svgp: only the cosine kernel, whose feature map the primal KSVD needs."""
+    if kernel == KEP_KERNEL or kernel == {"name": KEP_KERNEL}:
+        return
+    got = f"a {type(kernel).__name__} instance" if isinstance(kernel, torch.nn.Module) else repr(kernel)
+    raise ValueError(
+        f"kep-svgp takes only kernel={KEP_KERNEL!r} (kappa(q, k) = phi(q).phi(k), phi(t) = t/|t|), got {got}: "
+        f"its KSVD is solved in the primal, e = phi(q) W_e with W_e = X omega_e built from landmark tokens in "
+        f"the Dh-wide space of an explicit feature map phi (MATH.md §6), while a gpytorch kernel or a kernel "
+        f"spec gives only the values kappa(q, k); use sgpa or sgpa-decoupled for another kernel"
+    )
 
 
 def _positive_int(name, val):
@@ -39,6 +58,8 @@ class KEPSVGPAttention(AttentionBase):
     Seed 002 §5 replaces only the *last* layer of a transformer by KEP-SVGP; the models' presets use
     ``attention_layers="last"`` for it.
 
+    :param kernel: ``"cosine"``, the only kernel whose feature map KEP-SVGP's primal KSVD has (any
+        other value is a ``ValueError`` that says why).
     :param rank: r, number of KSVD features / inducing features / output GPs (10: the released
         CIFAR and IMDB setting; CoLA used 5).
     :param num_landmarks: s, landmark tokens for :math:`W = \tilde X\omega` (default ``10 * rank``, the
@@ -65,6 +86,7 @@ class KEPSVGPAttention(AttentionBase):
         embed_dim: int,
         num_heads: int,
         *,
+        kernel: str | dict = KEP_KERNEL,
         rank: int = 10,
         num_landmarks: int | None = None,
         merge: str = "add",
@@ -75,6 +97,7 @@ class KEPSVGPAttention(AttentionBase):
         **base,
     ):
         super().__init__(embed_dim, num_heads, **base)
+        _check_kernel(kernel)
         _positive_int("rank", rank)
         if num_landmarks is None:
             num_landmarks = 10 * rank

@@ -19,15 +19,16 @@ class KernelAttention(AttentionBase):
     Symmetric: one projection :math:`W_q = W_k` ("qk"), so :math:`K_{qq}` is a Gram matrix.
     Padded keys get zero kernel columns.
 
-    :param kernel: ``"exponential"`` (default), ``"rbf"`` or any ``gpytorch.kernels.Kernel`` (per-head
-        batch_shape ``(H,)`` recommended).
+    :param kernel: a kernel spec (:mod:`gpattn.kernels`): ``"exponential"`` (default), ``"ard-rbf"`` (the
+        legacy ``"rbf"`` means it here), a composition, or a gpytorch ``Kernel`` (batch_shape ``(H,)`` or
+        ``()``, ``ard_num_dims`` = Dh; checked here).
     """
 
     projections = ("qk", "v")
 
-    def __init__(self, embed_dim: int, num_heads: int, *, kernel: str | Kernel = "exponential", **base):
+    def __init__(self, embed_dim: int, num_heads: int, *, kernel: str | dict | Kernel = "exponential", **base):
         super().__init__(embed_dim, num_heads, **base)
-        self.kernel = make_kernel(kernel, num_heads, self.head_dim)
+        self.kernel = make_kernel(kernel, num_heads, self.head_dim, rbf="ard-rbf")
 
     def _queries_keys(self, p):
         return p["qk"], p["qk"]

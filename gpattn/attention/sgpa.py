@@ -26,8 +26,10 @@ class SGPAttention(AttentionBase):
     :math:`K_{qk} v` and the whitened amortised covariance gives :math:`\Sigma_d = L \tilde\Sigma_d L^\top`.
     Symmetric kernel (W_q = W_k: projections ("qk", "v")). Cost O(T³) per (B, H).
 
-    :param kernel: ``"exponential"`` (default, text), ``"rbf"`` (ARD-RBF, images) or any gpytorch
-        ``Kernel`` (per-head batch_shape ``(H,)`` recommended).
+    :param kernel: a kernel spec (:mod:`gpattn.kernels`, docs/kernels.md): ``"exponential"`` (default,
+        text), ``"ard-rbf"`` (images; the legacy ``"rbf"`` means it here), a composition such as
+        ``{"name": "sum", "kernels": ["exponential", "ard-rbf"]}``, or a gpytorch ``Kernel`` (batch_shape
+        ``(H,)`` or ``()``, ``ard_num_dims`` = Dh; checked here).
     :param jitter: relative jitter of the Cholesky factor (1e-6 suits float32; 0 for float64 checks).
     :param covariance: ``"full"`` (default: exact joint samples; with L shared, as cheap as ``"diag"``)
         or ``"diag"`` (independent tokens).
@@ -45,14 +47,14 @@ class SGPAttention(AttentionBase):
         embed_dim: int,
         num_heads: int,
         *,
-        kernel: str | Kernel = "exponential",
+        kernel: str | dict | Kernel = "exponential",
         jitter: float = 1e-6,
         covariance: str = "full",
         **base,
     ):
         super().__init__(embed_dim, num_heads, **base)
         self.strategy = SGPAVariationalStrategy(
-            make_kernel(kernel, num_heads, self.head_dim, prior_variance=PRIOR_VARIANCE),
+            make_kernel(kernel, num_heads, self.head_dim, prior_variance=PRIOR_VARIANCE, rbf="ard-rbf"),
             AmortisedDiagonalVariationalDistribution(num_heads, self.head_dim, self.value_dim),
             jitter=jitter,
             covariance=covariance,
@@ -101,7 +103,7 @@ class DecoupledSGPAttention(AttentionBase):
         embed_dim: int,
         num_heads: int,
         *,
-        kernel: str | Kernel = "exponential",
+        kernel: str | dict | Kernel = "exponential",
         num_global: int = 16,
         covariance: str = "diag",
         jitter: float = 1e-6,
@@ -111,7 +113,7 @@ class DecoupledSGPAttention(AttentionBase):
         if isinstance(num_global, bool) or not isinstance(num_global, int) or num_global < 1:
             raise ValueError(f"num_global must be a positive int, got {num_global!r}")
         self.strategy = DecoupledSGPAVariationalStrategy(
-            make_kernel(kernel, num_heads, self.head_dim, prior_variance=PRIOR_VARIANCE),
+            make_kernel(kernel, num_heads, self.head_dim, prior_variance=PRIOR_VARIANCE, rbf="ard-rbf"),
             WhitenedGlobalVariationalDistribution(num_heads, num_global, self.value_dim),
             torch.randn(num_heads, num_global, embed_dim),
             jitter=jitter,

@@ -1,6 +1,14 @@
-"""GPyTorch kernels of gpattn and the factory behind every ``kernel=`` option."""
+"""GPyTorch kernels of gpattn, the kernel specs of every ``kernel=`` option and their factory."""
 
-from gpattn.kernels._factory import KERNEL_NAMES, evaluate_kernel, make_kernel
+from gpattn.kernels._evaluate import evaluate_kernel
+from gpattn.kernels._factory import (
+    KERNEL_NAMES,
+    KERNEL_OPTIONS,
+    check_kernel,
+    kernel_spec,
+    make_kernel,
+    require_kernel_spec,
+)
 from gpattn.kernels.cross_covariance import CanonicalRBFKernel, CrossCovarianceKernel
 from gpattn.kernels.exponential import ExponentialKernel
 
@@ -9,6 +17,10 @@ __all__ = [
     "CrossCovarianceKernel",
     "ExponentialKernel",
     "KERNEL_NAMES",
+    "KERNEL_OPTIONS",
+    "check_kernel",
     "evaluate_kernel",
+    "kernel_spec",
     "make_kernel",
+    "require_kernel_spec",
 ]

@@ -9,13 +9,15 @@ A canonical GP :math:`z_o \\sim \\mathcal{GP}(0, \\kappa_o)` with a *parameter-f
     \\kappa_{ab}(x, x') = \\sigma_a \\sigma_b\\, \\kappa_o(x W_a, x' W_b), \\qquad a, b \\in \\{q, k, o\\},
     \\quad \\sigma_o = 1,
 
-which is *not* symmetric when :math:`W_a \\ne W_b` (eq. 7). GPyTorch's lazy kernel tensors assume
-symmetry (``kernel(x1, x2).mT`` re-evaluates ``forward(x2, x1)``, i.e. :math:`K` instead of
-:math:`K^\\top` in self-attention with two projections), and Cholesky / solves accept non-symmetric
-input silently. The safe pattern used here: the projections are applied first (by the attention
-layer's fused input projection), the symmetric canonical kernel is evaluated on the two point sets,
-the result is a dense tensor *now*, and only the symmetric PSD Gram blocks (:math:`a = b`, same
-points) are ever factorised.
+which is *not* symmetric when :math:`W_a \\ne W_b` (eq. 7). The projections are applied first (by
+the attention layer's fused input projection), so the kernel sees the projected points
+:math:`\\tilde x = x W_a`, :math:`\\tilde x' = x' W_b`, and on those
+:math:`\\kappa_{ab}(\\tilde x, \\tilde x') = \\sigma_a\\sigma_b \\kappa_o(\\tilde x, \\tilde x')
+= \\kappa_{ab}(\\tilde x', \\tilde x)` because :math:`\\kappa_o` is symmetric. GPyTorch's lazy path is
+therefore exact: ``kernel(q, k, roles=("q", "k")).mT`` re-evaluates ``forward(k, q, roles=("q", "k"))``,
+which is :math:`K_{qk}^\\top` (tested). Cholesky / solves accept non-symmetric input silently, so only
+the symmetric PSD Gram blocks (:math:`a = b`, same points) are ever factorised; the GP layers
+evaluate the blocks densely (:func:`gpattn.kernels.evaluate_kernel`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from gpytorch.constraints import Positive
 from gpytorch.kernels import Kernel
 
-from gpattn.kernels._factory import evaluate_kernel
+from gpattn.kernels._evaluate import evaluate_kernel
 
 __all__ = ["ROLES", "CanonicalRBFKernel", "CrossCovarianceKernel"]
 
@@ -39,10 +41,30 @@ class CanonicalRBFKernel(Kernel):
         \kappa_o(a, b) = \exp\big(-\tfrac12 \lVert a - b \rVert^2\big).
 
     Lengthscales and output scale live in the projections and in :math:`\sigma_q, \sigma_k` of
-    :class:`CrossCovarianceKernel`. ``forward`` returns a dense tensor.
+    :class:`CrossCovarianceKernel`. ``forward`` returns a dense tensor whose batch shape is the inputs'
+    broadcast against ``batch_shape`` (the values do not depend on it: there are no parameters).
+
+    :param batch_shape: e.g. ``torch.Size([H])``, as for any gpytorch kernel.
     """
 
     has_lengthscale = False
+
+    def __init__(self, batch_shape: torch.Size = torch.Size([]), **kwargs):
+        super().__init__(batch_shape=batch_shape, **kwargs)
+        # no parameters, so nothing else would remember ``.to(dtype)`` / ``.to(device)``: an empty,
+        # non-persistent buffer does (state_dict and checkpoints are unchanged)
+        self.register_buffer("_anchor", torch.zeros(*self.batch_shape, 0), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        dtypes = {self._anchor.dtype} | {p.dtype for p in self.parameters()}
+        if len(dtypes) > 1:
+            raise RuntimeError(f"The kernel's parameters have multiple dtypes: {dtypes}.")
+        return dtypes.pop()
+
+    @property
+    def device(self) -> torch.device:
+        return self._anchor.device
 
     @property
     def is_stationary(self) -> bool:
@@ -51,16 +73,20 @@ class CanonicalRBFKernel(Kernel):
     # shape: x1 (..., n, d), x2 (..., m, d) -> (..., n, m), or (..., n) with diag=True
     def forward(self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, **params) -> torch.Tensor:
         if diag:
-            return torch.exp(-0.5 * (x1 - x2).pow(2).sum(-1))
-        # -½‖a − b‖² = a·b − ½‖a‖² − ½‖b‖², clamped at 0 against round-off (κ_o ≤ 1)
-        half_a = 0.5 * x1.pow(2).sum(-1, keepdim=True)  # shape: (..., n, 1)
-        half_b = 0.5 * x2.pow(2).sum(-1, keepdim=True)  # shape: (..., m, 1)
-        # in place on the fresh matmul output: one n×m temporary besides the result
-        expo = (x1 @ x2.transpose(-1, -2)).sub_(half_a).sub_(half_b.transpose(-1, -2)).clamp_max_(0.0)
-        return torch.exp(expo)
+            K = torch.exp(-0.5 * (x1 - x2).pow(2).sum(-1))
+        else:
+            # -½‖a − b‖² = a·b − ½‖a‖² − ½‖b‖², clamped at 0 against round-off (κ_o ≤ 1)
+            half_a = 0.5 * x1.pow(2).sum(-1, keepdim=True)  # shape: (..., n, 1)
+            half_b = 0.5 * x2.pow(2).sum(-1, keepdim=True)  # shape: (..., m, 1)
+            # in place on the fresh matmul output: one n×m temporary besides the result
+            expo = (x1 @ x2.transpose(-1, -2)).sub_(half_a).sub_(half_b.transpose(-1, -2)).clamp_max_(0.0)
+            K = torch.exp(expo)
+        event = K.shape[-1:] if diag else K.shape[-2:]
+        batch = torch.broadcast_shapes(K.shape[: K.dim() - len(event)], self.batch_shape)
+        return K.expand(*batch, *event)  # a view: no copy when the inputs already carry the batch
 
     def __repr__(self) -> str:  # pragma: no cover - cosmetic
-        return "CanonicalRBFKernel()"
+        return f"CanonicalRBFKernel(batch_shape={tuple(self.batch_shape)})"
 
 
 class CrossCovarianceKernel(Kernel):
@@ -71,9 +97,10 @@ class CrossCovarianceKernel(Kernel):
         \qquad \tilde x = x W_a,\ \tilde x' = x' W_b,\ \sigma_o = 1.
 
     The inputs are the *projected* points :math:`\tilde x` (the attention layer owns :math:`W_q, W_k,
-    W_o`); ``roles=(a, b)`` says which processes they belong to. Calling the kernel always returns a
-    dense tensor evaluated now — never a lazy tensor whose ``.mT`` would silently re-evaluate
-    :math:`\kappa_{ab}(\tilde x', \tilde x)` — so :math:`K_{ab}^\top` is a true transpose. A block is a
+    W_o`); ``roles=(a, b)`` says which processes they belong to. ``kernel(x1, x2, roles=(a, b))`` is
+    gpytorch's lazy kernel tensor, whose ``.mT`` re-evaluates ``forward(x2, x1, roles=(a, b))``: that is
+    :math:`K_{ab}^\top`, since :math:`\sigma_a\sigma_b` commute and :math:`\kappa_o` is symmetric.
+    :func:`gpattn.kernels.evaluate_kernel` (``forward``) gives the same block dense, now. A block is a
     symmetric PSD Gram matrix only for ``a == b`` on the same points (:meth:`gram`).
 
     :param canonical: the canonical kernel :math:`\kappa_o`; default :class:`CanonicalRBFKernel`. Any
@@ -101,7 +128,7 @@ class CrossCovarianceKernel(Kernel):
                 raise ValueError(f"{arg} must be > 0, got {val!r}")
         self.canonical = canonical if canonical is not None else CanonicalRBFKernel()
         for role, init in (("q", sigma_q), ("k", sigma_k)):
-            self.register_parameter(f"raw_sigma_{role}", torch.nn.Parameter(torch.zeros(*self.batch_shape)))
+            self.register_parameter(f"raw_sigma_{role}", torch.nn.Parameter(torch.zeros(self._batch_shape)))
             self.register_constraint(f"raw_sigma_{role}", Positive())
             self._set_sigma(role, init)
 
@@ -151,24 +178,9 @@ class CrossCovarianceKernel(Kernel):
     def forward(
         self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, roles: tuple[str, str] = ("q", "k"), **params
     ) -> torch.Tensor:
-        a, b = roles
-        K = self.canonical_block(x1, x2, diag=diag)
-        scale = self.scale(a) * self.scale(b)
-        if torch.is_tensor(scale):
-            scale = scale[..., None] if diag else scale[..., None, None]
-        return K * scale
-
-    def __call__(
-        self,
-        x1: torch.Tensor,
-        x2: torch.Tensor | None = None,
-        diag: bool = False,
-        roles: tuple[str, str] = ("q", "k"),
-        **params,
-    ) -> torch.Tensor:
-        """Dense :math:`K_{ab} = \\kappa_{ab}(x_1, x_2)`, evaluated now (never a lazy tensor)."""
-        if x2 is None:
-            x2 = x1
+        """Dense :math:`K_{ab} = \\kappa_{ab}(x_1, x_2)` for ``roles=(a, b)``. ``kernel(x1, x2, roles=...)``
+        is gpytorch's lazy version of the same block (its ``.mT`` is :math:`K_{ab}^\\top`);
+        :func:`gpattn.kernels.evaluate_kernel` evaluates it now."""
         if len(roles) != 2 or any(r not in ROLES for r in roles):
             raise ValueError(f"roles must be a pair from {list(ROLES)}, got {roles!r}")
         if x1.shape[-1] != x2.shape[-1]:
@@ -177,11 +189,16 @@ class CrossCovarianceKernel(Kernel):
             )
         if diag and x1.shape[-2] != x2.shape[-2]:
             raise ValueError(f"diag=True needs as many points in x1 as in x2, got {x1.shape[-2]} and {x2.shape[-2]}")
-        return self.forward(x1, x2, diag=diag, roles=tuple(roles))
+        a, b = roles
+        K = self.canonical_block(x1, x2, diag=diag)
+        scale = self.scale(a) * self.scale(b)
+        if torch.is_tensor(scale):
+            scale = scale[..., None] if diag else scale[..., None, None]
+        return K * scale
 
     def gram(self, x: torch.Tensor, role: str) -> torch.Tensor:
         """The symmetric PSD Gram block :math:`K_{aa} = \\sigma_a^2 \\kappa_o(x, x)`.  # shape: (..., n, n)"""
-        return self(x, x, roles=(role, role))
+        return self.forward(x, x, roles=(role, role))
 
     def __repr__(self) -> str:  # pragma: no cover - cosmetic
         return f"CrossCovarianceKernel(canonical={self.canonical!r}, batch_shape={tuple(self.batch_shape)})"

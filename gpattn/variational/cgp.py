@@ -23,6 +23,7 @@ from gpytorch.distributions import MultivariateNormal
 from gpytorch.kernels import Kernel
 from linear_operator.operators import CholLinearOperator, TriangularLinearOperator
 
+from gpattn.kernels._evaluate import evaluate_kernel
 from gpattn.kernels.cross_covariance import CrossCovarianceKernel
 from gpattn.variational._linalg import (
     add_jitter,
@@ -71,8 +72,9 @@ class CorrelatedGPBase(nn.Module):
     :class:`~gpattn.variational.scgp.SparseCorrelatedGP`.
 
     :param num_heads: H; :math:`\sigma_q, \sigma_k` (and a learnable :math:`\sigma`) are per head.
-    :param kernel: the canonical kernel :math:`\kappa_o`: ``"rbf"`` (default) is
-        :math:`\exp(-\tfrac12\lVert a-b\rVert^2)`, or any ``gpytorch.kernels.Kernel``.
+    :param kernel: the canonical kernel :math:`\kappa_o`: ``"canonical-rbf"`` (default; legacy name
+        ``"rbf"``) is :math:`\exp(-\tfrac12\lVert a-b\rVert^2)`, or any ``gpytorch.kernels.Kernel`` (the
+        attention layers also take a kernel spec, :func:`gpattn.kernels.make_kernel`).
     :param sigma: the noise standard deviation :math:`\sigma` (:math:`\sigma^2` is added to the Gram
         matrices of the conditioning sets). Default 0.1: seed 003 App. F uses :math:`\sigma = 0.1` for
         SCGPT on CIFAR10 (0.5 on CoLA) and states no value for CGPT, so both use 0.1.
@@ -87,7 +89,7 @@ class CorrelatedGPBase(nn.Module):
         self,
         num_heads: int,
         *,
-        kernel: str | Kernel = "rbf",
+        kernel: str | Kernel = "canonical-rbf",
         sigma: float = 0.1,
         learn_sigma: bool = False,
         jitter: float = 1e-5,
@@ -96,16 +98,16 @@ class CorrelatedGPBase(nn.Module):
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         if isinstance(kernel, str):
-            if kernel != "rbf":
+            if kernel not in ("canonical-rbf", "rbf"):
                 raise ValueError(
-                    f"kernel must be 'rbf' (the canonical exp(-|a-b|^2/2)) or a gpytorch.kernels.Kernel "
-                    f"instance, got {kernel!r}"
+                    f"kernel must be 'canonical-rbf' (exp(-|a-b|^2/2); legacy name 'rbf') or a "
+                    f"gpytorch.kernels.Kernel instance, got {kernel!r}"
                 )
             canonical = None
         elif isinstance(kernel, Kernel):
             canonical = kernel
         else:
-            raise ValueError(f"kernel must be 'rbf' or a gpytorch.kernels.Kernel instance, got {type(kernel)}")
+            raise ValueError(f"kernel must be 'canonical-rbf' or a gpytorch.kernels.Kernel, got {type(kernel)}")
         if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not sigma > 0:
             raise ValueError(f"sigma must be a float > 0, got {sigma!r}")
         if not isinstance(learn_sigma, bool):
@@ -155,7 +157,7 @@ class CorrelatedGPBase(nn.Module):
 
         # shape: a (B, H, n, Dh), b (B, H, p, Dh), rows (B, 1, n) bool, cols (B, 1, p) bool -> (B, H, n, p)
         """
-        K = self.covar(a, b, roles=roles)
+        K = evaluate_kernel(self.covar, a, b, roles=roles)
         if rows is not None:
             K = K.masked_fill(~rows[..., :, None], 0.0)
         if cols is not None:
