@@ -37,8 +37,8 @@ from gpytorch.mlls import AddedLossTerm
 from gpattn._settings import is_validating
 
 __all__ = [
-    "DEFAULT_ALPHA",
     "CGPRegulariser",
+    "DEFAULT_ALPHA",
     "DeepGPELBO",
     "ELBOObjective",
     "GPLossTerm",
@@ -343,7 +343,8 @@ class DeepGPELBO(_Objective):
 
 class ELBOObjective(_Objective):
     """The same objective on a dict of terms: ``objective(logits, labels, terms, step=None) -> (loss,
-    parts)`` with ``terms = model.loss_terms()`` (names of :class:`GPLossTerm` kinds), without priors.
+    parts)`` with ``terms = model.loss_terms()`` (names of :class:`GPLossTerm` kinds, each kind built
+    from its value alone), without priors.
 
     ``parts`` holds ``nll``, every library term (0 where absent), the weights ``beta``/``alpha`` in
     force and ``loss``. :class:`DeepGPELBO` is the objective in GPyTorch's idiom; this form stays for

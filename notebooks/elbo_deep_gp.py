@@ -280,7 +280,8 @@ for name, cfg in configs.items():
 print("per-epoch loss parts of the last training batch (each model reports only the terms its layers have):")
 for name, hist in histories.items():
     keys = [k for k in ("nll", "kl_seq", "kl_global", "ksvd") if k in hist[-1]]
-    print(f"  {name:15s} ({', '.join(keys)}): " + "  ".join(f"({', '.join(f'{h[k]:.3g}' for k in keys)})" for h in hist))
+    rows = "  ".join("(" + ", ".join(f"{h[k]:.3g}" for k in keys) + ")" for h in hist)
+    print(f"  {name:15s} ({', '.join(keys)}): {rows}")
 
 # %% [markdown]
 # A GP researcher's note on the decoupled SGPA run. `kl_seq` is a *per-sequence* KL (summed over heads,
