@@ -185,6 +185,17 @@ def _print_data(folder: Path) -> None:
             print(f"  {line}")
 
 
+def _print_loss_parts(folder: Path) -> None:
+    """The last epoch's loss parts from history.json: whatever terms the model reported, by name."""
+    if not (folder / "history.json").is_file():
+        return
+    history = json.loads((folder / "history.json").read_text())
+    if history and history[-1].get("train"):
+        last = history[-1]
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in last["train"].items())
+        print(f"loss parts (epoch {last['epoch']}, means over its steps): {shown}")
+
+
 def _validation(args):
     from gpattn import validation
 
@@ -200,6 +211,7 @@ def cmd_train(args) -> int:
         metrics = train(cfg, out, resume=args.resume)
     _print_data(out)
     print(f"objective: beta {cfg.beta}, alpha {cfg.alpha}, eta {cfg.eta} (kl_scaling {cfg.kl_scaling!r})")
+    _print_loss_parts(out)
     print(f"wrote {out / 'metrics.json'}")
     _print_metrics(metrics, args.ood_score)
     return 0

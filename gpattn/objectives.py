@@ -1,27 +1,57 @@
-"""The deep-GP ELBO objective with separable terms (MATH.md §9; seeds 002 eq. 20, 004 §3.4).
+"""The deep-GP ELBO objective in GPyTorch's marginal-log-likelihood idiom (MATH.md §9; seeds 002 eq. 20,
+004 §3.4).
 
 .. math::
     \\mathcal{L} = \\overline{\\mathrm{CE}} + \\beta\\Big[\\operatorname{mean}_b \\sum_\\ell KL^{seq}_\\ell(x_b)
         + \\tfrac{1}{N}\\sum_\\ell KL^{global}_\\ell\\Big] + \\eta \\sum_{KEP} J^2 + \\alpha \\sum_{CGP} R
+        - \\tfrac{1}{N} \\log p(\\theta)
 
-The layers already report ``kl_seq`` averaged over the batch rows and ``kl_global`` summed (GLOSSARY),
-so the objective only weights them. With the deterministic baselines every extra term is 0.
+Each GP layer registers the terms of its last forward as GPyTorch added loss terms
+(:class:`gpytorch.mlls.AddedLossTerm`, through ``register_added_loss_term`` / ``update_added_loss_term``).
+A :class:`GPLossTerm` knows its kind: its ``name`` (the key of the loss parts and of the trainer's
+history) and its weight rule :meth:`GPLossTerm.weight`. The library's kinds: :class:`SequenceKL` (already
+a batch mean, weight β), :class:`GlobalKL` (weight β / N), :class:`KSVDLoss` (weight η) and
+:class:`CGPRegulariser` (weight α). :class:`DeepGPELBO` is built like ``gpytorch.mlls.VariationalELBO``
+(``num_data``, ``beta``, ``combine_terms``) and sums the model's added loss terms with their weights,
+plus the log densities of the gpytorch priors registered anywhere in the model (``named_priors()``),
+divided by N as GPyTorch's MLLs divide them. A new regulariser is one :class:`GPLossTerm` subclass in its
+layer's file: the objective, the trainer's history and the CLI pick it up by its name.
+
+Signs: GPyTorch's MLLs return the ELBO to maximise; :class:`DeepGPELBO` returns the loss to minimise
+(its negative). With the deterministic baselines every term is absent and the loss is the NLL.
 """
 
 from __future__ import annotations
 
+import abc
+import dataclasses
 import math
+from collections.abc import Iterable, Iterator
+from typing import ClassVar
 
+import gpytorch
 import torch
 import torch.nn.functional as F
+from gpytorch.mlls import AddedLossTerm
 
 from gpattn._settings import is_validating
 
-__all__ = ["DEFAULT_ALPHA", "ELBOObjective", "expected_nll"]
+__all__ = [
+    "CGPRegulariser",
+    "DEFAULT_ALPHA",
+    "DeepGPELBO",
+    "ELBOObjective",
+    "GPLossTerm",
+    "GlobalKL",
+    "KSVDLoss",
+    "LossWeights",
+    "SequenceKL",
+    "expected_nll",
+    "named_added_loss_terms",
+    "summed_loss_terms",
+]
 
-TERMS = ("kl_seq", "kl_global", "ksvd", "cgp")
-
-#: Default weight α of the CGP regulariser, everywhere (ELBOObjective, TrainConfig, the CLI, the presets).
+#: Default weight α of the CGP regulariser, everywhere (DeepGPELBO, TrainConfig, the CLI, the presets).
 #: R (seed 003 eqs. 28, 44) is not a term of an ELBO but −log p(z_q = ν, z_k): a density over the T·Dv
 #: attention outputs of every head with noise σ = 0.1, and α is a hyperparameter "chosen on a validation
 #: set" (seed 003 Remark 3). Measured on digits (seed 0, 6 epochs, the preset's model): with α ≥ 1e-3 cgp
@@ -30,6 +60,9 @@ TERMS = ("kl_seq", "kl_global", "ksvd", "cgp")
 #: 20 epochs; α = 1e-4 learns slowly (0.32 after 6 epochs) and α = 1e-5 learns (20 epochs, 3 seeds:
 #: cgp 0.950, scgp 0.974). So the default is 1e-5, printed in every report's header; β = 1 (the ELBO).
 DEFAULT_ALPHA = 1e-5
+
+#: keys of the loss parts that belong to the objective, never to a term
+RESERVED_PARTS = ("nll", "log_prior", "beta", "alpha", "loss")
 
 
 def expected_nll(logits: torch.Tensor, labels: torch.Tensor, likelihood: str = "expected") -> torch.Tensor:
@@ -62,20 +95,143 @@ def expected_nll(logits: torch.Tensor, labels: torch.Tensor, likelihood: str = "
     raise ValueError(f"likelihood must be 'expected' or 'predictive', got {likelihood!r}")
 
 
-class ELBOObjective:
-    """Callable ``objective(logits, labels, terms, step=None) -> (loss, parts)``.
+# ----------------------------------------------------------------------------- the terms
+@dataclasses.dataclass(frozen=True)
+class LossWeights:
+    """The objective's weights in force at one step, handed to every term's weight rule.
 
-    :param num_data: N, the training-set size (divides ``kl_global``).
-    :param beta: KL weight β; ``beta_anneal_steps > 0`` ramps it linearly 0 → β.
-    :param eta: KSVD weight η (seed 002 lost its value in extraction; 0.1 as in the released code).
-    :param alpha: CGP regulariser weight α (default :data:`DEFAULT_ALPHA`); ``alpha_anneal_steps > 0``
-        ramps 0 → α (seed 003).
-    :param kl_scaling: ``"elbo"`` (MATH §9) or ``"peer"`` (the SGPA release: every KL undivided).
-    :param likelihood: see :func:`expected_nll`.
+    ``beta`` and ``alpha`` after annealing; ``kl_divisor`` is N under ``kl_scaling="elbo"`` and 1 under
+    ``"peer"``."""
 
-    ``parts`` holds every term separately (``nll``, ``kl_seq``, ``kl_global``, ``ksvd``, ``cgp``, the
-    weights ``beta``/``alpha`` in force, and ``loss``) — gpytorch's ``combine_terms=False`` idiom.
-    """
+    beta: float
+    eta: float
+    alpha: float
+    num_data: int
+    kl_divisor: int
+
+
+class GPLossTerm(AddedLossTerm):
+    """A scalar loss term of one forward of a layer, which knows its kind (a GPyTorch added loss term).
+
+    A subclass sets ``name`` (an identifier: the key of the loss parts, of the trainer's history and
+    of ``layer.loss_terms()``; one class per name) and implements :meth:`weight`, the factor the
+    objective multiplies :meth:`loss` by. The value is the layer's reduced term (MATH §9: summed over
+    heads and Dv, averaged over the batch where it depends on the sequence), a 0-dim tensor."""
+
+    name: ClassVar[str] = ""
+    _kinds: ClassVar[dict[str, type[GPLossTerm]]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.name
+        if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_PARTS:
+            raise TypeError(
+                f"{cls.__qualname__}.name must be an identifier other than {', '.join(RESERVED_PARTS)} (the key "
+                f"of its loss part), got {name!r}: set the class attribute name = '...'"
+            )
+        known = GPLossTerm._kinds.get(name)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(
+                f"loss term name {name!r} of {cls.__module__}.{cls.__qualname__} is taken by "
+                f"{known.__module__}.{known.__qualname__}: choose another name"
+            )
+        GPLossTerm._kinds[name] = cls
+
+    def __init__(self, value: torch.Tensor):
+        if not torch.is_tensor(value) or value.dim() != 0:
+            got = f"shape {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
+            raise ValueError(
+                f"{type(self).__name__}(value): value must be a 0-dim tensor (the layer's reduced term), got {got}"
+            )
+        self.value = value
+
+    def loss(self) -> torch.Tensor:
+        """The unweighted term (what the loss parts report)."""
+        return self.value
+
+    @abc.abstractmethod
+    def weight(self, weights: LossWeights) -> float:
+        """The factor of this term in the loss, from the objective's weights at this step."""
+
+    @classmethod
+    def kind(cls, name: str) -> type[GPLossTerm]:
+        """The term class registered under ``name``."""
+        if name not in cls._kinds:
+            raise ValueError(f"unknown loss terms [{name!r}]; known: {sorted(cls._kinds)}")
+        return cls._kinds[name]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.value!r})"
+
+
+class SequenceKL(GPLossTerm):
+    """KL terms that depend on the input sequence (SGPA; the γ-part of decoupled SGPA), already averaged
+    over the batch: weight β, not divided by N."""
+
+    name = "kl_seq"
+
+    def weight(self, weights: LossWeights) -> float:
+        return weights.beta
+
+
+class GlobalKL(GPLossTerm):
+    """KL terms over global parameters only (the β-part of decoupled SGPA, KEP-SVGP): weight β / N
+    (β under ``kl_scaling="peer"``), as ``gpytorch.mlls.VariationalELBO`` divides its KL."""
+
+    name = "kl_global"
+
+    def weight(self, weights: LossWeights) -> float:
+        return weights.beta / weights.kl_divisor
+
+
+class KSVDLoss(GPLossTerm):
+    """KEP-SVGP's J² (MATH §6): weight η."""
+
+    name = "ksvd"
+
+    def weight(self, weights: LossWeights) -> float:
+        return weights.eta
+
+
+class CGPRegulariser(GPLossTerm):
+    """The CGP regulariser mean_b Σ_{h,d} R / 2 (MATH §7–8): weight α (not an ELBO term)."""
+
+    name = "cgp"
+
+    def weight(self, weights: LossWeights) -> float:
+        return weights.alpha
+
+
+def named_added_loss_terms(module: torch.nn.Module) -> Iterator[tuple[str, AddedLossTerm]]:
+    """``(path, term)`` for every added loss term of a module tree, each once: GPyTorch's own walker
+    (``gpytorch.Module.named_added_loss_terms``), which needs only ``named_children`` and each module's
+    registered terms, so it also runs on plain ``nn.Module`` models and DDP wrappers."""
+    return gpytorch.Module.named_added_loss_terms(module)
+
+
+def summed_loss_terms(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The unweighted added loss terms of a module tree's last forward, summed by name (the keys of the
+    loss parts): what ``layer.loss_terms()`` returns."""
+    total: dict[str, torch.Tensor] = {}
+    for path, term in named_added_loss_terms(module):
+        key, value = _part_name(path, term), term.loss()
+        total[key] = total[key] + value if key in total else value
+    return total
+
+
+def _part_name(path: str, term: AddedLossTerm) -> str:
+    """A GPLossTerm's kind; another AddedLossTerm (GPyTorch's own) under its registered name."""
+    return term.name if isinstance(term, GPLossTerm) else path.rpartition(".")[2]
+
+
+def _part_weight(term: AddedLossTerm, weights: LossWeights) -> float:
+    """A GPLossTerm's weight rule; GPyTorch's MLLs add the other terms with weight 1."""
+    return term.weight(weights) if isinstance(term, GPLossTerm) else 1.0
+
+
+# ----------------------------------------------------------------------------- the objectives
+class _Objective:
+    """Settings, validation and weighting shared by :class:`DeepGPELBO` and :class:`ELBOObjective`."""
 
     def __init__(
         self,
@@ -110,18 +266,101 @@ class ELBOObjective:
             return value
         return value * min(1.0, max(0, step) / steps)
 
+    def weights(self, step: int | None = None) -> LossWeights:
+        """The weights in force at optimizer step ``step`` (``None``: after annealing)."""
+        return LossWeights(
+            beta=self._ramp(self.beta, self.beta_anneal_steps, step),
+            eta=self.eta,
+            alpha=self._ramp(self.alpha, self.alpha_anneal_steps, step),
+            num_data=self.num_data,
+            kl_divisor=self.num_data if self.kl_scaling == "elbo" else 1,
+        )
+
+    def _parts(self, logits, labels, terms: Iterable[tuple[str, AddedLossTerm]], log_prior, step) -> dict:
+        """``{"nll", one entry per term name (unweighted, summed over layers), ["log_prior"], "beta",
+        "alpha", "loss"}``; ``loss`` = nll + Σ weight · term − log_prior / N."""
+        nll = expected_nll(logits, labels, self.likelihood)
+        weights = self.weights(step)
+        parts, loss = {"nll": nll}, nll
+        for path, term in terms:
+            key, value = _part_name(path, term), term.loss()
+            parts[key] = parts[key] + value if key in parts else value
+            loss = loss + _part_weight(term, weights) * value
+        if log_prior is not None:
+            parts["log_prior"] = log_prior
+            loss = loss - log_prior / self.num_data
+        parts.update(beta=nll.new_tensor(weights.beta), alpha=nll.new_tensor(weights.alpha), loss=loss)
+        return parts
+
+
+class DeepGPELBO(_Objective):
+    """The deep-GP ELBO of ``model`` (MATH §9), in ``gpytorch.mlls.VariationalELBO``'s idiom, as a loss.
+
+    ``objective(logits, labels, step=None)`` after a forward of ``model``: ``combine_terms=True`` returns
+    the loss (a 0-dim tensor); ``combine_terms=False`` the parts, unweighted and separate (``nll``, one
+    entry per added-loss-term name, summed over layers, ``log_prior`` when the model has priors), the
+    weights ``beta``/``alpha`` in force and ``loss``.
+
+    :param model: any ``torch.nn.Module``; its added loss terms (of its last forward) and gpytorch priors
+        are collected over the whole module tree.
+    :param num_data: N, the training-set size (divides ``kl_global`` and the log prior).
+    :param beta: KL weight β; ``beta_anneal_steps > 0`` ramps it linearly 0 → β.
+    :param eta: KSVD weight η (seed 002 lost its value in extraction; 0.1 as in the released code).
+    :param alpha: CGP regulariser weight α (default :data:`DEFAULT_ALPHA`); ``alpha_anneal_steps > 0``
+        ramps 0 → α (seed 003).
+    :param combine_terms: the loss (True) or the parts (False), as in GPyTorch's MLLs.
+    :param kl_scaling: ``"elbo"`` (MATH §9) or ``"peer"`` (the SGPA release: every KL undivided).
+    :param likelihood: see :func:`expected_nll`.
+    """
+
+    def __init__(self, model: torch.nn.Module, num_data: int, *, combine_terms: bool = True, **settings):
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(
+                f"model must be the torch.nn.Module whose loss terms the objective sums, got {type(model).__name__}"
+            )
+        if not isinstance(combine_terms, bool):
+            raise ValueError(f"combine_terms must be True (the loss) or False (the parts), got {combine_terms!r}")
+        super().__init__(num_data, **settings)
+        self.model, self.combine_terms = model, combine_terms
+
+    def named_loss_terms(self) -> Iterator[tuple[str, AddedLossTerm]]:
+        """The model's added loss terms of its last forward, ``(path, term)``."""
+        return named_added_loss_terms(self.model)
+
+    def log_prior(self) -> torch.Tensor | None:
+        """Σ log p(θ) over the gpytorch priors registered in the model (``None`` if it has none)."""
+        total = None
+        for _, module, prior, closure, _ in gpytorch.Module.named_priors(self.model):
+            value = prior.log_prob(closure(module)).sum()
+            total = value if total is None else total + value
+        return total
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, step: int | None = None):
+        """# shape: logits (B, P, C), labels (B,) -> the loss (combine_terms) or the parts"""
+        parts = self._parts(logits, labels, self.named_loss_terms(), self.log_prior(), step)
+        return parts["loss"] if self.combine_terms else parts
+
+
+class ELBOObjective(_Objective):
+    """The same objective on a dict of terms: ``objective(logits, labels, terms, step=None) -> (loss,
+    parts)`` with ``terms = model.loss_terms()`` (names of :class:`GPLossTerm` kinds, each kind built
+    from its value alone), without priors.
+
+    ``parts`` holds ``nll``, every library term (0 where absent), the weights ``beta``/``alpha`` in
+    force and ``loss``. :class:`DeepGPELBO` is the objective in GPyTorch's idiom; this form stays for
+    callers holding a dict."""
+
+    #: the library's kinds, reported (as 0) when absent
+    TERMS: ClassVar[tuple[type[GPLossTerm], ...]] = (SequenceKL, GlobalKL, KSVDLoss, CGPRegulariser)
+
     def __call__(self, logits, labels, terms: dict | None = None, step: int | None = None):
         terms = dict(terms or {})
-        unknown = set(terms) - set(TERMS)
+        unknown = sorted(set(terms) - set(GPLossTerm._kinds))
         if unknown:
-            raise ValueError(f"unknown loss terms {sorted(unknown)}; known: {list(TERMS)}")
-        nll = expected_nll(logits, labels, self.likelihood)
-        zero = nll.new_zeros(())
-        parts = {"nll": nll, **{k: terms.get(k, zero) for k in TERMS}}
-        beta = self._ramp(self.beta, self.beta_anneal_steps, step)
-        alpha = self._ramp(self.alpha, self.alpha_anneal_steps, step)
-        divisor = self.num_data if self.kl_scaling == "elbo" else 1
-        kl = parts["kl_seq"] + parts["kl_global"] / divisor
-        loss = nll + beta * kl + self.eta * parts["ksvd"] + alpha * parts["cgp"]
-        parts.update(beta=nll.new_tensor(beta), alpha=nll.new_tensor(alpha), loss=loss)
-        return loss, parts
+            raise ValueError(f"unknown loss terms {unknown}; known: {sorted(GPLossTerm._kinds)}")
+        named = [(name, GPLossTerm.kind(name)(value)) for name, value in terms.items()]
+        parts = self._parts(logits, labels, named, None, step)
+        zero = parts["nll"].new_zeros(())
+        for kind in self.TERMS:
+            parts.setdefault(kind.name, zero)
+        return parts["loss"], parts

@@ -44,7 +44,7 @@ from gpattn._settings import is_validating
 from gpattn.diagnostics import EpochStats, GPCollapseWarning, base_rate_entropy, collapse_warnings
 from gpattn.kernels import require_kernel_spec
 from gpattn.models import TransformerClassifier, ViTClassifier
-from gpattn.objectives import DEFAULT_ALPHA, ELBOObjective
+from gpattn.objectives import DEFAULT_ALPHA, DeepGPELBO
 
 __all__ = [
     "TrainConfig",
@@ -61,7 +61,6 @@ CHECKPOINT = "checkpoint.pt"
 DIVERGED = "diverged.json"
 #: the collapse checks of a finished run (gpattn.diagnostics): base-rate entropy and warnings
 COLLAPSE = "collapse.json"
-PART_KEYS = ("nll", "kl_seq", "kl_global", "ksvd", "cgp", "beta", "alpha")
 #: settings that change where and how a run executes, not what it computes: a run trained with other
 #: values is resumed (``--resume``) and reused (``gpattn compare``) as it is. ``device`` is one of them:
 #: CPU and GPU kernels differ only in float round-off, and a run trained on a GPU must stay usable on a
@@ -292,12 +291,13 @@ class _DivergenceGuard:
         self.first = torch.full((), -1, dtype=torch.long, device=device)  # first bad step, -1 = none
         self.loss_bad = torch.zeros((), dtype=torch.bool, device=device)  # the loss (else a gradient)
         self.grads_bad = torch.zeros(len(self.named), dtype=torch.bool, device=device)
-        self.parts = torch.zeros(len(PART_KEYS) + 1, dtype=torch.float64, device=device)
+        self.parts: dict[str, torch.Tensor] = {}  # this rank's loss parts at that step, by name
 
     def update(self, step: int, loss_bad: torch.Tensor, parts: dict, max_norm: float) -> torch.Tensor:
         """Clip the gradients to ``max_norm`` (0 = off) and record this step; returns ``found_inf``."""
         grads = [q.grad for _, q in self.named if q.grad is not None]
-        per = torch.stack(torch._foreach_norm(grads)) if grads else self.parts.new_zeros(0)  # one norm per tensor
+        # one norm per tensor
+        per = torch.stack(torch._foreach_norm(grads)) if grads else self.first.new_zeros(0, dtype=torch.float64)
         norm = torch.linalg.vector_norm(per)
         if max_norm and grads:
             torch.nn.utils.clip_grads_with_norm_([q for _, q in self.named if q.grad is not None], max_norm, norm)
@@ -306,8 +306,9 @@ class _DivergenceGuard:
         self.loss_bad = torch.where(new, loss_bad, self.loss_bad)
         if len(grads) == len(self.named):
             self.grads_bad = torch.where(new, ~torch.isfinite(per), self.grads_bad)
-        values = torch.stack([parts[k].detach().to(self.parts) for k in (*PART_KEYS, "loss")])
-        self.parts = torch.where(new, values, self.parts)
+        for k, v in parts.items():  # whatever terms the model reports (gpattn.objectives.DeepGPELBO)
+            v = v.detach().to(device=self.first.device, dtype=torch.float64)
+            self.parts[k] = torch.where(new, v, self.parts[k] if k in self.parts else torch.zeros_like(v))
         return (self.first >= 0).float()
 
     def check(self) -> None:
@@ -315,7 +316,7 @@ class _DivergenceGuard:
         step = int(self.first)
         if step < 0:
             return
-        parts = dict(zip((*PART_KEYS, "loss"), self.parts.tolist()))
+        parts = dict(zip(self.parts, torch.stack(list(self.parts.values())).tolist())) if self.parts else {}
         if bool(self.loss_bad):
             raise TrainingDivergedError(
                 f"training diverged at step {step}: non-finite loss on a rank (this rank: {parts}); no optimizer "
@@ -634,8 +635,10 @@ def train(
     # fused: one kernel per step, and it skips a step flagged by ``found_inf`` on the device (_DivergenceGuard)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps)) if cfg.cosine else None
-    objective = ELBOObjective(
+    objective = DeepGPELBO(  # the loss parts: every added loss term of the model, by name, and the loss
+        model,
         n,
+        combine_terms=False,
         beta=cfg.beta,
         beta_anneal_steps=cfg.beta_anneal_steps,
         eta=cfg.eta,
@@ -788,7 +791,8 @@ def _train_step(net, model, objective, optimizer, guard, stats, split, idx, step
     x, mask, y = _batch(split, rows, device)
     with _autocast(device, cfg.precision):
         logits = net(x, mask, num_samples=cfg.train_samples)
-        loss, parts = objective(logits, y, model.loss_terms(), step=step)
+        parts = objective(logits, y, step=step)
+    loss = parts["loss"]
     parts = {k: v * weight for k, v in parts.items()}
     layer_stats = model.layer_diagnostics() if hasattr(model, "layer_diagnostics") else []
     stats.add(parts, [{k: v if k == "layer" else v * weight for k, v in row.items()} for row in layer_stats])

@@ -57,7 +57,7 @@ import gpattn
 from gpattn import metrics as M
 from gpattn.data import load_dataset
 from gpattn.models import ViTClassifier
-from gpattn.objectives import ELBOObjective, expected_nll
+from gpattn.objectives import DeepGPELBO, SequenceKL, expected_nll
 from gpattn.plots import reliability_diagram
 from gpattn.training import TrainConfig, load_run, train
 
@@ -86,7 +86,10 @@ print(f"SIZE={SIZE}: N={N} training images, C={C} classes, T={T} tokens, D={D}, 
 #
 # Layer 1 is decoupled SGPA (`kl_seq` = γ-part from the sequence's keys/values, `kl_global` = β-part
 # over the M global inducing inputs), layer 2 KEP-SVGP (`kl_global` = Σ KL(q(u_c) ‖ N(0, Λ²)), `ksvd`
-# = J²). So all four terms are non-zero. Float64, untrained, dropout off. Layer 1's `kl_seq` depends on
+# = J²). So all four terms are non-zero. Each layer registers its terms as GPyTorch added loss terms
+# (`SequenceKL`, `GlobalKL`, `KSVDLoss`: each knows its weight rule), and the objective is built in
+# GPyTorch's MLL idiom, `DeepGPELBO(model, num_data, beta=..., combine_terms=False)`, which returns the
+# parts separately. Float64, untrained, dropout off. Layer 1's `kl_seq` depends on
 # the input only (not on Monte-Carlo draws), so the batch-mean checks below are exact even while
 # sampling.
 
@@ -119,10 +122,13 @@ def forward_terms(x, num_samples=1, seed=0):
 logits, terms = forward_terms(xb)
 for i, layer in enumerate(mixed.encoder.attention_modules()):
     print(f"layer {i + 1} ({layer.name}): " + ", ".join(f"{k} = {float(v):.4f}" for k, v in layer.loss_terms().items()))
+print("added loss terms: " + ", ".join(f"{path}: {type(t).__name__}" for path, t in mixed.named_added_loss_terms()))
 BETA, ETA = 0.7, 0.1
-objective = ELBOObjective(N, beta=BETA, eta=ETA)
-loss, parts = objective(logits, yb, terms)
+objective = DeepGPELBO(mixed, N, beta=BETA, eta=ETA, combine_terms=False)  # reads the last forward's terms
+parts = objective(logits, yb)
 print("objective parts: " + ", ".join(f"{k} = {float(v):.5f}" for k, v in parts.items()))
+# the parts are the layers' terms, unweighted and summed over layers, reported separately
+err_parts = max(abs(float(parts[k] - v)) / max(abs(float(v)), 1e-300) for k, v in terms.items())
 
 # %% [markdown]
 # **KL_seq is a batch mean.** Duplicating every sequence leaves it unchanged; so does drawing P > 1
@@ -153,17 +159,17 @@ print(f"        Σ_b one-at-a-time / B rel. diff {err_single:.1e};  kl_global ba
 # **KL_global enters divided by N; `peer` scaling adds it undivided.** The check is written once as a
 # function of the objective class, with the NLL recomputed independently (log-softmax over the
 # B·P sample rows) and the raw terms from the layers, so that it can be run on a broken copy too:
-# `SeqKLOverN` divides `kl_seq` by N as well — the mistake MATH §9 warns against.
+# `SeqKLOverN` divides `kl_seq` by N as well — the mistake MATH §9 warns against. The objective reads
+# the model's last forward, so the batch is run again first (same seed: the same logits and terms).
 
 
 # %%
-class SeqKLOverN(ELBOObjective):
+class SeqKLOverN(DeepGPELBO):
     """Deliberately broken copy: divides the per-sequence KL by N too."""
 
-    def __call__(self, logits, labels, terms=None, step=None):
-        terms = dict(terms or {})
-        terms["kl_seq"] = terms["kl_seq"] / self.num_data
-        return super().__call__(logits, labels, terms, step)
+    def named_loss_terms(self):
+        for path, term in super().named_loss_terms():
+            yield path, SequenceKL(term.loss() / self.num_data) if isinstance(term, SequenceKL) else term
 
 
 NS = [1, 10, 100, N, 10_000, 1_000_000]
@@ -176,22 +182,23 @@ def scaling_defects(objective_cls, logits, labels, terms):
     nll = -F.log_softmax(logits, -1).gather(-1, labels[:, None, None].expand(B_, P_, 1)).mean()
     kls, klg, ksvd = terms["kl_seq"], terms["kl_global"], terms["ksvd"]
     scale = float(nll + BETA * (kls + klg) + ETA * ksvd)
-    losses = [objective_cls(n, beta=BETA, eta=ETA)(logits, labels, terms)[0] for n in NS]
+    losses = [objective_cls(mixed, n, beta=BETA, eta=ETA)(logits, labels) for n in NS]
     formula = max(abs(float(lo - (nll + BETA * (kls + klg / n) + ETA * ksvd))) for lo, n in zip(losses, NS)) / scale
     diffs = max(
         abs(float((losses[i] - losses[j]) - BETA * klg * (1 / NS[i] - 1 / NS[j])))
         for i in range(len(NS))
         for j in range(i + 1, len(NS))
     )
-    peer = objective_cls(N, beta=BETA, eta=ETA, kl_scaling="peer")(logits, labels, terms)[0]
-    elbo = objective_cls(N, beta=BETA, eta=ETA)(logits, labels, terms)[0]
+    peer = objective_cls(mixed, N, beta=BETA, eta=ETA, kl_scaling="peer")(logits, labels)
+    elbo = objective_cls(mixed, N, beta=BETA, eta=ETA)(logits, labels)
     peer_err = abs(float((peer - elbo) - BETA * klg * (1 - 1 / N)))
     return {"formula": formula, "N-differences": diffs / scale, "peer": peer_err / scale}
 
 
-defects = scaling_defects(ELBOObjective, logits, yb, terms)
+logits, terms = forward_terms(xb)  # the objective reads the model's last forward: the batch again
+defects = scaling_defects(DeepGPELBO, logits, yb, terms)
 defects_broken = scaling_defects(SeqKLOverN, logits, yb, terms)
-print("ELBOObjective:  " + ", ".join(f"{k} {v:.1e}" for k, v in defects.items()))
+print("DeepGPELBO:     " + ", ".join(f"{k} {v:.1e}" for k, v in defects.items()))
 print("SeqKLOverN:     " + ", ".join(f"{k} {v:.1e}" for k, v in defects_broken.items()))
 
 fig, ax = plt.subplots(1, 2, figsize=(12, 3.8))
@@ -211,7 +218,7 @@ contrib = {
 for name, y in contrib.items():
     ax[1].loglog(grid, y, label=name)
 ax[1].loglog(grid, sum(contrib.values()), "k", lw=2, label="loss (elbo)")
-peer_loss = float(ELBOObjective(N, beta=BETA, eta=ETA, kl_scaling="peer")(logits, yb, terms)[0])
+peer_loss = float(DeepGPELBO(mixed, N, beta=BETA, eta=ETA, kl_scaling="peer")(logits, yb))
 ax[1].axhline(peer_loss, color="tab:red", ls=":", label="loss (peer), any N")
 ax[1].axvline(N, color="gray", lw=0.8)
 ax[1].set(title="weighted terms vs training-set size N", xlabel="N", ylabel="per-datum loss")
@@ -270,12 +277,11 @@ for name, cfg in configs.items():
         f"{name:15s} ({time.time() - t0:4.1f} s): accuracy {results[name]['accuracy']:.3f}, "
         f"NLL {results[name]['nll']:.3f}, ECE {results[name]['ece']:.3f}, Brier {results[name]['brier']:.3f}"
     )
-print("per-epoch terms of the last training batch (nll, kl_seq, kl_global, ksvd):")
+print("per-epoch loss parts of the last training batch (each model reports only the terms its layers have):")
 for name, hist in histories.items():
-    print(
-        f"  {name:15s} "
-        + "  ".join(f"({h['nll']:.2f}, {h['kl_seq']:.3g}, {h['kl_global']:.3g}, {h['ksvd']:.2g})" for h in hist)
-    )
+    keys = [k for k in ("nll", "kl_seq", "kl_global", "ksvd") if k in hist[-1]]
+    rows = "  ".join("(" + ", ".join(f"{h[k]:.3g}" for k in keys) + ")" for h in hist)
+    print(f"  {name:15s} ({', '.join(keys)}): {rows}")
 
 # %% [markdown]
 # A GP researcher's note on the decoupled SGPA run. `kl_seq` is a *per-sequence* KL (summed over heads,
@@ -470,6 +476,7 @@ print(f"total time {time.time() - t_start:.1f} s")
 # %%
 assert err_dup < 1e-12 and err_P < 1e-12 and err_single < 1e-12, (err_dup, err_P, err_single)  # KL_seq: batch mean
 assert err_glob < 1e-12, err_glob  # KL_global: independent of the batch
+assert set(terms) == {"kl_seq", "kl_global", "ksvd"} and err_parts < 1e-12, (sorted(terms), err_parts)  # parts
 assert max(defects.values()) < 1e-12, defects  # loss = nll + β(kl_seq + kl_global/N) + η ksvd; peer adds (1 − 1/N)
 # the check bites: the broken objective is off by β·kl_seq·(1 − 1/N) ≈ 1e-3 of the loss here (kl_seq is
 # small at the stream-scale initialisation), six orders of magnitude above the exact one's bound

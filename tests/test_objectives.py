@@ -1,12 +1,31 @@
-"""The ELBO objective (MATH §9): term weighting, N scaling, annealing, MC likelihoods."""
+"""The ELBO objective (MATH §9): term weighting, N scaling, annealing, MC likelihoods; the layers' terms
+as GPyTorch added loss terms, the objective in GPyTorch's MLL idiom (DeepGPELBO), priors, and a new
+regulariser declared in one place (a toy term defined here only)."""
 
+import copy
+import json
 import math
+import warnings
 
+import gpytorch
 import pytest
 import torch
+from gpytorch.mlls import AddedLossTerm
 
 import gpattn
-from gpattn.objectives import ELBOObjective, expected_nll
+from gpattn.attention.softmax import SoftmaxAttention
+from gpattn.diagnostics import GPCollapseWarning
+from gpattn.models import TransformerClassifier
+from gpattn.objectives import (
+    CGPRegulariser,
+    DeepGPELBO,
+    ELBOObjective,
+    GlobalKL,
+    GPLossTerm,
+    KSVDLoss,
+    SequenceKL,
+    expected_nll,
+)
 
 
 def _logits(B=4, P=3, C=5, seed=0):
@@ -92,3 +111,207 @@ def test_errors():
     with pytest.raises(ValueError, match="integer dtype"):
         expected_nll(logits, y.float())
     torch.testing.assert_close(expected_nll(logits, y.int()), expected_nll(logits, y))
+
+
+# ----------------------------------------------------------------------------- the MLL idiom on a model
+def _mixed_model(seed=0):
+    """Three GP layers whose terms cover every library kind: sgpa-decoupled (kl_seq, kl_global),
+    kep-svgp (kl_global, ksvd), cgp (cgp); float64, after one forward."""
+    torch.manual_seed(seed)
+    model = TransformerClassifier(
+        3, vocab_size=30, embed_dim=16, num_heads=2, num_layers=3, attention="sgpa-decoupled", dropout=0.0
+    )
+    model.encoder.blocks[1].attn = gpattn.build_attention("kep-svgp", 16, 2, rank=3, num_landmarks=5)
+    model.encoder.blocks[2].attn = gpattn.build_attention("cgp", 16, 2)
+    model = model.double()
+    ids = torch.randint(1, 30, (4, 7))
+    mask = torch.zeros(4, 7, dtype=torch.bool)
+    mask[0, 5:] = True
+    logits = model(ids, mask, num_samples=2)
+    return model, logits, torch.tensor([0, 1, 2, 0])
+
+
+def test_layers_register_their_terms_as_gpytorch_added_loss_terms():
+    model, _, _ = _mixed_model()
+    named = dict(model.named_added_loss_terms())
+    kinds = {path: type(term) for path, term in named.items()}
+    assert kinds == {
+        "encoder.blocks.0.attn.kl_seq": SequenceKL,
+        "encoder.blocks.0.attn.kl_global": GlobalKL,
+        "encoder.blocks.1.attn.kl_global": GlobalKL,
+        "encoder.blocks.1.attn.ksvd": KSVDLoss,
+        "encoder.blocks.2.attn.cgp": CGPRegulariser,
+    }
+    assert all(isinstance(t, AddedLossTerm) for t in model.added_loss_terms())
+    # the dict view (layer.loss_terms(), model.loss_terms()) is the same terms, by name
+    for layer in model.encoder.attention_modules():
+        own = {t.name: t.loss() for t in layer.added_loss_terms()}
+        assert layer.loss_terms().keys() == own.keys()
+        for key in own:
+            assert layer.loss_terms()[key] is own[key]
+    # every forward starts from unset terms: an empty batch reports none, the registration stays
+    cgp = model.encoder.blocks[2].attn
+    cgp(torch.zeros(0, 4, 16, dtype=torch.float64))
+    assert cgp.loss_terms() == {} and list(cgp._added_loss_terms) == ["cgp"]
+    model(torch.randint(1, 30, (2, 7)))
+    # a copy (deepcopy / pickle: checkpoints of a model after a forward) keeps the registrations, not the graphs
+    twin = copy.deepcopy(model)
+    assert list(twin.added_loss_terms()) == [] and twin.loss_terms() == {}
+    assert list(twin.encoder.blocks[2].attn._added_loss_terms) == ["cgp"]
+
+
+def test_mll_objective_is_math_9_on_the_models_terms():
+    model, logits, y = _mixed_model()
+    t = model.loss_terms()
+    assert set(t) == {"kl_seq", "kl_global", "ksvd", "cgp"}
+    N, beta, eta, alpha = 100, 0.5, 0.1, 0.7
+    nll = expected_nll(logits, y)
+    expected = nll + beta * (t["kl_seq"] + t["kl_global"] / N) + eta * t["ksvd"] + alpha * t["cgp"]
+    loss = DeepGPELBO(model, N, beta=beta, eta=eta, alpha=alpha)(logits, y)
+    torch.testing.assert_close(loss, expected)
+    parts = DeepGPELBO(model, N, beta=beta, eta=eta, alpha=alpha, combine_terms=False)(logits, y)
+    assert list(parts) == ["nll", "kl_seq", "kl_global", "ksvd", "cgp", "beta", "alpha", "loss"]
+    for key in t:  # each term separately, unweighted, summed over layers
+        torch.testing.assert_close(parts[key], t[key])
+    torch.testing.assert_close(parts["loss"], expected)
+    # the dict form gives the same numbers
+    loss_dict, parts_dict = ELBOObjective(N, beta=beta, eta=eta, alpha=alpha)(logits, y, t)
+    torch.testing.assert_close(loss_dict, loss)
+    # peer scaling, annealing and the default alpha go through the same weights
+    peer = DeepGPELBO(model, N, beta=beta, eta=eta, alpha=alpha, kl_scaling="peer")(logits, y)
+    torch.testing.assert_close(peer - loss, beta * t["kl_global"] * (1 - 1 / N))
+    ramp = DeepGPELBO(model, N, beta=beta, beta_anneal_steps=4, alpha=alpha, alpha_anneal_steps=2, eta=eta)
+    torch.testing.assert_close(ramp(logits, y, step=0), nll + eta * t["ksvd"])
+    assert DeepGPELBO(model, N).alpha == gpattn.objectives.DEFAULT_ALPHA
+
+
+def test_registered_prior_changes_the_loss_by_exactly_its_log_density():
+    """A user's kernel prior (gpytorch ``register_prior``) enters as −log p(θ) / N, as GPyTorch's MLLs
+    divide it: with N = 1 the loss moves by exactly −log p(θ)."""
+    model, logits, y = _mixed_model()
+    kernel = model.encoder.blocks[0].attn.kernel
+    for N in (1, 250):
+        objective = DeepGPELBO(model, N, combine_terms=False)
+        before = objective(logits, y)
+        assert "log_prior" not in before
+        prior = gpytorch.priors.GammaPrior(3.0, 6.0).double()
+        kernel.register_prior("lengthscale_prior", prior, lambda m: m.lengthscale)
+        after = objective(logits, y)
+        log_density = prior.log_prob(kernel.lengthscale).sum()
+        torch.testing.assert_close(after["log_prior"], log_density)
+        torch.testing.assert_close(after["loss"] - before["loss"], -log_density / N, rtol=0, atol=1e-12)
+        assert log_density.abs() > 1  # not a vacuous check
+        del kernel._priors["lengthscale_prior"]
+
+
+class _GPyTorchTerm(AddedLossTerm):
+    """An added loss term of GPyTorch's own kind (no gpattn weight rule)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def loss(self):
+        return self.value
+
+
+class _Noise(gpytorch.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_added_loss_term("noise_penalty")
+
+    def forward(self, x):
+        self.update_added_loss_term("noise_penalty", _GPyTorchTerm(x.square().mean()))
+        return x
+
+
+def test_gpytorch_added_loss_terms_anywhere_in_the_model_are_summed_with_weight_one():
+    model, logits, y = _mixed_model()
+    model.extra = _Noise()
+    model.extra(torch.full((3,), 2.0, dtype=torch.float64))
+    base = DeepGPELBO(model, 100)
+    parts = DeepGPELBO(model, 100, combine_terms=False)(logits, y)
+    torch.testing.assert_close(parts["noise_penalty"], torch.tensor(4.0, dtype=torch.float64))
+    del model.extra
+    torch.testing.assert_close(parts["loss"] - base(logits, y), torch.tensor(4.0, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- a new regulariser: one class
+class ToySmoothness(GPLossTerm):
+    """A regulariser declared the way a layer's file declares one: a name and a weight rule (here its
+    own weight γ, e.g. a layer option), nothing else anywhere."""
+
+    name = "toy_smoothness"
+
+    def __init__(self, value, gamma=0.25):
+        super().__init__(value)
+        self.gamma = gamma
+
+    def weight(self, weights):
+        return self.gamma
+
+
+class _ToyAttention(SoftmaxAttention):
+    def _attend(self, x, mask):
+        heads = super()._attend(x, mask)
+        self.set_loss_terms(ToySmoothness(self.batch_mean(heads.square().mean((1, 2, 3))), gamma=0.25))
+        return heads
+
+
+def _with_toy_layer(model):
+    block = model.encoder.blocks[0]
+    block.attn = _ToyAttention(block.attn.embed_dim, block.attn.num_heads)
+    return model
+
+
+def test_a_new_regulariser_reaches_the_loss_parts():
+    torch.manual_seed(0)
+    model = _with_toy_layer(TransformerClassifier(2, vocab_size=30, embed_dim=16, num_heads=2, num_layers=2))
+    logits = model(torch.randint(1, 30, (3, 5)))
+    y = torch.tensor([0, 1, 1])
+    parts = DeepGPELBO(model, 10, combine_terms=False)(logits, y)
+    toy = model.encoder.blocks[0].attn.loss_terms()["toy_smoothness"]
+    assert set(parts) == {"nll", "toy_smoothness", "beta", "alpha", "loss"} and float(toy.detach()) > 0
+    torch.testing.assert_close(parts["toy_smoothness"], toy)
+    torch.testing.assert_close(parts["loss"], parts["nll"] + 0.25 * toy)
+    # the dict form knows it by name too
+    torch.testing.assert_close(ELBOObjective(10)(logits, y, {"toy_smoothness": toy})[0], parts["loss"])
+
+
+def test_a_new_regulariser_reaches_the_trainers_history_and_the_cli(tmp_path, monkeypatch, capsys):
+    from gpattn import training
+    from gpattn.cli import _print_loss_parts
+
+    build = training.build_model
+    monkeypatch.setattr(training, "build_model", lambda cfg, bundle: _with_toy_layer(build(cfg, bundle)))
+    cfg = training.TrainConfig(
+        dataset="digits", attention="softmax", epochs=1, embed_dim=16, num_heads=2, num_layers=1, batch_size=256,
+        patch_size=4, num_samples=1, progress=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():  # one epoch of a tiny model may sit at the base rate: not the point here
+        warnings.simplefilter("ignore", GPCollapseWarning)
+        training.train(cfg, tmp_path)
+    last = json.loads((tmp_path / "history.json").read_text())[-1]
+    assert last["train"]["toy_smoothness"] > 0 and last["toy_smoothness"] > 0
+    assert set(last["train"]) == {"nll", "toy_smoothness", "beta", "alpha", "loss"}
+    _print_loss_parts(tmp_path)
+    assert f"toy_smoothness {last['train']['toy_smoothness']:.4g}" in capsys.readouterr().out
+
+
+def test_term_kinds_and_objective_errors():
+    with pytest.raises(TypeError, match="is taken by"):
+        type("AnotherKL", (GPLossTerm,), {"name": "kl_seq", "weight": lambda self, w: 1.0})
+    with pytest.raises(TypeError, match="must be an identifier other than"):
+        type("Bad", (GPLossTerm,), {"name": "loss", "weight": lambda self, w: 1.0})
+    with pytest.raises(ValueError, match=r"value must be a 0-dim tensor .* got shape \(2,\)"):
+        SequenceKL(torch.ones(2))
+    layer = gpattn.build_attention("softmax", 8, 2)
+    with pytest.raises(ValueError, match="set_loss_terms takes gpattn.objectives.GPLossTerm"):
+        layer.set_loss_terms(_GPyTorchTerm(torch.zeros(())))
+    with pytest.raises(ValueError, match="unknown loss terms"):
+        layer.set_loss_terms(kl=torch.zeros(()))
+    with pytest.raises(ValueError, match="model must be the torch.nn.Module"):
+        DeepGPELBO({"kl_seq": 1.0}, 10)
+    with pytest.raises(ValueError, match="combine_terms must be True"):
+        DeepGPELBO(layer, 10, combine_terms="no")
+    with pytest.raises(ValueError, match="num_data"):
+        DeepGPELBO(layer, 0)

@@ -5,7 +5,8 @@ the pair ``(output, posterior mean)``, from which :meth:`AttentionBase.diagnosti
 layer's scale); GP variants also implement ``_posterior(x, mask)`` returning a gpytorch
 ``MultivariateNormal`` with batch
 ``(B, H, Dv)`` and event ``T``. The base class validates inputs, projects, merges heads, applies
-``W_o``, handles all-padding rows and records the loss terms of the last forward.
+``W_o``, handles all-padding rows and records the loss terms of the last forward (GPyTorch added loss terms,
+:meth:`AttentionBase.set_loss_terms`).
 
 No host-device synchronisation in a forward: the checks that read tensor values (NaN/Inf inputs) run
 only with ``gpattn.validation()`` on, and all-padding rows are handled by masked arithmetic.
@@ -13,10 +14,12 @@ only with ``gpattn.validation()`` on, and all-padding rows are handled by masked
 
 from __future__ import annotations
 
+import gpytorch
 import torch
 import torch.nn as nn
 
 from gpattn._settings import is_deterministic, is_validating
+from gpattn.objectives import GPLossTerm, summed_loss_terms
 
 __all__ = ["AttentionBase"]
 
@@ -76,7 +79,7 @@ class AttentionBase(nn.Module):
         self._proj_widths = widths
         self.in_proj = nn.Linear(embed_dim, sum(widths), bias=bias) if widths else None
         self.out_proj = nn.Linear(num_heads * self.value_dim, embed_dim, bias=bias)
-        self._loss_terms: dict[str, torch.Tensor] = {}
+        self._added_loss_terms: dict[str, GPLossTerm | None] = {}  # gpytorch's registry of added loss terms
 
     # ------------------------------------------------------------------ helpers for subclasses
     @property
@@ -94,10 +97,28 @@ class AttentionBase(nn.Module):
         parts = self.in_proj(x).split(self._proj_widths, dim=-1)
         return {name: self.split_heads(p) for name, p in zip(self.projections, parts)}
 
-    def set_loss_terms(self, **terms: torch.Tensor) -> None:
-        """Record scalar loss terms of this forward (``kl_seq`` already averaged over the batch,
-        ``kl_global`` the total over global parameters, ``ksvd``, ``cgp``; MATH.md §9)."""
-        self._loss_terms.update(terms)
+    # GPyTorch's added-loss-term protocol (gpytorch.Module's own functions): the layer stays a plain
+    # nn.Module, since gpytorch.Module.__call__ bypasses nn.Module's hooks and admits only tensor outputs
+    register_added_loss_term = gpytorch.Module.register_added_loss_term
+    update_added_loss_term = gpytorch.Module.update_added_loss_term
+    named_added_loss_terms = gpytorch.Module.named_added_loss_terms
+    added_loss_terms = gpytorch.Module.added_loss_terms
+
+    def set_loss_terms(self, *terms: GPLossTerm, **values: torch.Tensor) -> None:
+        """Record this forward's loss terms as GPyTorch added loss terms, each under its kind's name
+        (registered on first use): ``set_loss_terms(SequenceKL(kl))``, or by name,
+        ``set_loss_terms(kl_seq=kl)`` (the kind registered under that name, gpattn.objectives). The values
+        are the layer's reduced terms (MATH §9: ``kl_seq`` already averaged over the batch,
+        :meth:`batch_mean`; ``kl_global`` the total over global parameters)."""
+        for term in (*terms, *(GPLossTerm.kind(name)(value) for name, value in values.items())):
+            if not isinstance(term, GPLossTerm):
+                raise ValueError(
+                    f"set_loss_terms takes gpattn.objectives.GPLossTerm instances (or name=value), got "
+                    f"{type(term).__name__}"
+                )
+            if term.name not in self._added_loss_terms:
+                self.register_added_loss_term(term.name)
+            self.update_added_loss_term(term.name, term)
 
     def batch_mean(self, t: torch.Tensor) -> torch.Tensor:
         """Mean over the batch axis 0 of the sequences with at least one real key (all-padding rows of
@@ -205,7 +226,7 @@ class AttentionBase(nn.Module):
             x = x.repeat_interleave(P, 0)
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.repeat_interleave(P, 0)
             P = 1
-        self._loss_terms, self._diagnostics = {}, {}
+        self._added_loss_terms, self._diagnostics = dict.fromkeys(self._added_loss_terms), {}  # registered, unset
         if x.shape[0] == 0:  # empty batch: a defined zero result with a graph
             return x.new_zeros(x.shape) + 0 * sum(p.sum() for p in self.parameters())
         mask, keep = self._effective_mask(key_padding_mask)
@@ -242,8 +263,9 @@ class AttentionBase(nn.Module):
         return self._posterior(x, key_padding_mask)
 
     def loss_terms(self) -> dict[str, torch.Tensor]:
-        """Scalar loss terms of the last forward (empty for deterministic baselines)."""
-        return dict(self._loss_terms)
+        """The unweighted loss terms of the last forward by name, summed over this layer's added loss terms
+        (empty for deterministic baselines)."""
+        return summed_loss_terms(self)
 
     @torch.no_grad()
     def _record_diagnostics(self, x, mask, heads, mean) -> None:
@@ -286,5 +308,5 @@ class AttentionBase(nn.Module):
     def __getstate__(self):
         # the last forward's loss terms hold autograd graphs: never pickle them
         state = self.__dict__.copy()
-        state["_loss_terms"], state["_diagnostics"] = {}, {}
+        state["_added_loss_terms"], state["_diagnostics"] = dict.fromkeys(self._added_loss_terms), {}
         return state

@@ -8,6 +8,7 @@ from gpytorch.kernels import Kernel
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import register
 from gpattn.kernels import make_kernel
+from gpattn.objectives import CGPRegulariser
 from gpattn.variational.cgp import CorrelatedGP
 from gpattn.variational.scgp import SparseCorrelatedGP
 
@@ -51,7 +52,7 @@ class _CorrelatedGPAttention(AttentionBase):
         q, k, o, v = self._inputs(x)
         out, reg, mean = self.gp(q, k, o, v, mask, sample=self.sampling, num_samples=num_samples)
         # MATH §7: mean over the batch of Σ_{h,d} R / 2 (α weighting lives in the objective)
-        self.set_loss_terms(cgp=self.batch_mean(reg.sum((-2, -1))).mean() / 2)
+        self.set_loss_terms(CGPRegulariser(self.batch_mean(reg.sum((-2, -1))).mean() / 2))
         if num_samples is not None and self.sampling:
             out = self.fold_samples(out)
         return out.to(v.dtype), mean.to(v.dtype)

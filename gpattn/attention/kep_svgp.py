@@ -6,6 +6,7 @@ import torch
 
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import register
+from gpattn.objectives import GlobalKL, KSVDLoss
 from gpattn.variational._linalg import full_precision, gp_algebra
 from gpattn.variational.kep_svgp import KEPSVGP, MERGES
 
@@ -137,7 +138,7 @@ class KEPSVGPAttention(AttentionBase):
                 x, q, k, mask, sample=self.sampling, return_mean=True, loss_mask=self.loss_mask,
                 num_samples=num_samples,
             )  # shape: (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P
-        self.set_loss_terms(**terms)
+        self.set_loss_terms(GlobalKL(terms["kl_global"]), KSVDLoss(terms["ksvd"]))
         if num_samples is not None and self.sampling:
             heads = self.fold_samples(heads)
         return heads, mean

@@ -9,6 +9,7 @@ from gpytorch.kernels import Kernel
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import register
 from gpattn.kernels import make_kernel
+from gpattn.objectives import GlobalKL, SequenceKL
 from gpattn.variational._scale import PRIOR_VARIANCE
 from gpattn.variational.sgpa import AmortisedDiagonalVariationalDistribution, SGPAVariationalStrategy
 from gpattn.variational.sgpa_decoupled import (
@@ -70,7 +71,7 @@ class SGPAttention(AttentionBase):
 
     def _attend(self, x, mask, num_samples=None):
         cond = self._condition(x, mask)
-        self.set_loss_terms(kl_seq=self.batch_mean(cond.kl_divergence().sum((1, 2))))
+        self.set_loss_terms(SequenceKL(self.batch_mean(cond.kl_divergence().sum((1, 2)))))
         return (self.draw(cond.rsample, num_samples) if self.sampling else cond.mean), cond.mean
 
     def _posterior(self, x, mask):
@@ -139,7 +140,7 @@ class DecoupledSGPAttention(AttentionBase):
     def _attend(self, x, mask, num_samples=None):
         cond = self._condition(x, mask)
         gamma, beta = cond.kl_divergence_parts()
-        self.set_loss_terms(kl_seq=self.batch_mean(gamma.sum((1, 2))), kl_global=beta.sum())
+        self.set_loss_terms(SequenceKL(self.batch_mean(gamma.sum((1, 2)))), GlobalKL(beta.sum()))
         return (self.draw(cond.rsample, num_samples) if self.sampling else cond.mean), cond.mean
 
     def _posterior(self, x, mask):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import gpytorch
 import torch
 import torch.nn as nn
 
@@ -127,6 +128,12 @@ class _SequenceClassifier(nn.Module):
     def loss_terms(self) -> dict[str, torch.Tensor]:
         """Loss terms of every attention layer in the last forward, summed over layers."""
         return self.encoder.loss_terms()
+
+    # GPyTorch's walkers over the module tree (gpytorch.Module's own functions, which need only
+    # nn.Module): the objective's view of the model, gpattn.objectives.DeepGPELBO
+    named_added_loss_terms = gpytorch.Module.named_added_loss_terms
+    added_loss_terms = gpytorch.Module.added_loss_terms
+    named_priors = gpytorch.Module.named_priors
 
     def layer_diagnostics(self) -> list[dict]:
         """Per GP attention layer of the last forward: loss terms and output scale (``Encoder``)."""
