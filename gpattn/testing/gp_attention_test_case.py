@@ -83,7 +83,8 @@ class GPAttentionTestCase(BaseAttentionTestCase):
         padded positions of its single T = 5 sequence; ``independent_tokens``: samples are drawn
         token by token (zero cross-token covariance) whatever the posterior's covariance.
     :cvar mc_passes: stochastic passes of the E[layer] test.
-    :cvar exact_options: options of the T = 900 layer (D = 4, H = 1), ``None``: no such test.
+    :cvar exact_options: options added to ``options`` for the T = 900 layer (D = 4, H = 1); ``None``: no
+        such test.
     :cvar long_padding: the padded tokens of the float32 T = 1024 test (``None``: no such test).
     """
 
@@ -145,6 +146,8 @@ class GPAttentionTestCase(BaseAttentionTestCase):
 
     # ------------------------------------------------------------------ tests
     def test_posterior_matches_dense_reference(self):
+        if not self.reference_seeds:
+            raise unittest.SkipTest(f"{type(self).__name__}: no dense reference (reference_seeds = ())")
         for seed in self.reference_seeds:
             layer, x = self.make_layer(seed), self.make_inputs(seed=seed)
             mask = _padding_mask(*x.shape[:2], self.reference_padding)
@@ -217,7 +220,7 @@ class GPAttentionTestCase(BaseAttentionTestCase):
         if self.exact_options is None:
             raise unittest.SkipTest(f"{type(self).__name__}: no T > 800 test (exact_options = None)")
         torch.manual_seed(0)
-        layer = build_attention(self.attention, 4, 1, **self.exact_options).double()
+        layer = build_attention(self.attention, 4, 1, **{**self.options, **self.exact_options}).double()
         x = torch.randn(1, 900, 4, dtype=F64)
         with (
             spy_iterative_solvers() as calls,
