@@ -199,6 +199,7 @@ class TestKEPSVGPResidual(TestKEPSVGP):
     reference_seeds = ()
     exact_options = None
 
+
 def test_include_residual_matches_dense_kff_minus_qff():
     """include_residual=True adds K_ff − Q_ff per branch: κ_e = κκᵀ, κ_r = κᵀκ over the sequence,
     Q_ff = e eᵀ (resp. r rᵀ).  With small ω the middle matrices are PSD, so nothing is clamped."""

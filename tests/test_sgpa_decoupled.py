@@ -99,7 +99,6 @@ def test_kl_parts_match_dense_formulas(seed):
     torch.testing.assert_close(b, beta, rtol=1e-8, atol=1e-8)
 
 
-
 def test_kl_is_the_process_kl_in_u_space():
     """With Z = a ∪ g the posterior is p(f | f_Z) q(f_Z), so the process KL equals
     KL(q(f_Z) ‖ p(f_Z)) (torch.distributions), and the β-part is the whitened KL of q(ũ_g)."""

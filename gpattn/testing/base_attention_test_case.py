@@ -46,9 +46,8 @@ class BaseAttentionTestCase:
         super().__init_subclass__(**kwargs)
         unknown = set(cls.invariants or ()) - set(ATTENTION_INVARIANTS)
         if unknown:
-            raise ValueError(
-                f"{cls.__name__}.invariants names unknown checks {sorted(unknown)}; valid: {', '.join(ATTENTION_INVARIANTS)}"
-            )
+            valid = ", ".join(ATTENTION_INVARIANTS)
+            raise ValueError(f"{cls.__name__}.invariants names unknown checks {sorted(unknown)}; valid: {valid}")
         for check in ATTENTION_INVARIANTS:  # a check left out is not a test method (None is not collected)
             wanted = cls.invariants is None or check in cls.invariants
             setattr(cls, f"test_invariant_{check}", _invariant_test(check) if wanted else None)

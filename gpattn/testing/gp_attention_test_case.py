@@ -111,8 +111,8 @@ class GPAttentionTestCase(BaseAttentionTestCase):
     def make_layer(self, seed: int = 0, **options):
         """The float64 layer under test, seeded, moved off its initialisation by :meth:`perturb`."""
         torch.manual_seed(seed)
-        layer = build_attention(self.attention, self.embed_dim, self.num_heads, **{**self.options, **self.float64_options, **options})
-        layer = layer.double()
+        options = {**self.options, **self.float64_options, **options}
+        layer = build_attention(self.attention, self.embed_dim, self.num_heads, **options).double()
         with torch.no_grad():
             self.perturb(layer)
         return layer

@@ -303,12 +303,14 @@ def _sigmas(gp):
 
 
 def cgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None) -> DenseReference:
-    """A ``cgp`` layer (canonical RBF κ_o, ``jitter=0``) recomputed densely: ``cgp_dense_moments`` on the
-    layer's scaled per-head inputs. No padding; the regulariser is not a dense quantity (no loss terms)."""
+    """A ``cgp`` layer (canonical RBF κ_o) recomputed densely: ``cgp_dense_moments`` on the layer's scaled
+    per-head inputs, plus the diagonal jitter its posterior carries. No padding; the regulariser is not a
+    dense quantity (no loss terms)."""
     if mask is not None:
         raise ValueError("cgp_dense_posterior takes no key_padding_mask (got one): compare truncated sequences")
     nu, cov, _, _ = cgp_dense_moments(*_correlated_inputs(layer, x), *_sigmas(layer.gp))
-    return DenseReference(nu.transpose(-1, -2), cov, {})
+    jitter = layer.gp.jitter * torch.eye(x.shape[1], dtype=x.dtype)  # the layer's posterior carries it
+    return DenseReference(nu.transpose(-1, -2), cov + jitter, {})
 
 
 def scgp_dense_blocks(q, k, o, s, s_keys, sigma_q, sigma_k) -> dict:
