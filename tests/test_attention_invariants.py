@@ -1,4 +1,5 @@
-"""The contract's invariants, parametrised over every registered variant (STYLE.md 6)."""
+"""The contract's invariants over every registered variant at its default options (STYLE.md 6): one
+gpattn.testing.BaseAttentionTestCase class per name of gpattn.list_attention(), made at import."""
 
 import importlib
 import inspect
@@ -9,15 +10,13 @@ import pytest
 import gpattn
 import gpattn.attention
 from gpattn.attention.base import AttentionBase
-from gpattn.testing import ATTENTION_INVARIANTS, run_attention_invariant
+from gpattn.testing import BaseAttentionTestCase
 
 VARIANTS = gpattn.list_attention()
 
-
-@pytest.mark.parametrize("check", sorted(ATTENTION_INVARIANTS))
-@pytest.mark.parametrize("name", VARIANTS)
-def test_invariant(name, check):
-    run_attention_invariant(check, name)
+for _name in VARIANTS:  # e.g. TestInvariantsSgpaDecoupled::test_invariant_padding
+    _case = type(f"TestInvariants{_name.title().replace('-', '')}", (BaseAttentionTestCase,), {"attention": _name})
+    globals()[_case.__name__] = _case
 
 
 def test_nothing_missed():

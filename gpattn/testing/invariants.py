@@ -1,8 +1,9 @@
 """Invariants of the attention contract (DESIGN.md "The contract"; STYLE.md 6), as plain functions.
 
 ``run_attention_invariant(check, name, **options)`` runs one named check on the registered variant
-``name`` and raises ``AssertionError`` on failure; ``tests/test_attention_invariants.py`` parametrises
-every check over ``gpattn.list_attention()``.
+``name`` and raises ``AssertionError`` on failure; :class:`gpattn.testing.BaseAttentionTestCase` makes
+them test methods, and ``tests/test_attention_invariants.py`` runs them for every name of
+``gpattn.list_attention()``.
 """
 
 from __future__ import annotations
