@@ -9,7 +9,7 @@ come from gpattn.testing.GPAttentionTestCase.
 
 import pytest
 import torch
-from _cgp_helpers import assert_padding_equals_truncated
+from _cgp_helpers import assert_padding_equals_truncated, make_qkov
 from gpytorch.kernels import MaternKernel
 
 import gpattn
@@ -60,10 +60,7 @@ def make_gp(prior_samples=None, jitter=0.0, sigma=SIGMA):
 
 
 def make_inputs(seed=0, b=B, t=T, scale=0.8):
-    g = torch.Generator().manual_seed(seed)
-    q, k, o = (scale * torch.randn(b, H, t, DH, generator=g, dtype=torch.float64) for _ in range(3))
-    v = torch.randn(b, H, t, DV, generator=g, dtype=torch.float64)
-    return q, k, o, v
+    return make_qkov(seed, b, H, t, DH, DV, scale)
 
 
 def test_mean_and_covariance_match_dense_formulas():

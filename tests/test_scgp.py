@@ -8,7 +8,7 @@ every GP variant shares, on the layer, come from gpattn.testing.GPAttentionTestC
 
 import pytest
 import torch
-from _cgp_helpers import assert_padding_equals_truncated
+from _cgp_helpers import assert_padding_equals_truncated, make_qkov
 from linear_operator.operators import LowRankRootAddedDiagLinearOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -34,10 +34,7 @@ def make_gp(m=M, l=L, sigma=SIGMA, **kw):
 
 
 def make_inputs(seed=0, b=B, t=T, scale=0.9):
-    g = torch.Generator().manual_seed(seed)
-    q, k, o = (scale * torch.randn(b, H, t, DH, generator=g, dtype=F64) for _ in range(3))
-    v = torch.randn(b, H, t, DV, generator=g, dtype=F64)
-    return q, k, o, v
+    return make_qkov(seed, b, H, t, DH, DV, scale)
 
 
 def dense_blocks(q, k, o, s, s_keys):
