@@ -61,6 +61,13 @@ def _padding_mask(B: int, T: int, padded: dict | None) -> torch.Tensor | None:
     return mask
 
 
+def _assert_loss_terms(terms: dict, reference: dict, **tolerance) -> None:
+    """Every loss term the reference knows equals the layer's (``torch.testing.assert_close``)."""
+    for name, value in reference.items():
+        assert name in terms, f"the layer reports no loss term {name!r} (it reports {sorted(terms)})"
+        torch.testing.assert_close(terms[name], value, **tolerance, msg=lambda m, name=name: f"loss term {name}: {m}")
+
+
 def _heads_to_tokens(heads: torch.Tensor) -> torch.Tensor:
     """# shape: (B, H, Dv, T) -> (B, T, H·Dv)"""
     B, H, Dv, T = heads.shape
@@ -158,8 +165,7 @@ class GPAttentionTestCase(BaseAttentionTestCase):
                 torch.testing.assert_close(post.covariance_matrix, ref.covariance, **self.covariance_tolerance)
                 layer(x, mask)
             terms = layer_loss_terms(layer)
-            for name, value in ref.loss_terms.items():
-                torch.testing.assert_close(terms[name], value, **self.loss_term_tolerance, msg=f"loss term {name}")
+            _assert_loss_terms(terms, ref.loss_terms, **self.loss_term_tolerance)
 
     def test_padding_equals_truncated_sequence(self):
         if self.truncation_padding is None:
@@ -235,8 +241,7 @@ class GPAttentionTestCase(BaseAttentionTestCase):
         assert torch.isfinite(y).all()
         ref = self.dense_reference(layer, x, None)
         torch.testing.assert_close(var, ref.covariance.diagonal(dim1=-2, dim2=-1), rtol=1e-6, atol=0)
-        for name, value in ref.loss_terms.items():
-            torch.testing.assert_close(terms[name], value, rtol=1e-6, atol=0, msg=f"loss term {name}")
+        _assert_loss_terms(terms, ref.loss_terms, rtol=1e-6, atol=0)
 
     def test_float32_forward_backward_at_T1024(self):
         if self.long_padding is None:
