@@ -48,3 +48,12 @@ def test_public_api_sorted():
         assert mod.__all__ == sorted(mod.__all__), sub
         for name in mod.__all__:
             assert hasattr(mod, name), f"gpattn.{sub}.{name} listed but missing"
+
+
+def test_a_test_case_runs_the_invariants_it_names():
+    """``invariants`` picks the checks a BaseAttentionTestCase class runs (the others are no test methods);
+    an unknown check is an error that lists the valid ones."""
+    subset = type("TestSubset", (BaseAttentionTestCase,), {"attention": "softmax", "invariants": ("shape",)})
+    assert callable(subset.test_invariant_shape) and subset.test_invariant_padding is None
+    with pytest.raises(ValueError, match=r"unknown checks \['no_such_check'\]; valid: shape"):
+        type("TestBad", (BaseAttentionTestCase,), {"attention": "softmax", "invariants": ("no_such_check",)})
