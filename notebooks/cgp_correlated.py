@@ -44,6 +44,7 @@ import torch
 
 import gpattn
 from gpattn.kernels import evaluate_kernel
+from gpattn.testing.references import canonical_rbf, cgp_dense_blocks, cgp_dense_moments
 from gpattn.variational.scgp import SparseCorrelatedGP
 
 SIZE = os.environ.get("GPATTN_NOTEBOOK_SIZE", "full")
@@ -76,18 +77,13 @@ with torch.no_grad():
     p = layer.project(x)
     c = layer.input_scale
     q, k, o, v = p["q"] * c, p["k"] * c, p["o"] * c, p["v"]  # shape: (1, H, T, Dh), v (1, H, T, Dv)
-SQ, SK = gp.covar.sigma_q.detach()[:, None, None], gp.covar.sigma_k.detach()[:, None, None]
+SIG_Q, SIG_K = gp.covar.sigma_q.detach(), gp.covar.sigma_k.detach()  # shape: (H,)
 S2 = float(gp.sigma[0]) ** 2
 print(f"sigma_q={gp.covar.sigma_q.tolist()}, sigma_k={gp.covar.sigma_k.tolist()}, sigma={S2**0.5}")
 
-
-def kappa(a, b):
-    """canonical RBF from explicit pairwise differences (independent of gpattn)"""
-    return torch.exp(-0.5 * ((a[..., :, None, :] - b[..., None, :, :]) ** 2).sum(-1))
-
-
-K_q, K_k, K_o = SQ**2 * kappa(q, q)[0], SK**2 * kappa(k, k)[0], kappa(o, o)[0]  # shape: (H, T, T)
-K_qo, K_ok = SQ * kappa(q, o)[0], SK * kappa(o, k)[0]
+# the dense blocks from explicit pairwise differences (gpattn.testing.references, independent of the layer)
+Kb = {name: K[0] for name, K in cgp_dense_blocks(q, k, o, SIG_Q, SIG_K).items()}  # each (H, T, T)
+K_q, K_k, K_o, K_qo, K_ok = (Kb[name] for name in ("K_q", "K_k", "K_o", "K_qo", "K_ok"))
 I = torch.eye(T, dtype=F64)
 A, Kk = K_o + S2 * I, K_k + S2 * I
 
@@ -121,15 +117,9 @@ z_mean = (emp_mean - nu) / (var / N_MC).sqrt()  # standardised errors
 z_cov = (emp_cov - Sigma) / ((var[:, :, None] * var[:, None, :] + Sigma**2) / N_MC).sqrt()
 print(f"max |z| mean {z_mean.abs().max():.2f}, covariance {z_cov.abs().max():.2f}  (N = {N_MC})")
 
-# App. B per column, *before* the μ_o μ_oᵀ / ν νᵀ cancellation: E[z_q z_qᵀ | z_k] − ν_d ν_dᵀ
-Z = Kk @ v[0]  # all value columns  # shape: (H, T, Dv)
-MU = K_ok @ torch.linalg.solve(Kk, Z)
-NU = HA @ MU
-col_err = []
-for d in range(v.shape[-1]):
-    E_oo = C_o + MU[..., d : d + 1] @ MU[..., d : d + 1].mT  # eq. 52
-    E_qq = K_q - HA @ K_qo.mT + HA @ E_oo @ HA.mT  # eq. 51
-    col_err.append(float((E_qq - NU[..., d : d + 1] @ NU[..., d : d + 1].mT - Sigma).abs().max()))
+# App. B per column, *before* the μ_o μ_oᵀ / ν νᵀ cancellation: E[z_q z_qᵀ | z_k] − ν_d ν_dᵀ (eqs. 45–52)
+_, cov_app_b, _, _ = cgp_dense_moments(q, k, o, v, SIG_Q, SIG_K, S2**0.5)  # shape: (1, H, Dv, T, T)
+col_err = [float((cov_app_b[0, :, d] - Sigma).abs().max()) for d in range(v.shape[-1])]
 same_cols = max(col_err)
 print(f"App. B covariance of each of the {v.shape[-1]} value columns vs the layer's Σ: max difference {same_cols:.1e}")
 
@@ -262,8 +252,18 @@ with torch.no_grad():
     out_s = scgp(q, k, o, v, sample=False)
     S_in, S_keys = scgp.inducing_latent[None], scgp.inducing_keys[None]
     blocks = [
-        (out_s.out[0], SQ * kappa(q, S_in)[0], kappa(o, S_in)[0], kappa(S_in, S_in)[0]),
-        (v[0], SK * kappa(k, S_keys)[0], kappa(o, S_keys)[0], kappa(S_keys, S_keys)[0]),
+        (
+            out_s.out[0],
+            SIG_Q[:, None, None] * canonical_rbf(q, S_in)[0],
+            canonical_rbf(o, S_in)[0],
+            canonical_rbf(S_in, S_in)[0],
+        ),
+        (
+            v[0],
+            SIG_K[:, None, None] * canonical_rbf(k, S_keys)[0],
+            canonical_rbf(o, S_keys)[0],
+            canonical_rbf(S_keys, S_keys)[0],
+        ),
     ]
     R_s_mc, R_s_var = 0.0, 0.0
     for target, K_tm, K_om, K_mm in blocks:
@@ -292,6 +292,7 @@ print(
 # $K_{qo}(K_o+\sigma^2I)^{-1}K_{ok}$ is asymmetric for $W_q \ne W_k$ and becomes symmetric when the
 # three projections are tied ($q = k = x_o$, $\sigma_q = \sigma_k$); kernel attention with one
 # projection `qk` is symmetric by construction.
+
 
 # %%
 def asym(K):

@@ -45,6 +45,7 @@ from torch.distributions import MultivariateNormal as TorchMVN
 from torch.distributions import kl_divergence
 
 import gpattn
+from gpattn.testing.references import kep_svgp_dense_moments
 from gpattn.variational.kep_svgp import kep_posterior, kep_sample
 
 SIZE = os.environ.get("GPATTN_NOTEBOOK_SIZE", "full")
@@ -286,7 +287,8 @@ print(f"J² at Λ→2Λ: {J2_scaled:.6f} (analytic {J2_scaled_expected:.6f})")
 #
 # The head output is $y_d = \sum_c W_{cd} f_c + b_d$ with independent $f_c = G\Lambda^{-1}u_c$. The
 # brute force stacks all $u_c$ of a head in one vector, writes y as an explicit matrix times it and
-# reads off mean and covariance — no shared code with the library's low-rank root.
+# reads off mean and covariance — no shared code with the library's low-rank root
+# (`gpattn.testing.references.kep_svgp_dense_moments`, the tests' reference).
 
 # %%
 layer64 = kep.attn.double()
@@ -301,28 +303,7 @@ m64, L64 = v64.variational_mean.detach(), v64.chol.detach()
 W64, b64 = layer64.kep.out_weight.detach(), layer64.kep.out_bias.detach()
 
 
-def brute_force(G, lam, m, L, W, b):
-    B_, H_, T_, r = G.shape
-    Dv = W.shape[-1]
-    mean = torch.zeros(B_, H_, Dv, T_, dtype=torch.float64)
-    cov = torch.zeros(B_, H_, Dv, T_, T_, dtype=torch.float64)
-    for bb in range(B_):
-        for h in range(H_):
-            feat = torch.linalg.solve(torch.diag(lam[h]), G[bb, h].T).T
-            J = torch.zeros(T_ * Dv, r * r, dtype=torch.float64)
-            for t in range(T_):
-                for d in range(Dv):
-                    for c in range(r):
-                        J[t * Dv + d, c * r : (c + 1) * r] = W[h, c, d] * feat[t]
-            S_u = torch.block_diag(*[L[h, c] @ L[h, c].T for c in range(r)])
-            ym = (J @ m[h].reshape(-1)).view(T_, Dv) + b[h]
-            yc = (J @ S_u @ J.T).view(T_, Dv, T_, Dv)
-            for d in range(Dv):
-                mean[bb, h, d], cov[bb, h, d] = ym[:, d], yc[:, d, :, d]
-    return mean, cov
-
-
-mean_bf, cov_bf = brute_force(e64 + r64, lam64, m64, L64, W64, b64)
+mean_bf, cov_bf = kep_svgp_dense_moments(e64 + r64, lam64, m64, L64, W64, b64)
 cov_bf = cov_bf + layer64.jitter * torch.eye(T, dtype=torch.float64)
 err_mean = (post.mean - mean_bf).abs().max().item()
 err_cov = (post.covariance_matrix - cov_bf).abs().max().item() / cov_bf.abs().max().item()

@@ -44,9 +44,15 @@ import gpytorch
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import gpattn
+from gpattn.testing.references import (
+    exponential_gram,
+    sgpa_amortised_std,
+    sgpa_decoupled_dense_posterior,
+    sgpa_decoupled_global_keys,
+    sgpa_heads,
+)
 
 SIZE = os.environ.get("GPATTN_NOTEBOOK_SIZE", "full")
 OUT = Path(os.environ.get("GPATTN_NOTEBOOK_OUT", "runs/notebooks")) / "sgpa_posterior"
@@ -79,31 +85,16 @@ with torch.no_grad():
     q_g.raw_scale_tril.add_(0.2 * torch.randn_like(q_g.raw_scale_tril))
 
 
-def split(layer, x):
-    """qk and v per head from the fused weight.  # shape: -> (B, H, T, Dh), (B, H, T, Dv)"""
-    W, b = layer.in_proj.weight.detach(), layer.in_proj.bias.detach()
-    qk = (x @ W[:D].T + b[:D]).view(1, -1, H, DH).transpose(1, 2)
-    v = (x @ W[D:].T + b[D:]).view(1, -1, H, DH).transpose(1, 2)
-    return qk, v
-
-
-def gram(layer, a, c):
-    """Exponential kernel σ² exp(Σ a_i c_i / ℓ_i²) per head."""
-    ell, s2 = layer.kernel.lengthscale.detach(), layer.kernel.outputscale.detach()
-    return s2[:, None, None] * torch.exp((a / ell) @ (c / ell).mT)
-
-
 # %% [markdown]
 # ## 1. Standard SGPA against the generic SVGP formula
 # $\mu = K_{qk}K_{kk}^{-1}m$, $\Sigma = K_{qq} - K_{qk}K_{kk}^{-1}K_{kq} + K_{qk}K_{kk}^{-1}SK_{kk}^{-1}K_{kq}$
 # with $m = K_{kk}v$, $S = L\,\mathrm{diag}(s^2)L^\top$, $s = \mathrm{softplus}(k W + b)$.
 
 # %%
-qk, v = split(std_layer, x)
-K = gram(std_layer, qk, qk)  # shape: (1, H, T, T)
+qk, v = sgpa_heads(std_layer, x)
+K = exponential_gram(std_layer.kernel, qk, qk)  # shape: (1, H, T, T)
 L = torch.linalg.cholesky(K)
-q_u = std_layer.strategy.variational_distribution
-s = F.softplus(torch.einsum("bhtk,hkd->bhtd", qk, q_u.weight.detach()) + q_u.bias.detach()[:, None])
+s = sgpa_amortised_std(std_layer, qk)
 S = L[:, :, None] @ torch.diag_embed(s.square().transpose(-1, -2)) @ L[:, :, None].mT  # (1, H, Dv, T, T)
 mean_ref = (K @ torch.linalg.solve(K, K @ v)).transpose(-1, -2)
 Pk = torch.linalg.solve(K, K)[:, :, None]
@@ -140,19 +131,15 @@ print(f"standard KL (per head, dim) total {kl_std.sum().item():.4f}; max error v
 # closed form splits it into the γ-part (`kl_seq`) and the β-part (`kl_global`).
 
 # %%
-qk, v = split(dec_layer, x)
-W, b = dec_layer.in_proj.weight.detach()[:D], dec_layer.in_proj.bias.detach()[:D]
-Z = dec_layer.strategy.inducing_inputs.detach()
-kg = torch.stack([Z[h] @ W[h * DH : (h + 1) * DH].T + b[h * DH : (h + 1) * DH] for h in range(H)])  # (H, M, Dh)
-Kqq, Kqg, Kgg = gram(dec_layer, qk, qk), gram(dec_layer, qk, kg), gram(dec_layer, kg, kg)
+qk, v = sgpa_heads(dec_layer, x)
+kg = sgpa_decoupled_global_keys(dec_layer)  # shape: (H, M, Dh)
+Kqg, Kgg = exponential_gram(dec_layer.kernel, qk, kg), exponential_gram(dec_layer.kernel, kg, kg)
 vg = q_g.inducing_values.detach()
 Lg = torch.linalg.cholesky(Kgg)
 Ls = q_g.scale_tril().detach()  # (H, Dv, M, M)
 Sg = Lg[:, None] @ Ls @ Ls.mT @ Lg[:, None].mT  # unwhitened S_g
-dec_mean_ref = (Kqq @ v - Kqg @ torch.linalg.solve(Kgg, Kqg.mT @ v) + Kqg @ vg).transpose(-1, -2)
-Pg = torch.linalg.solve(Kgg, Kqg.mT)[:, :, None]
-resid = Kqq - Kqg @ torch.linalg.solve(Kgg, Kqg.mT)
-dec_cov_ref = resid[:, :, None] + Pg.mT @ Sg @ Pg
+dec_mean_ref, dec_cov_ref, _ = sgpa_decoupled_dense_posterior(dec_layer, x)  # MATH §5b densely
+resid = exponential_gram(dec_layer.kernel, qk, qk) - Kqg @ torch.linalg.solve(Kgg, Kqg.mT)  # plotted below
 dec_post = dec_layer.posterior(x)
 err_dec_mean = (dec_post.mean - dec_mean_ref).abs().max().item()
 err_dec_cov = ((dec_post.covariance_matrix - dec_cov_ref).abs().max() / dec_cov_ref.abs().max()).item()
@@ -161,7 +148,7 @@ print(f"decoupled: max|mean - dense| = {err_dec_mean:.2e}, max|cov - dense|/max|
 p = dec_layer.project(x)
 dcond = dec_layer.strategy.condition(p["qk"], p["v"], dec_layer.global_keys())
 Zin = torch.cat([qk, kg[None]], dim=-2)
-KZZ, KZa, KZg = gram(dec_layer, Zin, Zin), gram(dec_layer, Zin, qk), gram(dec_layer, Zin, kg)
+KZZ, KZa, KZg = (exponential_gram(dec_layer.kernel, Zin, c) for c in (Zin, qk, kg))
 mZ = KZa @ v - KZg @ torch.linalg.solve(Kgg, Kqg.mT @ v) + KZg @ vg
 PZ = torch.linalg.solve(Kgg, KZg.mT)[:, :, None]
 SZ = (KZZ - KZg @ torch.linalg.solve(Kgg, KZg.mT))[:, :, None] + PZ.mT @ Sg @ PZ
@@ -210,7 +197,10 @@ plt.close(fig)
 # %%
 torch.manual_seed(1)
 paths = {
-    "standard (full)": (std_post, std_layer.strategy.condition(*split(std_layer, x)).rsample(num_samples=5).detach()),
+    "standard (full)": (
+        std_post,
+        std_layer.strategy.condition(*sgpa_heads(std_layer, x)).rsample(num_samples=5).detach(),
+    ),
     "decoupled (full)": (dec_post, dcond.rsample(num_samples=5).detach()),
 }
 dcond.covariance = "diag"
@@ -369,7 +359,7 @@ torch.manual_seed(5)
 Ps = [P_MAX // 64, P_MAX // 16, P_MAX // 4, P_MAX]
 errs = {"standard": [], "decoupled (full)": []}
 samplers = {
-    "standard": (std_layer.strategy.condition(*split(std_layer, x)), std_post.covariance_matrix.detach()),
+    "standard": (std_layer.strategy.condition(*sgpa_heads(std_layer, x)), std_post.covariance_matrix.detach()),
     "decoupled (full)": (dcond, dec_post.covariance_matrix.detach()),
 }
 for name, (cnd, cov) in samplers.items():

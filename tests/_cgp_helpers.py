@@ -3,6 +3,14 @@
 import torch
 
 
+def make_qkov(seed, b, h, t, dh, dv, scale):
+    """Seeded float64 per-head inputs: q, k, o ~ scale · N(0, 1) (b, h, t, dh) and v ~ N(0, 1) (b, h, t, dv)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, o = (scale * torch.randn(b, h, t, dh, generator=g, dtype=torch.float64) for _ in range(3))
+    v = torch.randn(b, h, t, dv, generator=g, dtype=torch.float64)
+    return q, k, o, v
+
+
 def assert_padding_equals_truncated(gp, q, k, o, v, padded, *, garbage_scale, atol):
     """Padded tokens are removed from every basis: with ``garbage_scale`` · N(0, 1) in the ``padded``
     positions of the single sequence (b = 1), the mean, covariance block and regulariser of the real

@@ -1,4 +1,5 @@
-"""The contract's invariants, parametrised over every registered variant (STYLE.md 6)."""
+"""The contract's invariants over every registered variant at its default options (STYLE.md 6): one
+gpattn.testing.BaseAttentionTestCase class per name of gpattn.list_attention(), made at import."""
 
 import importlib
 import inspect
@@ -9,15 +10,13 @@ import pytest
 import gpattn
 import gpattn.attention
 from gpattn.attention.base import AttentionBase
-from gpattn.testing import ATTENTION_INVARIANTS, run_attention_invariant
+from gpattn.testing import BaseAttentionTestCase
 
 VARIANTS = gpattn.list_attention()
 
-
-@pytest.mark.parametrize("check", sorted(ATTENTION_INVARIANTS))
-@pytest.mark.parametrize("name", VARIANTS)
-def test_invariant(name, check):
-    run_attention_invariant(check, name)
+for _name in VARIANTS:  # e.g. TestInvariantsSgpaDecoupled::test_invariant_padding
+    _case = type(f"TestInvariants{_name.title().replace('-', '')}", (BaseAttentionTestCase,), {"attention": _name})
+    globals()[_case.__name__] = _case
 
 
 def test_nothing_missed():
@@ -49,3 +48,12 @@ def test_public_api_sorted():
         assert mod.__all__ == sorted(mod.__all__), sub
         for name in mod.__all__:
             assert hasattr(mod, name), f"gpattn.{sub}.{name} listed but missing"
+
+
+def test_a_test_case_runs_the_invariants_it_names():
+    """``invariants`` picks the checks a BaseAttentionTestCase class runs (the others are no test methods);
+    an unknown check is an error that lists the valid ones."""
+    subset = type("TestSubset", (BaseAttentionTestCase,), {"attention": "softmax", "invariants": ("shape",)})
+    assert callable(subset.test_invariant_shape) and subset.test_invariant_padding is None
+    with pytest.raises(ValueError, match=r"unknown checks \['no_such_check'\]; valid: shape"):
+        type("TestBad", (BaseAttentionTestCase,), {"attention": "softmax", "invariants": ("no_such_check",)})

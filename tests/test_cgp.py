@@ -1,16 +1,20 @@
 """Exact correlated-GP attention (``cgp``; MATH.md §7, seed 003 §3 and App. A–B).
 
-Every reference below is written independently of gpattn: pairwise-difference kernels, dense
-``torch.linalg.solve`` and the formulas exactly as printed (eq. 24 observations, eq. 25 mean,
-App. B covariance with the μ_o μ_oᵀ term *not* cancelled, eqs. 42–44 regulariser by Monte Carlo).
+Every reference is written independently of gpattn.variational (gpattn.testing.references and the
+Monte-Carlo estimates here): pairwise-difference kernels, dense ``torch.linalg.solve`` and the formulas
+exactly as printed (eq. 24 observations, eq. 25 mean, App. B covariance with the μ_o μ_oᵀ term *not*
+cancelled, eqs. 42–44 regulariser by Monte Carlo). The shapes every GP variant shares, on the layer,
+come from gpattn.testing.GPAttentionTestCase.
 """
 
 import pytest
 import torch
-from _cgp_helpers import assert_padding_equals_truncated
+from _cgp_helpers import assert_padding_equals_truncated, make_qkov
 from gpytorch.kernels import MaternKernel
 
 import gpattn
+from gpattn.testing import GPAttentionTestCase, assert_samples_match_moments, layer_loss_terms
+from gpattn.testing.references import cgp_dense_blocks, cgp_dense_moments, cgp_dense_posterior
 from gpattn.variational.cgp import CorrelatedGP
 
 B, H, T, DH, DV = 2, 2, 6, 3, 4
@@ -19,9 +23,33 @@ SIG_Q = torch.tensor([1.3, 0.7], dtype=torch.float64)
 SIG_K = torch.tensor([0.6, 1.5], dtype=torch.float64)
 
 
-def kappa(a, b):
-    """canonical RBF exp(-½‖a − b‖²) from explicit pairwise differences"""
-    return torch.exp(-0.5 * ((a[..., :, None, :] - b[..., None, :, :]) ** 2).sum(-1))
+def dense_blocks(q, k, o):
+    return cgp_dense_blocks(q, k, o, SIG_Q, SIG_K)
+
+
+def dense_cgp(q, k, o, v, s2=SIGMA**2):
+    """ν (eq. 25), the App. B per-column covariance, z (eq. 24) and the blocks, at this file's scales."""
+    return cgp_dense_moments(q, k, o, v, SIG_Q, SIG_K, s2**0.5)
+
+
+class TestCGP(GPAttentionTestCase):
+    """The layer (exact expectation in the regulariser, no jitter) at this file's σ_q, σ_k."""
+
+    attention = "cgp"
+    invariants = ()  # at the default options: tests/test_attention_invariants.py
+    float64_options = {"prior_samples": None, "jitter": 0.0}
+    mean_tolerance = {"rtol": 1e-9, "atol": 1e-10}
+    covariance_tolerance = truncation_tolerance = {"rtol": 1e-8, "atol": 1e-10}
+    truncation_garbage = 7.0
+    moment_samples = 40_000
+    long_padding = None  # O(T³) per head: 7.6 s at T = 1024; test_runs_in_float32_at_moderate_length
+
+    def perturb(self, layer):
+        layer.gp.covar.sigma_q = SIG_Q
+        layer.gp.covar.sigma_k = SIG_K
+
+    def dense_reference(self, layer, x, mask):
+        return cgp_dense_posterior(layer, x, mask)
 
 
 def make_gp(prior_samples=None, jitter=0.0, sigma=SIGMA):
@@ -32,41 +60,7 @@ def make_gp(prior_samples=None, jitter=0.0, sigma=SIGMA):
 
 
 def make_inputs(seed=0, b=B, t=T, scale=0.8):
-    g = torch.Generator().manual_seed(seed)
-    q, k, o = (scale * torch.randn(b, H, t, DH, generator=g, dtype=torch.float64) for _ in range(3))
-    v = torch.randn(b, H, t, DV, generator=g, dtype=torch.float64)
-    return q, k, o, v
-
-
-def dense_blocks(q, k, o):
-    sq, sk = SIG_Q[:, None, None], SIG_K[:, None, None]
-    return dict(
-        K_q=sq**2 * kappa(q, q),
-        K_k=sk**2 * kappa(k, k),
-        K_o=kappa(o, o),
-        K_qo=sq * kappa(q, o),
-        K_ok=sk * kappa(o, k),
-    )
-
-
-def dense_cgp(q, k, o, v, s2=SIGMA**2):
-    """ν (eq. 25 with z of eq. 24) and the per-column covariance of App. B (eqs. 45–52)."""
-    K = dense_blocks(q, k, o)
-    n = q.shape[-2]
-    eye = torch.eye(n, dtype=q.dtype)
-    A, Kk = K["K_o"] + s2 * eye, K["K_k"] + s2 * eye
-    z = Kk @ v  # eq. 24
-    mu_o = K["K_ok"] @ torch.linalg.solve(Kk, z)  # eq. 20
-    nu = K["K_qo"] @ torch.linalg.solve(A, mu_o)  # eq. 21 / 25
-    C_o = K["K_o"] - K["K_ok"] @ torch.linalg.solve(Kk, K["K_ok"].mT)
-    HA = torch.linalg.solve(A, K["K_qo"].mT).mT  # K_qo A⁻¹
-    covs = []
-    for d in range(v.shape[-1]):
-        m, nd = mu_o[..., d : d + 1], nu[..., d : d + 1]
-        E_oo = C_o + m @ m.mT  # eq. 52
-        E_qq = K["K_q"] - HA @ K["K_qo"].mT + HA @ E_oo @ HA.mT  # eq. 51
-        covs.append(E_qq - nd @ nd.mT)  # eq. 45
-    return nu, torch.stack(covs, 2), z, K
+    return make_qkov(seed, b, H, t, DH, DV, scale)
 
 
 def test_mean_and_covariance_match_dense_formulas():
@@ -126,31 +120,7 @@ def test_law_of_total_covariance_monte_carlo():
     L_q = torch.linalg.cholesky(S_q)
     noise = torch.randn(H, N, 5, 1, generator=g, dtype=torch.float64)
     z_q = (HA[:, None] @ z_o[..., None])[..., 0] + (L_q[:, None] @ noise)[..., 0]
-    emp_mean = z_q.mean(1)
-    emp_cov = torch.einsum("hni,hnj->hij", z_q - emp_mean[:, None], z_q - emp_mean[:, None]) / (N - 1)
-    var = cov.diagonal(dim1=-2, dim2=-1)
-    assert ((emp_mean - nu).abs() <= 5 * (var / N).sqrt()).all()
-    se_cov = ((var[:, :, None] * var[:, None, :] + cov**2) / N).sqrt()
-    assert ((emp_cov - cov).abs() <= 5 * se_cov).all()
-
-
-def test_forward_samples_have_the_posterior_moments():
-    """The layer's own sampler ν + L_Σ ε: empirical moments over 40 000 replicated rows, 5 SE."""
-    torch.manual_seed(1)
-    gp = make_gp(jitter=0.0)
-    q, k, o, v = make_inputs(4, b=1, t=5)
-    post = gp.posterior(q, k, o, v)
-    N = 40_000
-    rep = [t.expand(N, *t.shape[1:]) for t in (q, k, o, v)]
-    s = gp(*rep, sample=True, regularize=False).out  # shape: (N, H, T, Dv)
-    mean, cov = post.mean[0], post.covariance_matrix[0]  # shape: (H, Dv, T), (H, Dv, T, T)
-    x = s.permute(1, 3, 0, 2)  # shape: (H, Dv, N, T)
-    emp_mean = x.mean(2)
-    emp_cov = (x - emp_mean[:, :, None]).mT @ (x - emp_mean[:, :, None]) / (N - 1)
-    var = cov.diagonal(dim1=-2, dim2=-1)
-    assert ((emp_mean - mean).abs() <= 5 * (var / N).sqrt()).all()
-    se = ((var[..., :, None] * var[..., None, :] + cov**2) / N).sqrt()
-    assert ((emp_cov - cov).abs() <= 5 * se).all()
+    assert_samples_match_moments(z_q.movedim(1, 0), nu, cov)
 
 
 def dense_regularizer_mc(q, k, o, nu, z, N, seed):
@@ -273,7 +243,7 @@ def test_layer_loss_term_and_deterministic_mean():
     assert c == pytest.approx(6**-0.25)
     res = layer.gp(p["q"] * c, p["k"] * c, p["o"] * c, p["v"], mask, sample=False)
     # MATH §7: mean over the batch of Σ_{h,d} R / 2
-    torch.testing.assert_close(layer.loss_terms()["cgp"], res.regularizer.sum((1, 2)).mean() / 2)
+    torch.testing.assert_close(layer_loss_terms(layer)["cgp"], res.regularizer.sum((1, 2)).mean() / 2)
     with gpattn.deterministic():
         y_mean = layer(x, mask)
     B_, T_, _ = x.shape
@@ -306,7 +276,7 @@ def test_runs_in_float32_at_moderate_length():
     layer = gpattn.build_attention("cgp", 32, 4)
     x = torch.randn(2, 128, 32)
     y = layer(x)
-    assert torch.isfinite(y).all() and torch.isfinite(layer.loss_terms()["cgp"])
+    assert torch.isfinite(y).all() and torch.isfinite(layer_loss_terms(layer)["cgp"])
     y.sum().backward()
 
 
@@ -341,7 +311,7 @@ def test_learnable_sigma_gets_gradient():
     torch.manual_seed(0)
     layer = gpattn.build_attention("cgp", 8, 2, learn_sigma=True)
     y = layer(torch.randn(2, 5, 8))
-    (y.sum() + layer.loss_terms()["cgp"]).backward()
+    (y.sum() + layer_loss_terms(layer)["cgp"]).backward()
     g = layer.gp.raw_sigma.grad
     assert g is not None and torch.isfinite(g).all() and (g != 0).all()
 

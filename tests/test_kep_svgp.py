@@ -16,7 +16,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 import gpattn
-from gpattn.testing import run_attention_invariant
+from gpattn.testing import GPAttentionTestCase, assert_samples_match_moments, layer_loss_terms
+from gpattn.testing.references import kep_svgp_dense_features, kep_svgp_dense_moments, kep_svgp_dense_posterior
 from gpattn.variational.kep_svgp import (
     kep_kl_divergence,
     kep_posterior,
@@ -40,35 +41,6 @@ def _random_params(H=2, r=3, Dv=4, seed=0):
     return lam, m, L, W, b
 
 
-def _dense_moments(G, lam, m, L, W, b, extra=None):
-    """Brute force: stack every u_c of a head into one vector u (r·r), write the head output y (T·Dv)
-    as an explicit matrix J times u plus b, then mean = J μ_u + b, cov = J S_u Jᵀ.  Returns mean
-    (B, H, Dv, T) and the per-column covariances (B, H, Dv, T, T).  ``extra`` (B, H, T, T): a covariance
-    added to every output GP f_c independently (the residual term)."""
-    B, H, T, r = G.shape
-    Dv = W.shape[-1]
-    mean = torch.zeros(B, H, Dv, T, dtype=DT)
-    cov = torch.zeros(B, H, Dv, T, T, dtype=DT)
-    for bb in range(B):
-        for h in range(H):
-            feat = torch.linalg.solve(torch.diag(lam[h]), G[bb, h].T).T  # G Λ⁻¹, T × r
-            J = torch.zeros(T * Dv, r * r, dtype=DT)  # y[t, d] = Σ_c W[c, d] feat[t] · u_c
-            for t in range(T):
-                for d in range(Dv):
-                    for c in range(r):
-                        J[t * Dv + d, c * r : (c + 1) * r] = W[h, c, d] * feat[t]
-            mu_u = m[h].reshape(-1)
-            S_u = torch.block_diag(*[L[h, c] @ L[h, c].T for c in range(r)])
-            y_mean = (J @ mu_u).view(T, Dv) + b[h]
-            y_cov = (J @ S_u @ J.T).view(T, Dv, T, Dv)
-            for d in range(Dv):
-                mean[bb, h, d] = y_mean[:, d]
-                cov[bb, h, d] = y_cov[:, d, :, d]
-                if extra is not None:
-                    cov[bb, h, d] += (W[h, :, d] ** 2).sum() * extra[bb, h]
-    return mean, cov
-
-
 # ------------------------------------------------------------------------ posterior and KL (math)
 def test_posterior_mean_and_covariance_match_dense_brute_force():
     torch.manual_seed(0)
@@ -76,7 +48,7 @@ def test_posterior_mean_and_covariance_match_dense_brute_force():
     e, r = torch.randn(2, 2, 5, 3, dtype=DT), torch.randn(2, 2, 5, 3, dtype=DT)
     G = e + r
     post = kep_posterior(G / lam[:, None, :], m, L, W, b)
-    mean_ref, cov_ref = _dense_moments(G, lam, m, L, W, b)
+    mean_ref, cov_ref = kep_svgp_dense_moments(G, lam, m, L, W, b)
     assert post.batch_shape == (2, 2, 4) and post.event_shape == (5,)
     torch.testing.assert_close(post.mean, mean_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(post.covariance_matrix, cov_ref, rtol=1e-10, atol=1e-10)
@@ -89,7 +61,7 @@ def test_posterior_jitter_and_log_prob_match_torch_dense():
     lam, m, L, W, b = _random_params(H=1, r=2, Dv=2, seed=1)
     a = torch.randn(1, 1, 6, 2, dtype=DT)
     post = kep_posterior(a, m, L, W, b, jitter=1e-3)
-    _, cov_ref = _dense_moments(a * lam[:, None, :], lam, m, L, W, b)
+    _, cov_ref = kep_svgp_dense_moments(a * lam[:, None, :], lam, m, L, W, b)
     cov_ref = cov_ref + 1e-3 * torch.eye(6, dtype=DT)
     torch.testing.assert_close(post.covariance_matrix, cov_ref)
     y = torch.randn(1, 1, 2, 6, dtype=DT)
@@ -126,7 +98,7 @@ def test_layer_kl_global_is_the_summed_kl_of_its_parameters():
         for h in range(2)
         for c in range(3)
     )
-    torch.testing.assert_close(layer.loss_terms()["kl_global"], ref)
+    torch.testing.assert_close(layer_loss_terms(layer)["kl_global"], ref)
 
 
 # --------------------------------------------------------------------------------- sampling
@@ -154,14 +126,8 @@ def test_sampling_moments_match_analytic(token_independent, with_residual):
         residual=None if res is None else res.expand(P, 1, T, 3),
         generator=g,
     )[:, 0].transpose(-1, -2)  # (P, Dv, T)
-    emp_mean = ys.mean(0)
-    centred = ys - emp_mean
-    emp_cov = torch.einsum("pds,pdt->dst", centred, centred) / (P - 1)
-    var = torch.diagonal(cov, dim1=-2, dim2=-1)
-    assert ((emp_mean - mu).abs() <= 5 * (var / P).sqrt()).all()
-    target = cov if not token_independent else torch.diag_embed(var)
-    se = ((var[..., :, None] * var[..., None, :] + target**2) / P).sqrt()
-    assert ((emp_cov - target).abs() <= 5 * se).all(), (emp_cov - target).abs().max()
+    target = cov if not token_independent else torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
+    _, se = assert_samples_match_moments(ys, mu, target)
     off = ~torch.eye(T, dtype=torch.bool)
     if not token_independent:  # the analytic covariance really is correlated across tokens
         assert (cov[:, off].abs() > 10 * se[:, off]).any()
@@ -188,58 +154,51 @@ def test_token_independent_marginals_equal_exact_modes_posterior():
 
 
 # ------------------------------------------------------------------------ the layer, end to end
-def _reference_layer_moments(layer, x, mask=None):
-    """Dense float64 recomputation of the layer's head posterior from its parameters."""
-    B, T, D = x.shape
-    H, Dh = layer.num_heads, layer.head_dim
-    kep = layer.kep
-    s = kep.ksvd.num_landmarks
-    w, bias = layer.in_proj.weight, layer.in_proj.bias
-    q = (x @ w[:D].T + bias[:D]).view(B, T, H, Dh)
-    k = (x @ w[D:].T + bias[D:]).view(B, T, H, Dh)
-    lam = kep.ksvd.log_lambda.exp()
-    G = torch.zeros(B, H, T, kep.rank, dtype=DT)
-    E = torch.zeros_like(G)
-    R = torch.zeros_like(G)
-    for bb in range(B):
-        real = [t for t in range(T) if mask is None or not bool(mask[bb, t])]
-        n = len(real)
-        lm = [real[(j * (n - 1)) // max(s - 1, 1)] for j in range(s)]
-        for h in range(H):
-            Xt = x[bb, lm, h * Dh : (h + 1) * Dh].T  # Dh × s
-            phq = q[bb, :, h] / q[bb, :, h].norm(dim=-1, keepdim=True)
-            phk = k[bb, :, h] / k[bb, :, h].norm(dim=-1, keepdim=True)
-            E[bb, h] = phq @ (Xt @ kep.ksvd.omega_e[h])
-            R[bb, h] = phk @ (Xt @ kep.ksvd.omega_r[h])
-            if kep.merge == "add":
-                G[bb, h] = E[bb, h] + R[bb, h]
-            else:
-                keep = torch.tensor([t in real for t in range(T)], dtype=DT)[:, None]
-                A = kep.token_weight
-                G[bb, h] = A[:, :T] @ (E[bb, h] * keep) + A[:, T:] @ (R[bb, h] * keep)
-    v = kep.variational
-    mean, cov = _dense_moments(G, lam, v.variational_mean, v.chol, kep.out_weight, kep.out_bias)
-    return mean, cov + layer.jitter * torch.eye(T, dtype=DT), E, R
+class TestKEPSVGP(GPAttentionTestCase):
+    """merge="add": the layer against the dense brute force (padding anywhere, not only at the end)."""
 
+    attention = "kep-svgp"
+    invariants = ()  # at the default options: tests/test_attention_invariants.py
+    float64_options = {"rank": 3, "num_landmarks": 4}
+    reference_padding = {1: (0, 3, 5)}
+    truncation_garbage = 1e3  # loud padding
+    truncation_tolerance = {}
+    exact_options = {"rank": 3, "num_landmarks": 4}
 
-@pytest.mark.parametrize("merge", ["add", "concat"])
-def test_layer_posterior_matches_dense_reference(merge):
-    torch.manual_seed(6)
-    opts = {"seq_len": 7} if merge == "concat" else {}
-    layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3, num_landmarks=4, merge=merge, **opts).double()
-    x = torch.randn(2, 7, 8, dtype=DT)
-    mask = torch.zeros(2, 7, dtype=torch.bool)
-    mask[1, [0, 3, 6]] = True  # padding anywhere, not only at the end
-    with torch.no_grad():
-        mean_ref, cov_ref, _, _ = _reference_layer_moments(layer, x, mask)
-        post = layer.posterior(x, mask)
-        torch.testing.assert_close(post.mean, mean_ref)
-        torch.testing.assert_close(post.covariance_matrix, cov_ref)
-        # under deterministic() the head output is the posterior mean (checked through W_o)
+    def dense_reference(self, layer, x, mask):
+        return kep_svgp_dense_posterior(layer, x, mask)
+
+    def check_truncation_extras(self, layer, x, mask, real):
+        """The KSVD loss is a mean over real tokens only: the padded sequence's equals the truncated one's."""
         with gpattn.deterministic():
-            y = layer(x, mask)
-        y_ref = layer.out_proj(mean_ref.permute(0, 3, 1, 2).reshape(2, 7, 8))
-        torch.testing.assert_close(y, y_ref)
+            layer(x[1:], mask[1:])
+            padded = layer_loss_terms(layer)["ksvd"]
+            layer(x[1:, real])
+            torch.testing.assert_close(padded, layer_loss_terms(layer)["ksvd"])
+
+
+class TestKEPSVGPConcat(TestKEPSVGP):
+    """merge="concat" at its fixed length T = 6 (the shapes that need another T are left out)."""
+
+    options = {"merge": "concat", "seq_len": 6}
+    invariants = ("shape", "padding", "all_padding_row", "float64", "pickle", "deterministic", "posterior", "errors")
+    truncation_padding = moment_samples = long_padding = exact_options = None
+
+
+class TestKEPSVGPTokenIndependent(TestKEPSVGP):
+    options = {"token_independent": True}
+    invariants = ("gradients", "small_shapes", "padding")
+    independent_tokens = True
+    exact_options = None  # the same posterior as TestKEPSVGP's
+
+
+class TestKEPSVGPResidual(TestKEPSVGP):
+    """include_residual=True (its dense reference: test_include_residual_matches_dense_kff_minus_qff)."""
+
+    options = {"include_residual": True, "rank": 2}
+    invariants = ("gradients", "small_shapes", "padding")
+    reference_seeds = ()
+    exact_options = None
 
 
 def test_include_residual_matches_dense_kff_minus_qff():
@@ -252,7 +211,8 @@ def test_include_residual_matches_dense_kff_minus_qff():
         layer.kep.ksvd.omega_r.mul_(0.05)
     x = torch.randn(2, 9, 8, dtype=DT)
     with torch.no_grad():
-        mean_ref, cov_ref, E, R = _reference_layer_moments(layer, x)
+        mean_ref = kep_svgp_dense_posterior(layer, x).mean
+        _, E, R = kep_svgp_dense_features(layer, x)
         D, Dh = 8, 4
         w, bias = layer.in_proj.weight, layer.in_proj.bias
         q = (x @ w[:D].T + bias[:D]).view(2, 9, 2, Dh).transpose(1, 2)
@@ -262,7 +222,7 @@ def test_include_residual_matches_dense_kff_minus_qff():
         v, kep = layer.kep.variational, layer.kep
         G = E + R
         lam = kep.ksvd.log_lambda.exp()
-        _, cov_ref = _dense_moments(G, lam, v.variational_mean, v.chol, kep.out_weight, kep.out_bias, extra)
+        _, cov_ref = kep_svgp_dense_moments(G, lam, v.variational_mean, v.chol, kep.out_weight, kep.out_bias, extra)
         cov_ref = cov_ref + layer.jitter * torch.eye(9, dtype=DT)
         post = layer.posterior(x)
     torch.testing.assert_close(post.mean, mean_ref)
@@ -279,7 +239,7 @@ def test_layer_gradcheck_float64():
     def f(x):
         with gpattn.deterministic():
             y = layer(x, mask)
-        return y, layer.loss_terms()["ksvd"]
+        return y, layer_loss_terms(layer)["ksvd"]
 
     assert torch.autograd.gradcheck(f, (x,))
 
@@ -296,26 +256,6 @@ def test_landmark_indices_are_evenly_spaced_real_tokens():
     assert landmark_indices(3, 5).tolist() == [[0, 0, 1, 1, 2]]
     assert landmark_indices(1, 4).tolist() == [[0, 0, 0, 0]]
     assert landmark_indices(6, 1, mask[:, :6]).tolist() == [[0], [1]]
-
-
-def test_padding_changes_nothing_relative_to_the_unpadded_sequence():
-    """Trailing padding: real outputs, their posterior and the KSVD loss (mean over real tokens only)
-    equal those of the truncated, unpadded sequence."""
-    torch.manual_seed(9)
-    layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3, num_landmarks=5).double()
-    x = torch.randn(1, 9, 8, dtype=DT)
-    mask = torch.zeros(1, 9, dtype=torch.bool)
-    mask[0, 6:] = True
-    x[0, 6:] = 1e3 * torch.randn(3, 8, dtype=DT)  # loud padding
-    with gpattn.deterministic():
-        y_pad = layer(x, mask)
-        ksvd_pad = layer.loss_terms()["ksvd"]
-        y_cut = layer(x[:, :6])
-        ksvd_cut = layer.loss_terms()["ksvd"]
-    torch.testing.assert_close(y_pad[:, :6], y_cut)
-    torch.testing.assert_close(ksvd_pad, ksvd_cut)
-    p_pad, p_cut = layer.posterior(x, mask), layer.posterior(x[:, :6])
-    torch.testing.assert_close(p_pad.covariance_matrix[..., :6, :6], p_cut.covariance_matrix)
 
 
 # ------------------------------------------------------------------------------ KSVD objective
@@ -361,20 +301,20 @@ def test_ksvd_objective_is_zero_at_an_exact_svd_stationary_point(pad):
     # the features really are the singular pairs: e = UΣ, r = VΣ on the real tokens
     torch.testing.assert_close(e[0, 0, :n], U * S)
     torch.testing.assert_close(r[0, 0, :n], V * S)
-    assert layer.loss_terms()["ksvd"] < 1e-24
+    assert layer_loss_terms(layer)["ksvd"] < 1e-24
     # away from it: Λ → αΛ gives J = (1/α − 1) tr Σ / n exactly, and perturbing ω moves J off 0
     alpha = 2.0
     with torch.no_grad():
         layer.kep.ksvd.log_lambda.add_(math.log(alpha))
         layer(x, mask)
     expected = ((1 / alpha - 1) * S.sum() / n) ** 2
-    torch.testing.assert_close(layer.loss_terms()["ksvd"], expected)
+    torch.testing.assert_close(layer_loss_terms(layer)["ksvd"], expected)
     assert expected > 1e-3
     with torch.no_grad():
         layer.kep.ksvd.log_lambda.sub_(math.log(alpha))
         layer.kep.ksvd.omega_r.add_(0.1 * torch.randn_like(layer.kep.ksvd.omega_r))
         layer(x, mask)
-    assert layer.loss_terms()["ksvd"] > 1e-6
+    assert layer_loss_terms(layer)["ksvd"] > 1e-6
 
 
 def test_ksvd_objective_formula_with_padding():
@@ -402,7 +342,7 @@ def test_batch_one_head_one_token_one(opts):
     x = torch.randn(1, 1, 4)
     y = layer(x)
     assert y.shape == (1, 1, 4) and torch.isfinite(y).all()
-    assert all(torch.isfinite(v) and v.dim() == 0 for v in layer.loss_terms().values())
+    assert all(torch.isfinite(v) and v.dim() == 0 for v in layer_loss_terms(layer).values())
     post = layer.posterior(x)
     assert post.batch_shape == (1, 1, 4) and post.event_shape == (1,)
     p = layer.project(x)
@@ -440,19 +380,6 @@ def test_option_errors(opts, words):
     assert all(w in str(err.value) for w in words)
 
 
-@pytest.mark.parametrize(
-    "check", ["shape", "padding", "all_padding_row", "float64", "pickle", "deterministic", "posterior", "errors"]
-)
-def test_concat_passes_the_invariants_at_its_length(check):
-    run_attention_invariant(check, "kep-svgp", merge="concat", seq_len=6)
-
-
-@pytest.mark.parametrize("check", ["gradients", "small_shapes", "padding"])
-def test_other_modes_pass_the_invariants(check):
-    run_attention_invariant(check, "kep-svgp", token_independent=True)
-    run_attention_invariant(check, "kep-svgp", include_residual=True, rank=2)
-
-
 # -------------------------------------------------------------------------------- cost in T
 class _ShapeRecorder(TorchDispatchMode):
     """Records the shape of every tensor any aten op returns (forward and backward)."""
@@ -477,7 +404,7 @@ def _record(name, T, **opts):
     mask[0, -5:] = True
     with _ShapeRecorder() as rec:
         y = layer(x, mask)
-        (y.sum() + sum(layer.loss_terms().values(), torch.zeros(()))).backward()
+        (y.sum() + sum(layer_loss_terms(layer).values(), torch.zeros(()))).backward()
         if layer.is_gp:
             post = layer.posterior(x, mask)
             (post.mean.sum() + post.variance.sum()).backward()
@@ -504,7 +431,7 @@ def test_flops_grow_linearly_in_t():
         x = torch.randn(2, T, 8, requires_grad=True)
         with FlopCounterMode(display=False) as fc:
             y = layer(x)
-            (y.sum() + sum(layer.loss_terms().values(), torch.zeros(()))).backward()
+            (y.sum() + sum(layer_loss_terms(layer).values(), torch.zeros(()))).backward()
         return fc.get_total_flops()
 
     f = [flops(T) for T in (64, 128, 192)]

@@ -1,18 +1,21 @@
 """Sparse (DTC) correlated-GP attention (``scgp``; MATH.md §8, seed 003 §4 and App. C–E).
 
-References are written independently of gpattn: pairwise-difference kernels, dense solves and the
-appendix formulas in their printed σ⁻² / σ⁻⁴ form (eqs. 33, 55, 59–67), and Monte Carlo over the
-nested DTC model.
+References are written independently of gpattn.variational (gpattn.testing.references and the
+Monte-Carlo estimates here): pairwise-difference kernels, dense solves and the appendix formulas in
+their printed σ⁻² / σ⁻⁴ form (eqs. 33, 55, 59–67), and Monte Carlo over the nested DTC model. The shapes
+every GP variant shares, on the layer, come from gpattn.testing.GPAttentionTestCase.
 """
 
 import pytest
 import torch
-from _cgp_helpers import assert_padding_equals_truncated
+from _cgp_helpers import assert_padding_equals_truncated, make_qkov
 from linear_operator.operators import LowRankRootAddedDiagLinearOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import gpattn
+from gpattn.testing import GPAttentionTestCase, assert_samples_match_moments, layer_loss_terms
+from gpattn.testing.references import scgp_dense_blocks, scgp_dense_moments, scgp_dense_posterior
 from gpattn.variational.cgp import CorrelatedGP
 from gpattn.variational.scgp import SparseCorrelatedGP
 
@@ -23,10 +26,6 @@ SIG_K = torch.tensor([0.7, 1.4], dtype=torch.float64)
 F64 = torch.float64
 
 
-def kappa(a, b):
-    return torch.exp(-0.5 * ((a[..., :, None, :] - b[..., None, :, :]) ** 2).sum(-1))
-
-
 def make_gp(m=M, l=L, sigma=SIGMA, **kw):
     gp = SparseCorrelatedGP(H, DH, num_inducing=m, num_inducing_keys=l, sigma=sigma, jitter=0.0, **kw).double()
     gp.covar.sigma_q = SIG_Q
@@ -35,44 +34,37 @@ def make_gp(m=M, l=L, sigma=SIGMA, **kw):
 
 
 def make_inputs(seed=0, b=B, t=T, scale=0.9):
-    g = torch.Generator().manual_seed(seed)
-    q, k, o = (scale * torch.randn(b, H, t, DH, generator=g, dtype=F64) for _ in range(3))
-    v = torch.randn(b, H, t, DV, generator=g, dtype=F64)
-    return q, k, o, v
+    return make_qkov(seed, b, H, t, DH, DV, scale)
 
 
 def dense_blocks(q, k, o, s, s_keys):
-    sq, sk = SIG_Q[:, None, None], SIG_K[:, None, None]
-    return dict(
-        K_qm=sq * kappa(q, s),
-        K_om=kappa(o, s),
-        K_mm=kappa(s, s).expand(q.shape[0], -1, -1, -1),
-        K_ol=kappa(o, s_keys),
-        K_kl=sk * kappa(k, s_keys),
-        K_ll=kappa(s_keys, s_keys).expand(q.shape[0], -1, -1, -1),
-    )
+    return scgp_dense_blocks(q, k, o, s, s_keys, SIG_Q, SIG_K)
 
 
 def dense_scgp(q, k, o, z, s, s_keys, s2=SIGMA**2):
-    """Mean (eq. 33, σ⁻⁴ form) and per-column covariance from eqs. 59, 66, 67 (μ_o μ_oᵀ kept)."""
-    K = dense_blocks(q, k, o, s, s_keys)
-    n = q.shape[-2]
-    eye = torch.eye(n, dtype=F64)
-    Mq = K["K_mm"] + K["K_om"].mT @ K["K_om"] / s2  # A_q⁻¹
-    Mk = K["K_ll"] + K["K_kl"].mT @ K["K_kl"] / s2  # A_k⁻¹
-    Fq = torch.linalg.solve(Mq, K["K_qm"].mT).mT  # K_qm A_q
-    Fo = torch.linalg.solve(Mk, K["K_ol"].mT).mT  # K_ol A_k
-    mu_o = Fo @ K["K_kl"].mT @ z / s2  # eq. 57
-    nu = Fq @ K["K_om"].mT @ mu_o / s2  # eq. 58 (= eq. 33)
-    covs = []
-    for d in range(z.shape[-1]):
-        w = Fo @ K["K_kl"].mT @ z[..., d : d + 1]
-        E_oo = s2 * eye + Fo @ K["K_ol"].mT + w @ w.mT / s2**2  # eq. 67
-        FqKmo = Fq @ K["K_om"].mT
-        E_qq = s2 * eye + Fq @ K["K_qm"].mT + FqKmo @ E_oo @ FqKmo.mT / s2**2  # eq. 66
-        nd = nu[..., d : d + 1]
-        covs.append(E_qq - nd @ nd.mT)  # eq. 59
-    return nu, torch.stack(covs, 2), K
+    """Mean (eq. 33), the per-column covariance (eqs. 59, 66, 67) and the blocks, at this file's scales."""
+    return scgp_dense_moments(q, k, o, z, s, s_keys, SIG_Q, SIG_K, s2**0.5)
+
+
+class TestSCGP(GPAttentionTestCase):
+    """The layer with global inducing inputs (m = 3, l = 4, no jitter) at this file's σ_q, σ_k."""
+
+    attention = "scgp"
+    invariants = ()  # at the default options: tests/test_attention_invariants.py
+    float64_options = {"jitter": 0.0, "num_inducing": M, "num_inducing_keys": L}
+    mean_tolerance = {"rtol": 1e-9, "atol": 1e-11}
+    covariance_tolerance = {"rtol": 1e-8, "atol": 1e-10}
+    truncation_tolerance = {"rtol": 1e-9, "atol": 1e-11}
+    truncation_garbage = 6.0
+    moment_samples = 40_000
+    exact_options = {"jitter": 0.0}
+
+    def perturb(self, layer):
+        layer.gp.covar.sigma_q = SIG_Q
+        layer.gp.covar.sigma_k = SIG_K
+
+    def dense_reference(self, layer, x, mask):
+        return scgp_dense_posterior(layer, x, mask)
 
 
 def inducing(seed=1, m=M, l=L):
@@ -156,18 +148,6 @@ def nested_dtc_samples(q, k, o, z, s, s_keys, N, seed, s2=SIGMA**2):
     return (proj[:, None] @ z_m)[..., 0] + s2**0.5 * torch.randn(H, N, n, generator=g, dtype=F64)
 
 
-def moments_close(samples, mean, cov, n_se=5.0):
-    """samples (..., N, T) vs mean (..., T), cov (..., T, T): every entry within n_se standard errors."""
-    N = samples.shape[-2]
-    emp_mean = samples.mean(-2)
-    c = samples - emp_mean[..., None, :]
-    emp_cov = c.mT @ c / (N - 1)
-    var = cov.diagonal(dim1=-2, dim2=-1)
-    assert ((emp_mean - mean).abs() <= n_se * (var / N).sqrt()).all()
-    se = ((var[..., :, None] * var[..., None, :] + cov**2) / N).sqrt()
-    assert ((emp_cov - cov).abs() <= n_se * se).all()
-
-
 def test_law_of_total_covariance_monte_carlo():
     """Nested DTC sampling z_o | z_k → z_m | z_o → z_q | z_m; N = 200 000; 5 standard errors."""
     gp = make_gp()
@@ -177,18 +157,7 @@ def test_law_of_total_covariance_monte_carlo():
     v = v[..., :1]
     post = gp.posterior(q, k, o, v)
     draws = nested_dtc_samples(q, k, o, v, s, s_keys, N=200_000, seed=9)  # shape: (H, N, T)
-    moments_close(draws, post.mean[0, :, 0], post.covariance_matrix[0, :, 0])
-
-
-def test_forward_samples_have_the_posterior_moments():
-    """The layer's sampler ν + σε₁ + K_qm R ε₂ over 40 000 replicated rows, 5 standard errors."""
-    torch.manual_seed(0)
-    gp = make_gp()
-    q, k, o, v = make_inputs(10, b=1, t=5)
-    post = gp.posterior(q, k, o, v)
-    N = 40_000
-    out = gp(*(t.expand(N, *t.shape[1:]) for t in (q, k, o, v)), regularize=False).out  # shape: (N, H, T, Dv)
-    moments_close(out.permute(1, 3, 0, 2), post.mean[0], post.covariance_matrix[0])
+    assert_samples_match_moments(draws.movedim(1, 0), post.mean[0, :, 0], post.covariance_matrix[0, :, 0])
 
 
 def dense_regularizer_mc(q, k, o, nu, z, s, s_keys, N, seed, s2=SIGMA**2):
@@ -289,7 +258,7 @@ def test_no_token_by_token_tensor_at_T_4096(amortize):
     fwd = TokenSquareRecorder(Tn)
     with fwd:
         y = layer(x, mask)
-        loss = y.square().mean() + layer.loss_terms()["cgp"]
+        loss = y.square().mean() + layer_loss_terms(layer)["cgp"]
     bwd = TokenSquareRecorder(Tn)
     with bwd:
         loss.backward()
@@ -313,7 +282,7 @@ def test_layer_loss_term_and_options():
     p = layer.project(x)
     c = layer.input_scale
     res = layer.gp(p["q"] * c, p["k"] * c, p["o"] * c, p["v"], sample=False)
-    torch.testing.assert_close(layer.loss_terms()["cgp"], res.regularizer.sum((1, 2)).mean() / 2)
+    torch.testing.assert_close(layer_loss_terms(layer)["cgp"], res.regularizer.sum((1, 2)).mean() / 2)
     with gpattn.deterministic():
         torch.testing.assert_close(layer.posterior(x).mean, res.out.transpose(-1, -2))
 
@@ -325,7 +294,7 @@ def test_amortized_layer_trains_its_token_maps():
     mask = torch.zeros(2, 6, dtype=torch.bool)
     mask[1, 4:] = True
     y = layer(x, mask)
-    (y.sum() + layer.loss_terms()["cgp"]).backward()
+    (y.sum() + layer_loss_terms(layer)["cgp"]).backward()
     for p in (layer.gp.amortize_latent, layer.gp.amortize_keys):
         assert p.grad is not None and torch.isfinite(p.grad).all() and (p.grad != 0).any()
     # padded tokens never enter the amortised inducing inputs

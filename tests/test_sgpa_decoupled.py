@@ -1,18 +1,25 @@
 """Decoupled SGPA (MATH.md §5b): posterior, KL, sampler and global keys against dense float64
-references written here independently of gpattn.variational.sgpa_decoupled, the limiting case
-"global keys at the sequence's keys" → standard SGPA, and the relation to GPyTorch's
-OrthogonallyDecoupledVariationalStrategy."""
+references (gpattn.testing.references, written independently of gpattn.variational.sgpa_decoupled),
+the limiting case "global keys at the sequence's keys" → standard SGPA, and the relation to GPyTorch's
+OrthogonallyDecoupledVariationalStrategy. The shapes every GP variant shares come from
+gpattn.testing.GPAttentionTestCase (both covariance modes)."""
 
 import math
 
 import gpytorch
 import pytest
 import torch
-import torch.nn.functional as F
-from _sgpa_helpers import assert_samples_match_moments, spy_iterative_solvers
 
 import gpattn
-from gpattn.testing import ATTENTION_INVARIANTS, run_attention_invariant
+from gpattn.testing import GPAttentionTestCase
+from gpattn.testing.references import (
+    exponential_gram,
+    sgpa_decoupled_dense_posterior,
+    sgpa_decoupled_global_keys,
+    sgpa_decoupled_kl_parts,
+    sgpa_heads,
+    whitened_scale_tril,
+)
 from gpattn.variational.sgpa_decoupled import (
     DecoupledSGPAVariationalStrategy,
     WhitenedGlobalVariationalDistribution,
@@ -22,85 +29,55 @@ D, H, M = 8, 2, 5
 DH = D // H
 
 
-# ------------------------------------------------------------------ independent dense references
-def heads(layer, x):
-    """qk and v per head straight from the fused weight.  # shape: -> (B, H, T, Dh), (B, H, T, Dv)"""
-    W, b = layer.in_proj.weight.detach(), layer.in_proj.bias.detach()
-    B, T, _ = x.shape
-    qk = (x @ W[:D].T + b[:D]).view(B, T, H, DH).transpose(1, 2)
-    v = (x @ W[D:].T + b[D:]).view(B, T, H, -1).transpose(1, 2)
-    return qk, v
+class TestSGPADecoupled(GPAttentionTestCase):
+    """covariance="full" (exact joint samples); every invariant runs in this mode."""
 
+    attention = "sgpa-decoupled"
+    options = {"covariance": "full"}
+    float64_options = {"jitter": 0.0, "num_global": M}
+    reference_seeds = (0, 1)
+    reference_padding = {1: (1, 5)}
+    mean_tolerance = covariance_tolerance = {"rtol": 1e-8, "atol": 1e-8}
+    moment_padding = (0, 3)  # padding at the start: the full mode's real-first Cholesky
+    long_padding = slice(0, 100)
+    exact_options = {"num_global": 8, "covariance": "full"}
 
-def global_keys(layer):
-    """k_g[h] = Z_g[h] W_qk[h]ᵀ + b_qk[h].  # shape: -> (H, M, Dh)"""
-    W, b = layer.in_proj.weight.detach()[:D], layer.in_proj.bias.detach()[:D]
-    Z = layer.strategy.inducing_inputs.detach()
-    return torch.stack([Z[h] @ W[h * DH : (h + 1) * DH].T + b[h * DH : (h + 1) * DH] for h in range(H)])
-
-
-def gram(layer, a, b):
-    """σ² exp(Σ_i a_i b_i / ℓ_i²) per head.  # shape: (..., H, n, Dh), (..., H, m, Dh) -> (..., H, n, m)"""
-    ell, s2 = layer.kernel.lengthscale.detach(), layer.kernel.outputscale.detach()
-    return s2[:, None, None] * torch.exp((a / ell) @ (b / ell).mT)
-
-
-def scale_tril(layer):
-    """L_s from its row-major packed lower triangle (softplus on the diagonal).  # shape: (H, Dv, M, M)"""
-    raw = layer.strategy.variational_distribution.raw_scale_tril.detach()
-    n = raw.shape[-1]
-    m = int((math.isqrt(8 * n + 1) - 1) // 2)
-    L = raw.new_zeros(*raw.shape[:-1], m, m)
-    k = 0
-    for i in range(m):
-        for j in range(i + 1):
-            L[..., i, j] = F.softplus(raw[..., k]) if i == j else raw[..., k]
-            k += 1
-    return L
-
-
-def dense_posterior(layer, x, mask=None):
-    """mean, covariance (B, H, Dv, T[, T]) and KL parts (B, H, Dv), (H, Dv) by the formulas of MATH §5b."""
-    qk, v = heads(layer, x)
-    if mask is not None:
-        v = v * (~mask)[:, None, :, None]  # padded keys leave the mean basis
-    kg = global_keys(layer)
-    Kqq, Kqg, Kgg = gram(layer, qk, qk), gram(layer, qk, kg), gram(layer, kg, kg)
-    vg = layer.strategy.variational_distribution.inducing_values.detach()  # shape: (H, M, Dv)
-    Lg = torch.linalg.cholesky(Kgg)
-    Ls = scale_tril(layer)
-    St = Ls @ Ls.mT  # shape: (H, Dv, M, M)
-    Sg = Lg[:, None] @ St @ Lg[:, None].mT  # unwhitened S_g = L_g S̃ L_gᵀ
-    mean = Kqq @ v - Kqg @ torch.linalg.solve(Kgg, Kqg.mT @ v) + Kqg @ vg
-    P = torch.linalg.solve(Kgg, Kqg.mT)[:, :, None]  # K_gg⁻¹ K_gq, shape: (B, H, 1, M, T)
-    cov = (Kqq - Kqg @ torch.linalg.solve(Kgg, Kqg.mT))[:, :, None] + P.mT @ Sg @ P
-    schur = Kqq - Kqg @ torch.linalg.solve(Kgg, Kqg.mT)  # K_aa − K_ag K_gg⁻¹ K_ga (v is 0 on padding)
-    gamma = 0.5 * (v * (schur @ v)).sum(-2)
-    u = Lg.mT @ vg
-    logdet = torch.linalg.slogdet(St)[1]
-    beta = 0.5 * (St.diagonal(dim1=-2, dim2=-1).sum(-1) + u.square().sum(-2) - M - logdet)
-    return mean.transpose(-1, -2), cov, gamma, beta
-
-
-def make_layer(seed=0, **options):
-    """float64 layer away from its initialisation."""
-    torch.manual_seed(seed)
-    options.setdefault("jitter", 0.0)
-    options.setdefault("num_global", M)
-    options.setdefault("covariance", "full")
-    layer = gpattn.build_attention("sgpa-decoupled", D, H, **options).double()
-    q_u = layer.strategy.variational_distribution
-    with torch.no_grad():
+    def perturb(self, layer):
+        q_u = layer.strategy.variational_distribution
         q_u.inducing_values.normal_(0, 0.5)
         q_u.raw_scale_tril.add_(0.3 * torch.randn_like(q_u.raw_scale_tril))
         layer.kernel.lengthscale = 1.5 + torch.rand(H, 1, DH, dtype=torch.float64)
         layer.kernel.outputscale = 0.5 + torch.rand(H, dtype=torch.float64)
-    return layer
+
+    def dense_reference(self, layer, x, mask):
+        return sgpa_decoupled_dense_posterior(layer, x, mask)
+
+    def check_truncation_extras(self, layer, x, mask, real):
+        g, b = condition(layer, x, mask).kl_divergence_parts()
+        g_t, b_t = condition(layer, x[1:, real]).kl_divergence_parts()
+        torch.testing.assert_close(g[1], g_t[0], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(b, b_t)
 
 
-def inputs(B=2, T=6, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, T, D, generator=g, dtype=torch.float64)
+class TestSGPADecoupledDiag(TestSGPADecoupled):
+    """covariance="diag", the registered default (its invariants: tests/test_attention_invariants.py)."""
+
+    options = {"covariance": "diag"}
+    invariants = ()
+    independent_tokens = True
+    exact_options = None  # the full mode's
+
+    def dense_reference(self, layer, x, mask):
+        ref = sgpa_decoupled_dense_posterior(layer, x, mask)
+        return ref._replace(covariance=torch.diag_embed(ref.covariance.diagonal(dim1=-2, dim2=-1)))
+
+
+CASE = TestSGPADecoupled()
+make_layer, inputs = CASE.make_layer, CASE.make_inputs  # float64, jitter 0, M = 5, full, perturbed
+
+
+def gram(layer, a, b):
+    return exponential_gram(layer.kernel, a, b)
 
 
 def condition(layer, x, mask=None):
@@ -110,21 +87,16 @@ def condition(layer, x, mask=None):
 
 # ------------------------------------------------------------------ posterior and KL
 @pytest.mark.parametrize("seed", [0, 1])
-def test_posterior_and_kl_match_dense_formulas(seed):
+def test_kl_parts_match_dense_formulas(seed):
+    """γ (input-dependent) and β (global) of the closed-form KL against MATH §5b densely (the posterior
+    and the loss terms: TestSGPADecoupled.test_posterior_matches_dense_reference)."""
     layer, x = make_layer(seed), inputs(seed=seed)
     mask = torch.zeros(2, 6, dtype=torch.bool)
     mask[1, [1, 5]] = True
-    post = layer.posterior(x, mask)
-    mean, cov, gamma, beta = dense_posterior(layer, x, mask)
-    torch.testing.assert_close(post.mean, mean, rtol=1e-8, atol=1e-8)
-    torch.testing.assert_close(post.covariance_matrix, cov, rtol=1e-8, atol=1e-8)
+    gamma, beta = sgpa_decoupled_kl_parts(layer, x, mask)
     g, b = condition(layer, x, mask).kl_divergence_parts()
     torch.testing.assert_close(g, gamma, rtol=1e-8, atol=1e-8)
     torch.testing.assert_close(b, beta, rtol=1e-8, atol=1e-8)
-    layer(x, mask)
-    terms = layer.loss_terms()
-    torch.testing.assert_close(terms["kl_seq"], gamma.sum((1, 2)).mean(0))  # batch mean (MATH §9)
-    torch.testing.assert_close(terms["kl_global"], beta.sum())  # summed, divided by N in the objective
 
 
 def test_kl_is_the_process_kl_in_u_space():
@@ -132,14 +104,14 @@ def test_kl_is_the_process_kl_in_u_space():
     KL(q(f_Z) ‖ p(f_Z)) (torch.distributions), and the β-part is the whitened KL of q(ũ_g)."""
     layer, x = make_layer(), inputs()
     cond = condition(layer, x)
-    qk, v = heads(layer, x)
-    kg = global_keys(layer).expand(2, H, M, DH)
+    qk, v = sgpa_heads(layer, x)
+    kg = sgpa_decoupled_global_keys(layer).expand(2, H, M, DH)
     Zin = torch.cat([qk, kg], dim=-2)  # shape: (B, H, T + M, Dh)
     KZZ, KZa, KZg = gram(layer, Zin, Zin), gram(layer, Zin, qk), gram(layer, Zin, kg)
     Kgg = gram(layer, kg, kg)
     vg = layer.strategy.variational_distribution.inducing_values.detach()
     Lg = torch.linalg.cholesky(Kgg)
-    Ls = scale_tril(layer)
+    Ls = whitened_scale_tril(layer.strategy.variational_distribution.raw_scale_tril.detach())
     mZ = KZa @ v - KZg @ torch.linalg.solve(Kgg, KZa[..., 6:, :] @ v) + KZg @ vg  # K_ga = rows g of K_Za
     P = torch.linalg.solve(Kgg, KZg.mT)[:, :, None]
     SZ = (KZZ - KZg @ torch.linalg.solve(Kgg, KZg.mT))[:, :, None] + P.mT @ (Lg[:, :, None] @ Ls) @ (
@@ -212,57 +184,6 @@ def test_each_head_global_keys_use_that_heads_W_qk():
         kg = new
 
 
-# ------------------------------------------------------------------ sampling
-@pytest.mark.parametrize("covariance", ["full", "diag"])
-def test_sample_moments(covariance):
-    """4000 seeded draws with padding at the start (the full mode's real-first Cholesky): every mean
-    and covariance entry within 5 standard errors of the analytic value (sqrt(Σ_tt/P) and
-    sqrt((Σ_ii Σ_jj + Σ_ij²)/P))."""
-    layer, x = make_layer(covariance=covariance), inputs(B=1, T=5)
-    mask = torch.tensor([[True, False, False, True, False]])
-    post = layer.posterior(x, mask)
-    torch.manual_seed(3)
-    P = 4000
-    f = condition(layer, x, mask).rsample(num_samples=P).transpose(-1, -2).detach()  # shape: (P, B, H, Dv, T)
-    mean, cov = post.mean.detach(), post.covariance_matrix.detach()
-    emp, se = assert_samples_match_moments(f, mean, cov)
-    if covariance == "full":  # the tokens really are correlated
-        off = ~torch.eye(5, dtype=torch.bool)
-        assert (cov[..., off].abs() / se[..., off]).max() > 10
-
-
-def test_deterministic_is_posterior_mean_and_mc_average_converges():
-    layer, x = make_layer(covariance="diag"), inputs()
-    with gpattn.deterministic():
-        y0 = layer(x)
-    heads_mean = layer.posterior(x).mean.permute(0, 3, 1, 2).reshape(2, 6, -1)
-    torch.testing.assert_close(y0, layer.out_proj(heads_mean), rtol=1e-10, atol=1e-10)
-    for covariance in ("diag", "full"):
-        layer.strategy.covariance = covariance
-        torch.manual_seed(0)
-        N = 2000
-        ys = layer(x.repeat(N, 1, 1)).view(N, *x.shape).detach()
-        se = ys.std(0) / N**0.5
-        assert ((ys.mean(0) - y0).abs() / se).max() < 5
-
-
-# ------------------------------------------------------------------ padding
-@pytest.mark.parametrize("covariance", ["full", "diag"])
-def test_padding_equals_truncated_sequence(covariance):
-    layer, x = make_layer(covariance=covariance), inputs(T=7)
-    mask = torch.zeros(2, 7, dtype=torch.bool)
-    mask[1, [0, 3, 4]] = True
-    real = (~mask[1]).nonzero()[:, 0]
-    post, post_t = layer.posterior(x, mask), layer.posterior(x[1:, real])
-    torch.testing.assert_close(post.mean[1][..., real], post_t.mean[0], rtol=1e-10, atol=1e-10)
-    cov = post.covariance_matrix[1][..., real, :][..., real]
-    torch.testing.assert_close(cov, post_t.covariance_matrix[0], rtol=1e-10, atol=1e-10)
-    g, b = condition(layer, x, mask).kl_divergence_parts()
-    g_t, b_t = condition(layer, x[1:, real]).kl_divergence_parts()
-    torch.testing.assert_close(g[1], g_t[0], rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(b, b_t)
-
-
 def test_full_samples_of_real_tokens_ignore_padded_tokens():
     """Left and middle padding: changing the padded tokens leaves real tokens' full-mode samples
     (same seed) unchanged — the shared residual is factorised with the real tokens first."""
@@ -280,60 +201,6 @@ def test_full_samples_of_real_tokens_ignore_padded_tokens():
     torch.testing.assert_close(a[~mask], b[~mask], rtol=1e-5, atol=1e-5)
 
 
-# ------------------------------------------------------------------ scale
-@pytest.mark.parametrize("covariance", ["full", "diag"])
-def test_float32_forward_backward_at_T1024(covariance):
-    torch.manual_seed(0)
-    layer = gpattn.build_attention("sgpa-decoupled", 16, 2, covariance=covariance)
-    x = torch.randn(1, 1024, 16, requires_grad=True)
-    mask = torch.zeros(1, 1024, dtype=torch.bool)
-    mask[0, :100] = True
-    y = layer(x, mask)
-    terms = layer.loss_terms()
-    assert torch.isfinite(y).all() and all(torch.isfinite(t) for t in terms.values())
-    (y.square().mean() + terms["kl_seq"] + terms["kl_global"]).backward()
-    assert torch.isfinite(x.grad).all()
-    assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
-
-
-@pytest.fixture
-def no_iterative_solvers(monkeypatch):
-    """CG/Lanczos calls recorded by spies (see _sgpa_helpers.spy_iterative_solvers)."""
-    return spy_iterative_solvers(monkeypatch)
-
-
-def test_exact_algebra_above_800_tokens(no_iterative_solvers):
-    """T = 900: no CG/Lanczos runs (spied) in the posterior, the full-mode sampler or the KL, and the
-    marginal variances and KL equal a float64 dense reference to 1e-6."""
-    torch.manual_seed(0)
-    layer = gpattn.build_attention("sgpa-decoupled", 4, 1, num_global=8, covariance="full").double()
-    x = torch.randn(1, 900, 4, dtype=torch.float64)
-    with gpytorch.settings.max_cholesky_size(800):
-        var = layer.posterior(x).variance
-        y = layer(x)
-        kl = layer.loss_terms()
-    assert torch.isfinite(y).all()
-    assert no_iterative_solvers == []
-    W, b = layer.in_proj.weight.detach(), layer.in_proj.bias.detach()
-    qk, v = x @ W[:4].T + b[:4], x @ W[4:].T + b[4:]  # shape: (1, T, 4)
-    kg = layer.strategy.inducing_inputs.detach()[0] @ W[:4].T + b[:4]  # shape: (M, 4)
-    ell, s2 = layer.kernel.lengthscale.detach()[0], layer.kernel.outputscale.detach()[0]
-
-    def k(a, c):
-        return s2 * torch.exp((a / ell) @ (c / ell).mT)
-
-    Kgg = k(kg, kg)
-    Lg = torch.linalg.cholesky(Kgg + 1e-6 * Kgg.diagonal().mean() * torch.eye(8, dtype=torch.float64))
-    A = torch.linalg.solve_triangular(Lg, k(kg, qk[0]), upper=False).T  # shape: (T, M)
-    Ls = layer.strategy.variational_distribution.scale_tril().detach()[0]  # shape: (Dv, M, M)
-    var_ref = k(qk[0], qk[0]).diagonal() - A.square().sum(-1) + (A @ Ls).square().sum(-1)  # shape: (Dv, T)
-    c = A.T @ v[0]
-    gamma = 0.5 * ((v[0] * (k(qk[0], qk[0]) @ v[0])).sum() - c.square().sum())
-    torch.testing.assert_close(var[0, 0], var_ref, rtol=1e-6, atol=0)
-    torch.testing.assert_close(kl["kl_seq"], gamma, rtol=1e-6, atol=0)
-
-
-# ------------------------------------------------------------------ GPyTorch's orthogonally decoupled strategy
 class _GPyTorchODVGP(gpytorch.models.ApproximateGP):
     """A one-output GPyTorch model: OrthogonallyDecoupledVariationalStrategy with mean inducing points at
     the sequence's keys (δ-distribution γ = v_a,d) wrapping a whitened VariationalStrategy at the global
@@ -428,12 +295,6 @@ def test_gpytorch_orthogonally_decoupled_agrees_as_S_vanishes():
         rel.append(float((gp - ours).norm() / ours.norm()))
     assert rel[1] < 1e-6
     assert abs(rel[0] / rel[1] / 1e4 - 1) < 1e-3
-
-
-# ------------------------------------------------------------------ contract with options, errors
-@pytest.mark.parametrize("check", sorted(ATTENTION_INVARIANTS))
-def test_invariants_full_mode(check):
-    run_attention_invariant(check, "sgpa-decoupled", covariance="full", num_global=3)
 
 
 def test_option_errors():

@@ -1,8 +1,9 @@
 """Invariants of the attention contract (DESIGN.md "The contract"; STYLE.md 6), as plain functions.
 
 ``run_attention_invariant(check, name, **options)`` runs one named check on the registered variant
-``name`` and raises ``AssertionError`` on failure; ``tests/test_attention_invariants.py`` parametrises
-every check over ``gpattn.list_attention()``.
+``name`` and raises ``AssertionError`` on failure; :class:`gpattn.testing.BaseAttentionTestCase` makes
+them test methods, and ``tests/test_attention_invariants.py`` runs them for every name of
+``gpattn.list_attention()``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from gpattn._settings import deterministic, validation
 from gpattn.attention.registry import attention_class, build_attention
+from gpattn.testing.assertions import layer_loss_terms
 
 __all__ = ["ATTENTION_INVARIANTS", "make_inputs", "run_attention_invariant"]
 
@@ -45,7 +47,7 @@ def check_shape(name, **options):
     y = _run(layer, x, mask)
     assert y.shape == x.shape, f"{name}: output shape {tuple(y.shape)} != input shape {tuple(x.shape)}"
     assert torch.isfinite(y).all(), f"{name}: non-finite output"
-    for key, val in layer.loss_terms().items():
+    for key, val in layer_loss_terms(layer).items():
         assert torch.is_tensor(val) and val.dim() == 0, f"{name}: loss term {key} is not a scalar tensor"
         assert torch.isfinite(val), f"{name}: loss term {key} is not finite"
 
@@ -88,7 +90,7 @@ def check_gradients(name, **options):
     x, mask = make_inputs(B=3, T=7, pad=(0, 2, 4))
     x.requires_grad_(True)
     y = _run(layer, x, mask)
-    loss = (y * torch.randn_like(y)).sum() + sum(layer.loss_terms().values(), torch.zeros(()))
+    loss = (y * torch.randn_like(y)).sum() + sum(layer_loss_terms(layer).values(), torch.zeros(()))
     loss.backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
     for pname, p in layer.named_parameters():
@@ -121,7 +123,7 @@ def check_float64(name, **options):
     x, mask = make_inputs(dtype=torch.float64)
     y = _run(layer, x, mask)
     assert y.dtype == torch.float64 and torch.isfinite(y).all()
-    for key, val in layer.loss_terms().items():
+    for key, val in layer_loss_terms(layer).items():
         assert val.dtype == torch.float64, f"{name}: loss term {key} is {val.dtype} in a float64 layer"
 
 
@@ -132,7 +134,7 @@ def check_bf16_autocast(name, **options):
     x, mask = make_inputs()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = _run(layer, x, mask)
-        terms = layer.loss_terms()
+        terms = layer_loss_terms(layer)
     assert torch.isfinite(y.float()).all(), f"{name}: non-finite output under bf16 autocast"
     for key, val in terms.items():
         assert val.dtype == torch.float32 and torch.isfinite(val), f"{name}: loss term {key} is {val} under bf16"

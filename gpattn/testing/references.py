@@ -1,0 +1,364 @@
+"""Dense float64 references for the GP attention variants, written independently of
+:mod:`gpattn.variational`: explicit Gram matrices from pairwise formulas, ``torch.linalg.solve`` /
+``cholesky`` on dense matrices, and the papers' equations as printed (MATH.md §5–§8).
+
+Each ``*_dense_posterior(layer, x, mask=None)`` recomputes a layer's head-space posterior from its
+parameters and returns a :class:`DenseReference`; the lower-level functions take the per-head inputs
+and the parameters explicitly, for tests and notebooks that set them by hand. Nothing here imports
+pytest. All inputs are expected in float64 (the references are as exact as the dtype they are given).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "DenseReference",
+    "canonical_rbf",
+    "cgp_dense_blocks",
+    "cgp_dense_moments",
+    "cgp_dense_posterior",
+    "exponential_gram",
+    "kep_svgp_dense_features",
+    "kep_svgp_dense_moments",
+    "kep_svgp_dense_posterior",
+    "scgp_dense_blocks",
+    "scgp_dense_moments",
+    "scgp_dense_posterior",
+    "sgpa_amortised_std",
+    "sgpa_decoupled_dense_posterior",
+    "sgpa_decoupled_global_keys",
+    "sgpa_decoupled_kl_parts",
+    "sgpa_dense_posterior",
+    "sgpa_heads",
+    "whitened_scale_tril",
+]
+
+
+class DenseReference(NamedTuple):
+    """A layer's head-space posterior, densely.
+
+    :ivar mean: posterior mean.  # shape: (B, H, Dv, T)
+    :ivar covariance: per-output covariance.  # shape: (B, H, Dv, T, T)
+    :ivar loss_terms: the layer's loss terms for the same input (MATH §9 reductions), where the
+        reference knows them (empty otherwise).
+    """
+
+    mean: torch.Tensor
+    covariance: torch.Tensor
+    loss_terms: dict
+
+
+def _relative_jitter(K: torch.Tensor, jitter: float) -> torch.Tensor:
+    """K + jitter · mean(diag K) · I (the SGPA variants' relative jitter).  # shape: (..., n, n)"""
+    scale = jitter * K.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
+    return K + scale * torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
+
+
+# ------------------------------------------------------------------------------ SGPA (MATH §5)
+def exponential_gram(kernel, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """σ² exp(Σ_i a_i b_i / ℓ_i²) per head, from an ``ExponentialKernel``'s lengthscale and outputscale.
+
+    # shape: a (..., H, n, Dh), b (..., H, m, Dh) -> (..., H, n, m)
+    """
+    ell = kernel.lengthscale.detach()  # shape: (H, 1, Dh)
+    s2 = kernel.outputscale.detach()  # shape: (H,)
+    return s2[:, None, None] * torch.exp((a / ell) @ (b / ell).mT)
+
+
+def sgpa_heads(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """qk and v per head straight from the fused input weight of an ``sgpa`` / ``sgpa-decoupled``
+    layer.  # shape: x (B, T, D) -> (B, H, T, Dh), (B, H, T, Dv)"""
+    W, b = layer.in_proj.weight.detach(), layer.in_proj.bias.detach()
+    B, T, D = x.shape
+    H = layer.num_heads
+    qk = (x @ W[:D].T + b[:D]).view(B, T, H, D // H).transpose(1, 2)
+    v = (x @ W[D:].T + b[D:]).view(B, T, H, -1).transpose(1, 2)
+    return qk, v
+
+
+def sgpa_amortised_std(layer, k: torch.Tensor) -> torch.Tensor:
+    """Standard SGPA's amortised standard deviations softplus(k W_s + b_s).
+
+    # shape: k (B, H, T, Dh) -> (B, H, T, Dv)"""
+    q_u = layer.strategy.variational_distribution
+    return F.softplus(torch.einsum("bhtk,hkd->bhtd", k, q_u.weight.detach()) + q_u.bias.detach()[:, None, :])
+
+
+def sgpa_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None) -> DenseReference:
+    """Standard SGPA (MATH §5a), q = k: mean K v, covariance L diag(s_d²) Lᵀ with L = chol(K + jI)
+    (j relative to mean diag K), KL ½ Σ_t (s² − 1 − log s²) + ½ vᵀ(K + jI)v per (b, h, d); ``kl_seq``
+    its sum over heads and Dv, averaged over the batch; ``covariance="diag"`` keeps the diagonal. An
+    ``ExponentialKernel`` only; no padding."""
+    if mask is not None:
+        raise ValueError("sgpa_dense_posterior takes no key_padding_mask (got one): compare truncated sequences")
+    qk, v = sgpa_heads(layer, x)
+    K = exponential_gram(layer.kernel, qk, qk)  # shape: (B, H, T, T)
+    Kj = _relative_jitter(K, layer.strategy.jitter)
+    L = torch.linalg.cholesky(Kj)[:, :, None]  # shape: (B, H, 1, T, T)
+    s = sgpa_amortised_std(layer, qk).transpose(-1, -2)  # shape: (B, H, Dv, T)
+    root = L * s[..., None, :]
+    kl = 0.5 * ((s.square() - 1 - s.square().log()).sum(-1) + (v * (Kj @ v)).sum(-2))  # shape: (B, H, Dv)
+    cov = root @ root.mT
+    if layer.strategy.covariance == "diag":
+        cov = torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
+    return DenseReference((K @ v).transpose(-1, -2), cov, {"kl_seq": kl.sum((1, 2)).mean(0)})
+
+
+def sgpa_decoupled_global_keys(layer) -> torch.Tensor:
+    """k_g[h] = Z_g[h] W_qk[h]ᵀ + b_qk[h], head by head.  # shape: -> (H, M, Dh)"""
+    D, H = layer.embed_dim, layer.num_heads
+    Dh = D // H
+    W, b = layer.in_proj.weight.detach()[:D], layer.in_proj.bias.detach()[:D]
+    Z = layer.strategy.inducing_inputs.detach()
+    return torch.stack([Z[h] @ W[h * Dh : (h + 1) * Dh].T + b[h * Dh : (h + 1) * Dh] for h in range(H)])
+
+
+def whitened_scale_tril(raw: torch.Tensor) -> torch.Tensor:
+    """L_s from its row-major packed lower triangle, softplus on the diagonal.
+
+    # shape: raw (..., M (M + 1) / 2) -> (..., M, M)"""
+    n = raw.shape[-1]
+    m = int((round((8 * n + 1) ** 0.5) - 1) // 2)
+    L = raw.new_zeros(*raw.shape[:-1], m, m)
+    k = 0
+    for i in range(m):
+        for j in range(i + 1):
+            L[..., i, j] = F.softplus(raw[..., k]) if i == j else raw[..., k]
+            k += 1
+    return L
+
+
+def _decoupled(layer, x, mask):
+    qk, v = sgpa_heads(layer, x)
+    if mask is not None:
+        v = v * (~mask)[:, None, :, None]  # padded keys leave the mean basis
+    kg = sgpa_decoupled_global_keys(layer)
+    gram = layer.kernel
+    Kqq, Kqg = exponential_gram(gram, qk, qk), exponential_gram(gram, qk, kg)
+    Kgg = _relative_jitter(exponential_gram(gram, kg, kg), layer.strategy.jitter)
+    q_u = layer.strategy.variational_distribution
+    vg = q_u.inducing_values.detach()  # shape: (H, M, Dv)
+    Lg = torch.linalg.cholesky(Kgg)
+    St = whitened_scale_tril(q_u.raw_scale_tril.detach())
+    St = St @ St.mT  # shape: (H, Dv, M, M)
+    Sg = Lg[:, None] @ St @ Lg[:, None].mT  # unwhitened S_g = L_g S̃ L_gᵀ
+    mean = Kqq @ v - Kqg @ torch.linalg.solve(Kgg, Kqg.mT @ v) + Kqg @ vg
+    P = torch.linalg.solve(Kgg, Kqg.mT)[:, :, None]  # K_gg⁻¹ K_gq, shape: (B, H, 1, M, T)
+    schur = Kqq - Kqg @ torch.linalg.solve(Kgg, Kqg.mT)  # K_aa − K_ag K_gg⁻¹ K_ga
+    cov = schur[:, :, None] + P.mT @ Sg @ P
+    gamma = 0.5 * (v * (schur @ v)).sum(-2)  # v is 0 on padding
+    u = Lg.mT @ vg
+    logdet = torch.linalg.slogdet(St)[1]
+    beta = 0.5 * (St.diagonal(dim1=-2, dim2=-1).sum(-1) + u.square().sum(-2) - Kgg.shape[-1] - logdet)
+    return mean.transpose(-1, -2), cov, gamma, beta
+
+
+def sgpa_decoupled_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None) -> DenseReference:
+    """Decoupled SGPA (MATH §5b): mean K_qa v_a − K_qg K_gg⁻¹ K_ga v_a + K_qg v_g, covariance
+    K_qq − K_qg K_gg⁻¹ K_gq + K_qg K_gg⁻¹ S_g K_gg⁻¹ K_gq with S_g = L_g S̃ L_gᵀ (K_gg with the relative
+    jitter); loss terms ``kl_seq`` (γ summed over heads and Dv, batch mean) and ``kl_global`` (β summed)."""
+    mean, cov, gamma, beta = _decoupled(layer, x, mask)
+    return DenseReference(mean, cov, {"kl_seq": gamma.sum((1, 2)).mean(0), "kl_global": beta.sum()})
+
+
+def sgpa_decoupled_kl_parts(layer, x: torch.Tensor, mask: torch.Tensor | None = None):
+    """The two KL parts of decoupled SGPA: γ (B, H, Dv), input-dependent, and β (H, Dv), global."""
+    return _decoupled(layer, x, mask)[2:]
+
+
+# ------------------------------------------------------------------------------ KEP-SVGP (MATH §6)
+def kep_svgp_dense_moments(G, lam, m, L, W, b, extra=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Brute force: stack every u_c of a head into one vector u (r·r), write the head output y (T·Dv)
+    as an explicit matrix J times u plus b, then mean = J μ_u + b, cov = J S_u Jᵀ. ``extra`` (B, H, T, T):
+    a covariance added to every output GP f_c independently (the residual term).
+
+    # shape: G (B, H, T, r), lam (H, r), m (H, r, r), L (H, r, r, r), W (H, r, Dv), b (H, Dv)
+    #        -> mean (B, H, Dv, T), cov (B, H, Dv, T, T)"""
+    B, H, T, r = G.shape
+    Dv = W.shape[-1]
+    dt = G.dtype
+    mean = torch.zeros(B, H, Dv, T, dtype=dt)
+    cov = torch.zeros(B, H, Dv, T, T, dtype=dt)
+    for bb in range(B):
+        for h in range(H):
+            feat = torch.linalg.solve(torch.diag(lam[h]), G[bb, h].T).T  # G Λ⁻¹, T × r
+            J = torch.zeros(T * Dv, r * r, dtype=dt)  # y[t, d] = Σ_c W[c, d] feat[t] · u_c
+            for t in range(T):
+                for d in range(Dv):
+                    for c in range(r):
+                        J[t * Dv + d, c * r : (c + 1) * r] = W[h, c, d] * feat[t]
+            mu_u = m[h].reshape(-1)
+            S_u = torch.block_diag(*[L[h, c] @ L[h, c].T for c in range(r)])
+            y_mean = (J @ mu_u).view(T, Dv) + b[h]
+            y_cov = (J @ S_u @ J.T).view(T, Dv, T, Dv)
+            for d in range(Dv):
+                mean[bb, h, d] = y_mean[:, d]
+                cov[bb, h, d] = y_cov[:, d, :, d]
+                if extra is not None:
+                    cov[bb, h, d] += (W[h, :, d] ** 2).sum() * extra[bb, h]
+    return mean, cov
+
+
+def kep_svgp_dense_features(layer, x: torch.Tensor, mask: torch.Tensor | None = None):
+    """The KSVD features of a ``kep-svgp`` layer, token by token: (G, E, R) with e = φ(q) X̃ ω_e,
+    r = φ(k) X̃ ω_r over landmarks X̃ at evenly spaced real tokens and G = e + r (``merge="add"``) or
+    the token map of ``merge="concat"``.  # shape: x (B, T, D) -> each (B, H, T, r)"""
+    B, T, D = x.shape
+    H, Dh = layer.num_heads, layer.head_dim
+    kep = layer.kep
+    s = kep.ksvd.num_landmarks
+    w, bias = layer.in_proj.weight, layer.in_proj.bias
+    q = (x @ w[:D].T + bias[:D]).view(B, T, H, Dh)
+    k = (x @ w[D:].T + bias[D:]).view(B, T, H, Dh)
+    G = torch.zeros(B, H, T, kep.rank, dtype=x.dtype)
+    E = torch.zeros_like(G)
+    R = torch.zeros_like(G)
+    for bb in range(B):
+        real = [t for t in range(T) if mask is None or not bool(mask[bb, t])]
+        n = len(real)
+        lm = [real[(j * (n - 1)) // max(s - 1, 1)] for j in range(s)]
+        for h in range(H):
+            Xt = x[bb, lm, h * Dh : (h + 1) * Dh].T  # Dh × s
+            phq = q[bb, :, h] / q[bb, :, h].norm(dim=-1, keepdim=True)
+            phk = k[bb, :, h] / k[bb, :, h].norm(dim=-1, keepdim=True)
+            E[bb, h] = phq @ (Xt @ kep.ksvd.omega_e[h])
+            R[bb, h] = phk @ (Xt @ kep.ksvd.omega_r[h])
+            if kep.merge == "add":
+                G[bb, h] = E[bb, h] + R[bb, h]
+            else:
+                keep = torch.tensor([t in real for t in range(T)], dtype=x.dtype)[:, None]
+                A = kep.token_weight
+                G[bb, h] = A[:, :T] @ (E[bb, h] * keep) + A[:, T:] @ (R[bb, h] * keep)
+    return G, E, R
+
+
+def kep_svgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None) -> DenseReference:
+    """KEP-SVGP (MATH §6) recomputed from the layer's parameters: features (``kep_svgp_dense_features``),
+    the brute-force moments (``kep_svgp_dense_moments``) and the layer's diagonal jitter. No residual
+    term (``include_residual=False``) and no loss terms."""
+    with torch.no_grad():
+        G = kep_svgp_dense_features(layer, x, mask)[0]
+        v, kep = layer.kep.variational, layer.kep
+        lam = kep.ksvd.log_lambda.exp()
+        mean, cov = kep_svgp_dense_moments(G, lam, v.variational_mean, v.chol, kep.out_weight, kep.out_bias)
+    return DenseReference(mean, cov + layer.jitter * torch.eye(x.shape[1], dtype=x.dtype), {})
+
+
+# ------------------------------------------------------------------ correlated GPs (MATH §7–§8)
+def canonical_rbf(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """exp(−½‖a − b‖²) from explicit pairwise differences.  # shape: (..., n, d), (..., m, d) -> (..., n, m)"""
+    return torch.exp(-0.5 * ((a[..., :, None, :] - b[..., None, :, :]) ** 2).sum(-1))
+
+
+def cgp_dense_blocks(q, k, o, sigma_q, sigma_k) -> dict:
+    """The CGP covariance blocks K_q, K_k, K_o, K_qo, K_ok with per-head scales σ_q, σ_k (H,).
+
+    # shape: q, k, o (B, H, T, Dh) -> each (B, H, T, T)"""
+    sq, sk = sigma_q[:, None, None], sigma_k[:, None, None]
+    return dict(
+        K_q=sq**2 * canonical_rbf(q, q),
+        K_k=sk**2 * canonical_rbf(k, k),
+        K_o=canonical_rbf(o, o),
+        K_qo=sq * canonical_rbf(q, o),
+        K_ok=sk * canonical_rbf(o, k),
+    )
+
+
+def cgp_dense_moments(q, k, o, v, sigma_q, sigma_k, sigma):
+    """Exact CGP: ν (eq. 25 with z of eq. 24) and the per-column covariance of App. B (eqs. 45–52, the
+    μ_o μ_oᵀ term *not* cancelled). Returns (ν, covariance, z, blocks).
+
+    # shape: q, k, o (B, H, T, Dh), v (B, H, T, Dv) -> ν (B, H, T, Dv), cov (B, H, Dv, T, T), z like v"""
+    K = cgp_dense_blocks(q, k, o, sigma_q, sigma_k)
+    s2 = sigma**2
+    eye = torch.eye(q.shape[-2], dtype=q.dtype)
+    A, Kk = K["K_o"] + s2 * eye, K["K_k"] + s2 * eye
+    z = Kk @ v  # eq. 24
+    mu_o = K["K_ok"] @ torch.linalg.solve(Kk, z)  # eq. 20
+    nu = K["K_qo"] @ torch.linalg.solve(A, mu_o)  # eq. 21 / 25
+    C_o = K["K_o"] - K["K_ok"] @ torch.linalg.solve(Kk, K["K_ok"].mT)
+    HA = torch.linalg.solve(A, K["K_qo"].mT).mT  # K_qo A⁻¹
+    covs = []
+    for d in range(v.shape[-1]):
+        m, nd = mu_o[..., d : d + 1], nu[..., d : d + 1]
+        E_oo = C_o + m @ m.mT  # eq. 52
+        E_qq = K["K_q"] - HA @ K["K_qo"].mT + HA @ E_oo @ HA.mT  # eq. 51
+        covs.append(E_qq - nd @ nd.mT)  # eq. 45
+    return nu, torch.stack(covs, 2), z, K
+
+
+def _correlated_inputs(layer, x):
+    p = layer.project(x)
+    c = layer.input_scale
+    return [t.detach() for t in (p["q"] * c, p["k"] * c, p["o"] * c, p["v"])]
+
+
+def _sigmas(gp):
+    sigma = gp.sigma.detach()
+    return gp.covar.sigma_q.detach(), gp.covar.sigma_k.detach(), sigma if sigma.dim() == 0 else sigma[:, None, None]
+
+
+def cgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None) -> DenseReference:
+    """A ``cgp`` layer (canonical RBF κ_o) recomputed densely: ``cgp_dense_moments`` on the layer's scaled
+    per-head inputs, plus the diagonal jitter its posterior carries. No padding; the regulariser is not a
+    dense quantity (no loss terms)."""
+    if mask is not None:
+        raise ValueError("cgp_dense_posterior takes no key_padding_mask (got one): compare truncated sequences")
+    nu, cov, _, _ = cgp_dense_moments(*_correlated_inputs(layer, x), *_sigmas(layer.gp))
+    jitter = layer.gp.jitter * torch.eye(x.shape[1], dtype=x.dtype)  # the layer's posterior carries it
+    return DenseReference(nu.transpose(-1, -2), cov + jitter, {})
+
+
+def scgp_dense_blocks(q, k, o, s, s_keys, sigma_q, sigma_k) -> dict:
+    """The SCGP blocks against inducing inputs s (m latent) and s' (l keys).
+
+    # shape: q, k, o (B, H, T, Dh), s (1, H, m, Dh), s_keys (1, H, l, Dh)"""
+    sq, sk = sigma_q[:, None, None], sigma_k[:, None, None]
+    return dict(
+        K_qm=sq * canonical_rbf(q, s),
+        K_om=canonical_rbf(o, s),
+        K_mm=canonical_rbf(s, s).expand(q.shape[0], -1, -1, -1),
+        K_ol=canonical_rbf(o, s_keys),
+        K_kl=sk * canonical_rbf(k, s_keys),
+        K_ll=canonical_rbf(s_keys, s_keys).expand(q.shape[0], -1, -1, -1),
+    )
+
+
+def scgp_dense_moments(q, k, o, z, s, s_keys, sigma_q, sigma_k, sigma):
+    """Sparse (DTC) CGP: mean (eq. 33, σ⁻⁴ form) and per-column covariance from eqs. 59, 66, 67
+    (μ_o μ_oᵀ kept). Returns (ν, covariance, blocks).
+
+    # shape: -> ν (B, H, T, Dv), cov (B, H, Dv, T, T)"""
+    K = scgp_dense_blocks(q, k, o, s, s_keys, sigma_q, sigma_k)
+    s2 = sigma**2
+    eye = torch.eye(q.shape[-2], dtype=q.dtype)
+    Mq = K["K_mm"] + K["K_om"].mT @ K["K_om"] / s2  # A_q⁻¹
+    Mk = K["K_ll"] + K["K_kl"].mT @ K["K_kl"] / s2  # A_k⁻¹
+    Fq = torch.linalg.solve(Mq, K["K_qm"].mT).mT  # K_qm A_q
+    Fo = torch.linalg.solve(Mk, K["K_ol"].mT).mT  # K_ol A_k
+    mu_o = Fo @ K["K_kl"].mT @ z / s2  # eq. 57
+    nu = Fq @ K["K_om"].mT @ mu_o / s2  # eq. 58 (= eq. 33)
+    covs = []
+    for d in range(z.shape[-1]):
+        w = Fo @ K["K_kl"].mT @ z[..., d : d + 1]
+        E_oo = s2 * eye + Fo @ K["K_ol"].mT + w @ w.mT / s2**2  # eq. 67
+        FqKmo = Fq @ K["K_om"].mT
+        E_qq = s2 * eye + Fq @ K["K_qm"].mT + FqKmo @ E_oo @ FqKmo.mT / s2**2  # eq. 66
+        nd = nu[..., d : d + 1]
+        covs.append(E_qq - nd @ nd.mT)  # eq. 59
+    return nu, torch.stack(covs, 2), K
+
+
+def scgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None) -> DenseReference:
+    """An ``scgp`` layer with global inducing inputs (``amortize=False``, ``jitter=0``) recomputed
+    densely: ``scgp_dense_moments`` on the layer's scaled per-head inputs with z = v. No padding."""
+    if mask is not None:
+        raise ValueError("scgp_dense_posterior takes no key_padding_mask (got one): compare truncated sequences")
+    gp = layer.gp
+    s, s_keys = gp.inducing_latent.detach()[None], gp.inducing_keys.detach()[None]
+    nu, cov, _ = scgp_dense_moments(*_correlated_inputs(layer, x), s, s_keys, *_sigmas(gp))
+    return DenseReference(nu.transpose(-1, -2), cov, {})
