@@ -9,7 +9,11 @@
 * GP algebra runs inside :func:`gp_algebra`: autocast disabled (float32 at least) and GPyTorch's
   silent CG/Lanczos switch above 800 points turned off, so the exact Cholesky paths are used;
 * variances are clamped at 0 before a square root (:func:`safe_sqrt`);
-* no explicit inverses: triangular solves (:func:`tri_solve`).
+* no explicit inverses: triangular solves (:func:`tri_solve`);
+* posteriors handed to users carry the policy: their covariance operators run gpytorch's size-switched
+  algorithms (solves, log-determinants, roots, samples) under :func:`gp_algebra` wherever they are
+  called, and keep doing so through slicing, expansion and repetition (:func:`with_policy`);
+  ``U Uᵀ + D`` covariances use a QR-whitened factorisation (:class:`LowRankPlusDiagLinearOperator`).
 
 Counters in :data:`STATS` record jitter escalations and factorisation failures (read by
 ``benchmarks/stability.py``, which runs with validation on; off, only ``cholesky_calls`` counts).
@@ -18,11 +22,24 @@ Counters in :data:`STATS` record jitter escalations and factorisation failures (
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 
 import gpytorch
 import torch
+from linear_operator.operators import (
+    CholLinearOperator,
+    DenseLinearOperator,
+    DiagLinearOperator,
+    LinearOperator,
+    LowRankRootAddedDiagLinearOperator,
+    LowRankRootLinearOperator,
+    MatmulLinearOperator,
+    RootLinearOperator,
+    TriangularLinearOperator,
+)
 from linear_operator.utils.cholesky import psd_safe_cholesky
+from linear_operator.utils.memoize import cached
 from linear_operator.utils.errors import NotPSDError
 from linear_operator.utils.warnings import NumericalWarning
 
@@ -30,6 +47,7 @@ from gpattn._settings import is_validating
 
 __all__ = [
     "STATS",
+    "LowRankPlusDiagLinearOperator",
     "NotPSDError",
     "add_jitter",
     "cholesky",
@@ -40,6 +58,7 @@ __all__ = [
     "safe_sqrt",
     "standard_normal",
     "tri_solve",
+    "with_policy",
 ]
 
 #: counters since the last :func:`reset_stats`: ``cholesky_calls``, ``jitter_escalations``, ``not_psd``
@@ -196,3 +215,269 @@ def matmul_samples(A: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     cols = X.movedim(0, -2)  # shape: (..., k, P, d)
     out = A @ cols.reshape(*cols.shape[:-2], P * d)  # shape: (..., n, P·d)
     return out.view(*out.shape[:-1], P, d).movedim(-2, 0)
+
+
+# ------------------------------------------------------------------- operators that carry the policy
+#: LinearOperator methods whose algorithm gpytorch switches on the matrix size (CG / Lanczos above
+#: ``max_cholesky_size``, 800): a policy operator runs them inside :func:`gp_algebra`
+_SWITCHED = (
+    "cholesky",
+    "diagonalization",
+    "eigh",
+    "inv_quad",
+    "inv_quad_logdet",
+    "logdet",
+    "root_decomposition",
+    "root_inv_decomposition",
+    "solve",
+    "sqrt_inv_matmul",
+    "svd",
+    "zero_mean_mvn_samples",
+)
+#: methods that return a new operator: the policy is carried over to it (slices of a posterior, the
+#: batch expansion and repetition ``MultivariateNormal.log_prob`` applies to a sample axis, ...)
+_DERIVED = (
+    "__add__",
+    "__getitem__",
+    "__mul__",
+    "add_diagonal",
+    "add_jitter",
+    "add_low_rank",
+    "detach",
+    "double",
+    "evaluate_kernel",
+    "expand",
+    "float",
+    "mul",
+    "permute",
+    "repeat",
+    "to",
+    "transpose",
+    "unsqueeze",
+)
+
+_NOOP = slice(None, None, None)
+
+
+class _NumericsPolicy:
+    """Mixin for a ``LinearOperator`` class: the size-switched algorithms (:data:`_SWITCHED`) run under
+    :func:`gp_algebra`, so a posterior's covariance is factorised exactly (Cholesky) whatever its size
+    and whatever gpytorch settings the caller has, and operators derived from it (:data:`_DERIVED`)
+    carry the policy too. Built by :func:`with_policy`; the operator's own structure and algorithms
+    are kept (a ``CholLinearOperator`` still solves with its factor)."""
+
+    @cached(name="cholesky")
+    def _cholesky(self, upper=False):
+        # an operator without a structured factorisation is factorised densely through cholesky()
+        # (bounded jitter escalation, no NumericalWarning, a named NotPSDError under validation())
+        # instead of linear_operator's psd_safe_cholesky; structured ones keep theirs
+        if super(_NumericsPolicy, self)._cholesky.__func__ is not LinearOperator._cholesky:
+            return super()._cholesky(upper=upper)
+        L = cholesky(self.to_dense(), name=f"posterior covariance ({type(self).__name__})")
+        return TriangularLinearOperator(L.mT if upper else L, upper=upper)
+
+    def _getitem(self, row_index, col_index, *batch_indices):
+        tokens = not all(isinstance(i, slice) and i == _NOOP for i in (row_index, col_index))
+        if isinstance(self, CholLinearOperator) and tokens:
+            # the rows of a Cholesky factor are no longer triangular (CholLinearOperator would reject
+            # them): a token slice of L Lᵀ is the root operator of L's rows
+            L = self.root.to_dense()
+            return RootLinearOperator(L.mT if self.upper else L)._getitem(row_index, col_index, *batch_indices)
+        if isinstance(self, DiagLinearOperator) and tokens:
+            # a diagonal stays diagonal on equal row and column slices; otherwise the dense block
+            # (linear_operator's interpolated slice goes through sparse tensors)
+            diag = self._diag[(*batch_indices, _NOOP)]
+            if isinstance(row_index, slice) and row_index == col_index:
+                return DiagLinearOperator(diag[..., row_index])
+            return DenseLinearOperator(_diagonal_block(diag, row_index, col_index))
+        return super()._getitem(row_index, col_index, *batch_indices)
+
+
+def _diagonal_block(diag: torch.Tensor, row_index, col_index) -> torch.Tensor:
+    """The (rows, cols) block of diag(d), without forming diag(d).
+
+    # shape: diag (..., n), row_index / col_index a slice or an index tensor -> (..., rows, cols)"""
+    n = diag.shape[-1]
+    rows, cols = (torch.arange(n, device=diag.device)[i] if isinstance(i, slice) else i for i in (row_index, col_index))
+    return torch.where(rows[:, None] == cols[None, :], diag[..., rows, None], diag.new_zeros(()))
+
+
+def _switched(name):
+    def method(self, *args, **kwargs):
+        with gp_algebra(self.device.type if self.device is not None else "cpu"):
+            return getattr(super(_NumericsPolicy, self), name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"``{name}`` under the numerics policy (:func:`gp_algebra`)."
+    return method
+
+
+def _derived(name):
+    def method(self, *args, **kwargs):
+        return with_policy(getattr(super(_NumericsPolicy, self), name)(*args, **kwargs))
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"``{name}``; the result carries the numerics policy."
+    return method
+
+
+for _name in _SWITCHED:
+    setattr(_NumericsPolicy, _name, _switched(_name))
+for _name in _DERIVED:
+    setattr(_NumericsPolicy, _name, _derived(_name))
+
+#: linear_operator class -> its policy subclass (also reachable as a module attribute, for pickle)
+_POLICY_CLASSES: dict[type, type] = {}
+
+
+def _policy_class(cls: type) -> type:
+    if issubclass(cls, _NumericsPolicy):
+        return cls
+    if cls not in _POLICY_CLASSES:
+        name = f"Exact{cls.__name__}"
+        _POLICY_CLASSES[cls] = type(name, (_NumericsPolicy, cls), {"__module__": __name__, "__qualname__": name})
+    return _POLICY_CLASSES[cls]
+
+
+def __getattr__(name: str):
+    """``ExactCholLinearOperator`` etc.: the policy subclasses, made on demand (unpickling)."""
+    import linear_operator.operators as operators
+
+    base = getattr(operators, name[len("Exact") :], None) if name.startswith("Exact") else None
+    if isinstance(base, type) and issubclass(base, LinearOperator):
+        return _policy_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def with_policy(op):
+    """``op`` as an operator of the same class (so ``isinstance`` and its attributes still hold) that
+    carries the numerics policy (:class:`_NumericsPolicy`); anything that is not a ``LinearOperator``
+    (a tensor, a tuple of results) is returned unchanged."""
+    if not isinstance(op, LinearOperator) or isinstance(op, _NumericsPolicy):
+        return op
+    out = copy.copy(op)  # shallow: the same tensors and caches, another class
+    out.__class__ = _policy_class(type(op))
+    return out
+
+
+class LowRankPlusDiagLinearOperator(_NumericsPolicy, LowRankRootAddedDiagLinearOperator):
+    r""":math:`\Sigma = U U^\top + D` (U of shape (..., n, k), D diagonal > 0), factorised through the
+    whitened root :math:`\tilde U = D^{-1/2} U = Q R` (thin QR, Q of shape (..., n, p), p = min(n, k)):
+
+    .. math::
+        \Sigma = D^{1/2}\big[Q (R R^\top + I) Q^\top + (I - Q Q^\top)\big] D^{1/2},\qquad
+        R R^\top + I = L_p L_p^\top,
+
+    so, with :math:`\tilde x = D^{-1/2} x`,
+    :math:`x^\top \Sigma^{-1} x = \lVert L_p^{-1} Q^\top \tilde x \rVert^2 + \lVert \tilde x - Q Q^\top \tilde x \rVert^2`,
+    :math:`\log|\Sigma| = \sum \log d + 2 \sum \log \operatorname{diag} L_p`, and
+    :math:`S = D^{1/2}\big[(I - Q Q^\top) + Q L_p Q^\top\big]` is an exact square root (:math:`S S^\top = \Sigma`)
+    applied in O(n·p). The quadratic form is a sum of squares: unlike the Woodbury difference
+    :math:`(\lVert x \rVert^2 - x^\top U C^{-1} U^\top x)/d` of ``LowRankRootAddedDiagLinearOperator``, it
+    does not cancel when D is tiny against :math:`U U^\top` (KEP-SVGP's jitter; float32 KL(p‖p) ≈ 0).
+    Only p×p matrices are factorised; nothing n×n is formed unless asked for (``to_dense``, a Cholesky).
+    Samples: :math:`U \varepsilon_1 + D^{1/2} \varepsilon_2`, O(n·k).
+
+    # shape: low_rank root (..., n, k), diag (..., n)
+    """
+
+    def __init__(self, low_rank: LowRankRootLinearOperator, diag: DiagLinearOperator, **kwargs):
+        super().__init__(low_rank, diag, **kwargs)
+
+    def _factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """D^{1/2}, Q and L_p (computed once per operator).  # shape: (..., n), (..., n, p), (..., p, p)"""
+        cache = self.__dict__.setdefault("_policy_factors", [])
+        if not cache:
+            sqrt_d = self._diag_tensor.diagonal().sqrt()
+            Q, R = torch.linalg.qr(self._linear_op.root.to_dense() / sqrt_d[..., None])
+            L_p = cholesky(add_jitter(R @ R.mT, 1.0), name="low-rank-plus-diagonal covariance (R Rᵀ + I)")
+            cache.extend([sqrt_d, Q, L_p])
+        return tuple(cache)
+
+    def _whitened_parts(self, rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x̃ = D^{-1/2} x, its coordinates Qᵀx̃ and its part outside span Q.  # shape: rhs (..., n, c)"""
+        sqrt_d, Q, _ = self._factors()
+        x = rhs / sqrt_d[..., None]
+        coords = Q.mT @ x
+        return x, coords, x - Q @ coords
+
+    def _solve(self, rhs, preconditioner=None, num_tridiag=0):
+        sqrt_d, Q, L_p = self._factors()
+        _, coords, outside = self._whitened_parts(rhs)
+        return (outside + Q @ torch.cholesky_solve(coords, L_p)) / sqrt_d[..., None]
+
+    def solve(self, right_tensor, left_tensor=None):
+        vector = right_tensor.dim() == 1
+        res = self._solve(right_tensor[:, None] if vector else right_tensor)
+        res = res[..., 0] if vector else res
+        return res if left_tensor is None else left_tensor @ res
+
+    def _logdet(self):
+        sqrt_d, _, L_p = self._factors()
+        return 2.0 * (sqrt_d.log().sum(-1) + L_p.diagonal(dim1=-2, dim2=-1).log().sum(-1))
+
+    def inv_quad_logdet(self, inv_quad_rhs=None, logdet=False, reduce_inv_quad=True):
+        inv_quad = None
+        if inv_quad_rhs is not None:
+            vector = inv_quad_rhs.dim() == self.dim() - 1
+            rhs = inv_quad_rhs[..., None] if vector else inv_quad_rhs
+            _, coords, outside = self._whitened_parts(rhs)
+            inside = tri_solve(self._factors()[2], coords)
+            inv_quad = inside.square().sum(-2) + outside.square().sum(-2)  # shape: (..., c)
+            if vector:
+                inv_quad = inv_quad[..., 0]
+            elif reduce_inv_quad:
+                inv_quad = inv_quad.sum(-1)
+        return inv_quad, (self._logdet() if logdet else None)
+
+    def inv_quad(self, inv_quad_rhs, reduce_inv_quad=True):
+        return self.inv_quad_logdet(inv_quad_rhs, reduce_inv_quad=reduce_inv_quad)[0]
+
+    def logdet(self):
+        return self._logdet()
+
+    def root_decomposition(self, method=None):
+        """The exact square root S = D^{1/2}[(I − QQᵀ) + Q L_p Qᵀ] (n×n, applied in O(n·p))."""
+        sqrt_d, Q, L_p = self._factors()
+        scaled = Q * sqrt_d[..., None]  # D^{1/2} Q
+        eye = DiagLinearOperator(sqrt_d)
+        # D^{1/2}(I − QQᵀ) + D^{1/2} Q L_p Qᵀ = D^{1/2} + D^{1/2} Q (L_p − I) Qᵀ
+        inner = MatmulLinearOperator(scaled, (L_p - torch.eye(L_p.shape[-1], dtype=L_p.dtype, device=L_p.device)) @ Q.mT)
+        return RootLinearOperator(with_policy(eye + inner))
+
+    def zero_mean_mvn_samples(self, num_samples: int) -> torch.Tensor:
+        U = self._linear_op.root.to_dense()
+        sqrt_d = self._diag_tensor.diagonal().sqrt()
+        eps_u = torch.randn(num_samples, *U.shape[:-2], U.shape[-1], 1, dtype=U.dtype, device=U.device)
+        eps_d = torch.randn(num_samples, *sqrt_d.shape, dtype=U.dtype, device=U.device)
+        return (U @ eps_u)[..., 0] + sqrt_d * eps_d
+
+    def evaluate_kernel(self):
+        # nothing lazy to evaluate; AddedDiagLinearOperator's rebuilds a plain sum, losing this class
+        return self
+
+    def _rebuilt(self, root: torch.Tensor, diag: torch.Tensor) -> LowRankPlusDiagLinearOperator:
+        return LowRankPlusDiagLinearOperator(LowRankRootLinearOperator(root), DiagLinearOperator(diag))
+
+    def _getitem(self, row_index, col_index, *batch_indices):
+        root = self._linear_op.root.to_dense()[(*batch_indices, _NOOP, _NOOP)]
+        diag = self._diag_tensor.diagonal()[(*batch_indices, _NOOP)]
+        # Σ[rows, rows] = U[rows] U[rows]ᵀ + D[rows]: the same structure (slices of the same rows)
+        if isinstance(row_index, slice) and isinstance(col_index, slice) and row_index == col_index:
+            return self._rebuilt(root[..., row_index, :], diag[..., row_index])
+        # any other block: U[rows] U[cols]ᵀ + D[rows, cols], dense (linear_operator's slice of the
+        # diagonal part goes through sparse tensors)
+        block = root[..., row_index, :] @ root[..., col_index, :].mT + _diagonal_block(diag, row_index, col_index)
+        return with_policy(DenseLinearOperator(block))
+
+    def _expand_batch(self, batch_shape):
+        root, diag = self._linear_op.root.to_dense(), self._diag_tensor.diagonal()
+        return self._rebuilt(root.expand(*batch_shape, *root.shape[-2:]), diag.expand(*batch_shape, diag.shape[-1]))
+
+    def repeat(self, *sizes):
+        sizes = tuple(sizes[0]) if len(sizes) == 1 and not isinstance(sizes[0], int) else sizes
+        root, diag = self._linear_op.root.to_dense(), self._diag_tensor.diagonal()
+        pad = len(sizes) - root.dim()  # repeat may add leading batch axes
+        root = root.reshape((1,) * pad + tuple(root.shape))
+        diag = diag.reshape((1,) * pad + tuple(diag.shape))
+        return self._rebuilt(root.repeat(*sizes), diag.repeat(*sizes[:-1]))

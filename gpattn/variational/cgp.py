@@ -33,6 +33,7 @@ from gpattn.variational._linalg import (
     matmul_samples,
     standard_normal,
     tri_solve,
+    with_policy,
 )
 from gpattn.variational._scale import CGP_SIGMA
 
@@ -413,7 +414,7 @@ class CorrelatedGP(CorrelatedGPBase):
         L = cholesky(add_jitter(Sigma, self.jitter), name="cgp: predictive covariance")
         B, H, T, Dv = nu.shape
         covar = CholLinearOperator(TriangularLinearOperator(L.unsqueeze(2))).expand(B, H, Dv, T, T)
-        return MultivariateNormal(nu.transpose(-1, -2), covar)
+        return MultivariateNormal(nu.transpose(-1, -2), with_policy(covar))  # exact at any T (numerics policy)
 
     def _conditional_mean(self, q, k, o, z, valid):
         # eq. 21: E[z_q | z_k] = K_qo (K_o + σ²I)⁻¹ K_ok (K_k + σ²I)⁻¹ z_k

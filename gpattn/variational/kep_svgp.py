@@ -29,12 +29,18 @@ from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import (
     CholLinearOperator,
     ConstantDiagLinearOperator,
-    LowRankRootAddedDiagLinearOperator,
     LowRankRootLinearOperator,
     TriangularLinearOperator,
 )
 
-from gpattn.variational._linalg import cholesky, matmul_samples, safe_sqrt, standard_normal
+from gpattn.variational._linalg import (
+    LowRankPlusDiagLinearOperator,
+    cholesky,
+    matmul_samples,
+    safe_sqrt,
+    standard_normal,
+    with_policy,
+)
 from gpattn.variational._scale import KEP_COVARIANCE_STD, KEP_MEAN_STD
 
 __all__ = [
@@ -339,8 +345,10 @@ def kep_posterior(
         C_d = \sum_c W_{cd}^2\, L_c L_c^\top,
 
     returned as a ``MultivariateNormal`` (batch (B, H, Dv), event T) whose covariance is the low-rank
-    root :math:`[a\, \mathrm{chol}(C_d),\ \lVert W_{:d}\rVert R]` (``LowRankRootLinearOperator``, plus a
-    constant diagonal when ``jitter > 0``): nothing T×T is formed. :math:`C_d` is r×r and depends on
+    root :math:`[a\, \mathrm{chol}(C_d),\ \lVert W_{:d}\rVert R]` (``LowRankRootLinearOperator``; with
+    ``jitter > 0`` a ``LowRankPlusDiagLinearOperator`` adding the constant diagonal, factorised through
+    the whitened root so that the jitter, far below the low-rank eigenvalues, costs no precision):
+    nothing T×T is formed, and every solve, log-determinant and root is exact at any T. :math:`C_d` is r×r and depends on
     parameters only; its Cholesky goes through the numerics policy's :func:`cholesky`.
 
     # shape: a (B, H, T, r), m (H, r_c, r), L (H, r_c, r, r), weight (H, r_c, Dv), bias (H, Dv),
@@ -356,9 +364,11 @@ def kep_posterior(
         root = torch.cat([root, res], dim=-1)
     covar = LowRankRootLinearOperator(root)
     if jitter > 0:
+        # rank ≤ r (+ q) plus a jitter far below its eigenvalues: factorised through the whitened root
+        # (LowRankPlusDiagLinearOperator), whose solves do not cancel as the Woodbury difference does
         diag = torch.full((*mean.shape[:-1], 1), jitter, dtype=a.dtype, device=a.device)
-        covar = LowRankRootAddedDiagLinearOperator(covar, ConstantDiagLinearOperator(diag, diag_shape=a.shape[-2]))
-    return MultivariateNormal(mean, covar)
+        covar = LowRankPlusDiagLinearOperator(covar, ConstantDiagLinearOperator(diag, diag_shape=a.shape[-2]))
+    return MultivariateNormal(mean, with_policy(covar))
 
 
 def residual_root(phi_q: torch.Tensor, phi_k: torch.Tensor, W: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

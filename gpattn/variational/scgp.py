@@ -14,7 +14,14 @@ import torch.nn as nn
 from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import DiagLinearOperator, LowRankRootLinearOperator
 
-from gpattn.variational._linalg import add_jitter, cholesky, matmul_samples, standard_normal, tri_solve
+from gpattn.variational._linalg import (
+    LowRankPlusDiagLinearOperator,
+    add_jitter,
+    cholesky,
+    matmul_samples,
+    standard_normal,
+    tri_solve,
+)
 from gpattn.variational.cgp import CorrelatedGPBase
 
 __all__ = ["DTCTerms", "SparseCorrelatedGP"]
@@ -246,7 +253,8 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         B, H, T, Dv = nu.shape
         root = root.unsqueeze(2).expand(B, H, Dv, T, root.shape[-1])  # a view: no copy per column
         diag = t.s2.reshape(1, H, 1, 1).expand(B, H, Dv, T)  # σ² on every token
-        covar = LowRankRootLinearOperator(root) + DiagLinearOperator(diag)
+        # σ²I + rank m, factorised through m×m matrices only and exact at any T (numerics policy)
+        covar = LowRankPlusDiagLinearOperator(LowRankRootLinearOperator(root), DiagLinearOperator(diag))
         return MultivariateNormal(nu.transpose(-1, -2), covar)
 
     def _conditional_mean(self, q, k, o, z, valid, inducing=None):

@@ -37,7 +37,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.kernels import Kernel
-from linear_operator.operators import DiagLinearOperator, LinearOperator, RootLinearOperator
+from linear_operator.operators import (
+    CholLinearOperator,
+    DiagLinearOperator,
+    LinearOperator,
+    TriangularLinearOperator,
+)
 
 from gpattn.kernels import evaluate_kernel
 from gpattn.variational._linalg import (
@@ -47,6 +52,7 @@ from gpattn.variational._linalg import (
     matmul_samples,
     safe_sqrt,
     standard_normal,
+    with_policy,
 )
 
 __all__ = [
@@ -136,11 +142,13 @@ def isolate_padding(K: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def posterior_distribution(mean: torch.Tensor, covariance: LinearOperator) -> MultivariateNormal:
-    """q(f) in GPyTorch's form: batch (B, H, Dv), event T.
+    """q(f) in GPyTorch's form: batch (B, H, Dv), event T. The covariance carries the numerics policy
+    (:func:`gpattn.variational._linalg.with_policy`): solves, log-determinants and roots stay exact
+    above gpytorch's 800-point CG/Lanczos switch, outside any ``gp_algebra()`` block.
 
     # shape: mean (B, H, T, Dv), covariance (B, H, Dv, T, T) -> MultivariateNormal
     """
-    return MultivariateNormal(mean.transpose(-1, -2), covariance)
+    return MultivariateNormal(mean.transpose(-1, -2), with_policy(covariance))
 
 
 # ---------------------------------------------------------------------------------- q(u)
@@ -219,13 +227,14 @@ class SGPAConditional:
         return self.chol.square() @ self.std.square()
 
     def posterior(self) -> MultivariateNormal:
-        """q(f): ``covariance="full"``: Σ_d = L diag(s_d²) Lᵀ (a root operator with root L diag(s_d));
-        ``"diag"``: its diagonal (independent tokens). The full root is (B, H, Dv, T, T): for
-        verification, the forward pass never forms it."""
+        """q(f): ``covariance="full"``: Σ_d = L diag(s_d²) Lᵀ, whose Cholesky factor is L diag(s_d)
+        (lower triangular, positive diagonal: a ``CholLinearOperator``, so solves and log-determinants
+        reuse it); ``"diag"``: its diagonal (independent tokens). The full factor is (B, H, Dv, T, T):
+        for verification, the forward pass never forms it."""
         if self.covariance == "diag":
             return posterior_distribution(self.mean, DiagLinearOperator(self.variance().transpose(-1, -2)))
         root = self.chol[:, :, None] * self.std.transpose(-1, -2)[..., None, :]  # shape: (B, H, Dv, T, T)
-        return posterior_distribution(self.mean, RootLinearOperator(root))
+        return posterior_distribution(self.mean, CholLinearOperator(TriangularLinearOperator(root)))
 
     def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Exact reparameterised sample(s) with the shared factor L: f_d = K̂ v_d + L (s_d ⊙ ε_d)
