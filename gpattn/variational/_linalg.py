@@ -39,8 +39,8 @@ from linear_operator.operators import (
     TriangularLinearOperator,
 )
 from linear_operator.utils.cholesky import psd_safe_cholesky
-from linear_operator.utils.memoize import cached
 from linear_operator.utils.errors import NotPSDError
+from linear_operator.utils.memoize import cached
 from linear_operator.utils.warnings import NumericalWarning
 
 from gpattn._settings import is_validating
@@ -271,7 +271,7 @@ class _NumericsPolicy:
         # an operator without a structured factorisation is factorised densely through cholesky()
         # (bounded jitter escalation, no NumericalWarning, a named NotPSDError under validation())
         # instead of linear_operator's psd_safe_cholesky; structured ones keep theirs
-        if super(_NumericsPolicy, self)._cholesky.__func__ is not LinearOperator._cholesky:
+        if super()._cholesky.__func__ is not LinearOperator._cholesky:
             return super()._cholesky(upper=upper)
         L = cholesky(self.to_dense(), name=f"posterior covariance ({type(self).__name__})")
         return TriangularLinearOperator(L.mT if upper else L, upper=upper)
@@ -368,8 +368,8 @@ class LowRankPlusDiagLinearOperator(_NumericsPolicy, LowRankRootAddedDiagLinearO
         \Sigma = D^{1/2}\big[Q (R R^\top + I) Q^\top + (I - Q Q^\top)\big] D^{1/2},\qquad
         R R^\top + I = L_p L_p^\top,
 
-    so, with :math:`\tilde x = D^{-1/2} x`,
-    :math:`x^\top \Sigma^{-1} x = \lVert L_p^{-1} Q^\top \tilde x \rVert^2 + \lVert \tilde x - Q Q^\top \tilde x \rVert^2`,
+    so, with :math:`\tilde x = D^{-1/2} x`, :math:`x^\top \Sigma^{-1} x =
+    \lVert L_p^{-1} Q^\top \tilde x \rVert^2 + \lVert \tilde x - Q Q^\top \tilde x \rVert^2`,
     :math:`\log|\Sigma| = \sum \log d + 2 \sum \log \operatorname{diag} L_p`, and
     :math:`S = D^{1/2}\big[(I - Q Q^\top) + Q L_p Q^\top\big]` is an exact square root (:math:`S S^\top = \Sigma`)
     applied in O(n·p). The quadratic form is a sum of squares: unlike the Woodbury difference
@@ -442,7 +442,8 @@ class LowRankPlusDiagLinearOperator(_NumericsPolicy, LowRankRootAddedDiagLinearO
         scaled = Q * sqrt_d[..., None]  # D^{1/2} Q
         eye = DiagLinearOperator(sqrt_d)
         # D^{1/2}(I − QQᵀ) + D^{1/2} Q L_p Qᵀ = D^{1/2} + D^{1/2} Q (L_p − I) Qᵀ
-        inner = MatmulLinearOperator(scaled, (L_p - torch.eye(L_p.shape[-1], dtype=L_p.dtype, device=L_p.device)) @ Q.mT)
+        eye_p = torch.eye(L_p.shape[-1], dtype=L_p.dtype, device=L_p.device)
+        inner = MatmulLinearOperator(scaled, (L_p - eye_p) @ Q.mT)
         return RootLinearOperator(with_policy(eye + inner))
 
     def zero_mean_mvn_samples(self, num_samples: int) -> torch.Tensor:

@@ -348,8 +348,8 @@ def kep_posterior(
     root :math:`[a\, \mathrm{chol}(C_d),\ \lVert W_{:d}\rVert R]` (``LowRankRootLinearOperator``; with
     ``jitter > 0`` a ``LowRankPlusDiagLinearOperator`` adding the constant diagonal, factorised through
     the whitened root so that the jitter, far below the low-rank eigenvalues, costs no precision):
-    nothing T×T is formed, and every solve, log-determinant and root is exact at any T. :math:`C_d` is r×r and depends on
-    parameters only; its Cholesky goes through the numerics policy's :func:`cholesky`.
+    nothing T×T is formed, and every solve, log-determinant and root is exact at any T. :math:`C_d` is
+    r×r and depends on parameters only; its Cholesky goes through the numerics policy's :func:`cholesky`.
 
     # shape: a (B, H, T, r), m (H, r_c, r), L (H, r_c, r, r), weight (H, r_c, Dv), bias (H, Dv),
     #        residual (B, H, T, q) or None -> MultivariateNormal batch (B, H, Dv), event T
