@@ -42,6 +42,7 @@ RULES: list[tuple[str, object]] = [
     # the specification's labels
     (r"\*\*Decision\*\*", "**Choice**"),
     (r"\bDecision\b", "Choice"),
+    (r"\*\*Peer code\*\* (?=[a-z])", "the released code "),  # "(**Peer code** masks after ...)"
     (r"\*\*Peer code\*\*", "**Released code differs**"),
     (r"\bPeer code\b", "Released code differs"),
     # the paper texts by file number (random seeds, "seed 0", never match: the numbers are 001-004)
@@ -50,24 +51,30 @@ RULES: list[tuple[str, object]] = [
     (r"\b[Ss]eeds 002[–-]004\b", "the GP-attention papers"),
     (r"\b[Ss]eeds 003/004\b", "Bui et al. and Chen & Li (2023)"),
     (r"\b[Ss]eed 00([1-4])'s\b", lambda m: PAPERS[m.group(1)][1]),
-    (r"\b[Ss]eeds? 00([1-4])\b", lambda m: PAPERS[m.group(1)][0]),
+    (r"\b[Ss]eeds?[ -]00([1-4])\b", lambda m: PAPERS[m.group(1)][0]),
     # "Bui et al. §2.3, 004 §3.1": a second file number in the same citation
     (
         r"((?:Pei et al\.|Chen et al\. \(2024\)|Bui et al\.|Chen & Li \(2023\))[^,;()\n]*[,;]\s+)00([1-4])\b",
         lambda m: m.group(1) + PAPERS[m.group(2)][0],
     ),
+    # authors are plural: "Pei et al. uses" -> "Pei et al. use"
+    (
+        r"((?:Pei et al\.|Chen et al\. \(2024\)|Bui et al\.|Chen & Li \(2023\)) )"
+        r"(use|do|report|say|state|replace|give|list|note|choose|leave|drop|set)(e?s)\b",
+        r"\1\2",
+    ),
     (r"\b([Tt])he seeds'", r"\1he papers'"),
     (r"\b([Tt])he seeds\b", r"\1he papers"),
     # design notes and the issue tracker, where they are a parenthetical inside a line that can simply go
     (r"(?<=\S) \([Ii]ssue \d+(?: item \d+)?\)", ""),
-    (r"(?<=\S) \(STYLE\.md(?: \d+)?\)", ""),
-    (r'(?<=\S) \(DESIGN\.md(?: "[^"]*")?\)', ""),
+    (r'(?<=\S) \((?:DESIGN\.md(?: "[^"]*")?|STYLE\.md(?: \d+)?)(?:; (?:DESIGN\.md(?: "[^"]*")?|STYLE\.md(?: \d+)?))*\)',
+     ""),
 ]
 
 #: what the rules leave for a person: non-shipping documents and issue numbers inside a sentence
 LEFT_FOR_HAND = re.compile(
-    r"MATH\.md|MATH §|\b[Ss]eeds? 00[1-4]\b|\b00[1-4] §|Decision|Peer code|DESIGN\.md|STYLE\.md"
-    r"|\b[Ii]ssues?[ -]\d+|#\d{2,}\b"
+    r"MATH\.md|MATH §|\b[Ss]eeds?[ -]00[1-4]\b|\b00[1-4] §|Decision|Peer code|DESIGN\.md|STYLE\.md"
+    r"|\b[Ii]ssues?[ -]\d+|#\d{2,}\b|\bseed's text|\bthe seed\b(?! \d)"
 )
 
 SUFFIXES = {".py", ".md", ".txt", ".rst", ".toml", ".cfg"}
