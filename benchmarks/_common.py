@@ -2,7 +2,7 @@
 isolation (a forked child per measurement: clean peak-RSS numbers, crashes and out-of-memory kept out
 of the parent), the machine description, and JSON output.
 
-Benchmarks are not tests (STYLE.md 12): nothing here asserts a time.
+Benchmarks are not tests: nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ __all__ = [
     "write_outputs",
 ]
 
-#: the reference every ratio divides by (MATH.md §1)
+#: the reference every ratio divides by (docs/derivations.md §1)
 REFERENCE = "softmax"
 
-#: issue 7's sizes, keyed by every option name the variants may use for them (M = m = l = 16 global /
+#: the benchmark sizes, keyed by every option name the variants may use for them (M = m = l = 16 global /
 #: inducing inputs, r = 10 KEP rank, c = 2 H-STO centroids). A variant gets only the keys its
 #: ``gpattn.attention_options(name)`` lists; the JSON records which ones each variant got.
 BENCH_OPTIONS: dict[str, int] = {
@@ -310,7 +310,7 @@ def run_isolated(
     ``gpattn`` and the modules in ``preload`` once and never runs a torch op, then forks one child per
     case. The server is started by the first call of the process; later calls' ``preload`` and
     ``server_env`` are ignored. (Forking this process directly would hang as soon as it has run an
-    OpenMP parallel region; spawning a new interpreter per case costs ~2 s of imports.) ``fn`` must be
+    OpenMP parallel region; spawning a new interpreter per case repeats the imports of torch and gpattn every time.) ``fn`` must be
     importable by module name; ``server_env`` holds environment variables for the server (read when it starts, e.g.
     ``OMP_WAIT_POLICY``). ``isolate=False`` runs in this process (no timeout, no memory cap)."""
     if not isolate or "forkserver" not in mp.get_all_start_methods():

@@ -1,7 +1,7 @@
-"""Time and peak memory of one attention layer per registered variant against softmax (issue 7).
+"""Time and peak memory of one attention layer per registered variant against softmax.
 
 One layer ``gpattn.build_attention(name, D=128, H=4)`` (Dh = 32) on x of shape (B=8, T, D) for
-T in {64, 256, 1024, 4096} (``--quick``: T <= 1024), with issue 7's sizes M = m = l = 16, r = 10, c = 2
+T in {64, 256, 1024, 4096} (``--quick``: T <= 1024), with the benchmark sizes M = m = l = 16, r = 10, c = 2
 passed to the variants whose options have them (the JSON says which options each variant got), and
 every non-default value of ``covariance`` ("full"/"diag") as an extra configuration.
 
@@ -205,7 +205,7 @@ def _fmt(v, spec):
 
 
 def format_table(rows, slope_rows, configs) -> str:
-    lines = ["options per variant (issue 7 sizes, only where the variant has the option):"]
+    lines = ["options per variant (benchmark sizes, only where the variant has the option):"]
     for c in configs:
         opts = ", ".join(f"{k}={v}" for k, v in c["options"].items()) or "(defaults)"
         lines.append(f"  {c['variant']:<34} {opts}")

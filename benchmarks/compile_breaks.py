@@ -1,4 +1,4 @@
-"""torch.compile on one attention layer per registered variant: graph breaks and speed (issue 18).
+"""torch.compile on one attention layer per registered variant: graph breaks and speed.
 
 For every variant, one layer ``gpattn.build_attention(name, D=32, H=4)`` on x of shape (B=2, T=16, D)
 with some padding, in eval mode, under ``gpattn.deterministic()`` (the posterior mean / noise-free

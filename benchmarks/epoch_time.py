@@ -1,11 +1,11 @@
-"""Time of one training epoch on CoLA per registered variant against softmax (issue 7).
+"""Time of one training epoch on CoLA per registered variant against softmax.
 
-The model is the seeds' CoLA setup (seed 002 App. D.1, following seed 004 / Chen & Li 2023): a
+The model is the papers' CoLA setup (Chen et al. (2024) App. D.1, following Chen & Li (2023)): a
 2-layer transformer, embedding dimension 128, MLP hidden dimension 256 (``mlp_ratio=2``), 4 heads,
-batch size 32, Adam. Differences from the seeds, stated: word-vocabulary embeddings instead of
-ELMo (DESIGN.md "Data": no pretrained embeddings required), dropout 0.1, mean pooling, one
+batch size 32, Adam. Differences from the papers, stated: word-vocabulary embeddings instead of
+ELMo (no pretrained embeddings required), dropout 0.1, mean pooling, one
 Monte-Carlo sample per training step (``train_samples=1``), and ``attention_layers="auto"`` — every
-layer is the variant except KEP-SVGP, which replaces only the last layer as in seed 002
+layer is the variant except KEP-SVGP, which replaces only the last layer as in Chen et al. (2024)
 (``--attention-layers all`` to override). Data: the official ``cola_public_1.1.zip``
 (``--data-dir``), preset "official": train = ``in_domain_train`` minus a seeded 10 % validation split.
 
@@ -48,7 +48,7 @@ from _common import (
 from gpattn.objectives import ELBOObjective
 from gpattn.training import TrainConfig, build_model, resolve_device
 
-#: seed 002 App. D.1 CoLA model ("2-layer Transformer, embedding dimension 128, hidden dimension 256,
+#: Chen et al. (2024) App. D.1 CoLA model ("2-layer Transformer, embedding dimension 128, hidden dimension 256,
 #: 4 heads", batch size 32), as TrainConfig fields
 COLA_MODEL = dict(embed_dim=128, num_heads=4, num_layers=2, mlp_ratio=2.0, dropout=0.1, batch_size=32, lr=1e-3)
 

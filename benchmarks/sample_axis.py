@@ -1,4 +1,4 @@
-"""Monte-Carlo prediction cost of the first GP layer: P = 10 draws against one (issue 19 item 3).
+"""Monte-Carlo prediction cost of the first GP layer: P = 10 draws against one.
 
 For every GP variant, one layer ``gpattn.build_attention(name, D, H)`` in eval mode (sampling on) on
 LayerNorm-ed x of shape (B, T, D) with some padding, without gradients: the median time of

@@ -1,4 +1,4 @@
-"""Numerical stability of every registered variant (issue 10).
+"""Numerical stability of every registered variant.
 
 Trains each variant for ``--steps`` optimizer steps in float32 on CoLA (the official archive; a
 synthetic fixture in the same format with ``--fixture``), then runs one bf16-autocast forward/backward
@@ -7,7 +7,7 @@ NotPSDErrors of the numerics policy (``gpattn.variational._linalg.STATS``). Exit
 produced a NaN/Inf or an unhandled factorisation failure.
 
     python benchmarks/stability.py --steps 2000 --data-dir ../shared/data
-    python benchmarks/stability.py --steps 2000 --beta 1 --alpha 1    # the exact ELBO weights (MATH §9)
+    python benchmarks/stability.py --steps 2000 --beta 1 --alpha 1    # the exact ELBO weights (docs/derivations.md §9)
     python benchmarks/stability.py --steps 50 --fixture --variants sgpa,cgp     # a quick look
 """
 

@@ -1,4 +1,4 @@
-"""``gpattn train | evaluate | compare | demo`` (DESIGN.md "CLI and outputs")."""
+"""``gpattn train | evaluate | compare | demo``."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ BASELINES = ("softmax+ts", "softmax+mcdropout", "softmax+laplace", "softmax+ens5
 REPORT_COLUMNS = {
     "in_domain": ("accuracy", "mcc", "nll", "ece", "aurc", "auroc"),
     "shift": ("accuracy", "nll", "ece"),
-    "ood": ("accuracy", "mcc", "nll", "ece", "ood_auroc"),  # seed 003 Table I reports MCC/NLL/ECE on CoLA OOD
+    "ood": ("accuracy", "mcc", "nll", "ece", "ood_auroc"),  # Bui et al. Table I reports MCC/NLL/ECE on CoLA OOD
 }
 
 
@@ -508,7 +508,8 @@ def write_report(
         f"Seeds {list(seeds)}; {base.num_layers} layers, width {base.embed_dim}, {base.num_heads} heads, "
         f"{base.epochs} epochs, batch {base.batch_size}, lr {base.lr}; {base.num_samples} Monte-Carlo samples, "
         f"predictions averaged over {base.average}.",
-        f"Objective (MATH §9): β = {base.beta:g} (KL weight, annealed over {base.beta_anneal_steps} steps), "
+        f"Objective (docs/derivations.md §9): β = {base.beta:g} "
+        f"(KL weight, annealed over {base.beta_anneal_steps} steps), "
         f"α = {base.alpha:g} (CGP regulariser weight, annealed over {base.alpha_anneal_steps} steps), "
         f"η = {base.eta:g} (KSVD weight), KL scaling {base.kl_scaling!r}. "
         + ("β = 1: the ELBO" if base.beta == 1 else "β ≠ 1: a tempered ELBO (β = 1 is the ELBO)")

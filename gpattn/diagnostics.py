@@ -1,7 +1,7 @@
 """Collapse is never silent: per-epoch statistics of a training run and the checks on them.
 
 A GP attention layer is part of a residual network. Two failure modes look fine in a calibration
-table and are measured here instead (MATH.md §9, ``gpattn.variational._scale``):
+table and are measured here instead (docs/derivations.md §9, ``gpattn.variational._scale``):
 
 * **A layer's mean collapses under its noise.** ``mean_norm / spread_norm`` of a layer — the norm of
   its posterior-mean output against the norm of a drawn sample's deviation from it, per real token —

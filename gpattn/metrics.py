@@ -1,6 +1,6 @@
-"""Classification, calibration, failure-prediction and OOD-detection metrics (MATH.md §10).
+"""Classification, calibration, failure-prediction and OOD-detection metrics (docs/derivations.md §10).
 
-The definitions are the ones used in the seeds' tables, not torchmetrics' (which bins left-closed, adds
+The definitions are the ones used in the papers' tables, not torchmetrics' (which bins left-closed, adds
 an extra bin at confidence 1.0 and soft-maxes inputs outside [0, 1]). Every function accepts numpy
 arrays or torch tensors, computes in float64 numpy and returns python floats (or float64 arrays for
 the per-example / per-bin helpers). Values are fractions, never percent.
@@ -172,7 +172,7 @@ def _check_n_bins(n_bins) -> int:
 def average_samples(sample_logits, average: str = "probs") -> np.ndarray:
     """Predictive probabilities from Monte-Carlo logits.
 
-    ``sample_logits``: (N, P, C). ``average="probs"`` (default, MATH §9): mean over P of the softmax;
+    ``sample_logits``: (N, P, C). ``average="probs"`` (default, docs/derivations.md §9): mean over P of the softmax;
     ``average="logits"``: softmax of the mean logits. Returns a float64 array (N, C).
     """
     z = _as_float64(sample_logits, "sample_logits")  # shape: (N, P, C)

@@ -1,5 +1,5 @@
-"""The deep-GP ELBO objective in GPyTorch's marginal-log-likelihood idiom (MATH.md §9; seeds 002 eq. 20,
-004 §3.4).
+"""The deep-GP ELBO objective in GPyTorch's marginal-log-likelihood idiom (docs/derivations.md §9;
+Chen et al. (2024) eq. 20, Chen & Li (2023) §3.4).
 
 .. math::
     \\mathcal{L} = \\overline{\\mathrm{CE}} + \\beta\\Big[\\operatorname{mean}_b \\sum_\\ell KL^{seq}_\\ell(x_b)
@@ -52,9 +52,9 @@ __all__ = [
 ]
 
 #: Default weight α of the CGP regulariser, everywhere (DeepGPELBO, TrainConfig, the CLI, the presets).
-#: R (seed 003 eqs. 28, 44) is not a term of an ELBO but −log p(z_q = ν, z_k): a density over the T·Dv
+#: R (Bui et al. eqs. 28, 44) is not a term of an ELBO but −log p(z_q = ν, z_k): a density over the T·Dv
 #: attention outputs of every head with noise σ = 0.1, and α is a hyperparameter "chosen on a validation
-#: set" (seed 003 Remark 3). Measured on digits (seed 0, 6 epochs, the preset's model): with α ≥ 1e-3 cgp
+#: set" (Bui et al. Remark 3). Measured on digits (seed 0, 6 epochs, the preset's model): with α ≥ 1e-3 cgp
 #: stays at the base rate (R falls from −6.2e3 to −8.8e3 per sequence, against a cross-entropy of 2.1),
 #: also with σ_q, σ_k frozen, without gradient clipping, and with the paper's linear 0 → 1 annealing over
 #: 20 epochs; α = 1e-4 learns slowly (0.32 after 6 epochs) and α = 1e-5 learns (20 epochs, 3 seeds:
@@ -115,7 +115,7 @@ class GPLossTerm(AddedLossTerm):
 
     A subclass sets ``name`` (an identifier: the key of the loss parts, of the trainer's history and
     of ``layer.loss_terms()``; one class per name) and implements :meth:`weight`, the factor the
-    objective multiplies :meth:`loss` by. The value is the layer's reduced term (MATH §9: summed over
+    objective multiplies :meth:`loss` by. The value is the layer's reduced term (docs/derivations.md §9: summed over
     heads and Dv, averaged over the batch where it depends on the sequence), a 0-dim tensor."""
 
     name: ClassVar[str] = ""
@@ -185,7 +185,7 @@ class GlobalKL(GPLossTerm):
 
 
 class KSVDLoss(GPLossTerm):
-    """KEP-SVGP's J² (MATH §6): weight η."""
+    """KEP-SVGP's J² (docs/derivations.md §6): weight η."""
 
     name = "ksvd"
 
@@ -194,7 +194,7 @@ class KSVDLoss(GPLossTerm):
 
 
 class CGPRegulariser(GPLossTerm):
-    """The CGP regulariser mean_b Σ_{h,d} R / 2 (MATH §7–8): weight α (not an ELBO term)."""
+    """The CGP regulariser mean_b Σ_{h,d} R / 2 (docs/derivations.md §7–8): weight α (not an ELBO term)."""
 
     name = "cgp"
 
@@ -294,7 +294,7 @@ class _Objective:
 
 
 class DeepGPELBO(_Objective):
-    """The deep-GP ELBO of ``model`` (MATH §9), in ``gpytorch.mlls.VariationalELBO``'s idiom, as a loss.
+    """The deep-GP ELBO of ``model`` (docs/derivations.md §9), in ``gpytorch.mlls.VariationalELBO``'s idiom, as a loss.
 
     ``objective(logits, labels, step=None)`` after a forward of ``model``: ``combine_terms=True`` returns
     the loss (a 0-dim tensor); ``combine_terms=False`` the parts, unweighted and separate (``nll``, one
@@ -305,11 +305,11 @@ class DeepGPELBO(_Objective):
         are collected over the whole module tree.
     :param num_data: N, the training-set size (divides ``kl_global`` and the log prior).
     :param beta: KL weight β; ``beta_anneal_steps > 0`` ramps it linearly 0 → β.
-    :param eta: KSVD weight η (seed 002 lost its value in extraction; 0.1 as in the released code).
+    :param eta: KSVD weight η (default 0.1, as in the authors' released code).
     :param alpha: CGP regulariser weight α (default :data:`DEFAULT_ALPHA`); ``alpha_anneal_steps > 0``
-        ramps 0 → α (seed 003).
+        ramps 0 → α (Bui et al.).
     :param combine_terms: the loss (True) or the parts (False), as in GPyTorch's MLLs.
-    :param kl_scaling: ``"elbo"`` (MATH §9) or ``"peer"`` (the SGPA release: every KL undivided).
+    :param kl_scaling: ``"elbo"`` (docs/derivations.md §9) or ``"peer"`` (the SGPA release: every KL undivided).
     :param likelihood: see :func:`expected_nll`.
     """
 

@@ -1,8 +1,8 @@
-"""Named experiment settings for ``gpattn train|compare --preset NAME``: the seeds' setups at CPU scale.
+"""Named experiment settings for ``gpattn train|compare --preset NAME``: the papers' setups at CPU scale.
 
 A preset is a dict of ``TrainConfig`` fields plus ``variants`` (for compare), ``seeds`` and optionally
 ``variant_options`` (per-variant attention options from the papers' tables); flags given
-explicitly on the command line override it. Where we differ from the seeds it is said here:
+explicitly on the command line override it. Where we differ from the papers it is said here:
 no ELMo embeddings offline (word embeddings trained from scratch), fewer epochs, smaller image
 models, and for the image presets a subsample of the training set.
 """
@@ -25,8 +25,8 @@ _DEMO_MODEL = dict(embed_dim=32, num_heads=2, num_layers=2, mlp_ratio=2.0, dropo
 # measured 2026-11-24 on digits only, applied to every image preset for the same reason).
 _IMAGE_POOLING = dict(pooling="mean")
 
-# Objective weights (MATH §9). beta = 1: the ELBO itself. Since the GP layers start on the residual stream's
-# scale (gpattn.variational._scale), the exact ELBO trains sgpa, sgpa-decoupled and kep-svgp on cola and
+# Objective weights (docs/derivations.md §9). beta = 1: the ELBO itself. Since the GP layers start on the residual
+# stream's scale (gpattn.variational._scale), the exact ELBO trains sgpa, sgpa-decoupled and kep-svgp on cola and
 # digits (docs/results.md "The exact objective", 3 seeds, 2026-11-24); before that initialisation every
 # all-layer GP model collapsed at beta = 1, and the presets used beta = 1e-4.
 # alpha is the CGP regulariser's weight, which is not part of an ELBO: the library default
@@ -34,7 +34,7 @@ _IMAGE_POOLING = dict(pooling="mean")
 # as plain `train`. It is printed in every report's header.
 _GP_WEIGHTS = dict(beta=1.0, alpha=DEFAULT_ALPHA)
 
-# seeds 002-004 on CoLA: 2 layers, 4 heads, embedding 128, hidden (MLP) 256; batch 32; 50 epochs with ELMo.
+# the GP-attention papers on CoLA: 2 layers, 4 heads, embedding 128, hidden (MLP) 256; batch 32; 50 epochs with ELMo.
 # Here 5 epochs with embeddings trained from scratch. Measured for softmax (seed 0, cosine over 12 epochs,
 # lr 1e-3, 2026-11-22): in-domain MCC stays <= 0 for 2 epochs (every model predicts the majority
 # class), reaches 0.10-0.18 from epoch 3 on and never improves after, while NLL and ECE grow
@@ -42,7 +42,7 @@ _GP_WEIGHTS = dict(beta=1.0, alpha=DEFAULT_ALPHA)
 # seeds' calibration claims are about, at a cost of ~2 h for the whole table on 2 cores.
 _COLA_MODEL = dict(embed_dim=128, num_heads=4, num_layers=2, mlp_ratio=2.0, dropout=0.1)
 
-# Seed 001's per-variant CoLA settings (STO-TRANS Table 2, H-STO-TRANS): the presets that follow the seeds on
+# Pei et al.'s per-variant CoLA settings (STO-TRANS Table 2, H-STO-TRANS): the presets that follow the papers on
 # CoLA give sto and h-sto these options (``variant_options``, beneath what a spec sets in brackets).
 _COLA_PAPER_OPTIONS = {"sto": dict(STO_PRESETS["cola"]), "h-sto": dict(H_STO_PRESETS["cola"])}
 
@@ -52,8 +52,8 @@ PRESETS: dict[str, dict] = {
         dataset="digits", epochs=8, batch_size=32, lr=3e-3, num_samples=5, seeds=[0, 1],
         variants="all+baselines", **_DEMO_MODEL, **_IMAGE_POOLING, **_GP_WEIGHTS,
     ),
-    # the seeds' CoLA setup (in-domain dev as test, out-of-domain dev as `ood`), embeddings from scratch
-    # plus KEP-SVGP and SGPA ensembles (seed 002 Table 1; 3 members each for the CPU budget)
+    # the papers' CoLA setup (in-domain dev as test, out-of-domain dev as `ood`), embeddings from scratch
+    # plus KEP-SVGP and SGPA ensembles (Chen et al. (2024) Table 1; 3 members each for the CPU budget)
     "cola": dict(
         dataset="cola", epochs=5, batch_size=32, lr=1e-3, num_samples=10, seeds=[0, 1, 2],
         variants="all+baselines,kep-svgp+ens3,sgpa+ens3", variant_options=_COLA_PAPER_OPTIONS, **_COLA_MODEL,
@@ -64,7 +64,7 @@ PRESETS: dict[str, dict] = {
         dataset="cola", epochs=2, batch_size=64, lr=2e-3, num_samples=5, seeds=[0], variants="all+baselines",
         embed_dim=64, num_heads=4, num_layers=2, mlp_ratio=2.0, dropout=0.1, **_GP_WEIGHTS,
     ),
-    # seed 001's CoLA split: in-domain train+dev pooled and split 7:1:2
+    # Pei et al.'s CoLA split: in-domain train+dev pooled and split 7:1:2
     "cola-pooled": dict(
         dataset="cola", dataset_options={"preset": "pooled"}, epochs=12, batch_size=32, lr=1e-3, num_samples=10,
         seeds=[0, 1, 2], variants="all+baselines", variant_options=_COLA_PAPER_OPTIONS, **_COLA_MODEL, **_GP_WEIGHTS,
@@ -81,13 +81,13 @@ PRESETS: dict[str, dict] = {
         num_samples=10, seeds=[0, 1, 2], variants="all+baselines", patch_size=4, embed_dim=64, num_heads=4,
         num_layers=2, mlp_ratio=2.0, dropout=0.1, **_IMAGE_POOLING, **_GP_WEIGHTS,
     ),
-    # seed 002 / SGPA on IMDB: a one-layer transformer (users' machines with aclImdb_v1.tar.gz)
+    # Chen et al. (2024) / SGPA on IMDB: a one-layer transformer (users' machines with aclImdb_v1.tar.gz)
     "imdb": dict(
         dataset="imdb", dataset_options={"max_len": 256}, epochs=10, batch_size=32, lr=1e-3, num_samples=10,
         seeds=[0, 1, 2], variants="all+baselines", embed_dim=128, num_heads=4, num_layers=1, mlp_ratio=2.0,
         dropout=0.1, **_GP_WEIGHTS,
     ),
-    # seed 003 on CIFAR-10: 5 layers, 4 heads, width 128 (users' machines with cifar-10-python.tar.gz)
+    # Bui et al. on CIFAR-10: 5 layers, 4 heads, width 128 (users' machines with cifar-10-python.tar.gz)
     "cifar10": dict(
         dataset="cifar10", epochs=30, batch_size=128, lr=1e-3, num_samples=10, seeds=[0, 1, 2],
         variants="all+baselines", patch_size=4, embed_dim=128, num_heads=4, num_layers=5, mlp_ratio=2.0,

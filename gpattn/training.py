@@ -2,8 +2,8 @@
 
 ``TrainConfig`` is everything a run depends on (it is written to ``config.json``); :func:`train`
 fits a model, checkpoints (every epoch, and every ``checkpoint_every`` steps), and evaluates every
-evaluation split of the data set with Monte-Carlo predictions, writing ``metrics.json`` (DESIGN.md
-"CLI and outputs") and ``predictions.pt`` (the sample logits of every split, so that post-hoc
+evaluation split of the data set with Monte-Carlo predictions, writing ``metrics.json`` (the
+format is in the README) and ``predictions.pt`` (the sample logits of every split, so that post-hoc
 temperature scaling and ensembles need no retraining).
 
 Device: ``cfg.device`` (``--device auto|cpu|cuda[:N]``); ``cfg.precision`` ``bf16`` runs the model
@@ -202,7 +202,7 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------------------- model and batches
-#: where ``attention_layers="auto"`` puts a variant (seed 002 replaces only the last layer by KEP-SVGP)
+#: where ``attention_layers="auto"`` puts a variant (Chen et al. (2024) replaces only the last layer by KEP-SVGP)
 AUTO_LAYERS = {"kep-svgp": "last"}
 
 

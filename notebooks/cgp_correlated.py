@@ -9,7 +9,7 @@
 # %% [markdown]
 # # Correlated-GP attention: CGP moments by nested Monte Carlo, the SCGP → CGP limit, the regularisers, asymmetry
 #
-# `cgp` and `scgp` (MATH.md §7–8, seed 003) read attention as a *cross-function* GP prediction. A
+# `cgp` and `scgp` (docs/derivations.md §7–8, Bui et al.) read attention as a *cross-function* GP prediction. A
 # canonical GP $z_o \sim \mathcal{GP}(0, \kappa_o)$, $\kappa_o(a, b) = \exp(-\tfrac12\|a - b\|^2)$,
 # generates the query process $z_q(x) = \sigma_q z_o(x W_q)$ and the key process
 # $z_k(x) = \sigma_k z_o(x W_k)$; the latent inputs $x_o = x W_o$ are a third projection. With
@@ -24,7 +24,7 @@
 # 1. the CGP predictive mean and covariance of the layer against **nested-conditional Monte Carlo**
 #    ($z_o \sim p(z_o\mid z_k)$, then $z_q \sim p(z_q \mid z_o)$) — the law of total covariance;
 # 2. **SCGP → CGP**: with inducing inputs at the first m latent inputs (resp. keys), the DTC mean
-#    approaches the exact CGP mean as m → T and equals it at m = T (MATH §8);
+#    approaches the exact CGP mean as m → T and equals it at m = T (docs/derivations.md §8);
 # 3. the **regularisers**: CGP's eqs. 42–44 (the layer's $P_o$-sample estimator and its exact
 #    expectation) and SCGP's closed-form App. E bound, each against an independent Monte-Carlo
 #    estimate of the same bound;

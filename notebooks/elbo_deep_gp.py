@@ -9,8 +9,8 @@
 # %% [markdown]
 # # The deep-GP ELBO of a GP transformer: KL_seq vs KL_global, samples through depth, calibration
 #
-# A transformer whose attention layers are sparse variational GPs is a deep GP (seed 004 §3.4,
-# seed 002 eq. 20). For a batch of $B$ sequences from a training set of $N$ (MATH.md §9):
+# A transformer whose attention layers are sparse variational GPs is a deep GP (Chen & Li (2023) §3.4,
+# Chen et al. (2024) eq. 20). For a batch of $B$ sequences from a training set of $N$ (docs/derivations.md §9):
 #
 # $$\mathcal L = \underbrace{\operatorname{mean}_b \mathbb E_q[-\log p(y_b \mid F^L_b)]}_{\texttt{nll}}
 #   + \beta\Big[\underbrace{\operatorname{mean}_b \sum_\ell KL^{seq}_\ell(x_b)}_{\texttt{kl\_seq}}
@@ -159,7 +159,7 @@ print(f"        Σ_b one-at-a-time / B rel. diff {err_single:.1e};  kl_global ba
 # **KL_global enters divided by N; `peer` scaling adds it undivided.** The check is written once as a
 # function of the objective class, with the NLL recomputed independently (log-softmax over the
 # B·P sample rows) and the raw terms from the layers, so that it can be run on a broken copy too:
-# `SeqKLOverN` divides `kl_seq` by N as well — the mistake MATH §9 warns against. The objective reads
+# `SeqKLOverN` divides `kl_seq` by N as well — the mistake docs/derivations.md §9 warns against. The objective reads
 # the model's last forward, so the batch is run again first (same seed: the same logits and terms).
 
 
@@ -290,7 +290,7 @@ for name, hist in histories.items():
 # In our runs at both sizes, with β = 1 the optimiser drives it to ≈ 0 within the first epoch by
 # pulling the amortised mean towards the prior — the analogue of a VAE's posterior collapse — after
 # which, with CLS pooling, the class token receives no information through attention and the model
-# stays at chance. This is the objective doing what it says (MATH §9), not a numerical fault; β
+# stays at chance. This is the objective doing what it says (docs/derivations.md §9), not a numerical fault; β
 # annealed linearly over the whole CI-size run (140 steps) did not prevent it in our trial. The KEP-SVGP model has only
 # global KLs (÷ N) and trains normally. Nothing is asserted about the collapse; the histories above
 # show whether it happened.

@@ -9,7 +9,7 @@
 # %% [markdown]
 # # Gumbel-softmax attention: Gumbel-max statistics, temperature, hard vs soft, Proposition 3.1
 #
-# `sto` and `h-sto` (MATH.md §3–4, seed 001) replace the softmax of attention with a Gumbel-softmax
+# `sto` and `h-sto` (docs/derivations.md §3–4, Pei et al.) replace the softmax of attention with a Gumbel-softmax
 # sample $\hat A = \mathrm{softmax}((q k^\top + G)/\tau)$, $G_{ij} \sim \mathrm{Gumbel}(0, 1)$ i.i.d.,
 # padded keys at $-\infty$ *before* the noise; `h-sto` first lets every key attend to $c$ learnable
 # centroids, $\hat a_c = \mathcal G(k C/\tau_1)$, $\hat k = \hat a_c C^\top$,

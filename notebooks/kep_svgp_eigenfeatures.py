@@ -9,7 +9,7 @@
 # %% [markdown]
 # # KEP-SVGP: KSVD eigen-features, the low-rank spectrum, and the posterior checked by brute force
 #
-# `kep-svgp` (MATH.md §6, seed 002) builds every head's output from the primal KSVD projections
+# `kep-svgp` (docs/derivations.md §6, Chen et al. (2024)) builds every head's output from the primal KSVD projections
 # $e = \phi(q) W_e$, $r = \phi(k) W_r$ of the cosine attention kernel $K = \Phi_q \Phi_k^\top$, with
 # $W = \tilde X \omega$ from landmark tokens and singular values $\Lambda$, and puts r SVGPs with
 # inducing *features* on them: $K_{uu} = \Lambda^2$, $f_c = (e + r)\Lambda^{-1} u_c$,
@@ -19,7 +19,7 @@
 # 1. briefly trains a one-layer KEP-SVGP classifier (and a softmax twin) on sklearn's digits, 2×2 patches as tokens;
 # 2. compares the trained layer's KSVD features with an explicit SVD of its attention matrix
 #    (principal angles, singular values vs the learned $\Lambda$) and shows the low-rank spectrum
-#    (seed 002 Fig. 4 / App. D.6);
+#    (Chen et al. (2024) Fig. 4 / App. D.6);
 # 3. builds a layer at an *exact* KSVD stationary point, where the released objective $J$ must vanish;
 # 4. checks the posterior mean / covariance against a dense float64 brute force and the KL against
 #    `torch.distributions`;
@@ -63,7 +63,7 @@ print(f"SIZE={SIZE}: {STEPS} training steps, {MC} Monte-Carlo samples; plots in 
 # ## 1. A briefly trained layer
 #
 # Digits are 8×8 images; each 2×2 patch is a token (T = 16, 4 features). One pre-norm attention block,
-# mean pooling, a linear head. Loss (MATH §9): cross-entropy + KL_global / N + η·J² with η = 1.
+# mean pooling, a linear head. Loss (docs/derivations.md §9): cross-entropy + KL_global / N + η·J² with η = 1.
 
 # %%
 digits = load_digits()

@@ -9,7 +9,7 @@
 # %% [markdown]
 # # SGPA posteriors: dense formulas, KL, GPyTorch's orthogonally decoupled strategy, samples
 #
-# `sgpa` and `sgpa-decoupled` (MATH.md §5, seed 004; Chen & Li, ICLR 2023) make every head's output
+# `sgpa` and `sgpa-decoupled` (docs/derivations.md §5, Chen & Li, ICLR 2023) make every head's output
 # dim $d$ a sparse variational GP over the tokens with the attention kernel.
 #
 # * **standard** (§5a): inducing inputs = the sequence's keys, $m_d = K_{kk} v_d$, whitened amortised
@@ -127,8 +127,8 @@ print(f"standard KL (per head, dim) total {kl_std.sum().item():.4f}; max error v
 # %% [markdown]
 # ## 2. Decoupled SGPA against its dense formulas and the process KL
 # The global keys are computed here from $Z_g$ and each head's rows of $W_{qk}$. The process KL is
-# $\mathrm{KL}(q(f_Z)\,\|\,p(f_Z))$ with $Z = a\cup g$ (the posterior is $p(f\mid f_Z)\,q(f_Z)$); MATH §5b's
-# closed form splits it into the γ-part (`kl_seq`) and the β-part (`kl_global`).
+# $\mathrm{KL}(q(f_Z)\,\|\,p(f_Z))$ with $Z = a\cup g$ (the posterior is $p(f\mid f_Z)\,q(f_Z)$);
+# docs/derivations.md §5b's closed form splits it into the γ-part (`kl_seq`) and the β-part (`kl_global`).
 
 # %%
 qk, v = sgpa_heads(dec_layer, x)
@@ -138,7 +138,7 @@ vg = q_g.inducing_values.detach()
 Lg = torch.linalg.cholesky(Kgg)
 Ls = q_g.scale_tril().detach()  # (H, Dv, M, M)
 Sg = Lg[:, None] @ Ls @ Ls.mT @ Lg[:, None].mT  # unwhitened S_g
-dec_mean_ref, dec_cov_ref, _ = sgpa_decoupled_dense_posterior(dec_layer, x)  # MATH §5b densely
+dec_mean_ref, dec_cov_ref, _ = sgpa_decoupled_dense_posterior(dec_layer, x)  # docs/derivations.md §5b densely
 resid = exponential_gram(dec_layer.kernel, qk, qk) - Kqg @ torch.linalg.solve(Kgg, Kqg.mT)  # plotted below
 dec_post = dec_layer.posterior(x)
 err_dec_mean = (dec_post.mean - dec_mean_ref).abs().max().item()

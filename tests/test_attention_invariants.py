@@ -1,4 +1,4 @@
-"""The contract's invariants over every registered variant at its default options (STYLE.md 6): one
+"""The contract's invariants over every registered variant at its default options: one
 gpattn.testing.BaseAttentionTestCase class per name of gpattn.list_attention(), made at import."""
 
 import importlib

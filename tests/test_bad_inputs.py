@@ -1,4 +1,4 @@
-"""The bad-input matrix over the CLI and the Python API (issue 10): every case is a clear error that
+"""The bad-input matrix over the CLI and the Python API: every case is a clear error that
 names the problem, or a documented defined result — never a hang or a traceback."""
 
 import pytest

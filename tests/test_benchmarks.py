@@ -1,6 +1,6 @@
 """The benchmark scripts (benchmarks/): their bookkeeping, isolation and output schema.
 
-Benchmarks are not tests (STYLE.md 12): nothing here asserts a wall-clock time. What is checked is
+Benchmarks are not tests: nothing here asserts a wall-clock time. What is checked is
 what the numbers are made of — ratios against softmax at the same (T, mode), log-log slopes, skip
 decisions, the option table, the peak-memory meter against an allocation of known size, the
 timeout / error / out-of-memory paths of the isolated runner — and, in the slow smoke runs, that
@@ -80,7 +80,7 @@ def test_variant_configs_cover_registry_with_issue7_sizes():
                 assert value in common.EXTRA_CONFIGS[key]
             else:
                 assert value == common.BENCH_OPTIONS[key]
-        # every issue-7 size the variant has under any known option name is passed
+        # every benchmark size the variant has under any known option name is passed
         for key in set(valid) & set(common.BENCH_OPTIONS):
             assert c["options"][key] == common.BENCH_OPTIONS[key]
         # and the layer builds with them
@@ -271,7 +271,7 @@ def test_epoch_time_smoke_schema(tmp_path):
 
 @pytest.mark.slow
 def test_compile_breaks_none_in_deterministic_mode(tmp_path):
-    """Every registered layer traces into one graph under gpattn.deterministic() (issue 18: the
+    """Every registered layer traces into one graph under gpattn.deterministic() (the
     ExitStack in gp_algebra used to break sgpa's graph 11 times)."""
     compile_breaks = importlib.import_module("compile_breaks")
     rows = compile_breaks.main(["--device", "cpu", "--markdown", str(tmp_path / "breaks.md")])

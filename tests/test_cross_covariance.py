@@ -1,4 +1,4 @@
-"""The asymmetric cross-covariance kernel κ_ab(x, x') = σ_a σ_b κ_o(x W_a, x' W_b) (seed 003 eqs. 7, 13–16)."""
+"""The asymmetric cross-covariance kernel κ_ab(x, x') = σ_a σ_b κ_o(x W_a, x' W_b) (Bui et al. eqs. 7, 13–16)."""
 
 import unittest
 

@@ -1,4 +1,4 @@
-"""--device and --precision (issue 18): the device is validated with a message naming the flag, runs and
+"""--device and --precision: the device is validated with a message naming the flag, runs and
 checkpoints load onto it, and it is no part of what makes two runs the same (resume, compare's cache).
 No GPU on CI: the CUDA paths are exercised only where one is present."""
 

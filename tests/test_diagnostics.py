@@ -102,7 +102,7 @@ def test_compare_flags_a_collapsed_row(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| softmax (collapse: 1/1 seeds) |" in report
     assert "## Collapse warnings" in report and "base-rate entropy" in report
-    assert "Objective (MATH §9): β = 1 " in report and "β = 1: the ELBO" in report
+    assert "Objective (docs/derivations.md §9): β = 1 " in report and "β = 1: the ELBO" in report
     assert f"α is the library default {DEFAULT_ALPHA:g}" in report
 
 

@@ -1,4 +1,4 @@
-"""H-STO-TRANS (MATH.md §4; seed 001 eqs. 14–17, Algorithm 1, Proposition 3.1).
+"""H-STO-TRANS (docs/derivations.md §4; Pei et al. eqs. 14–17, Algorithm 1, Proposition 3.1).
 
 float64 references are written here from the layer's weights; Monte-Carlo checks state their
 tolerances (chi-square at level 1e-4).

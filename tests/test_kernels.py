@@ -155,7 +155,7 @@ def test_a_composed_spec_is_the_sum_product_and_scale_of_its_parts():
     assert isinstance(kern, AdditiveKernel) and isinstance(kern.kernels[1], ProductKernel)
     assert kern.batch_shape == (H,)
     a, b = _points(1), _points(2, n=6)
-    # references from the formulas (MATH.md "Kernels"; Matérn-3/2 with ℓ = √Dh)
+    # references from the formulas (docs/derivations.md "Kernels"; Matérn-3/2 with ℓ = √Dh)
     expo = torch.exp(a @ b.mT / 9.0)  # σ² = 1 (no prior variance), ℓ = 3
     dist2 = (a[..., :, None, :] - b[..., None, :, :]).pow(2).sum(-1)
     r = dist2.clamp_min(1e-30).sqrt() * 3**0.5 / DH**0.5

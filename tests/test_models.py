@@ -119,7 +119,7 @@ def test_kernel_instances_are_copied_per_layer():
 
 @pytest.mark.parametrize("name", gpattn.list_attention())
 def test_image_models_use_the_seeds_image_kernel(name):
-    # seed 003 §5.1: SGPA and kernel attention use ARD-RBF on images, the exponential kernel on text
+    # Bui et al. §5.1: SGPA and kernel attention use ARD-RBF on images, the exponential kernel on text
     from gpytorch.kernels import RBFKernel, ScaleKernel
 
     from gpattn.kernels import ExponentialKernel

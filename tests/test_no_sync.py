@@ -1,5 +1,5 @@
-"""No host-device synchronisation in a layer's forward or a training step in the default configuration
-(issue 18). There is no GPU on CI, so the test counts the Tensor methods that read a value back to the
+"""No host-device synchronisation in a layer's forward or a training step in the default configuration.
+There is no GPU on CI, so the test counts the Tensor methods that read a value back to the
 host (and so wait for the device): ``item``, ``__bool__``, ``__int__``, ``__float__``, ``tolist``,
 ``nonzero``, ``cpu``; and runs every layer on the ``meta`` device, where any such read fails and any
 tensor made on the wrong device does not mix with the input's."""

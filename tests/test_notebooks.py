@@ -1,4 +1,4 @@
-"""Execute every verification notebook (jupytext percent scripts) at CI size (STYLE.md 8)."""
+"""Execute every verification notebook (jupytext percent scripts) at CI size."""
 
 import os
 import subprocess

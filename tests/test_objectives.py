@@ -1,4 +1,4 @@
-"""The ELBO objective (MATH §9): term weighting, N scaling, annealing, MC likelihoods; the layers' terms
+"""The ELBO objective (docs/derivations.md §9): term weighting, N scaling, annealing, MC likelihoods; the layers' terms
 as GPyTorch added loss terms, the objective in GPyTorch's MLL idiom (DeepGPELBO), priors, and a new
 regulariser declared in one place (a toy term defined here only)."""
 

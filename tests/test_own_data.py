@@ -1,4 +1,4 @@
-"""Your own data without surprises (issue 17): text_table refuses ambiguous input instead of guessing."""
+"""Your own data without surprises: text_table refuses ambiguous input instead of guessing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 17, end to end: the README's own-data recipe (train + shift + OOD files) through the CLI, the
+"""End to end: the README's own-data recipe (train + shift + OOD files) through the CLI, the
 report saying what was run, compare's cache keyed on data content, per-variant options, +laplace without
 laplace-torch, selectable OOD scores, and scoring new sentences from a saved run without its data files."""
 
@@ -148,7 +148,7 @@ def test_variant_spec_syntax():
     assert spec.ensemble == 2 and spec.run_name == "h-sto[tau1=1.0,tau2=20]"
     with pytest.raises(ValueError, match="unknown option 'tau' for attention 'sgpa'"):
         parse_variant("sgpa[tau=2]")
-    # the papers' per-variant settings through a preset: seed 001's CoLA tau for sto and h-sto
+    # the papers' per-variant settings through a preset: Pei et al.'s CoLA tau for sto and h-sto
     from gpattn.presets import get_preset
 
     preset = get_preset("cola")

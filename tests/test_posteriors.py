@@ -1,4 +1,4 @@
-"""Posteriors safe to use downstream (issue 19 item 4), for every GP variant: ``layer.posterior(x)``
+"""Posteriors safe to use downstream, for every GP variant: ``layer.posterior(x)``
 carries the numerics policy (exact, never CG/Lanczos, above gpytorch's 800-point switch, with gpytorch's
 default settings and no ``gp_algebra()`` block), is well conditioned in float32 (KL(p‖p) ≈ 0) and can
 be sliced over tokens and batch like any gpytorch ``MultivariateNormal``.

@@ -1,4 +1,4 @@
-"""GP layers start on the scale of the residual stream (gpattn.variational._scale, MATH.md §9).
+"""GP layers start on the scale of the residual stream (gpattn.variational._scale, docs/derivations.md §9).
 
 At initialisation, on LayerNorm-ed inputs, the norm per real token of a GP layer's posterior-mean
 output and of a sample's deviation from it must lie in a stated band of the input's norm, for T from 1

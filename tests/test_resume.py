@@ -1,4 +1,4 @@
-"""Interruption and resume (issue 10): SIGTERM mid-epoch then --resume ends with the metrics of an
+"""Interruption and resume: SIGTERM mid-epoch then --resume ends with the metrics of an
 uninterrupted run; a crash while saving never corrupts the latest checkpoint."""
 
 import json

@@ -1,4 +1,4 @@
-"""Loading a checkpoint, a run or a cache never executes code (issue 21): a file whose pickle would
+"""Loading a checkpoint, a run or a cache never executes code: a file whose pickle would
 call a function is refused by evaluate, --resume, load_run and compare (and the call never happens);
 every file today's code writes still loads, each load with ``weights_only=True``."""
 

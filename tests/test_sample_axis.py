@@ -1,4 +1,4 @@
-"""The explicit Monte-Carlo axis (issue 19 item 3): the first sampling layer factorises once per input
+"""The explicit Monte-Carlo axis: the first sampling layer factorises once per input
 and draws its P samples from that factorisation; the draws are the ones a batch repeated P times
 (B-major) would give with the same seed."""
 

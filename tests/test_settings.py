@@ -1,4 +1,4 @@
-"""The process-wide switches (issue 18): gpattn.deterministic() and gpattn.validation() opened in one
+"""The process-wide switches: gpattn.deterministic() and gpattn.validation() opened in one
 thread hold in every thread (nn.DataParallel replicas run the layers in worker threads)."""
 
 import threading

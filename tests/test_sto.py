@@ -1,4 +1,4 @@
-"""STO-TRANS and the shared Gumbel-softmax machinery (MATH.md §3; seed 001 eqs. 9–11).
+"""STO-TRANS and the shared Gumbel-softmax machinery (docs/derivations.md §3; Pei et al. eqs. 9–11).
 
 References are written here independently in float64 from the layer's weights; Monte-Carlo checks
 state their tolerances (chi-square at level 1e-4, moment bounds at ≥ 5 standard errors).

@@ -178,7 +178,7 @@ def test_compare_report_with_baselines(tmp_path):
     assert "| +0.000 ± 0.000 (0/2) |" in ts_row, ts_row
     assert "| softmax |" not in delta and "| kernel |" in delta
     assert "Δ aurc" in delta and "Δ mcc" not in delta  # the split's own columns (no MCC for images)
-    # one paired table per split, with that split's columns: the seeds' claims are about shift and OOD too
+    # one paired table per split, with that split's columns: the papers' claims are about shift and OOD too
     from gpattn.compare import _fmt
 
     lower = {"accuracy": False, "nll": True, "ece": True, "ood_auroc": False}  # written out, not imported

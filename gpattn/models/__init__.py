@@ -1,4 +1,4 @@
-"""Classifiers over any registered attention, with deep-GP sample propagation (MATH.md §9)."""
+"""Classifiers over any registered attention, with deep-GP sample propagation (docs/derivations.md §9)."""
 
 from gpattn.models._blocks import Encoder, resolve_attention_layers
 from gpattn.models.classifiers import TransformerClassifier, ViTClassifier

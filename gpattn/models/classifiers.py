@@ -1,7 +1,7 @@
-"""Sequence and image classifiers over any registered attention (DESIGN.md "Models").
+"""Sequence and image classifiers over any registered attention.
 
 Both return logits with an explicit Monte-Carlo axis: ``forward(inputs, key_padding_mask=None,
-num_samples=P) -> (B, P, C)``. Samples propagate through depth as in a deep GP (MATH.md §9): the first
+num_samples=P) -> (B, P, C)``. Samples propagate through depth as in a deep GP (docs/derivations.md §9): the first
 layer that samples (a stochastic attention or active dropout) draws the P samples — a gpattn attention
 factorises once per input and draws P times (``(B·P, T, D)`` inside the stack, B-major) — every later
 layer draws one sample per incoming sample, and the deterministic layers below it run once per input;
@@ -37,7 +37,7 @@ _ENCODER_ARGS = (
 )
 
 
-#: the kernel of kernel-based attention on images: seed 003 §5.1 (after seed 004's SGPA) uses the ARD-RBF
+#: the kernel of kernel-based attention on images: Bui et al. §5.1 (after Chen & Li's (2023) SGPA) uses the ARD-RBF
 #: kernel for SGPA and kernel attention on images and the exponential dot-product kernel on text
 IMAGE_KERNEL = "rbf"
 
@@ -147,7 +147,7 @@ class TransformerClassifier(_SequenceClassifier):
     :param vocab_size: for token ids (``padding_idx`` 0); or
     :param input_dim: F, for dense features (exactly one of the two).
     :param attention: a registered name or a callable ``(embed_dim, num_heads, **options) -> nn.Module``.
-    :param attention_layers: ``"all"``, ``"last"`` (seed 002's KEP-SVGP default) or layer indices;
+    :param attention_layers: ``"all"``, ``"last"`` (Chen et al.'s (2024) KEP-SVGP default) or layer indices;
         the other layers use softmax attention.
     :param mc_dropout: keep dropout on at prediction time (MC dropout baseline).
     """
@@ -212,7 +212,7 @@ class ViTClassifier(_SequenceClassifier):
     linear patch embedding, CLS (default) or mean pooling. Other arguments as ``TransformerClassifier``.
 
     Variants whose kernel defaults to the text kernel (``sgpa``, ``sgpa-decoupled``, ``kernel``,
-    ``kernel-asym``: exponential dot product) get the ARD-RBF kernel here, as in the seeds' image
+    ``kernel-asym``: exponential dot product) get the ARD-RBF kernel here, as in the papers' image
     experiments, unless ``attention_options`` names a kernel."""
 
     def __init__(
