@@ -13,6 +13,7 @@ import torch
 import gpattn
 from gpattn.cli import main
 from gpattn.data.fixtures import make_text_table
+from gpattn.objectives import DEFAULT_ALPHA
 
 TINY = ["--epochs", "1", "--embed-dim", "16", "--num-heads", "2", "--num-layers", "1", "--num-samples", "3",
         "--no-progress"]  # fmt: skip
@@ -54,7 +55,7 @@ def test_readme_recipe_three_files_report_and_cache(tmp_path, capsys):
     assert "- split `train`: 63 rows (negative: 21, neutral: 21, positive: 21)" in report
     assert "- split `shift`: 30 rows (negative: 10, neutral: 10, positive: 10)" in report
     assert "- split `ood`: 20 rows (negative: 0, neutral: 0, positive: 0, 20 unlabelled)" in report
-    assert "β = 1 (KL weight" in report and "α = 1 (CGP" in report and "η = 0.1 (KSVD" in report
+    assert "β = 1 (KL weight" in report and f"α = {DEFAULT_ALPHA:g} (CGP" in report and "η = 0.1 (KSVD" in report
     assert "| variant | ood_auroc | ood_auroc_mutual_information |" in report
     results = json.loads((out / "results.json").read_text())
     shift = results["softmax"]["0"]["shift"]
