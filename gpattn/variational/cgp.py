@@ -40,12 +40,7 @@ from gpattn.variational._scale import CGP_SIGMA
 #: lower bound of a learned σ: keeps the regulariser's bound 2T log σ² finite
 SIGMA_FLOOR = 1e-3
 
-__all__ = ["SIGMA_FLOOR", "CorrelatedGP", "CorrelatedGPBase", "CorrelatedGPOutput", "add_diag", "logdet_from_cholesky"]
-
-
-def add_diag(A: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """A + c·I with a per-head c (e.g. σ² of shape (H, 1, 1)).  # shape: (..., n, n)"""
-    return A + c * torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+__all__ = ["SIGMA_FLOOR", "CorrelatedGP", "CorrelatedGPBase", "CorrelatedGPOutput", "logdet_from_cholesky"]
 
 
 class CorrelatedGPOutput(NamedTuple):
@@ -324,7 +319,7 @@ class CorrelatedGP(CorrelatedGPBase):
             K_o=K_o,
             K_qo=self.cross(q, o, ("q", "o"), valid, valid),
             K_ok=self.cross(o, k, ("o", "k"), valid, valid),
-            L_o=cholesky(add_diag(K_o, self.noise(q)), name="cgp: K_o + sigma^2 I"),
+            L_o=cholesky(add_jitter(K_o, self.noise(q)[:, 0, 0]), name="cgp: K_o + sigma^2 I"),
         )
 
     def _second_order(self, q, k, valid, Kb):
@@ -338,7 +333,7 @@ class CorrelatedGP(CorrelatedGPBase):
 
         # shape: (B, H, T, T)"""
         G = tri_solve(Kb["L_o"].mT, Kb["W"], upper=True)  # A⁻¹ K_oq
-        L_k = cholesky(add_diag(Kb["K_k"], s2), name="cgp: K_k + sigma^2 I")
+        L_k = cholesky(add_jitter(Kb["K_k"], s2[:, 0, 0]), name="cgp: K_k + sigma^2 I")
         UG = tri_solve(L_k, Kb["K_ok"].mT @ G)  # L_k⁻¹ K_ko A⁻¹ K_oq
         # K_o = A − σ²I turns App. B into Σ = K_q − Gᵀ(σ²I + K_ok (K_k+σ²I)⁻¹ K_ko) G, G = A⁻¹ K_oq
         Sigma = Kb["K_q"] - s2 * (G.mT @ G) - UG.mT @ UG
@@ -350,9 +345,9 @@ class CorrelatedGP(CorrelatedGPBase):
         W_k = tri_solve(L_o, Kb["K_ok"])  # L_o⁻¹ K_ok
         # Σ_q = K_q − K_qo A⁻¹ K_oq and Σ_k = K_k − K_ko A⁻¹ K_ok, the conditionals given z_o (eq. 37),
         # each with the observation noise σ²I: the bound of R below (class docstring)
-        L_q = cholesky(add_diag(Kb["K_q"] - W.mT @ W, s2), name="cgp: Sigma_q + sigma^2 I")
-        L_kk = cholesky(add_diag(K_k - W_k.mT @ W_k, s2), name="cgp: Sigma_k + sigma^2 I")
-        z = add_diag(K_k, s2) @ v  # eq. 24: z = (K_k + σ²I) v
+        L_q = cholesky(add_jitter(Kb["K_q"] - W.mT @ W, s2[:, 0, 0]), name="cgp: Sigma_q + sigma^2 I")
+        L_kk = cholesky(add_jitter(K_k - W_k.mT @ W_k, s2[:, 0, 0]), name="cgp: Sigma_k + sigma^2 I")
+        z = add_jitter(K_k, s2[:, 0, 0]) @ v  # eq. 24: z = (K_k + σ²I) v
         if valid is not None:
             z = z * valid[..., :, None]
         a_q = tri_solve(L_q, nu)  # L_q⁻¹ ν  # shape: (B, H, T, Dv)
@@ -419,7 +414,7 @@ class CorrelatedGP(CorrelatedGPBase):
     def _conditional_mean(self, q, k, o, z, valid):
         # eq. 21: E[z_q | z_k] = K_qo (K_o + σ²I)⁻¹ K_ok (K_k + σ²I)⁻¹ z_k
         Kb = self._blocks(q, k, o, valid)
-        L_k = cholesky(add_diag(self.gram(k, "k", valid), self.noise(q)), name="cgp: K_k + sigma^2 I")
+        L_k = cholesky(add_jitter(self.gram(k, "k", valid), self.noise(q)[:, 0, 0]), name="cgp: K_k + sigma^2 I")
         if valid is not None:
             z = z * valid[..., :, None]
         return self._mean(Kb, torch.cholesky_solve(z, L_k))

@@ -43,9 +43,10 @@ from linear_operator.operators import (
 )
 
 from gpattn.kernels import evaluate_kernel
-from gpattn.variational._linalg import cholesky, full_precision, gp_algebra, matmul_samples, safe_sqrt, tri_solve
+from gpattn.variational._linalg import add_jitter, cholesky, full_precision, gp_algebra, matmul_samples, safe_sqrt, tri_solve
+from gpattn.objectives import GlobalKL, SequenceKL
+from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy, sequence_mean
 from gpattn.variational.sgpa import (
-    add_diagonal,
     check_covariance,
     check_jitter,
     check_sequence_inputs,
@@ -94,7 +95,7 @@ class WhitenedGlobalVariationalDistribution(nn.Module):
 
 
 # ---------------------------------------------------------------------------------- q(u) -> q(f)
-class DecoupledSGPAConditional:
+class DecoupledSGPAConditional(AmortisedConditional):
     """The factors of one decoupled-SGPA forward pass (returned by
     :meth:`DecoupledSGPAVariationalStrategy.condition`; explicit, never cached).
 
@@ -170,6 +171,11 @@ class DecoupledSGPAConditional:
         gamma, beta = self.kl_divergence_parts()
         return gamma + beta
 
+    def added_loss_terms(self, mask=None):
+        """``kl_seq``: the γ-part, per sequence (MATH §9); ``kl_global``: the β-part, summed over (h, d)."""
+        gamma, beta = self.kl_divergence_parts()
+        return SequenceKL(sequence_mean(gamma, mask)), GlobalKL(beta.sum())
+
     # -- q(f)
     def residual(self) -> torch.Tensor:
         """K_qq − K_qg K_gg⁻¹ K_gq, shared by the Dv output dims.  # shape: -> (B, H, T, T)"""
@@ -215,12 +221,12 @@ class DecoupledSGPAConditional:
         pad = None if self.mask is None else self.mask[:, None, :]
         jit = relative_jitter(self.gram_diag, self.jitter, pad)  # shape: (B, H, 1, 1)
         if self.mask is None:
-            L = cholesky(add_diagonal(R, jit[..., 0]), name="sgpa-decoupled (K_qq - Q_qq)")
+            L = cholesky(add_jitter(R, jit[..., 0, 0]), name="sgpa-decoupled (K_qq - Q_qq)")
             return matmul_samples(L, eps)
         perm = torch.argsort(self.mask.to(torch.int8), dim=-1, stable=True)  # shape: (B, T), real first
         rows = perm[:, None, :, None].expand(B, H, T, T)
         R = R.gather(-2, rows).gather(-1, rows.mT)  # R[perm][:, perm]
-        L = cholesky(add_diagonal(R, jit[..., 0]), name="sgpa-decoupled (K_qq - Q_qq)")
+        L = cholesky(add_jitter(R, jit[..., 0, 0]), name="sgpa-decoupled (K_qq - Q_qq)")
         inv = torch.argsort(perm, dim=-1)[:, None, :, None].expand(B, H, T, eps.shape[-1])  # shape: (B, H, T, Dv)
         inv = inv.expand(*eps.shape[:-4], *inv.shape)
         return matmul_samples(L, eps).gather(-2, inv)  # rows back in token order (ε's row order is immaterial)
@@ -251,7 +257,7 @@ class DecoupledSGPAConditional:
             return self.mean + self._residual_sample(eps) + matmul_samples(self.interp, low_rank)
 
 
-class DecoupledSGPAVariationalStrategy(nn.Module):
+class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
     r"""Decoupled SGPA (seed 004 §3.3; MATH.md §5b) for every head and output dim d at once.
 
     Two bases per head: the amortised mean basis (the sequence's keys k_a with coefficients the
@@ -331,7 +337,7 @@ class DecoupledSGPAVariationalStrategy(nn.Module):
             K = evaluate_kernel(self.kernel, queries, queries)  # shape: (B, H, T, T)
             K_gg = evaluate_kernel(self.kernel, global_keys, global_keys)  # shape: (H, M, M)
             jit = relative_jitter(K_gg.diagonal(dim1=-2, dim2=-1), self.jitter)  # shape: (H, 1, 1)
-            L_g = cholesky(add_diagonal(K_gg, jit[..., 0]), name="sgpa-decoupled (K_gg)")  # shape: (H, M, M)
+            L_g = cholesky(add_jitter(K_gg, jit[..., 0, 0]), name="sgpa-decoupled (K_gg)")  # shape: (H, M, M)
             K_qg = evaluate_kernel(self.kernel, queries, global_keys.expand(B, *global_keys.shape))  # (B, H, T, M)
             A = tri_solve(L_g.mT, K_qg, upper=True, left=False)  # shape: (B, H, T, M); A L_gᵀ = K_qg
             c = A.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
@@ -352,11 +358,3 @@ class DecoupledSGPAVariationalStrategy(nn.Module):
                 jitter=self.jitter,
                 covariance=self.covariance,
             )
-
-    def forward(self, queries, values, global_keys, mask=None) -> MultivariateNormal:
-        """q(f) at the queries.  # shape: -> batch (B, H, Dv), event T"""
-        return self.condition(queries, values, global_keys, mask).posterior()
-
-    def kl_divergence(self, queries, values, global_keys, mask=None) -> torch.Tensor:
-        """Process KL per (b, h, d).  # shape: -> (B, H, Dv)"""
-        return self.condition(queries, values, global_keys, mask).kl_divergence()
