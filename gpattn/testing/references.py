@@ -242,7 +242,7 @@ def kep_svgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None =
     term (``include_residual=False``) and no loss terms."""
     with torch.no_grad():
         G = kep_svgp_dense_features(layer, x, mask)[0]
-        v, kep = layer.kep.variational, layer.kep
+        v, kep = layer.kep.variational_distribution, layer.kep
         lam = kep.ksvd.log_lambda.exp()
         mean, cov = kep_svgp_dense_moments(G, lam, v.variational_mean, v.chol, kep.out_weight, kep.out_bias)
     return DenseReference(mean, cov + layer.jitter * torch.eye(x.shape[1], dtype=x.dtype), {})
