@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from gpattn._settings import is_deterministic, is_validating
 from gpattn.objectives import GPLossTerm, summed_loss_terms
+from gpattn.variational._strategy import kept_mean
 
 __all__ = ["AttentionBase"]
 
@@ -123,11 +124,7 @@ class AttentionBase(nn.Module):
     def batch_mean(self, t: torch.Tensor) -> torch.Tensor:
         """Mean over the batch axis 0 of the sequences with at least one real key (all-padding rows of
         this forward are left out, without a host read).  # shape: (B, ...) -> (...)"""
-        keep = getattr(self, "_keep", None)
-        if keep is None:
-            return t.mean(0)
-        keep = keep.reshape(-1, *([1] * (t.dim() - 1)))
-        return torch.where(keep, t, 0).sum(0) / keep.sum().clamp_min(1).to(t.dtype)
+        return kept_mean(t, getattr(self, "_keep", None))
 
     @property
     def loss_mask(self) -> torch.Tensor | None:

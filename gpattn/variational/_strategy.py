@@ -28,7 +28,16 @@ from gpytorch.distributions import MultivariateNormal
 
 from gpattn.objectives import GPLossTerm, SequenceKL
 
-__all__ = ["AmortisedConditional", "_AmortisedVariationalStrategy", "sequence_mean"]
+__all__ = ["AmortisedConditional", "_AmortisedVariationalStrategy", "kept_mean", "sequence_mean"]
+
+
+def kept_mean(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the batch axis 0 of the rows where ``keep`` is True (all of them for ``None``), without a
+    host read.  # shape: t (B, ...), keep (B,) bool or None -> (...)"""
+    if keep is None:
+        return t.mean(0)
+    keep = keep.reshape(-1, *([1] * (t.dim() - 1)))
+    return torch.where(keep, t, 0).sum(0) / keep.sum().clamp_min(1).to(t.dtype)
 
 
 def sequence_mean(per_sequence: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,10 +49,7 @@ def sequence_mean(per_sequence: torch.Tensor, mask: torch.Tensor | None = None) 
     """
     dims = tuple(range(1, per_sequence.dim()))
     per = per_sequence.sum(dims) if dims else per_sequence  # shape: (B,)
-    if mask is None:
-        return per.mean(0)
-    keep = ~mask.all(-1)  # shape: (B,)
-    return torch.where(keep, per, 0).sum(0) / keep.sum().clamp_min(1).to(per.dtype)
+    return kept_mean(per, None if mask is None else ~mask.all(-1))
 
 
 class AmortisedConditional:
@@ -95,7 +101,11 @@ class AmortisedConditional:
 
     def added_loss_terms(self, mask: torch.Tensor | None = None) -> tuple[GPLossTerm, ...]:
         """This forward's loss terms, reduced (MATH §9). ``mask`` is the caller's key padding mask,
-        all-padding rows included (they are left out of the means)."""
+        all-padding rows included (they are left out of the means). Default: ``kl_seq``, the mean over
+        the sequences of :meth:`kl_divergence` summed over (h, d), where the subclass defines one; none
+        otherwise."""
+        if type(self).kl_divergence is AmortisedConditional.kl_divergence:
+            return ()
         return (SequenceKL(sequence_mean(self.kl_divergence(), mask)),)
 
 
