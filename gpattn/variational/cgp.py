@@ -23,6 +23,7 @@ from linear_operator.operators import CholLinearOperator, TriangularLinearOperat
 
 from gpattn.kernels._evaluate import evaluate_kernel
 from gpattn.kernels.cross_covariance import CrossCovarianceKernel
+from gpattn.objectives import CGPRegulariser
 from gpattn.variational._linalg import (
     add_jitter,
     cholesky,
@@ -33,7 +34,6 @@ from gpattn.variational._linalg import (
     tri_solve,
     with_policy,
 )
-from gpattn.objectives import CGPRegulariser
 from gpattn.variational._scale import CGP_SIGMA
 from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy, sequence_mean
 
@@ -388,7 +388,8 @@ class CorrelatedGP(CorrelatedGPBase):
     def _conditional_mean(self, q, k, o, z, valid):
         # eq. 21: E[z_q | z_k] = K_qo (K_o + σ²I)⁻¹ K_ok (K_k + σ²I)⁻¹ z_k
         Kb = self._blocks(q, k, o, valid)
-        L_k = cholesky(add_jitter(self.gram(k, "k", valid), self.noise(q)[:, 0, 0]), name="cgp: K_k + sigma^2 I")
+        K_k = self.gram(k, "k", valid)
+        L_k = cholesky(add_jitter(K_k, self.noise(q)[:, 0, 0]), name="cgp: K_k + sigma^2 I")
         if valid is not None:
             z = z * valid[..., :, None]
         return self._mean(Kb, torch.cholesky_solve(z, L_k))
@@ -419,7 +420,8 @@ class CGPConditional(CorrelatedConditional):
         """ν + L_Σ ε: one factor for every value column and draw.
         # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
         with gp_algebra(self._device):
-            return self.mean + matmul_samples(self._factor(), standard_normal(self.mean.shape, self.mean, num_samples, generator))
+            eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)
+            return self.mean + matmul_samples(self._factor(), eps)
 
     def posterior(self) -> MultivariateNormal:
         with gp_algebra(self._device):

@@ -28,13 +28,12 @@ import torch.nn.functional as F
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.variational import CholeskyVariationalDistribution
 from linear_operator.operators import (
-    CholLinearOperator,
     ConstantDiagLinearOperator,
     DiagLinearOperator,
     LowRankRootLinearOperator,
-    TriangularLinearOperator,
 )
 
+from gpattn.objectives import GlobalKL, KSVDLoss
 from gpattn.variational._linalg import (
     LowRankPlusDiagLinearOperator,
     cholesky,
@@ -45,7 +44,6 @@ from gpattn.variational._linalg import (
     standard_normal,
     with_policy,
 )
-from gpattn.objectives import GlobalKL, KSVDLoss
 from gpattn.variational._scale import KEP_COVARIANCE_STD, KEP_MEAN_STD
 from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy
 
@@ -568,5 +566,6 @@ class KEPConditional(AmortisedConditional):
         """``kl_global`` (the total KL) and ``ksvd`` = J², J averaged over the real tokens of ``mask`` (the
         caller's mask, all-padding rows included; default the mask of :meth:`KEPSVGP.condition`)."""
         with gp_algebra(self._device):
-            J = self.strategy.ksvd.objective(self.features["e"], self.features["r"], self.mask if mask is None else mask)
+            mask = self.mask if mask is None else mask
+            J = self.strategy.ksvd.objective(self.features["e"], self.features["r"], mask)
             return GlobalKL(self.kl_divergence()), KSVDLoss(J.pow(2))

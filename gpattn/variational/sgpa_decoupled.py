@@ -26,13 +26,11 @@ first, so real tokens' samples never depend on padded ones.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.kernels import Kernel
+from gpytorch.variational import CholeskyVariationalDistribution
 from linear_operator.operators import (
     CholLinearOperator,
     DenseLinearOperator,
@@ -43,8 +41,16 @@ from linear_operator.operators import (
 )
 
 from gpattn.kernels import evaluate_kernel
-from gpattn.variational._linalg import add_jitter, cholesky, full_precision, gp_algebra, matmul_samples, safe_sqrt, tri_solve
 from gpattn.objectives import GlobalKL, SequenceKL
+from gpattn.variational._linalg import (
+    add_jitter,
+    cholesky,
+    full_precision,
+    gp_algebra,
+    matmul_samples,
+    safe_sqrt,
+    tri_solve,
+)
 from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy, sequence_mean
 from gpattn.variational.sgpa import (
     check_covariance,
@@ -63,35 +69,35 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------- q(u_g)
-class WhitenedGlobalVariationalDistribution(nn.Module):
+class WhitenedGlobalVariationalDistribution(CholeskyVariationalDistribution):
     r"""Global whitened q(ũ_g) of decoupled SGPA, per head h and output dim d:
 
     .. math:: q(\tilde u_{g,d}) = \mathcal N(L_g^\top v_{g,d},\ \tilde S_{g,d}),
               \qquad \tilde S_{g,d} = L_{s,d} L_{s,d}^\top,
 
-    with the unwhitened coefficients :math:`v_g \in \mathbb R^{H \times M \times D_v}` (the mean term is
-    :math:`K_{qg} v_{g,d}`) and :math:`L_{s,d}` lower triangular with a positive (softplus) diagonal.
-    Only the M(M+1)/2 lower-triangular entries are parameters. Initialised as GPyTorch's
-    ``CholeskyVariationalDistribution``: S̃ = I, v_g ~ N(0, 10⁻⁶).
+    gpytorch's ``CholeskyVariationalDistribution`` with batch shape ``(H, Dv)`` over the M global
+    inducing inputs: :math:`L_{s,d}` is the lower triangle of ``chol_variational_covar[h, d]`` (gpytorch's
+    parameterisation: an unconstrained diagonal, :math:`\log|\tilde S|` from its absolute values), and
+    ``variational_mean[h, d]`` holds the *unwhitened* coefficients :math:`v_{g,d}` (the mean term is
+    :math:`K_{qg} v_{g,d}`; the whitened mean :math:`L_g^\top v_{g,d}` depends on the kernel and the global
+    keys, so calling this module gives :math:`N(v_{g,d}, \tilde S_{g,d})`, and q(ũ_g) itself is the
+    conditional's ``variational_distribution``). Initialised as gpytorch does: S̃ = I, v_g ~ N(0, 10⁻⁶).
     """
 
     def __init__(self, num_heads: int, num_global: int, value_dim: int):
-        super().__init__()
+        super().__init__(num_global, batch_shape=torch.Size([num_heads, value_dim]))
         self.num_global = num_global
-        self.inducing_values = nn.Parameter(1e-3 * torch.randn(num_heads, num_global, value_dim))  # (H, M, Dv)
-        rows, cols = torch.tril_indices(num_global, num_global)
-        raw = torch.where(rows == cols, math.log(math.expm1(1.0)), 0.0)  # softplus(raw) = 1 on the diagonal
-        self.raw_scale_tril = nn.Parameter(raw.repeat(num_heads, value_dim, 1))  # shape: (H, Dv, M(M+1)/2)
+        with torch.no_grad():
+            self.variational_mean.copy_(1e-3 * torch.randn(num_heads, num_global, value_dim).mT)
+
+    @property
+    def inducing_values(self) -> torch.Tensor:
+        """v_g, a view of ``variational_mean``.  # shape: (H, M, Dv)"""
+        return self.variational_mean.mT
 
     def scale_tril(self) -> torch.Tensor:
         """L_s.  # shape: -> (H, Dv, M, M)"""
-        M = self.num_global
-        rows, cols = torch.tril_indices(M, M, device=self.raw_scale_tril.device)
-        raw = self.raw_scale_tril
-        entries = torch.where(rows == cols, F.softplus(raw), raw)
-        L = raw.new_zeros(*raw.shape[:-1], M, M)
-        L[..., rows, cols] = entries
-        return L
+        return self.chol_variational_covar.tril()
 
 
 # ---------------------------------------------------------------------------------- q(u) -> q(f)
@@ -161,7 +167,7 @@ class DecoupledSGPAConditional(AmortisedConditional):
         quad_aa = (self.values * self.gram_values).sum(-2)  # shape: (B, H, Dv); v̂ᵀ K_aa v̂
         gamma = 0.5 * (quad_aa - self.proj_values.square().sum(-2))
         L_s = self.scale_tril
-        log_det = 2 * L_s.diagonal(dim1=-2, dim2=-1).log().sum(-1)  # shape: (H, Dv)
+        log_det = 2 * L_s.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)  # shape: (H, Dv)
         M = L_s.shape[-1]
         beta = 0.5 * (L_s.square().sum((-2, -1)) + self.whitened_values.square().sum(-2) - M - log_det)
         return gamma, beta
