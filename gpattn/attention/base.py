@@ -1,11 +1,11 @@
 """The attention contract (DESIGN.md "The contract"): one base class every variant derives from.
 
-A variant implements ``_attend(x, mask)`` returning per-head outputs ``(B, H, T, Dv)`` (GP variants:
-the pair ``(output, posterior mean)``, from which :meth:`AttentionBase.diagnostics` measures the
-layer's scale); GP variants also implement ``_posterior(x, mask)`` returning a gpytorch
-``MultivariateNormal`` with batch
-``(B, H, Dv)`` and event ``T``. The base class validates inputs, projects, merges heads, applies
-``W_o``, handles all-padding rows and records the loss terms of the last forward (GPyTorch added loss terms,
+A variant implements ``_attend(x, mask)`` returning per-head outputs ``(B, H, T, Dv)``; the GP variants
+derive from :class:`gpattn.attention.GPAttention`, which implements it (and ``_posterior``, a gpytorch
+``MultivariateNormal`` with batch ``(B, H, Dv)`` and event ``T``) through their strategy's conditional
+and returns the pair ``(output, posterior mean)``, from which :meth:`AttentionBase.diagnostics`
+measures the layer's scale. The base class validates inputs, projects, merges heads, applies ``W_o``,
+handles all-padding rows and records the loss terms of the last forward (GPyTorch added loss terms,
 :meth:`AttentionBase.set_loss_terms`).
 
 No host-device synchronisation in a forward: the checks that read tensor values (NaN/Inf inputs) run

@@ -61,7 +61,9 @@ def logdet_from_cholesky(L: torch.Tensor, valid: torch.Tensor | None) -> torch.T
 
 class CorrelatedGPBase(_AmortisedVariationalStrategy):
     r"""Parameters and Gram blocks shared by :class:`CorrelatedGP` and
-    :class:`~gpattn.variational.scgp.SparseCorrelatedGP`.
+    :class:`~gpattn.variational.scgp.SparseCorrelatedGP`: the strategies of the protocol
+    (:mod:`gpattn.variational._strategy`) whose :meth:`condition` returns a :class:`CorrelatedConditional`.
+    The conditional is exact given the inputs (no q(u), no KL); its loss term is the regulariser.
 
     :param num_heads: H; :math:`\sigma_q, \sigma_k` (and a learnable :math:`\sigma`) are per head.
     :param kernel: the canonical kernel :math:`\kappa_o`: ``"canonical-rbf"`` (default; legacy name

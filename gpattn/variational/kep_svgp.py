@@ -14,8 +14,9 @@ Pieces, kept apart as in GPyTorch (q(u) parameterisation vs the q(u) → q(f) ma
   :func:`kep_kl_divergence` against the prior :math:`N(0, \Lambda^2)` (seed 002 eq. 21).
 * :func:`kep_mean`, :func:`kep_sample`, :func:`kep_posterior` — the q(u) → q(f) map (seed 002 eqs.
   16–18) followed by the linear output map r → Dv, on merged features ``a = G Λ⁻¹`` (eq. 19).
-* :class:`KEPSVGP` — the module that owns the parameters and composes the above; the attention shim
-  ``gpattn.attention.kep_svgp`` is a thin wrapper around it.
+* :class:`KEPSVGP` — the strategy that owns the parameters and composes the above; its
+  :meth:`KEPSVGP.condition` returns a :class:`KEPConditional`; the attention layer
+  ``gpattn.attention.kep_svgp`` is a declaration on the generic GP shim.
 """
 
 from __future__ import annotations
@@ -422,6 +423,11 @@ class KEPSVGP(_AmortisedVariationalStrategy):
     Remark 3.1 drops is added back (:func:`residual_root`), independently per branch and output.
 
     Cost per head: O(T·Dh·r + T·r²) (+ O(T²·r) for concat, O(T·Dh²) for the residual) — linear in T.
+
+    The strategy of the protocol (:mod:`gpattn.variational._strategy`): :meth:`condition` computes the
+    features of a batch once and returns a :class:`KEPConditional` (mean, samples, posterior, the KL and
+    the ``kl_global`` / ``ksvd`` loss terms); ``jitter`` is the constant diagonal of the posterior it
+    returns (samples and means never include it).
 
     **Peer code** (released ``kep_svgp.py``): its sampler and KL trace permute L's output and inducing
     indices (``permute(0,1,4,2,3)``), an undimensioned squeeze breaks B = 1 / H = 1 / T = 1, and padded tokens are
