@@ -86,10 +86,10 @@ def test_sequence_mean_sums_heads_and_columns_and_leaves_all_padding_rows_out():
 @pytest.mark.parametrize("name", VARIATIONAL)
 def test_kl_is_kl_of_variational_against_prior_distribution(name):
     """kl_divergence() (decoupled: its global β-part) is gpytorch's KL between the conditional's
-    variational_distribution and prior_distribution, off the initialisation."""
+    variational_distribution and prior_distribution, off the initialisation (Λ ≠ I for KEP-SVGP)."""
     layer, x, _ = make(name)
     with torch.no_grad():
-        for p in layer.strategy.variational_distribution.parameters():
+        for p in layer.strategy.parameters():
             p.add_(0.2 * torch.randn_like(p))
     cond = layer._condition(x, None)
     kl = torch.distributions.kl_divergence(cond.variational_distribution, cond.prior_distribution)
