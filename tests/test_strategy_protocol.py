@@ -1,4 +1,4 @@
-"""The GP variant protocol (DESIGN.md "GP variant protocol", gpattn.variational._strategy): every GP
+"""The GP variant protocol (gpattn.variational._strategy): every GP
 variant is a GPAttention declaration over a gpytorch.Module strategy whose condition() returns an
 AmortisedConditional; the layer's loss terms are the conditional's, reduced once (sequence_mean)."""
 

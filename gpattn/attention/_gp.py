@@ -1,4 +1,4 @@
-"""The one GP attention shim (DESIGN.md "GP variant protocol"): every GP variant is a short declaration
+"""The one GP attention shim: every GP variant is a short declaration
 on top of :class:`GPAttention` — its projections, its strategy (``self.strategy``, a
 :class:`gpattn.variational._strategy._AmortisedVariationalStrategy`) and, where it needs more than the
 projections, :meth:`GPAttention.strategy_inputs`.

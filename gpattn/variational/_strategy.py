@@ -13,7 +13,8 @@ latent inputs), not fixed parameters — so they keep its vocabulary through two
   ``rsample(num_samples=None)`` (a leading sample axis, P draws from the one factorisation),
   ``posterior()`` (a gpytorch ``MultivariateNormal``, batch ``(B, H, Dv)``, event ``T``, carrying the
   numerics policy) and ``added_loss_terms(mask)``: the layer's loss terms as
-  :class:`gpattn.objectives.GPLossTerm` kinds, reduced as MATH §9 says (:func:`sequence_mean`).
+  :class:`gpattn.objectives.GPLossTerm` kinds, reduced as docs/derivations.md §9 says
+  (:func:`sequence_mean`).
 
 Calling a strategy returns q(f) at the queries, ``strategy(*inputs, mask=mask)``, as calling a gpytorch
 variational strategy does. Exact CGP is not variational: its conditional has no q(u) and no KL (those
@@ -41,9 +42,9 @@ def kept_mean(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 
 
 def sequence_mean(per_sequence: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The MATH §9 reduction of a per-sequence loss term, written once for every variant: summed over
-    every axis but the batch (heads, output columns), then averaged over the sequences with at least
-    one real key (all-padding rows of ``mask`` left out, without a host read).
+    """The reduction of a per-sequence loss term (docs/derivations.md §9), written once for every
+    variant: summed over every axis but the batch (heads, output columns), then averaged over the
+    sequences with at least one real key (all-padding rows of ``mask`` left out, without a host read).
 
     # shape: per_sequence (B, ...) , mask (B, T) bool (True = padding) or None -> ()
     """
@@ -100,7 +101,7 @@ class AmortisedConditional:
         raise NotImplementedError
 
     def added_loss_terms(self, mask: torch.Tensor | None = None) -> tuple[GPLossTerm, ...]:
-        """This forward's loss terms, reduced (MATH §9). ``mask`` is the caller's key padding mask,
+        """This forward's loss terms, reduced (docs/derivations.md §9). ``mask`` is the caller's key padding mask,
         all-padding rows included (they are left out of the means). Default: ``kl_seq``, the mean over
         the sequences of :meth:`kl_divergence` summed over (h, d), where the subclass defines one; none
         otherwise."""

@@ -224,7 +224,7 @@ class CorrelatedGPBase(_AmortisedVariationalStrategy):
 
 class CorrelatedConditional(AmortisedConditional):
     r"""Base of the correlated GPs' conditionals: exact given the inputs, so there is no q(u) and no KL
-    (:class:`AmortisedConditional` says so); the loss term is the regulariser R (``cgp``), MATH §7:
+    (:class:`AmortisedConditional` says so); the loss term is the regulariser R (``cgp``), docs/derivations.md §7:
     :math:`\operatorname{mean}_b \sum_{h,d} R / 2` (the weight α lives in the objective).
 
     Every method runs in ``gp_algebra()`` on the device of the inputs."""

@@ -546,8 +546,8 @@ class KEPConditional(AmortisedConditional):
         return self.strategy.variational_distribution()
 
     def kl_divergence(self) -> torch.Tensor:
-        """Σ_{h,c} KL(q(u_c) ‖ N(0, Λ²)), a global term (MATH §9: the objective divides it by N).
-        # shape: -> ()"""
+        """Σ_{h,c} KL(q(u_c) ‖ N(0, Λ²)), a global term (docs/derivations.md §9: the objective divides it by
+        N).  # shape: -> ()"""
         q_u = self.strategy.variational_distribution
         return kep_kl_divergence(self.strategy.ksvd.lam, q_u.variational_mean, q_u.chol)
 

@@ -178,7 +178,8 @@ class DecoupledSGPAConditional(AmortisedConditional):
         return gamma + beta
 
     def added_loss_terms(self, mask=None):
-        """``kl_seq``: the γ-part, per sequence (MATH §9); ``kl_global``: the β-part, summed over (h, d)."""
+        """``kl_seq``: the γ-part, per sequence (docs/derivations.md §9); ``kl_global``: the β-part, summed
+        over (h, d)."""
         gamma, beta = self.kl_divergence_parts()
         return SequenceKL(sequence_mean(gamma, mask)), GlobalKL(beta.sum())
 
