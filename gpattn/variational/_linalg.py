@@ -50,6 +50,7 @@ __all__ = [
     "LowRankPlusDiagLinearOperator",
     "NotPSDError",
     "add_jitter",
+    "isolate_padding",
     "cholesky",
     "full_precision",
     "gp_algebra",
@@ -95,6 +96,21 @@ def add_jitter(A: torch.Tensor, jitter: float | torch.Tensor) -> torch.Tensor:
     out = A.expand(*batch, *A.shape[-2:]).clone()
     out.diagonal(dim1=-2, dim2=-1).add_(value)
     return out
+
+
+def isolate_padding(K: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Replace padded rows and columns of a Gram matrix by identity rows/columns.
+
+    The padded tokens become isolated dummy inputs (zero covariance with every real token, unit
+    variance), so a Cholesky factor's real rows equal those of the real block alone.
+    # shape: K (B, H, T, T), mask (B, T) -> (B, H, T, T)
+    """
+    if mask is None:
+        return K
+    real = ~mask
+    both = real[:, None, :, None] & real[:, None, None, :]  # shape: (B, 1, T, T)
+    eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
+    return torch.where(both, K, eye)
 
 
 def cholesky(A: torch.Tensor, *, max_tries: int = 4, name: str = "") -> torch.Tensor:

@@ -29,6 +29,7 @@ from gpattn.variational._linalg import (
     cholesky,
     full_precision,
     gp_algebra,
+    isolate_padding,
     matmul_samples,
     standard_normal,
     tri_solve,
@@ -161,11 +162,7 @@ class CorrelatedGPBase(_AmortisedVariationalStrategy):
     def gram(self, a: torch.Tensor, role: str, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Symmetric Gram block :math:`K_{aa}`: padded tokens are decoupled from the real ones and get a
         unit diagonal.  # shape: a (B, H, n, Dh), valid (B, 1, n) -> (B, H, n, n)"""
-        K = self.covar.gram(a, role)
-        if valid is not None:
-            eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
-            K = torch.where(valid[..., :, None] & valid[..., None, :], K, eye)
-        return K
+        return isolate_padding(self.covar.gram(a, role), None if valid is None else ~valid[:, 0])
 
     # ------------------------------------------------------------------ the public boundary
     def _check(self, q, k, o, v, mask):

@@ -50,6 +50,7 @@ from gpattn.variational._linalg import (
     cholesky,
     full_precision,
     gp_algebra,
+    isolate_padding,
     matmul_samples,
     safe_sqrt,
     standard_normal,
@@ -115,21 +116,6 @@ def relative_jitter(diag: torch.Tensor, jitter: float, mask: torch.Tensor | None
         real = (~mask).to(diag.dtype).expand_as(diag)
         scale = (diag * real).sum(-1) / real.sum(-1).clamp_min(1)
     return (jitter * scale)[..., None, None]
-
-
-def isolate_padding(K: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Replace padded rows and columns of a Gram matrix by identity rows/columns.
-
-    The padded tokens become isolated dummy inputs (zero covariance with every real token, unit
-    variance), so a Cholesky factor's real rows equal those of the real block alone.
-    # shape: K (B, H, T, T), mask (B, T) -> (B, H, T, T)
-    """
-    if mask is None:
-        return K
-    real = ~mask
-    both = real[:, None, :, None] & real[:, None, None, :]  # shape: (B, 1, T, T)
-    eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
-    return torch.where(both, K, eye)
 
 
 def posterior_distribution(mean: torch.Tensor, covariance: LinearOperator) -> MultivariateNormal:
