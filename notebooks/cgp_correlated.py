@@ -147,7 +147,7 @@ fig.savefig(OUT / "cgp_moments_vs_nested_mc.png", dpi=120)
 
 # %%
 with torch.no_grad():
-    draws = torch.stack([gp(q, k, o, v, sample=True, regularize=False).out[0, 0, :, 0] for _ in range(20)])
+    draws = torch.stack([gp.condition(q, k, o, v).rsample()[0, 0, :, 0] for _ in range(20)])
 fig, ax = plt.subplots(figsize=(6, 3))
 ax.plot(draws.T, color="0.7", lw=0.8)
 ax.plot(nu[0], "k", lw=2, label="ν")
@@ -201,9 +201,9 @@ fig.savefig(OUT / "scgp_to_cgp_error_vs_m.png", dpi=120)
 
 # %%
 with torch.no_grad():
-    res = gp(q, k, o, v, sample=False)
-    R_exact = res.regularizer[0]  # shape: (H, Dv)
-    nu_all = res.out[0]  # shape: (H, T, Dv)
+    res = gp.condition(q, k, o, v)
+    R_exact = res.regularizer()[0]  # shape: (H, Dv)
+    nu_all = res.mean[0]  # shape: (H, T, Dv)
     z_full = Kk @ v[0]
     Hk = torch.linalg.solve(A, K_ok).mT  # K_ko A⁻¹
     S_k = K_k - Hk @ K_ok
@@ -223,7 +223,7 @@ for P in P_list:
     est = gpattn.build_attention("cgp", D, H, prior_samples=P, jitter=0.0).double().gp
     est.load_state_dict(gp.state_dict())
     with torch.no_grad():
-        r = torch.stack([est(q, k, o, v, sample=False).regularizer[0, 0, 0] for _ in range(REPEATS)])
+        r = torch.stack([est.condition(q, k, o, v).regularizer()[0, 0, 0] for _ in range(REPEATS)])
     spread.append(float(r.std()))
     bias.append(float((r.mean() - R_exact[0, 0]).abs() / (r.std() / REPEATS**0.5)))
 print("P_o:", P_list, "sd of the estimator:", [f"{s_:.3g}" for s_ in spread], "|bias|/SE:", [f"{b:.2f}" for b in bias])
@@ -249,11 +249,11 @@ with torch.no_grad():
     s_in, s_keys = o[0, :, ::3][:, :m], k[0, :, 1::3][:, :m]  # inducing inputs near the data
     scgp.inducing_latent.copy_(s_in + 0.1 * torch.randn_like(s_in))
     scgp.inducing_keys.copy_(s_keys + 0.1 * torch.randn_like(s_keys))
-    out_s = scgp(q, k, o, v, sample=False)
+    out_s = scgp.condition(q, k, o, v)
     S_in, S_keys = scgp.inducing_latent[None], scgp.inducing_keys[None]
     blocks = [
         (
-            out_s.out[0],
+            out_s.mean[0],
             SIG_Q[:, None, None] * canonical_rbf(q, S_in)[0],
             canonical_rbf(o, S_in)[0],
             canonical_rbf(S_in, S_in)[0],
@@ -279,9 +279,9 @@ with torch.no_grad():
         val = (target.mT[:, :, None, :] - pred[:, None]).pow(2).sum(-1) / S2 + T * np.log(S2)
         R_s_mc = R_s_mc + val.mean(-1)
         R_s_var = R_s_var + val.var(-1) / N_REG
-    z_reg_scgp = (out_s.regularizer[0] - R_s_mc) / R_s_var.sqrt()
+    z_reg_scgp = (out_s.regularizer()[0] - R_s_mc) / R_s_var.sqrt()
 print(
-    f"SCGP regulariser: closed form {out_s.regularizer[0, 0, 0]:.4f}, MC {R_s_mc[0, 0]:.4f}; "
+    f"SCGP regulariser: closed form {out_s.regularizer()[0, 0, 0]:.4f}, MC {R_s_mc[0, 0]:.4f}; "
     f"max |z| {z_reg_scgp.abs().max():.2f}"
 )
 
@@ -301,10 +301,10 @@ def asym(K):
 
 eye_v = torch.eye(T, dtype=F64).expand(1, H, T, T)
 with torch.no_grad():
-    K_cgp = gp(q, k, o, eye_v, sample=False, regularize=False).out
-    K_scgp = scgp(q, k, o, eye_v, sample=False, regularize=False).out
+    K_cgp = gp.condition(q, k, o, eye_v).mean
+    K_scgp = scgp.condition(q, k, o, eye_v).mean
     tied = gpattn.build_attention("cgp", D, H, jitter=0.0).double().gp
-    K_tied = tied(q, q, q, eye_v, sample=False, regularize=False).out
+    K_tied = tied.condition(q, q, q, eye_v).mean
     sym_layer = gpattn.build_attention("kernel", D, H).double()
     ps = sym_layer.project(x)
     K_sym = evaluate_kernel(sym_layer.kernel, ps["qk"], ps["qk"])

@@ -297,7 +297,7 @@ with torch.no_grad():
     p = layer64.project(xb)
     e64, r64, _, _ = layer64.kep.ksvd(xb, p["q"], p["k"])
     post = layer64.posterior(xb)
-v64 = layer64.kep.variational
+v64 = layer64.kep.variational_distribution
 lam64 = layer64.kep.ksvd.log_lambda.exp().detach()
 m64, L64 = v64.variational_mean.detach(), v64.chol.detach()
 W64, b64 = layer64.kep.out_weight.detach(), layer64.kep.out_bias.detach()
@@ -327,7 +327,7 @@ ax[0].set(title="posterior covariance (seq 0, head 0, d 0)", xlabel="token", yla
 fig.colorbar(im, ax=ax[0])
 torch.manual_seed(4)
 with torch.no_grad():
-    samples = torch.stack([layer64.kep(xb, p["q"], p["k"])[0][0, 0, :, 0] for _ in range(30)])
+    samples = torch.stack([layer64.kep.condition(xb, p["q"], p["k"]).rsample()[0, 0, :, 0] for _ in range(30)])
 ax[1].plot(samples.T.numpy(), color="C0", alpha=0.3)
 sd = post.variance[0, 0, 0].sqrt()
 ax[1].plot(post.mean[0, 0, 0].numpy(), color="k", label="mean")

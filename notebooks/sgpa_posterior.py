@@ -32,7 +32,6 @@
 #    at rate $1/\sqrt P$.
 
 # %%
-import math
 import os
 import warnings
 from pathlib import Path
@@ -82,7 +81,7 @@ with torch.no_grad():
     std_layer.strategy.variational_distribution.weight.normal_(0, 0.3)
     q_g = dec_layer.strategy.variational_distribution
     q_g.inducing_values.normal_(0, 0.5)
-    q_g.raw_scale_tril.add_(0.2 * torch.randn_like(q_g.raw_scale_tril))
+    q_g.chol_variational_covar.add_(0.2 * torch.randn_like(q_g.chol_variational_covar))
 
 
 # %% [markdown]
@@ -275,14 +274,11 @@ one = gpattn.build_attention("sgpa-decoupled", 4, 1, num_global=5, jitter=0.0, c
 with torch.no_grad():
     one.strategy.variational_distribution.inducing_values.normal_(0, 0.5)
 x1 = torch.randn(1, 12, 4, dtype=torch.float64)
-rows, cols = torch.tril_indices(5, 5)
 scales = np.logspace(-4, 0, 9)
 rel_mean, rel_kl, id_err = [], [], 0.0
 for c in scales:
     with torch.no_grad():
-        one.strategy.variational_distribution.raw_scale_tril.copy_(
-            torch.where(rows == cols, math.log(math.expm1(c)), 0.0).expand(1, 4, -1)
-        )
+        one.strategy.variational_distribution.chol_variational_covar.copy_(c * torch.eye(5).expand(1, 4, 5, 5))
         p1 = one.project(x1)
         c1 = one.strategy.condition(p1["qk"], p1["v"], one.global_keys())
         d = 0

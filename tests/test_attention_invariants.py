@@ -23,10 +23,13 @@ def test_nothing_missed():
     """Every concrete AttentionBase subclass defined in gpattn.attention is registered (and therefore
     parametrised above); the contract's baseline names are all there."""
     found = set()
+    registered = [gpattn.attention.attention_class(name) for name in VARIANTS]
     for info in pkgutil.iter_modules(gpattn.attention.__path__):
         module = importlib.import_module(f"gpattn.attention.{info.name}")
         for _, obj in inspect.getmembers(module, inspect.isclass):
-            concrete = not obj.__name__.startswith("_")  # private classes are shared bases of variants
+            # private classes, and public ones a registered variant derives from (GPAttention), are shared bases
+            shared = obj.__name__.startswith("_") or any(c is not obj and issubclass(c, obj) for c in registered)
+            concrete = not shared
             if concrete and issubclass(obj, AttentionBase) and obj.__module__ == module.__name__:
                 if "_attend" in {k for c in obj.__mro__[:-1] if c is not AttentionBase for k in vars(c)}:
                     found.add(obj)

@@ -67,9 +67,8 @@ def test_mean_and_covariance_match_dense_formulas():
     gp = make_gp()
     q, k, o, v = make_inputs()
     nu_ref, cov_ref, _, _ = dense_cgp(q, k, o, v)
-    out = gp(q, k, o, v, sample=False, regularize=False)
-    torch.testing.assert_close(out.out, nu_ref, rtol=1e-9, atol=1e-10)
-    assert out.regularizer is None
+    cond = gp.condition(q, k, o, v)
+    torch.testing.assert_close(cond.mean, nu_ref, rtol=1e-9, atol=1e-10)
     post = gp.posterior(q, k, o, v)
     assert post.batch_shape == (B, H, DV) and post.event_shape == (T,)
     torch.testing.assert_close(post.mean, nu_ref.transpose(-1, -2), rtol=1e-9, atol=1e-10)
@@ -89,10 +88,10 @@ def test_scales_enter_cross_covariances():
     """σ_q, σ_k multiply K_qo and K_ok too (MATH §7 Decision): the mean scales with σ_q σ_k."""
     gp = make_gp()
     q, k, o, v = make_inputs(1)
-    nu = gp(q, k, o, v, sample=False, regularize=False).out
+    nu = gp.condition(q, k, o, v).mean
     gp.covar.sigma_q = 2 * SIG_Q
     gp.covar.sigma_k = 3 * SIG_K
-    nu2 = gp(q, k, o, v, sample=False, regularize=False).out
+    nu2 = gp.condition(q, k, o, v).mean
     torch.testing.assert_close(nu2, 6 * nu, rtol=1e-10, atol=1e-12)
 
 
@@ -151,16 +150,16 @@ def dense_regularizer_mc(q, k, o, nu, z, N, seed):
 def test_regularizer_equals_monte_carlo_estimate_of_the_bound():
     gp = make_gp(prior_samples=None)
     q, k, o, v = make_inputs(5, b=1)
-    res = gp(q, k, o, v, sample=False)
+    res = gp.condition(q, k, o, v)
     _, _, z, _ = dense_cgp(q, k, o, v)
-    ref, se = dense_regularizer_mc(q, k, o, res.out, z, N=20_000, seed=6)
-    assert res.regularizer.shape == (1, H, DV)
-    assert torch.isfinite(res.regularizer).all()
-    assert ((res.regularizer - ref).abs() <= 5 * se).all(), (res.regularizer - ref) / se
+    ref, se = dense_regularizer_mc(q, k, o, res.mean, z, N=20_000, seed=6)
+    assert res.regularizer().shape == (1, H, DV)
+    assert torch.isfinite(res.regularizer()).all()
+    assert ((res.regularizer() - ref).abs() <= 5 * se).all(), (res.regularizer() - ref) / se
     # the layer's own estimator with P_o = 20 000 samples has (about) the same standard error
     torch.manual_seed(7)
-    mc = make_gp(prior_samples=20_000)(q, k, o, v, sample=False).regularizer
-    assert ((mc - res.regularizer).abs() <= 5 * se).all(), (mc - res.regularizer) / se
+    mc = make_gp(prior_samples=20_000).condition(q, k, o, v).regularizer()
+    assert ((mc - res.regularizer()).abs() <= 5 * se).all(), (mc - res.regularizer()) / se
 
 
 def test_regularizer_is_eq_44_at_the_drawn_prior_samples():
@@ -169,7 +168,8 @@ def test_regularizer_is_eq_44_at_the_drawn_prior_samples():
     P = 5
     q, k, o, v = make_inputs(13, b=1)
     torch.manual_seed(14)
-    R = make_gp(prior_samples=P)(q, k, o, v, sample=False)
+    R = make_gp(prior_samples=P).condition(q, k, o, v)
+    R_reg = R.regularizer()  # draws its prior samples now, from the seed above
     torch.manual_seed(14)
     eps = torch.randn(1, H, T, P, dtype=torch.float64)
     _, _, z, K = dense_cgp(q, k, o, v)
@@ -177,7 +177,7 @@ def test_regularizer_is_eq_44_at_the_drawn_prior_samples():
     A = K["K_o"] + SIGMA**2 * eye
     z_o = torch.linalg.cholesky(K["K_o"]) @ eps  # shape: (1, H, T, P)
     ref = 0.0
-    for target, K_xo in ((R.out, K["K_qo"]), (z, K["K_ok"].mT)):
+    for target, K_xo in ((R.mean, K["K_qo"]), (z, K["K_ok"].mT)):
         Hx = torch.linalg.solve(A, K_xo.mT).mT  # K_xo A⁻¹
         S = (K["K_q"] if K_xo is K["K_qo"] else K["K_k"]) - Hx @ K_xo.mT + SIGMA**2 * eye
         m = Hx @ z_o  # shape: (1, H, T, P)
@@ -186,16 +186,16 @@ def test_regularizer_is_eq_44_at_the_drawn_prior_samples():
             r = target - m[..., i : i + 1]  # shape: (1, H, T, Dv)
             quad = quad + (r * torch.linalg.solve(S, r)).sum(-2) / P
         ref = ref + quad + torch.logdet(S)[..., None]
-    torch.testing.assert_close(R.regularizer, ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(R_reg, ref, rtol=1e-9, atol=1e-9)
 
 
 def test_regularizer_default_p_o_is_noisy_but_centred():
     """P_o = 10 estimates averaged over 400 draws approach the exact expectation (5 SE of the average)."""
     torch.manual_seed(8)
     q, k, o, v = make_inputs(9, b=1)
-    exact = make_gp(prior_samples=None)(q, k, o, v, sample=False).regularizer
+    exact = make_gp(prior_samples=None).condition(q, k, o, v).regularizer()
     gp = make_gp(prior_samples=10)
-    draws = torch.stack([gp(q, k, o, v, sample=False).regularizer for _ in range(400)])
+    draws = torch.stack([gp.condition(q, k, o, v).regularizer() for _ in range(400)])
     se = draws.std(0) / 400**0.5
     assert (draws.std(0) > 0).all()
     assert ((draws.mean(0) - exact).abs() <= 5 * se).all()
@@ -207,17 +207,17 @@ def test_regularizer_and_samples_are_differentiable():
     q, k, o, v = (t.requires_grad_(True) for t in make_inputs(10, b=1, t=4))
 
     def reg(q, k, o, v):
-        return gp(q, k, o, v, sample=False).regularizer
+        return gp.condition(q, k, o, v).regularizer()
 
     def sampled(q, k, o, v):
         torch.manual_seed(11)
-        return gp(q, k, o, v, sample=True, regularize=False).out
+        return gp.condition(q, k, o, v).rsample()
 
     assert torch.autograd.gradcheck(reg, (q, k, o, v))
     assert torch.autograd.gradcheck(sampled, (q, k, o, v))
     gp2 = make_gp(prior_samples=3)
     gp2.covar.raw_sigma_q.requires_grad_(True)
-    r = gp2(q, k, o, v, sample=False).regularizer.sum()
+    r = gp2.condition(q, k, o, v).regularizer().sum()
     r.backward()
     assert torch.isfinite(gp2.covar.raw_sigma_q.grad).all() and (gp2.covar.raw_sigma_q.grad != 0).all()
 
@@ -241,15 +241,15 @@ def test_layer_loss_term_and_deterministic_mean():
     p = layer.project(x)
     c = layer.input_scale
     assert c == pytest.approx(6**-0.25)
-    res = layer.gp(p["q"] * c, p["k"] * c, p["o"] * c, p["v"], mask, sample=False)
+    res = layer.gp.condition(p["q"] * c, p["k"] * c, p["o"] * c, p["v"], mask)
     # MATH §7: mean over the batch of Σ_{h,d} R / 2
-    torch.testing.assert_close(layer_loss_terms(layer)["cgp"], res.regularizer.sum((1, 2)).mean() / 2)
+    torch.testing.assert_close(layer_loss_terms(layer)["cgp"], res.regularizer().sum((1, 2)).mean() / 2)
     with gpattn.deterministic():
         y_mean = layer(x, mask)
     B_, T_, _ = x.shape
-    ref = layer.out_proj(res.out.transpose(1, 2).reshape(B_, T_, -1))
+    ref = layer.out_proj(res.mean.transpose(1, 2).reshape(B_, T_, -1))
     torch.testing.assert_close(y_mean, ref)
-    torch.testing.assert_close(layer.posterior(x, mask).mean, res.out.transpose(-1, -2))
+    torch.testing.assert_close(layer.posterior(x, mask).mean, res.mean.transpose(-1, -2))
 
 
 def test_any_gpytorch_kernel_as_canonical():
@@ -300,11 +300,11 @@ def test_bad_shapes_raise():
     gp = make_gp()
     q, k, o, v = make_inputs()
     with pytest.raises(ValueError, match="k must have the shape of q"):
-        gp(q, k[:, :, :3], o, v)
+        gp.condition(q, k[:, :, :3], o, v)
     with pytest.raises(ValueError, match="v must have shape"):
-        gp(q, k, o, v[:, :, :3])
+        gp.condition(q, k, o, v[:, :, :3])
     with pytest.raises(ValueError, match="mask"):
-        gp(q, k, o, v, torch.zeros(B, T))
+        gp.condition(q, k, o, v, torch.zeros(B, T))
 
 
 def test_learnable_sigma_gets_gradient():
@@ -328,7 +328,7 @@ def test_regularizer_is_bounded_below_as_the_gp_variances_shrink(prior_samples, 
     gp.covar.sigma_k = SIG_K * scale
     q, k, o, v = make_inputs(21, b=2)
     torch.manual_seed(0)
-    R = gp(q, k, o, v * scale, sample=False).regularizer  # shape: (B, H, Dv)
+    R = gp.condition(q, k, o, v * scale).regularizer()  # shape: (B, H, Dv)
     bound = 2 * T * torch.log(torch.tensor(SIGMA**2, dtype=torch.float64))
     assert torch.isfinite(R).all()
     assert (R >= bound - 1e-9).all(), (R.min(), bound)

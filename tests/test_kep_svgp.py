@@ -88,7 +88,7 @@ def test_layer_kl_global_is_the_summed_kl_of_its_parameters():
     layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3).double()
     x = torch.randn(2, 5, 8, dtype=DT)
     layer(x)
-    v, ksvd = layer.kep.variational, layer.kep.ksvd
+    v, ksvd = layer.kep.variational_distribution, layer.kep.ksvd
     lam = ksvd.log_lambda.exp()
     ref = sum(
         kl_divergence(
@@ -219,7 +219,7 @@ def test_include_residual_matches_dense_kff_minus_qff():
         k = (x @ w[D:].T + bias[D:]).view(2, 9, 2, Dh).transpose(1, 2)
         K = (q / q.norm(dim=-1, keepdim=True)) @ (k / k.norm(dim=-1, keepdim=True)).mT  # attention kernel
         extra = K @ K.mT - E @ E.mT + K.mT @ K - R @ R.mT
-        v, kep = layer.kep.variational, layer.kep
+        v, kep = layer.kep.variational_distribution, layer.kep
         G = E + R
         lam = kep.ksvd.log_lambda.exp()
         _, cov_ref = kep_svgp_dense_moments(G, lam, v.variational_mean, v.chol, kep.out_weight, kep.out_bias, extra)
@@ -346,7 +346,7 @@ def test_batch_one_head_one_token_one(opts):
     post = layer.posterior(x)
     assert post.batch_shape == (1, 1, 4) and post.event_shape == (1,)
     p = layer.project(x)
-    heads, _ = layer.kep(x, p["q"], p["k"], sample=False)  # (1, 1, 1, Dv)
+    heads = layer.kep.condition(x, p["q"], p["k"]).mean  # (1, 1, 1, Dv)
     torch.testing.assert_close(heads[0, 0, 0], post.mean[0, 0, :, 0])
     concat = gpattn.build_attention("kep-svgp", 4, 1, merge="concat", seq_len=1, **opts)
     assert concat(x).shape == (1, 1, 4)

@@ -14,15 +14,16 @@ from gpytorch.distributions import MultivariateNormal
 from linear_operator import to_linear_operator
 
 import gpattn
-from gpattn.attention.base import AttentionBase
+from gpattn.attention import GPAttention
 from gpattn.testing import DenseReference, GPAttentionTestCase, registered_attention
-from gpattn.variational._linalg import cholesky, full_precision, gp_algebra
+from gpattn.variational._linalg import cholesky, full_precision, gp_algebra, matmul_samples, standard_normal
+from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy
 
 NAME = "test-noisy-kernel"
 
 
 # ------------------------------------------------------------------ 1. the conditional
-class NoisyKernelConditional:
+class NoisyKernelConditional(AmortisedConditional):
     """q(f) of one batch of sequences, factorised once.  # shape: mean (B, H, T, Dv), covariance (B, H, T, T)"""
 
     def __init__(self, mean, covariance):
@@ -35,14 +36,14 @@ class NoisyKernelConditional:
         covariance = to_linear_operator(self.covariance[:, :, None].expand(B, H, Dv, T, T))  # nothing factorised
         return MultivariateNormal(self.mean.mT, covariance)
 
-    def rsample(self, num_samples=None):
+    def rsample(self, num_samples=None, generator=None):
         """# shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
-        shape = self.mean.shape if num_samples is None else (num_samples, *self.mean.shape)
-        return self.mean + self.chol @ torch.randn(shape, dtype=self.mean.dtype, device=self.mean.device)
+        eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)  # batch-major draws
+        return self.mean + matmul_samples(self.chol, eps)  # one factor for every draw
 
 
 # ------------------------------------------------------------------ 2. the strategy
-class NoisyKernelStrategy(gpytorch.Module):
+class NoisyKernelStrategy(_AmortisedVariationalStrategy):
     """An ARD-RBF kernel per head (lengthscale √Dh at the start) and a learned noise σ² per head."""
 
     def __init__(self, num_heads, head_dim, noise=0.1):
@@ -79,25 +80,12 @@ class NoisyKernelStrategy(gpytorch.Module):
 
 
 # ------------------------------------------------------------------ 3. the shim
-class NoisyKernelAttention(AttentionBase):
+class NoisyKernelAttention(GPAttention):
     projections = ("qk", "v")
-    is_gp = True
-    stochastic = True
 
     def __init__(self, embed_dim, num_heads, *, noise=0.1, **base):
         super().__init__(embed_dim, num_heads, **base)
         self.strategy = NoisyKernelStrategy(num_heads, self.head_dim, noise)
-
-    def _condition(self, x, mask):
-        p = self.project(x)
-        return self.strategy.condition(p["qk"], p["v"], mask)
-
-    def _attend(self, x, mask):
-        cond = self._condition(x, mask)
-        return (cond.rsample() if self.sampling else cond.mean), cond.mean
-
-    def _posterior(self, x, mask):
-        return self._condition(x, mask).posterior()
 
 
 # ------------------------------------------------------------------ 4. the dense reference

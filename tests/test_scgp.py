@@ -85,8 +85,8 @@ def test_mean_and_covariance_match_dense_formulas():
     set_inducing(gp, s, s_keys)
     q, k, o, v = make_inputs()
     nu_ref, cov_ref, _ = dense_scgp(q, k, o, v, s, s_keys)
-    res = gp(q, k, o, v, sample=False, regularize=False)
-    torch.testing.assert_close(res.out, nu_ref, rtol=1e-9, atol=1e-11)
+    res = gp.condition(q, k, o, v)
+    torch.testing.assert_close(res.mean, nu_ref, rtol=1e-9, atol=1e-11)
     post = gp.posterior(q, k, o, v)
     assert isinstance(post.lazy_covariance_matrix, LowRankRootAddedDiagLinearOperator)
     assert post.batch_shape == (B, H, DV) and post.event_shape == (T,)
@@ -122,10 +122,10 @@ def test_amortized_initialisation_is_the_sparse_limit():
     gp = make_gp(m=T, l=T, amortize=True, seq_len=T)
     exact = CorrelatedGP(H, sigma=SIGMA, jitter=0.0).double()
     exact.covar.sigma_q, exact.covar.sigma_k = SIG_Q, SIG_K
-    got = gp(q, k, o, v, sample=False, regularize=False).out
+    got = gp.condition(q, k, o, v).mean
     assert (got - exact.conditional_mean(q, k, o, v)).abs().max() < 1e-8
     with pytest.raises(ValueError, match="seq_len=7"):
-        gp(*(t[:, :, :5] for t in (q, k, o, v)))
+        gp.condition(*(t[:, :, :5] for t in (q, k, o, v)))
 
 
 def nested_dtc_samples(q, k, o, z, s, s_keys, N, seed, s2=SIGMA**2):
@@ -191,10 +191,10 @@ def test_regularizer_equals_monte_carlo_estimate_of_the_bound():
     s, s_keys = inducing(11)
     set_inducing(gp, s, s_keys)
     q, k, o, v = make_inputs(12)
-    res = gp(q, k, o, v, sample=False)
-    assert res.regularizer.shape == (B, H, DV) and torch.isfinite(res.regularizer).all()
-    ref, se = dense_regularizer_mc(q, k, o, res.out, v, s, s_keys, N=20_000, seed=13)
-    assert ((res.regularizer - ref).abs() <= 5 * se).all(), (res.regularizer - ref) / se
+    res = gp.condition(q, k, o, v)
+    assert res.regularizer().shape == (B, H, DV) and torch.isfinite(res.regularizer()).all()
+    ref, se = dense_regularizer_mc(q, k, o, res.mean, v, s, s_keys, N=20_000, seed=13)
+    assert ((res.regularizer() - ref).abs() <= 5 * se).all(), (res.regularizer() - ref) / se
 
 
 def test_regularizer_and_samples_are_differentiable():
@@ -203,15 +203,15 @@ def test_regularizer_and_samples_are_differentiable():
     q, k, o, v = (t.requires_grad_(True) for t in make_inputs(14, b=1, t=5))
 
     def reg(q, k, o, v):
-        return gp(q, k, o, v, sample=False).regularizer
+        return gp.condition(q, k, o, v).regularizer()
 
     def sampled(q, k, o, v):
         torch.manual_seed(15)
-        return gp(q, k, o, v, regularize=False).out
+        return gp.condition(q, k, o, v).rsample()
 
     assert torch.autograd.gradcheck(reg, (q, k, o, v))
     assert torch.autograd.gradcheck(sampled, (q, k, o, v))
-    gp(q, k, o, v, sample=False).regularizer.sum().backward()
+    gp.condition(q, k, o, v).regularizer().sum().backward()
     for p in (gp.inducing_latent, gp.inducing_keys, gp.covar.raw_sigma_q, gp.covar.raw_sigma_k):
         assert p.grad is not None and torch.isfinite(p.grad).all() and (p.grad != 0).any()
 
@@ -281,10 +281,10 @@ def test_layer_loss_term_and_options():
     layer(x)
     p = layer.project(x)
     c = layer.input_scale
-    res = layer.gp(p["q"] * c, p["k"] * c, p["o"] * c, p["v"], sample=False)
-    torch.testing.assert_close(layer_loss_terms(layer)["cgp"], res.regularizer.sum((1, 2)).mean() / 2)
+    res = layer.gp.condition(p["q"] * c, p["k"] * c, p["o"] * c, p["v"])
+    torch.testing.assert_close(layer_loss_terms(layer)["cgp"], res.regularizer().sum((1, 2)).mean() / 2)
     with gpattn.deterministic():
-        torch.testing.assert_close(layer.posterior(x).mean, res.out.transpose(-1, -2))
+        torch.testing.assert_close(layer.posterior(x).mean, res.mean.transpose(-1, -2))
 
 
 def test_amortized_layer_trains_its_token_maps():

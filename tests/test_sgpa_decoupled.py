@@ -4,7 +4,6 @@ the limiting case "global keys at the sequence's keys" → standard SGPA, and th
 OrthogonallyDecoupledVariationalStrategy. The shapes every GP variant shares come from
 gpattn.testing.GPAttentionTestCase (both covariance modes)."""
 
-import math
 
 import gpytorch
 import pytest
@@ -18,7 +17,6 @@ from gpattn.testing.references import (
     sgpa_decoupled_global_keys,
     sgpa_decoupled_kl_parts,
     sgpa_heads,
-    whitened_scale_tril,
 )
 from gpattn.variational.sgpa_decoupled import (
     DecoupledSGPAVariationalStrategy,
@@ -45,7 +43,7 @@ class TestSGPADecoupled(GPAttentionTestCase):
     def perturb(self, layer):
         q_u = layer.strategy.variational_distribution
         q_u.inducing_values.normal_(0, 0.5)
-        q_u.raw_scale_tril.add_(0.3 * torch.randn_like(q_u.raw_scale_tril))
+        q_u.chol_variational_covar.add_(0.3 * torch.randn_like(q_u.chol_variational_covar))
         layer.kernel.lengthscale = 1.5 + torch.rand(H, 1, DH, dtype=torch.float64)
         layer.kernel.outputscale = 0.5 + torch.rand(H, dtype=torch.float64)
 
@@ -111,7 +109,7 @@ def test_kl_is_the_process_kl_in_u_space():
     Kgg = gram(layer, kg, kg)
     vg = layer.strategy.variational_distribution.inducing_values.detach()
     Lg = torch.linalg.cholesky(Kgg)
-    Ls = whitened_scale_tril(layer.strategy.variational_distribution.raw_scale_tril.detach())
+    Ls = layer.strategy.variational_distribution.chol_variational_covar.detach().tril()
     mZ = KZa @ v - KZg @ torch.linalg.solve(Kgg, KZa[..., 6:, :] @ v) + KZg @ vg  # K_ga = rows g of K_Za
     P = torch.linalg.solve(Kgg, KZg.mT)[:, :, None]
     SZ = (KZZ - KZg @ torch.linalg.solve(Kgg, KZg.mT))[:, :, None] + P.mT @ (Lg[:, :, None] @ Ls) @ (
@@ -138,12 +136,9 @@ def test_global_keys_at_sequence_keys_reduce_to_standard_sgpa():
     T = x.shape[1]
     q_u = WhitenedGlobalVariationalDistribution(H, T, DH).double()
     s = ref.std[0]  # shape: (H, T, Dv)
-    rows, cols = torch.tril_indices(T, T)
     with torch.no_grad():
         q_u.inducing_values.copy_(p["v"][0])
-        raw = torch.zeros(H, DH, rows.numel(), dtype=torch.float64)
-        raw[..., rows == cols] = torch.log(torch.expm1(s.transpose(-1, -2)))
-        q_u.raw_scale_tril.copy_(raw)
+        q_u.chol_variational_covar.copy_(torch.diag_embed(s.transpose(-1, -2)))
     dec = DecoupledSGPAVariationalStrategy(std.kernel, q_u, torch.zeros(H, T, D), jitter=0.0, covariance="full")
     post = dec(p["qk"], p["v"], p["qk"][0])
     ref_post = ref.posterior()
@@ -248,10 +243,7 @@ def _gpytorch_vs_ours(diag_scale=None):
     with torch.no_grad():
         q_u.inducing_values.normal_(0, 0.5)
         if diag_scale is not None:  # S̃ = diag_scale² I
-            rows, cols = torch.tril_indices(5, 5)
-            q_u.raw_scale_tril.copy_(
-                torch.where(rows == cols, math.log(math.expm1(diag_scale)), 0.0).expand_as(q_u.raw_scale_tril)
-            )
+            q_u.chol_variational_covar.copy_(diag_scale * torch.eye(5).expand_as(q_u.chol_variational_covar))
     x = torch.randn(1, 12, 4, dtype=torch.float64)
     cond = condition(layer, x)
     qk = layer.project(x)["qk"][0, 0].detach()

@@ -7,6 +7,7 @@ Every public module of this package is imported here, so a variant registers its
 import importlib
 import pkgutil
 
+from gpattn.attention._gp import GPAttention
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import (
     attention_class,
@@ -22,6 +23,7 @@ for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
 
 __all__ = [
     "AttentionBase",
+    "GPAttention",
     "attention_class",
     "attention_options",
     "build_attention",

@@ -1,11 +1,11 @@
 """The attention contract (DESIGN.md "The contract"): one base class every variant derives from.
 
-A variant implements ``_attend(x, mask)`` returning per-head outputs ``(B, H, T, Dv)`` (GP variants:
-the pair ``(output, posterior mean)``, from which :meth:`AttentionBase.diagnostics` measures the
-layer's scale); GP variants also implement ``_posterior(x, mask)`` returning a gpytorch
-``MultivariateNormal`` with batch
-``(B, H, Dv)`` and event ``T``. The base class validates inputs, projects, merges heads, applies
-``W_o``, handles all-padding rows and records the loss terms of the last forward (GPyTorch added loss terms,
+A variant implements ``_attend(x, mask)`` returning per-head outputs ``(B, H, T, Dv)``; the GP variants
+derive from :class:`gpattn.attention.GPAttention`, which implements it (and ``_posterior``, a gpytorch
+``MultivariateNormal`` with batch ``(B, H, Dv)`` and event ``T``) through their strategy's conditional
+and returns the pair ``(output, posterior mean)``, from which :meth:`AttentionBase.diagnostics`
+measures the layer's scale. The base class validates inputs, projects, merges heads, applies ``W_o``,
+handles all-padding rows and records the loss terms of the last forward (GPyTorch added loss terms,
 :meth:`AttentionBase.set_loss_terms`).
 
 No host-device synchronisation in a forward: the checks that read tensor values (NaN/Inf inputs) run
@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from gpattn._settings import is_deterministic, is_validating
 from gpattn.objectives import GPLossTerm, summed_loss_terms
+from gpattn.variational._strategy import kept_mean
 
 __all__ = ["AttentionBase"]
 
@@ -123,11 +124,7 @@ class AttentionBase(nn.Module):
     def batch_mean(self, t: torch.Tensor) -> torch.Tensor:
         """Mean over the batch axis 0 of the sequences with at least one real key (all-padding rows of
         this forward are left out, without a host read).  # shape: (B, ...) -> (...)"""
-        keep = getattr(self, "_keep", None)
-        if keep is None:
-            return t.mean(0)
-        keep = keep.reshape(-1, *([1] * (t.dim() - 1)))
-        return torch.where(keep, t, 0).sum(0) / keep.sum().clamp_min(1).to(t.dtype)
+        return kept_mean(t, getattr(self, "_keep", None))
 
     @property
     def loss_mask(self) -> torch.Tensor | None:

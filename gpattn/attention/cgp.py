@@ -5,18 +5,17 @@ from __future__ import annotations
 
 from gpytorch.kernels import Kernel
 
-from gpattn.attention.base import AttentionBase
+from gpattn.attention._gp import GPAttention
 from gpattn.attention.registry import register
 from gpattn.kernels import make_kernel
-from gpattn.objectives import CGPRegulariser
 from gpattn.variational.cgp import CorrelatedGP
 from gpattn.variational.scgp import SparseCorrelatedGP
 
 __all__ = ["CGPAttention", "SCGPAttention"]
 
 
-class _CorrelatedGPAttention(AttentionBase):
-    """Shared shim: four projections q, k, o (the latent inputs x_o) and v; the GP module in ``self.gp``.
+class _CorrelatedGPAttention(GPAttention):
+    """Shared shim: four projections q, k, o (the latent inputs x_o) and v; the GP in ``self.strategy``.
 
     **Decision** (``input_scale``): the projected inputs are multiplied by a fixed
     ``input_scale`` (default :math:`D_h^{-1/4}`) before the canonical kernel. This is the
@@ -27,9 +26,6 @@ class _CorrelatedGPAttention(AttentionBase):
     """
 
     projections = ("q", "k", "o", "v")
-    is_gp = True
-    stochastic = True
-    native_samples = True
 
     def _init_scale(self, input_scale):
         if input_scale is None:
@@ -43,23 +39,16 @@ class _CorrelatedGPAttention(AttentionBase):
         the prior variance of z_q is σ_q² κ_o(x, x) (gpattn.variational._scale)."""
         return make_kernel(kernel, self.num_heads, self.head_dim, rbf="canonical-rbf", stationary=True)
 
-    def _inputs(self, x):
-        p = self.project(x)  # shape: each (B, H, T, Dh), v (B, H, T, Dv)
+    @property
+    def gp(self):
+        """The strategy (the name earlier versions used)."""
+        return self.strategy
+
+    def strategy_inputs(self, x):
+        """The projections, q, k and o scaled by ``input_scale``.  # shape: each (B, H, T, Dh), v (B, H, T, Dv)"""
+        q, k, o, v = super().strategy_inputs(x)
         c = self.input_scale
-        return p["q"] * c, p["k"] * c, p["o"] * c, p["v"]
-
-    def _attend(self, x, mask, num_samples=None):
-        q, k, o, v = self._inputs(x)
-        out, reg, mean = self.gp(q, k, o, v, mask, sample=self.sampling, num_samples=num_samples)
-        # MATH §7: mean over the batch of Σ_{h,d} R / 2 (α weighting lives in the objective)
-        self.set_loss_terms(CGPRegulariser(self.batch_mean(reg.sum((-2, -1))).mean() / 2))
-        if num_samples is not None and self.sampling:
-            out = self.fold_samples(out)
-        return out.to(v.dtype), mean.to(v.dtype)
-
-    def _posterior(self, x, mask):
-        q, k, o, v = self._inputs(x)
-        return self.gp.posterior(q, k, o, v, mask)
+        return q * c, k * c, o * c, v
 
 
 @register("cgp")
@@ -93,7 +82,7 @@ class CGPAttention(_CorrelatedGPAttention):
     ):
         super().__init__(embed_dim, num_heads, **base)
         self._init_scale(input_scale)
-        self.gp = CorrelatedGP(
+        self.strategy = CorrelatedGP(
             num_heads,
             kernel=self._canonical(kernel),
             sigma=sigma,
@@ -136,7 +125,7 @@ class SCGPAttention(_CorrelatedGPAttention):
         self._init_scale(input_scale)
         # initial inducing inputs spread like the scaled projections of unit-variance tokens under
         # nn.Linear's default initialisation (coordinate std 1/√3 before scaling)
-        self.gp = SparseCorrelatedGP(
+        self.strategy = SparseCorrelatedGP(
             num_heads,
             self.head_dim,
             num_inducing=num_inducing,

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gpattn.attention.base import AttentionBase
+from gpattn.attention._gp import GPAttention
 from gpattn.attention.registry import register
-from gpattn.objectives import GlobalKL, KSVDLoss
-from gpattn.variational._linalg import full_precision, gp_algebra
 from gpattn.variational.kep_svgp import KEPSVGP, MERGES
 
 __all__ = ["KEPSVGPAttention"]
@@ -36,7 +34,7 @@ def _positive_int(name, val):
 
 
 @register("kep-svgp")
-class KEPSVGPAttention(AttentionBase):
+class KEPSVGPAttention(GPAttention):
     r"""Kernel-eigen pair SVGP attention (Chen, Tao, Tonin, Suykens, ICML 2024; seed 002 eqs. 10–21).
 
     Per head: cosine features :math:`\phi(q), \phi(k)`, primal KSVD projections
@@ -78,9 +76,6 @@ class KEPSVGPAttention(AttentionBase):
     """
 
     projections = ("q", "k")
-    is_gp = True
-    stochastic = True
-    native_samples = True
 
     def __init__(
         self,
@@ -116,8 +111,7 @@ class KEPSVGPAttention(AttentionBase):
                 raise ValueError(f"{name} must be True or False, got {val!r}")
         if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not jitter >= 0:
             raise ValueError(f"jitter must be a float >= 0, got {jitter!r}")
-        self.jitter = float(jitter)
-        self.kep = KEPSVGP(
+        self.strategy = KEPSVGP(
             num_heads,
             self.head_dim,
             self.value_dim,
@@ -127,29 +121,24 @@ class KEPSVGPAttention(AttentionBase):
             seq_len=seq_len,
             token_independent=token_independent,
             include_residual=include_residual,
+            jitter=float(jitter),
         )
 
-    def _attend(self, x, mask, num_samples=None):
-        p = self.project(x)
-        with gp_algebra(x.device.type):
-            x, q, k = full_precision(x, p["q"], p["k"])
-            # the KSVD means run over the caller's real tokens: all-padding rows are left out
-            heads, terms, mean = self.kep(
-                x, q, k, mask, sample=self.sampling, return_mean=True, loss_mask=self.loss_mask,
-                num_samples=num_samples,
-            )  # shape: (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P
-        self.set_loss_terms(GlobalKL(terms["kl_global"]), KSVDLoss(terms["ksvd"]))
-        if num_samples is not None and self.sampling:
-            heads = self.fold_samples(heads)
-        return heads, mean
+    @property
+    def kep(self) -> KEPSVGP:
+        """The strategy (the name earlier versions used)."""
+        return self.strategy
 
-    def _posterior(self, x, mask):
-        p = self.project(x)
-        with gp_algebra(x.device.type):
-            return self.kep.posterior(*full_precision(x, p["q"], p["k"]), mask, jitter=self.jitter)
+    @property
+    def jitter(self) -> float:
+        return self.strategy.jitter
+
+    def strategy_inputs(self, x):
+        """The layer input (for the landmarks), q and k.  # shape: (B, T, D), (B, H, T, Dh), (B, H, T, Dh)"""
+        return (x, *super().strategy_inputs(x))
 
     def extra_repr(self) -> str:
-        k = self.kep
+        k = self.strategy
         return (
             f"{super().extra_repr()}, rank={k.rank}, num_landmarks={k.ksvd.num_landmarks}, merge={k.merge!r}"
             + (f", seq_len={k.seq_len}" if k.merge == "concat" else "")

@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 from gpytorch.kernels import Kernel
 
-from gpattn.attention.base import AttentionBase
+from gpattn.attention._gp import GPAttention
 from gpattn.attention.registry import register
 from gpattn.kernels import make_kernel
-from gpattn.objectives import GlobalKL, SequenceKL
 from gpattn.variational._scale import PRIOR_VARIANCE
 from gpattn.variational.sgpa import AmortisedDiagonalVariationalDistribution, SGPAVariationalStrategy
 from gpattn.variational.sgpa_decoupled import (
@@ -21,7 +20,7 @@ __all__ = ["DecoupledSGPAttention", "SGPAttention"]
 
 
 @register("sgpa")
-class SGPAttention(AttentionBase):
+class SGPAttention(GPAttention):
     r"""Standard SGPA (seed 004 §3.2, MATH.md §5a): each head's output dim d is a sparse variational
     GP whose inducing inputs are the sequence's own keys; the posterior mean is kernel attention
     :math:`K_{qk} v` and the whitened amortised covariance gives :math:`\Sigma_d = L \tilde\Sigma_d L^\top`.
@@ -39,9 +38,6 @@ class SGPAttention(AttentionBase):
     """
 
     projections = ("qk", "v")
-    is_gp = True
-    stochastic = True
-    native_samples = True
 
     def __init__(
         self,
@@ -61,25 +57,10 @@ class SGPAttention(AttentionBase):
             covariance=covariance,
         )
 
-    @property
-    def kernel(self) -> Kernel:
-        return self.strategy.kernel
-
-    def _condition(self, x, mask):
-        p = self.project(x)
-        return self.strategy.condition(p["qk"], p["v"], mask)
-
-    def _attend(self, x, mask, num_samples=None):
-        cond = self._condition(x, mask)
-        self.set_loss_terms(SequenceKL(self.batch_mean(cond.kl_divergence().sum((1, 2)))))
-        return (self.draw(cond.rsample, num_samples) if self.sampling else cond.mean), cond.mean
-
-    def _posterior(self, x, mask):
-        return self._condition(x, mask).posterior()
 
 
 @register("sgpa-decoupled")
-class DecoupledSGPAttention(AttentionBase):
+class DecoupledSGPAttention(GPAttention):
     r"""Decoupled SGPA (seed 004 §3.3–3.4, MATH.md §5b): amortised mean basis from the sequence's
     keys and values plus ``num_global`` global inducing inputs per head, mapped like tokens through
     the layer's own W_qk rows for that head; whitened S̃_g,d per output dim.
@@ -95,9 +76,6 @@ class DecoupledSGPAttention(AttentionBase):
     """
 
     projections = ("qk", "v")
-    is_gp = True
-    stochastic = True
-    native_samples = True
 
     def __init__(
         self,
@@ -122,10 +100,6 @@ class DecoupledSGPAttention(AttentionBase):
         )
         self._qk_offset = sum(self._proj_widths[: self.projections.index("qk")])
 
-    @property
-    def kernel(self) -> Kernel:
-        return self.strategy.kernel
-
     def global_keys(self) -> torch.Tensor:
         """Each head's global keys through that head's rows of W_qk.  # shape: (H, M, Dh)"""
         H, Dh, D, o = self.num_heads, self.head_dim, self.embed_dim, self._qk_offset
@@ -133,15 +107,6 @@ class DecoupledSGPAttention(AttentionBase):
         bias = None if self.in_proj.bias is None else self.in_proj.bias[o : o + D].view(H, Dh)
         return self.strategy.global_keys(weight, bias)
 
-    def _condition(self, x, mask):
-        p = self.project(x)
-        return self.strategy.condition(p["qk"], p["v"], self.global_keys(), mask)
-
-    def _attend(self, x, mask, num_samples=None):
-        cond = self._condition(x, mask)
-        gamma, beta = cond.kl_divergence_parts()
-        self.set_loss_terms(SequenceKL(self.batch_mean(gamma.sum((1, 2)))), GlobalKL(beta.sum()))
-        return (self.draw(cond.rsample, num_samples) if self.sampling else cond.mean), cond.mean
-
-    def _posterior(self, x, mask):
-        return self._condition(x, mask).posterior()
+    def strategy_inputs(self, x):
+        """The keys = queries, the values and the global keys.  # shape: (B, H, T, Dh), (B, H, T, Dv), (H, M, Dh)"""
+        return (*super().strategy_inputs(x), self.global_keys())

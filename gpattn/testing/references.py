@@ -34,7 +34,6 @@ __all__ = [
     "sgpa_decoupled_kl_parts",
     "sgpa_dense_posterior",
     "sgpa_heads",
-    "whitened_scale_tril",
 ]
 
 
@@ -117,21 +116,6 @@ def sgpa_decoupled_global_keys(layer) -> torch.Tensor:
     return torch.stack([Z[h] @ W[h * Dh : (h + 1) * Dh].T + b[h * Dh : (h + 1) * Dh] for h in range(H)])
 
 
-def whitened_scale_tril(raw: torch.Tensor) -> torch.Tensor:
-    """L_s from its row-major packed lower triangle, softplus on the diagonal.
-
-    # shape: raw (..., M (M + 1) / 2) -> (..., M, M)"""
-    n = raw.shape[-1]
-    m = int((round((8 * n + 1) ** 0.5) - 1) // 2)
-    L = raw.new_zeros(*raw.shape[:-1], m, m)
-    k = 0
-    for i in range(m):
-        for j in range(i + 1):
-            L[..., i, j] = F.softplus(raw[..., k]) if i == j else raw[..., k]
-            k += 1
-    return L
-
-
 def _decoupled(layer, x, mask):
     qk, v = sgpa_heads(layer, x)
     if mask is not None:
@@ -143,7 +127,7 @@ def _decoupled(layer, x, mask):
     q_u = layer.strategy.variational_distribution
     vg = q_u.inducing_values.detach()  # shape: (H, M, Dv)
     Lg = torch.linalg.cholesky(Kgg)
-    St = whitened_scale_tril(q_u.raw_scale_tril.detach())
+    St = q_u.chol_variational_covar.detach().tril()  # L_s: gpytorch's lower-triangular factor
     St = St @ St.mT  # shape: (H, Dv, M, M)
     Sg = Lg[:, None] @ St @ Lg[:, None].mT  # unwhitened S_g = L_g S̃ L_gᵀ
     mean = Kqq @ v - Kqg @ torch.linalg.solve(Kgg, Kqg.mT @ v) + Kqg @ vg
@@ -242,7 +226,7 @@ def kep_svgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None =
     term (``include_residual=False``) and no loss terms."""
     with torch.no_grad():
         G = kep_svgp_dense_features(layer, x, mask)[0]
-        v, kep = layer.kep.variational, layer.kep
+        v, kep = layer.kep.variational_distribution, layer.kep
         lam = kep.ksvd.log_lambda.exp()
         mean, cov = kep_svgp_dense_moments(G, lam, v.variational_mean, v.chol, kep.out_weight, kep.out_bias)
     return DenseReference(mean, cov + layer.jitter * torch.eye(x.shape[1], dtype=x.dtype), {})

@@ -50,6 +50,7 @@ __all__ = [
     "LowRankPlusDiagLinearOperator",
     "NotPSDError",
     "add_jitter",
+    "isolate_padding",
     "cholesky",
     "full_precision",
     "gp_algebra",
@@ -81,14 +82,35 @@ def reset_stats() -> None:
 
 
 def add_jitter(A: torch.Tensor, jitter: float | torch.Tensor) -> torch.Tensor:
-    """A + jitter·I on the last two axes; ``jitter`` a float or a tensor broadcasting against the
-    batch shape (e.g. one value per head).  # shape: A (..., n, n), jitter () or (...)"""
+    """A + c·I on the last two axes: the one helper for every shifted diagonal (a jitter, the noise σ²
+    of a Gram matrix, a relative jitter per sequence and head). ``jitter`` is a float or a tensor
+    broadcasting against the batch shape of A (e.g. one value per head, ``(H,)``, against ``(B, H, n,
+    n)``); the identity is never formed (a copy of A with its diagonal shifted), and a float 0 returns A
+    itself.  # shape: A (..., n, n), jitter () or (...) -> (..., n, n)"""
     if not torch.is_tensor(jitter):
         if jitter == 0:
             return A
-        return A + jitter * torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    return A + jitter.to(A.dtype)[..., None, None] * eye
+        jitter = torch.tensor(jitter, dtype=A.dtype, device=A.device)
+    value = jitter.to(A.dtype)[..., None]  # shape: (..., 1), against the diagonal (..., n)
+    batch = torch.broadcast_shapes(A.shape[:-2], value.shape[:-1])
+    out = A.expand(*batch, *A.shape[-2:]).clone()
+    out.diagonal(dim1=-2, dim2=-1).add_(value)
+    return out
+
+
+def isolate_padding(K: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Replace padded rows and columns of a Gram matrix by identity rows/columns.
+
+    The padded tokens become isolated dummy inputs (zero covariance with every real token, unit
+    variance), so a Cholesky factor's real rows equal those of the real block alone.
+    # shape: K (B, H, T, T), mask (B, T) -> (B, H, T, T)
+    """
+    if mask is None:
+        return K
+    real = ~mask
+    both = real[:, None, :, None] & real[:, None, None, :]  # shape: (B, 1, T, T)
+    eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
+    return torch.where(both, K, eye)
 
 
 def cholesky(A: torch.Tensor, *, max_tries: int = 4, name: str = "") -> torch.Tensor:

@@ -14,8 +14,6 @@ equal a run on the sequence without the padded tokens, and the padded query rows
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn as nn
 from gpytorch.constraints import GreaterThan
@@ -25,38 +23,32 @@ from linear_operator.operators import CholLinearOperator, TriangularLinearOperat
 
 from gpattn.kernels._evaluate import evaluate_kernel
 from gpattn.kernels.cross_covariance import CrossCovarianceKernel
+from gpattn.objectives import CGPRegulariser
 from gpattn.variational._linalg import (
     add_jitter,
     cholesky,
     full_precision,
     gp_algebra,
+    isolate_padding,
     matmul_samples,
     standard_normal,
     tri_solve,
     with_policy,
 )
 from gpattn.variational._scale import CGP_SIGMA
+from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy, sequence_mean
 
 #: lower bound of a learned σ: keeps the regulariser's bound 2T log σ² finite
 SIGMA_FLOOR = 1e-3
 
-__all__ = ["SIGMA_FLOOR", "CorrelatedGP", "CorrelatedGPBase", "CorrelatedGPOutput", "add_diag", "logdet_from_cholesky"]
-
-
-def add_diag(A: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """A + c·I with a per-head c (e.g. σ² of shape (H, 1, 1)).  # shape: (..., n, n)"""
-    return A + c * torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-
-
-class CorrelatedGPOutput(NamedTuple):
-    """What a correlated-GP layer returns for one forward."""
-
-    #: a sample of :math:`z_q \mid z_k` (or its mean :math:`\nu` when not sampling).  # shape: (B, H, T, Dv)
-    out: torch.Tensor
-    #: the regulariser :math:`R` per head and value column (``None`` if not asked).  # shape: (B, H, Dv)
-    regularizer: torch.Tensor | None
-    #: the predictive mean :math:`\nu`.  # shape: (B, H, T, Dv)
-    mean: torch.Tensor | None = None
+__all__ = [
+    "SIGMA_FLOOR",
+    "CGPConditional",
+    "CorrelatedConditional",
+    "CorrelatedGP",
+    "CorrelatedGPBase",
+    "logdet_from_cholesky",
+]
 
 
 def logdet_from_cholesky(L: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -68,9 +60,11 @@ def logdet_from_cholesky(L: torch.Tensor, valid: torch.Tensor | None) -> torch.T
     return 2.0 * logdiag.sum(-1)
 
 
-class CorrelatedGPBase(nn.Module):
+class CorrelatedGPBase(_AmortisedVariationalStrategy):
     r"""Parameters and Gram blocks shared by :class:`CorrelatedGP` and
-    :class:`~gpattn.variational.scgp.SparseCorrelatedGP`.
+    :class:`~gpattn.variational.scgp.SparseCorrelatedGP`: the strategies of the protocol
+    (:mod:`gpattn.variational._strategy`) whose :meth:`condition` returns a :class:`CorrelatedConditional`.
+    The conditional is exact given the inputs (no q(u), no KL); its loss term is the regulariser.
 
     :param num_heads: H; :math:`\sigma_q, \sigma_k` (and a learnable :math:`\sigma`) are per head.
     :param kernel: the canonical kernel :math:`\kappa_o`: ``"canonical-rbf"`` (default; legacy name
@@ -168,11 +162,7 @@ class CorrelatedGPBase(nn.Module):
     def gram(self, a: torch.Tensor, role: str, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Symmetric Gram block :math:`K_{aa}`: padded tokens are decoupled from the real ones and get a
         unit diagonal.  # shape: a (B, H, n, Dh), valid (B, 1, n) -> (B, H, n, n)"""
-        K = self.covar.gram(a, role)
-        if valid is not None:
-            eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
-            K = torch.where(valid[..., :, None] & valid[..., None, :], K, eye)
-        return K
+        return isolate_padding(self.covar.gram(a, role), None if valid is None else ~valid[:, 0])
 
     # ------------------------------------------------------------------ the public boundary
     def _check(self, q, k, o, v, mask):
@@ -195,40 +185,22 @@ class CorrelatedGPBase(nn.Module):
         valid = None if mask is None else (~mask)[:, None, :]
         return valid, full_precision(*tensors)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        o: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        *,
-        sample: bool = True,
-        regularize: bool = True,
-        num_samples: int | None = None,
-        **options,
-    ) -> CorrelatedGPOutput:
-        """A sample of :math:`z_q \\mid z_k` (its mean :math:`\\nu` if ``sample=False``) and the
-        regulariser :math:`R`; ``num_samples=P`` draws P samples from the one factorisation, on a
-        leading axis.
+    def condition(self, q, k, o, v, mask=None, **options) -> AmortisedConditional:
+        """Factorise once for a batch of sequences: the predictive mean :math:`\nu` now, the covariance
+        factor and the regulariser on demand (samples: ``rsample(num_samples)``, P draws from the one
+        factorisation on a leading axis; the layer's loss term: ``added_loss_terms(mask)``).
 
         # shape: q, k, o (B, H, T, Dh) projected inputs, v (B, H, T, Dv), mask (B, T) bool (True = padding)
-        #        -> out (B, H, T, Dv), or (P, B, H, T, Dv) when sampling with num_samples=P
         """
         self._check(q, k, o, v, mask)
         with gp_algebra(q.device.type):
-            valid, (q, k, o, v) = self._prepare(mask, q, k, o, v)
-            out, reg, mean = self._forward(
-                q, k, o, v, valid, sample=sample, regularize=regularize, num_samples=num_samples, **options
-            )
-        return CorrelatedGPOutput(out, reg, mean)
+            valid, (q, k, o, v32) = self._prepare(mask, q, k, o, v)
+            cond = self._condition(q, k, o, v32, valid, **options)
+        cond.output_dtype = v.dtype  # the layer hands on the values' dtype (autocast)
+        return cond
 
-    def posterior(self, q, k, o, v, mask=None, **options) -> MultivariateNormal:
-        """:math:`p(z_q \\mid z_k)` per value column: batch ``(B, H, Dv)``, event ``T``."""
-        self._check(q, k, o, v, mask)
-        with gp_algebra(q.device.type):
-            valid, (q, k, o, v) = self._prepare(mask, q, k, o, v)
-            return self._posterior(q, k, o, v, valid, **options)
+    #: :math:`p(z_q \mid z_k)` per value column, batch ``(B, H, Dv)``, event ``T`` (= calling the module)
+    posterior = _AmortisedVariationalStrategy.forward
 
     def conditional_mean(self, q, k, o, z, mask=None, **options) -> torch.Tensor:
         """:math:`E[z_q \\mid z_k = z]` for given observations ``z`` of the key process.
@@ -240,13 +212,34 @@ class CorrelatedGPBase(nn.Module):
             return self._conditional_mean(q, k, o, z, valid, **options)
 
     # ------------------------------------------------------------------ to implement
-    def _forward(self, q, k, o, v, valid, *, sample, regularize, num_samples=None):
-        raise NotImplementedError
-
-    def _posterior(self, q, k, o, v, valid):
+    def _condition(self, q, k, o, v, valid) -> AmortisedConditional:
         raise NotImplementedError
 
     def _conditional_mean(self, q, k, o, z, valid):
+        raise NotImplementedError
+
+
+class CorrelatedConditional(AmortisedConditional):
+    r"""Base of the correlated GPs' conditionals: exact given the inputs, so there is no q(u) and no KL
+    (:class:`AmortisedConditional` says so); the loss term is the regulariser R (``cgp``), docs/derivations.md §7:
+    :math:`\operatorname{mean}_b \sum_{h,d} R / 2` (the weight α lives in the objective).
+
+    Every method runs in ``gp_algebra()`` on the device of the inputs."""
+
+    def __init__(self, gp: CorrelatedGPBase, nu: torch.Tensor, valid: torch.Tensor | None):
+        self.gp, self.mean, self.valid = gp, nu, valid
+        self._device = nu.device.type
+
+    def regularizer(self) -> torch.Tensor:
+        """R per head and value column (a fresh Monte-Carlo estimate per call where R samples).
+        # shape: -> (B, H, Dv)"""
+        with gp_algebra(self._device):
+            return self._regularizer()
+
+    def added_loss_terms(self, mask=None):
+        return (CGPRegulariser(sequence_mean(self.regularizer(), mask) / 2),)
+
+    def _regularizer(self) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -324,7 +317,7 @@ class CorrelatedGP(CorrelatedGPBase):
             K_o=K_o,
             K_qo=self.cross(q, o, ("q", "o"), valid, valid),
             K_ok=self.cross(o, k, ("o", "k"), valid, valid),
-            L_o=cholesky(add_diag(K_o, self.noise(q)), name="cgp: K_o + sigma^2 I"),
+            L_o=cholesky(add_jitter(K_o, self.noise(q)[:, 0, 0]), name="cgp: K_o + sigma^2 I"),
         )
 
     def _second_order(self, q, k, valid, Kb):
@@ -338,7 +331,7 @@ class CorrelatedGP(CorrelatedGPBase):
 
         # shape: (B, H, T, T)"""
         G = tri_solve(Kb["L_o"].mT, Kb["W"], upper=True)  # A⁻¹ K_oq
-        L_k = cholesky(add_diag(Kb["K_k"], s2), name="cgp: K_k + sigma^2 I")
+        L_k = cholesky(add_jitter(Kb["K_k"], s2[:, 0, 0]), name="cgp: K_k + sigma^2 I")
         UG = tri_solve(L_k, Kb["K_ok"].mT @ G)  # L_k⁻¹ K_ko A⁻¹ K_oq
         # K_o = A − σ²I turns App. B into Σ = K_q − Gᵀ(σ²I + K_ok (K_k+σ²I)⁻¹ K_ko) G, G = A⁻¹ K_oq
         Sigma = Kb["K_q"] - s2 * (G.mT @ G) - UG.mT @ UG
@@ -350,9 +343,9 @@ class CorrelatedGP(CorrelatedGPBase):
         W_k = tri_solve(L_o, Kb["K_ok"])  # L_o⁻¹ K_ok
         # Σ_q = K_q − K_qo A⁻¹ K_oq and Σ_k = K_k − K_ko A⁻¹ K_ok, the conditionals given z_o (eq. 37),
         # each with the observation noise σ²I: the bound of R below (class docstring)
-        L_q = cholesky(add_diag(Kb["K_q"] - W.mT @ W, s2), name="cgp: Sigma_q + sigma^2 I")
-        L_kk = cholesky(add_diag(K_k - W_k.mT @ W_k, s2), name="cgp: Sigma_k + sigma^2 I")
-        z = add_diag(K_k, s2) @ v  # eq. 24: z = (K_k + σ²I) v
+        L_q = cholesky(add_jitter(Kb["K_q"] - W.mT @ W, s2[:, 0, 0]), name="cgp: Sigma_q + sigma^2 I")
+        L_kk = cholesky(add_jitter(K_k - W_k.mT @ W_k, s2[:, 0, 0]), name="cgp: Sigma_k + sigma^2 I")
+        z = add_jitter(K_k, s2[:, 0, 0]) @ v  # eq. 24: z = (K_k + σ²I) v
         if valid is not None:
             z = z * valid[..., :, None]
         a_q = tri_solve(L_q, nu)  # L_q⁻¹ ν  # shape: (B, H, T, Dv)
@@ -386,40 +379,59 @@ class CorrelatedGP(CorrelatedGPBase):
         # eq. 25, right to left: ν = K_qo (K_o + σ²I)⁻¹ (K_ok v)
         return Kb["K_qo"] @ torch.cholesky_solve(Kb["K_ok"] @ v, Kb["L_o"])  # shape: (B, H, T, Dv)
 
-    # ------------------------------------------------------------------ the three entry points
-    def _forward(self, q, k, o, v, valid, *, sample, regularize, num_samples=None):
+    # ------------------------------------------------------------------ entry points
+    def _condition(self, q, k, o, v, valid):
         Kb = self._blocks(q, k, o, valid)
-        nu = self._mean(Kb, v)
-        if not (sample or regularize):
-            return nu, None, nu
-        s2 = self.noise(q)
-        self._second_order(q, k, valid, Kb)
-        G = None
-        out = nu
-        if sample:
-            Sigma, G = self._covariance(s2, Kb)
-            L = cholesky(add_jitter(Sigma, self.jitter), name="cgp: predictive covariance")
-            out = nu + matmul_samples(L, standard_normal(nu.shape, nu, num_samples))  # one factor: all columns, draws
-        if not regularize:
-            return out, None, nu
-        if G is None and self.prior_samples is None:
-            G = tri_solve(Kb["L_o"].mT, Kb["W"], upper=True)
-        return out, self._regularizer(v, valid, nu, s2, Kb, G), nu
-
-    def _posterior(self, q, k, o, v, valid):
-        Kb = self._blocks(q, k, o, valid)
-        nu = self._mean(Kb, v)
-        self._second_order(q, k, valid, Kb)
-        Sigma, _ = self._covariance(self.noise(q), Kb)
-        L = cholesky(add_jitter(Sigma, self.jitter), name="cgp: predictive covariance")
-        B, H, T, Dv = nu.shape
-        covar = CholLinearOperator(TriangularLinearOperator(L.unsqueeze(2))).expand(B, H, Dv, T, T)
-        return MultivariateNormal(nu.transpose(-1, -2), with_policy(covar))  # exact at any T (numerics policy)
+        return CGPConditional(self, self._mean(Kb, v), valid, Kb, q, k, v)
 
     def _conditional_mean(self, q, k, o, z, valid):
         # eq. 21: E[z_q | z_k] = K_qo (K_o + σ²I)⁻¹ K_ok (K_k + σ²I)⁻¹ z_k
         Kb = self._blocks(q, k, o, valid)
-        L_k = cholesky(add_diag(self.gram(k, "k", valid), self.noise(q)), name="cgp: K_k + sigma^2 I")
+        K_k = self.gram(k, "k", valid)
+        L_k = cholesky(add_jitter(K_k, self.noise(q)[:, 0, 0]), name="cgp: K_k + sigma^2 I")
         if valid is not None:
             z = z * valid[..., :, None]
         return self._mean(Kb, torch.cholesky_solve(z, L_k))
+
+
+class CGPConditional(CorrelatedConditional):
+    """One forward pass of exact CGP (:meth:`CorrelatedGP.condition`): the blocks and ν; the second-order
+    blocks, Σ's Cholesky factor (shared by the value columns and the draws) and R on first use."""
+
+    def __init__(self, gp: CorrelatedGP, nu, valid, blocks, q, k, v):
+        super().__init__(gp, nu, valid)
+        self._Kb, self._q, self._k, self._v = blocks, q, k, v
+        self._G = self._chol = None
+
+    def _second(self):
+        if "K_q" not in self._Kb:
+            self.gp._second_order(self._q, self._k, self.valid, self._Kb)
+        return self._Kb
+
+    def _factor(self) -> torch.Tensor:
+        """chol(Σ + jitter·I).  # shape: (B, H, T, T)"""
+        if self._chol is None:
+            Sigma, self._G = self.gp._covariance(self.gp.noise(self._q), self._second())
+            self._chol = cholesky(add_jitter(Sigma, self.gp.jitter), name="cgp: predictive covariance")
+        return self._chol
+
+    def rsample(self, num_samples=None, generator=None):
+        """ν + L_Σ ε: one factor for every value column and draw.
+        # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
+        with gp_algebra(self._device):
+            eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)
+            return self.mean + matmul_samples(self._factor(), eps)
+
+    def posterior(self) -> MultivariateNormal:
+        with gp_algebra(self._device):
+            L = self._factor()
+            B, H, T, Dv = self.mean.shape
+            covar = CholLinearOperator(TriangularLinearOperator(L.unsqueeze(2))).expand(B, H, Dv, T, T)
+            return MultivariateNormal(self.mean.transpose(-1, -2), with_policy(covar))  # exact at any T
+
+    def _regularizer(self):
+        Kb = self._second()
+        G = self._G
+        if G is None and self.gp.prior_samples is None:
+            G = tri_solve(Kb["L_o"].mT, Kb["W"], upper=True)
+        return self.gp._regularizer(self._v, self.valid, self.mean, self.gp.noise(self._q), Kb, G)

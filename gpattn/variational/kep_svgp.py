@@ -14,8 +14,9 @@ Pieces, kept apart as in GPyTorch (q(u) parameterisation vs the q(u) → q(f) ma
   :func:`kep_kl_divergence` against the prior :math:`N(0, \Lambda^2)` (seed 002 eq. 21).
 * :func:`kep_mean`, :func:`kep_sample`, :func:`kep_posterior` — the q(u) → q(f) map (seed 002 eqs.
   16–18) followed by the linear output map r → Dv, on merged features ``a = G Λ⁻¹`` (eq. 19).
-* :class:`KEPSVGP` — the module that owns the parameters and composes the above; the attention shim
-  ``gpattn.attention.kep_svgp`` is a thin wrapper around it.
+* :class:`KEPSVGP` — the strategy that owns the parameters and composes the above; its
+  :meth:`KEPSVGP.condition` returns a :class:`KEPConditional`; the attention layer
+  ``gpattn.attention.kep_svgp`` is a declaration on the generic GP shim.
 """
 
 from __future__ import annotations
@@ -26,25 +27,30 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from gpytorch.distributions import MultivariateNormal
+from gpytorch.variational import CholeskyVariationalDistribution
 from linear_operator.operators import (
-    CholLinearOperator,
     ConstantDiagLinearOperator,
+    DiagLinearOperator,
     LowRankRootLinearOperator,
-    TriangularLinearOperator,
 )
 
+from gpattn.objectives import GlobalKL, KSVDLoss
 from gpattn.variational._linalg import (
     LowRankPlusDiagLinearOperator,
     cholesky,
+    full_precision,
+    gp_algebra,
     matmul_samples,
     safe_sqrt,
     standard_normal,
     with_policy,
 )
 from gpattn.variational._scale import KEP_COVARIANCE_STD, KEP_MEAN_STD
+from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy
 
 __all__ = [
     "KEPSVGP",
+    "KEPConditional",
     "KEPVariationalDistribution",
     "KSVDProjection",
     "cosine_features",
@@ -206,41 +212,34 @@ class KSVDProjection(nn.Module):
 
 
 # --------------------------------------------------------------------------------------- q(u_c)
-class KEPVariationalDistribution(nn.Module):
+class KEPVariationalDistribution(CholeskyVariationalDistribution):
     r""":math:`q(u_c) = N(m_c, S_c = L_c L_c^\top)` for the r output GPs c = 1..r of every head (seed 002
-    eq. 17), shared by the e- and r-branches. Each :math:`u_c \in \mathbb R^r` lives on the r inducing
-    *features* (the kernel-eigen features), with prior :math:`N(0, \Lambda^2)`.
+    eq. 17), shared by the e- and r-branches: gpytorch's ``CholeskyVariationalDistribution`` with batch
+    shape ``(H, r_c)`` over the r inducing *features* (the kernel-eigen features), prior
+    :math:`N(0, \Lambda^2)`.
 
-    ``variational_mean[h, c]`` is :math:`m_c`; :math:`L_c` = strictly-lower part of ``chol_offdiag[h, c]``
-    + diag(exp(``log_chol_diag[h, c]``)), as gpytorch's ``CholeskyVariationalDistribution`` keeps a full
-    square tensor and masks its upper part. Init: :math:`m_c \sim N(0, 0.1^2 I)`, :math:`L_c = 0.1 I`
+    ``variational_mean[h, c]`` is :math:`m_c`; :math:`L_c` is the lower triangle of
+    ``chol_variational_covar[h, c]`` (gpytorch's parameterisation: the diagonal is not constrained,
+    :math:`\log|S_c|` uses its absolute values). Init: :math:`m_c \sim N(0, 0.1^2 I)`, :math:`L_c = 0.1 I`
     (:mod:`gpattn.variational._scale`: the released :math:`m_c \sim N(0, I)`, :math:`L_c = I/2` made the
     layer's output 5× its input; the measured trade-off of :math:`L_c` is stated there).
     """
 
     def __init__(self, num_heads: int, rank: int):
-        super().__init__()
+        super().__init__(rank, batch_shape=torch.Size([num_heads, rank]))
         self.num_heads, self.rank = num_heads, rank
-        self.variational_mean = nn.Parameter(torch.empty(num_heads, rank, rank))  # shape: (H, r_c, r)
-        self.chol_offdiag = nn.Parameter(torch.empty(num_heads, rank, rank, rank))  # shape: (H, r_c, r, r)
-        self.log_chol_diag = nn.Parameter(torch.empty(num_heads, rank, rank))  # shape: (H, r_c, r)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
             # near-deterministic start on the stream's scale (gpattn.variational._scale)
             self.variational_mean.normal_(0.0, KEP_MEAN_STD)
-            self.chol_offdiag.zero_()
-            self.log_chol_diag.fill_(math.log(KEP_COVARIANCE_STD))
+            self.chol_variational_covar.copy_(KEP_COVARIANCE_STD * torch.eye(self.rank))
 
     @property
     def chol(self) -> torch.Tensor:
-        """L_c, lower triangular with positive diagonal.  # shape: (H, r_c, r, r)"""
-        return self.chol_offdiag.tril(-1) + torch.diag_embed(self.log_chol_diag.exp())
-
-    def forward(self) -> MultivariateNormal:
-        """q(u) as a gpytorch MultivariateNormal with batch (H, r_c) and event r."""
-        return MultivariateNormal(self.variational_mean, CholLinearOperator(TriangularLinearOperator(self.chol)))
+        """L_c, lower triangular.  # shape: (H, r_c, r, r)"""
+        return self.chol_variational_covar.tril()
 
 
 def kep_kl_divergence(lam: torch.Tensor, m: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
@@ -394,7 +393,7 @@ def residual_root(phi_q: torch.Tensor, phi_k: torch.Tensor, W: torch.Tensor, mas
 
 
 # ------------------------------------------------------------------------------------ the layer
-class KEPSVGP(nn.Module):
+class KEPSVGP(_AmortisedVariationalStrategy):
     r"""Kernel-eigen pair SVGP attention of one layer (seed 002 §4, eqs. 16–21; MATH.md §6).
 
     Per head, with the KSVD projections :math:`e = \phi(q) W_e`, :math:`r = \phi(k) W_r` and singular
@@ -425,6 +424,11 @@ class KEPSVGP(nn.Module):
 
     Cost per head: O(T·Dh·r + T·r²) (+ O(T²·r) for concat, O(T·Dh²) for the residual) — linear in T.
 
+    The strategy of the protocol (:mod:`gpattn.variational._strategy`): :meth:`condition` computes the
+    features of a batch once and returns a :class:`KEPConditional` (mean, samples, posterior, the KL and
+    the ``kl_global`` / ``ksvd`` loss terms); ``jitter`` is the constant diagonal of the posterior it
+    returns (samples and means never include it).
+
     **Peer code** (released ``kep_svgp.py``): its sampler and KL trace permute L's output and inducing
     indices (``permute(0,1,4,2,3)``), an undimensioned squeeze breaks B = 1 / H = 1 / T = 1, and padded tokens are
     landmarks. Here: the per-output SVGP above, explicit reshapes, landmarks from real tokens only.
@@ -442,13 +446,15 @@ class KEPSVGP(nn.Module):
         seq_len: int | None = None,
         token_independent: bool = False,
         include_residual: bool = False,
+        jitter: float = 0.0,
     ):
         super().__init__()
+        self.jitter = jitter
         self.num_heads, self.head_dim, self.value_dim, self.rank = num_heads, head_dim, value_dim, rank
         self.merge, self.seq_len = merge, seq_len
         self.token_independent, self.include_residual = token_independent, include_residual
         self.ksvd = KSVDProjection(num_heads, head_dim, rank, num_landmarks)
-        self.variational = KEPVariationalDistribution(num_heads, rank)
+        self.variational_distribution = KEPVariationalDistribution(num_heads, rank)
         self.out_weight = nn.Parameter(torch.empty(num_heads, rank, value_dim))  # shape: (H, r, Dv)
         self.out_bias = nn.Parameter(torch.empty(num_heads, value_dim))  # shape: (H, Dv)
         if merge == "concat":
@@ -501,52 +507,71 @@ class KEPSVGP(nn.Module):
         a = G * (-self.ksvd.log_lambda).exp()[:, None, :]  # shape: (B, H, T, r): G Λ⁻¹ (Λ diagonal)
         return {"e": e, "r": r, "a": a, "residual": res}
 
-    def kl_divergence(self) -> torch.Tensor:
-        """Σ_{h,c} KL(q(u_c) ‖ N(0, Λ²)), a global term (MATH §9: the objective divides it by N)."""
-        return kep_kl_divergence(self.ksvd.lam, self.variational.variational_mean, self.variational.chol)
+    def condition(self, x, q, k, mask=None) -> KEPConditional:
+        """Features of a batch of sequences, computed once (float32 at least, autocast off).
 
-    # ---------------------------------------------------------------- the layer
-    def forward(
-        self, x, q, k, mask=None, *, sample: bool = True, return_mean: bool = False, loss_mask=None,
-        num_samples: int | None = None,
-    ):
-        """Head outputs (a sample, or the posterior mean when ``sample=False``) and the loss terms
-        (and, with ``return_mean``, the posterior mean as a third element). ``loss_mask`` (default
-        ``mask``) chooses the real tokens the KSVD objective averages over; ``num_samples=P`` draws P
-        samples from the one set of features, on a leading axis.
-
-        # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask, loss_mask (B, T) or None -> (B, H, T, Dv)
-        #        (or (P, B, H, T, Dv) when sampling with num_samples=P), dict
+        # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask (B, T) bool (True = padding) or None
         """
-        feats = self.features(x, q, k, mask)
-        m = self.variational.variational_mean
-        if sample:
-            heads = kep_sample(
-                feats["a"],
-                m,
-                self.variational.chol,
-                self.out_weight,
-                self.out_bias,
-                token_independent=self.token_independent,
-                residual=feats["residual"],
+        with gp_algebra(q.device.type):
+            x, q, k = full_precision(x, q, k)
+            return KEPConditional(self, self.features(x, q, k, mask), mask)
+
+
+class KEPConditional(AmortisedConditional):
+    r"""One forward pass of KEP-SVGP (returned by :meth:`KEPSVGP.condition`): the merged features
+    ``a = G Λ⁻¹`` of the batch and the layer's q(u_c), p(u_c) = N(0, Λ²).
+
+    :ivar mean: :math:`(a M^\top) W + b`.  # shape: (B, H, T, Dv)
+    """
+
+    def __init__(self, strategy: KEPSVGP, features: dict, mask: torch.Tensor | None):
+        self.strategy, self.features, self.mask = strategy, features, mask
+        q_u = strategy.variational_distribution
+        self._device = features["a"].device.type
+        self.mean = kep_mean(features["a"], q_u.variational_mean, strategy.out_weight, strategy.out_bias)
+
+    def _map_args(self):
+        q_u, s = self.strategy.variational_distribution, self.strategy
+        return self.features["a"], q_u.variational_mean, q_u.chol, s.out_weight, s.out_bias
+
+    @property
+    def prior_distribution(self) -> MultivariateNormal:
+        """p(u_c) = N(0, Λ²) on the inducing features.  # shape: batch (H, r_c), event r"""
+        var = self.strategy.ksvd.lam.square()[:, None, :].expand(-1, self.strategy.rank, -1)  # shape: (H, r_c, r)
+        return MultivariateNormal(torch.zeros_like(var), DiagLinearOperator(var))
+
+    @property
+    def variational_distribution(self) -> MultivariateNormal:
+        """q(u_c) = N(m_c, L_c L_cᵀ).  # shape: batch (H, r_c), event r"""
+        return self.strategy.variational_distribution()
+
+    def kl_divergence(self) -> torch.Tensor:
+        """Σ_{h,c} KL(q(u_c) ‖ N(0, Λ²)), a global term (docs/derivations.md §9: the objective divides it by
+        N).  # shape: -> ()"""
+        q_u = self.strategy.variational_distribution
+        return kep_kl_divergence(self.strategy.ksvd.lam, q_u.variational_mean, q_u.chol)
+
+    def rsample(self, num_samples=None, generator=None):
+        """Exact (or, ``token_independent``, per-token) samples of the head outputs (:func:`kep_sample`).
+        # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
+        with gp_algebra(self._device):
+            return kep_sample(
+                *self._map_args(),
+                token_independent=self.strategy.token_independent,
+                residual=self.features["residual"],
+                generator=generator,
                 num_samples=num_samples,
             )
-        mean = kep_mean(feats["a"], m, self.out_weight, self.out_bias) if return_mean or not sample else None
-        if not sample:
-            heads = mean
-        J = self.ksvd.objective(feats["e"], feats["r"], mask if loss_mask is None else loss_mask)
-        terms = {"kl_global": self.kl_divergence(), "ksvd": J.pow(2)}
-        return (heads, terms, mean) if return_mean else (heads, terms)
 
-    def posterior(self, x, q, k, mask=None, *, jitter: float = 0.0) -> MultivariateNormal:
-        """# shape: -> MultivariateNormal batch (B, H, Dv), event T"""
-        feats = self.features(x, q, k, mask)
-        return kep_posterior(
-            feats["a"],
-            self.variational.variational_mean,
-            self.variational.chol,
-            self.out_weight,
-            self.out_bias,
-            residual=feats["residual"],
-            jitter=jitter,
-        )
+    def posterior(self) -> MultivariateNormal:
+        """The exact posterior of the head outputs with the strategy's ``jitter`` (:func:`kep_posterior`)."""
+        with gp_algebra(self._device):
+            return kep_posterior(*self._map_args(), residual=self.features["residual"], jitter=self.strategy.jitter)
+
+    def added_loss_terms(self, mask=None):
+        """``kl_global`` (the total KL) and ``ksvd`` = J², J averaged over the real tokens of ``mask`` (the
+        caller's mask, all-padding rows included; default the mask of :meth:`KEPSVGP.condition`)."""
+        with gp_algebra(self._device):
+            mask = self.mask if mask is None else mask
+            J = self.strategy.ksvd.objective(self.features["e"], self.features["r"], mask)
+            return GlobalKL(self.kl_divergence()), KSVDLoss(J.pow(2))

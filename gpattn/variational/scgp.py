@@ -18,13 +18,14 @@ from gpattn.variational._linalg import (
     LowRankPlusDiagLinearOperator,
     add_jitter,
     cholesky,
+    gp_algebra,
     matmul_samples,
     standard_normal,
     tri_solve,
 )
-from gpattn.variational.cgp import CorrelatedGPBase
+from gpattn.variational.cgp import CorrelatedConditional, CorrelatedGPBase
 
-__all__ = ["DTCTerms", "SparseCorrelatedGP"]
+__all__ = ["DTCTerms", "SCGPConditional", "SparseCorrelatedGP"]
 
 
 class DTCTerms(NamedTuple):
@@ -231,34 +232,50 @@ class SparseCorrelatedGP(CorrelatedGPBase):
             s, s_keys = (x.to(q) for x in inducing)
         return self.terms(q, k, o, s, s_keys, valid)
 
-    def _forward(self, q, k, o, v, valid, *, sample, regularize, num_samples=None, inducing=None):
+    def _condition(self, q, k, o, v, valid, inducing=None):
         t = self._terms_for(q, k, o, valid, inducing)
         z = v if valid is None else v * valid[..., :, None]  # eq. 34: z = v, padded keys removed
-        nu = self.predictive_mean(t, z)
-        out = nu
-        if sample:
-            root = self.covariance_root(t)  # shape: (B, H, T, m)
-            B, H, T, Dv = nu.shape
-            eps = standard_normal((B, H, T + root.shape[-1], Dv), nu, num_samples)  # shape: ([P,] B, H, T + m, Dv)
-            sigma = t.s2.sqrt()
-            out = nu + sigma * eps[..., :T, :] + matmul_samples(root, eps[..., T:, :])  # σ ε₁ + K_qm R ε₂
-        reg = self.regularizer(t, nu, z, valid) if regularize else None
-        return out, reg, nu
-
-    def _posterior(self, q, k, o, v, valid, inducing=None):
-        t = self._terms_for(q, k, o, valid, inducing)
-        z = v if valid is None else v * valid[..., :, None]
-        nu = self.predictive_mean(t, z)
-        root = self.covariance_root(t)
-        B, H, T, Dv = nu.shape
-        root = root.unsqueeze(2).expand(B, H, Dv, T, root.shape[-1])  # a view: no copy per column
-        diag = t.s2.reshape(1, H, 1, 1).expand(B, H, Dv, T)  # σ² on every token
-        # σ²I + rank m, factorised through m×m matrices only and exact at any T (numerics policy)
-        covar = LowRankPlusDiagLinearOperator(LowRankRootLinearOperator(root), DiagLinearOperator(diag))
-        return MultivariateNormal(nu.transpose(-1, -2), covar)
+        return SCGPConditional(self, self.predictive_mean(t, z), valid, t, z)
 
     def _conditional_mean(self, q, k, o, z, valid, inducing=None):
         t = self._terms_for(q, k, o, valid, inducing)
         if valid is not None:
             z = z * valid[..., :, None]
         return self.predictive_mean(t, z)
+
+
+class SCGPConditional(CorrelatedConditional):
+    """One forward pass of sparse CGP (:meth:`SparseCorrelatedGP.condition`): the DTC terms and ν; the
+    covariance root :math:`K_{qm}R` on first use (shared by samples and posterior)."""
+
+    def __init__(self, gp: SparseCorrelatedGP, nu, valid, terms: DTCTerms, z):
+        super().__init__(gp, nu, valid)
+        self.terms, self._z, self._root = terms, z, None
+
+    def _covariance_root(self) -> torch.Tensor:
+        """# shape: (B, H, T, m)"""
+        if self._root is None:
+            self._root = self.gp.covariance_root(self.terms)
+        return self._root
+
+    def rsample(self, num_samples=None, generator=None):
+        """ν + σ ε₁ + K_qm R ε₂ (ε₂ ∈ R^m): never a T×T factorisation.
+        # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
+        with gp_algebra(self._device):
+            nu, root = self.mean, self._covariance_root()
+            B, H, T, Dv = nu.shape
+            eps = standard_normal((B, H, T + root.shape[-1], Dv), nu, num_samples, generator)
+            return nu + self.terms.s2.sqrt() * eps[..., :T, :] + matmul_samples(root, eps[..., T:, :])
+
+    def posterior(self) -> MultivariateNormal:
+        with gp_algebra(self._device):
+            nu, root = self.mean, self._covariance_root()
+            B, H, T, Dv = nu.shape
+            root = root.unsqueeze(2).expand(B, H, Dv, T, root.shape[-1])  # a view: no copy per column
+            diag = self.terms.s2.reshape(1, H, 1, 1).expand(B, H, Dv, T)  # σ² on every token
+            # σ²I + rank m, factorised through m×m matrices only and exact at any T (numerics policy)
+            covar = LowRankPlusDiagLinearOperator(LowRankRootLinearOperator(root), DiagLinearOperator(diag))
+            return MultivariateNormal(nu.transpose(-1, -2), covar)
+
+    def _regularizer(self):
+        return self.gp.regularizer(self.terms, self.mean, self._z, self.valid)

@@ -46,21 +46,23 @@ from linear_operator.operators import (
 
 from gpattn.kernels import evaluate_kernel
 from gpattn.variational._linalg import (
+    add_jitter,
     cholesky,
     full_precision,
     gp_algebra,
+    isolate_padding,
     matmul_samples,
     safe_sqrt,
     standard_normal,
     with_policy,
 )
+from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy
 
 __all__ = [
     "COVARIANCE_MODES",
     "AmortisedDiagonalVariationalDistribution",
     "SGPAConditional",
     "SGPAVariationalStrategy",
-    "add_diagonal",
     "check_covariance",
     "check_jitter",
     "check_sequence_inputs",
@@ -116,31 +118,6 @@ def relative_jitter(diag: torch.Tensor, jitter: float, mask: torch.Tensor | None
     return (jitter * scale)[..., None, None]
 
 
-def add_diagonal(A: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """A + diag(value) without forming an identity: a copy of A with its diagonal shifted.
-
-    # shape: A (..., n, n), value broadcastable to (..., n) -> (..., n, n)
-    """
-    out = A.clone()
-    out.diagonal(dim1=-2, dim2=-1).add_(value)
-    return out
-
-
-def isolate_padding(K: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Replace padded rows and columns of a Gram matrix by identity rows/columns.
-
-    The padded tokens become isolated dummy inputs (zero covariance with every real token, unit
-    variance), so a Cholesky factor's real rows equal those of the real block alone.
-    # shape: K (B, H, T, T), mask (B, T) -> (B, H, T, T)
-    """
-    if mask is None:
-        return K
-    real = ~mask
-    both = real[:, None, :, None] & real[:, None, None, :]  # shape: (B, 1, T, T)
-    eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
-    return torch.where(both, K, eye)
-
-
 def posterior_distribution(mean: torch.Tensor, covariance: LinearOperator) -> MultivariateNormal:
     """q(f) in GPyTorch's form: batch (B, H, Dv), event T. The covariance carries the numerics policy
     (:func:`gpattn.variational._linalg.with_policy`): solves, log-determinants and roots stay exact
@@ -177,7 +154,7 @@ class AmortisedDiagonalVariationalDistribution(nn.Module):
 
 
 # ---------------------------------------------------------------------------------- q(u) -> q(f)
-class SGPAConditional:
+class SGPAConditional(AmortisedConditional):
     """The factors of one standard-SGPA forward pass (returned by
     :meth:`SGPAVariationalStrategy.condition`; an explicit per-call object, never cached).
 
@@ -248,7 +225,7 @@ class SGPAConditional:
         return self.mean + matmul_samples(self.chol, self.std * eps)
 
 
-class SGPAVariationalStrategy(nn.Module):
+class SGPAVariationalStrategy(_AmortisedVariationalStrategy):
     r"""Standard SGPA (seed 004 §3.2; MATH.md §5a) for every head and output dim d at once.
 
     Inducing inputs are the sequence's keys k (W_q = W_k, so the queries are the keys), inducing
@@ -295,18 +272,10 @@ class SGPAVariationalStrategy(nn.Module):
             K = isolate_padding(evaluate_kernel(self.kernel, keys, keys), mask)  # shape: (B, H, T, T)
             pad = None if mask is None else mask[:, None, :]  # shape: (B, 1, T)
             jit = relative_jitter(K.diagonal(dim1=-2, dim2=-1), self.jitter, pad)  # shape: (B, H, 1, 1)
-            L = cholesky(add_diagonal(K, jit[..., 0]), name="sgpa (K_kk)")  # shape: (B, H, T, T)
+            L = cholesky(add_jitter(K, jit[..., 0, 0]), name="sgpa (K_kk)")  # shape: (B, H, T, T)
             std = self.variational_distribution(keys)  # shape: (B, H, T, Dv)
             if mask is not None:
                 tok = mask[:, None, :, None]  # shape: (B, 1, T, 1)
                 std = std.masked_fill(tok, 1.0)  # q(ũ_p) = prior: KL contribution 0
                 values = values.masked_fill(tok, 0.0)
             return SGPAConditional(L, K, values, std, jit, self.covariance)
-
-    def forward(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None) -> MultivariateNormal:
-        """q(f) at the queries (= keys).  # shape: -> batch (B, H, Dv), event T"""
-        return self.condition(keys, values, mask).posterior()
-
-    def kl_divergence(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """KL(q(u) ‖ p(u)) per (b, h, d).  # shape: -> (B, H, Dv)"""
-        return self.condition(keys, values, mask).kl_divergence()

@@ -26,13 +26,11 @@ first, so real tokens' samples never depend on padded ones.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.kernels import Kernel
+from gpytorch.variational import CholeskyVariationalDistribution
 from linear_operator.operators import (
     CholLinearOperator,
     DenseLinearOperator,
@@ -43,9 +41,18 @@ from linear_operator.operators import (
 )
 
 from gpattn.kernels import evaluate_kernel
-from gpattn.variational._linalg import cholesky, full_precision, gp_algebra, matmul_samples, safe_sqrt, tri_solve
+from gpattn.objectives import GlobalKL, SequenceKL
+from gpattn.variational._linalg import (
+    add_jitter,
+    cholesky,
+    full_precision,
+    gp_algebra,
+    matmul_samples,
+    safe_sqrt,
+    tri_solve,
+)
+from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy, sequence_mean
 from gpattn.variational.sgpa import (
-    add_diagonal,
     check_covariance,
     check_jitter,
     check_sequence_inputs,
@@ -62,39 +69,39 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------- q(u_g)
-class WhitenedGlobalVariationalDistribution(nn.Module):
+class WhitenedGlobalVariationalDistribution(CholeskyVariationalDistribution):
     r"""Global whitened q(ũ_g) of decoupled SGPA, per head h and output dim d:
 
     .. math:: q(\tilde u_{g,d}) = \mathcal N(L_g^\top v_{g,d},\ \tilde S_{g,d}),
               \qquad \tilde S_{g,d} = L_{s,d} L_{s,d}^\top,
 
-    with the unwhitened coefficients :math:`v_g \in \mathbb R^{H \times M \times D_v}` (the mean term is
-    :math:`K_{qg} v_{g,d}`) and :math:`L_{s,d}` lower triangular with a positive (softplus) diagonal.
-    Only the M(M+1)/2 lower-triangular entries are parameters. Initialised as GPyTorch's
-    ``CholeskyVariationalDistribution``: S̃ = I, v_g ~ N(0, 10⁻⁶).
+    gpytorch's ``CholeskyVariationalDistribution`` with batch shape ``(H, Dv)`` over the M global
+    inducing inputs: :math:`L_{s,d}` is the lower triangle of ``chol_variational_covar[h, d]`` (gpytorch's
+    parameterisation: an unconstrained diagonal, :math:`\log|\tilde S|` from its absolute values), and
+    ``variational_mean[h, d]`` holds the *unwhitened* coefficients :math:`v_{g,d}` (the mean term is
+    :math:`K_{qg} v_{g,d}`; the whitened mean :math:`L_g^\top v_{g,d}` depends on the kernel and the global
+    keys, so calling this module gives :math:`N(v_{g,d}, \tilde S_{g,d})`, and q(ũ_g) itself is the
+    conditional's ``variational_distribution``). Initialised as gpytorch does: S̃ = I, v_g ~ N(0, 10⁻⁶).
     """
 
     def __init__(self, num_heads: int, num_global: int, value_dim: int):
-        super().__init__()
+        super().__init__(num_global, batch_shape=torch.Size([num_heads, value_dim]))
         self.num_global = num_global
-        self.inducing_values = nn.Parameter(1e-3 * torch.randn(num_heads, num_global, value_dim))  # (H, M, Dv)
-        rows, cols = torch.tril_indices(num_global, num_global)
-        raw = torch.where(rows == cols, math.log(math.expm1(1.0)), 0.0)  # softplus(raw) = 1 on the diagonal
-        self.raw_scale_tril = nn.Parameter(raw.repeat(num_heads, value_dim, 1))  # shape: (H, Dv, M(M+1)/2)
+        with torch.no_grad():
+            self.variational_mean.copy_(1e-3 * torch.randn(num_heads, num_global, value_dim).mT)
+
+    @property
+    def inducing_values(self) -> torch.Tensor:
+        """v_g, a view of ``variational_mean``.  # shape: (H, M, Dv)"""
+        return self.variational_mean.mT
 
     def scale_tril(self) -> torch.Tensor:
         """L_s.  # shape: -> (H, Dv, M, M)"""
-        M = self.num_global
-        rows, cols = torch.tril_indices(M, M, device=self.raw_scale_tril.device)
-        raw = self.raw_scale_tril
-        entries = torch.where(rows == cols, F.softplus(raw), raw)
-        L = raw.new_zeros(*raw.shape[:-1], M, M)
-        L[..., rows, cols] = entries
-        return L
+        return self.chol_variational_covar.tril()
 
 
 # ---------------------------------------------------------------------------------- q(u) -> q(f)
-class DecoupledSGPAConditional:
+class DecoupledSGPAConditional(AmortisedConditional):
     """The factors of one decoupled-SGPA forward pass (returned by
     :meth:`DecoupledSGPAVariationalStrategy.condition`; explicit, never cached).
 
@@ -160,7 +167,7 @@ class DecoupledSGPAConditional:
         quad_aa = (self.values * self.gram_values).sum(-2)  # shape: (B, H, Dv); v̂ᵀ K_aa v̂
         gamma = 0.5 * (quad_aa - self.proj_values.square().sum(-2))
         L_s = self.scale_tril
-        log_det = 2 * L_s.diagonal(dim1=-2, dim2=-1).log().sum(-1)  # shape: (H, Dv)
+        log_det = 2 * L_s.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)  # shape: (H, Dv)
         M = L_s.shape[-1]
         beta = 0.5 * (L_s.square().sum((-2, -1)) + self.whitened_values.square().sum(-2) - M - log_det)
         return gamma, beta
@@ -169,6 +176,12 @@ class DecoupledSGPAConditional:
         """Process KL per (b, h, d) = γ-part + β-part.  # shape: -> (B, H, Dv)"""
         gamma, beta = self.kl_divergence_parts()
         return gamma + beta
+
+    def added_loss_terms(self, mask=None):
+        """``kl_seq``: the γ-part, per sequence (docs/derivations.md §9); ``kl_global``: the β-part, summed
+        over (h, d)."""
+        gamma, beta = self.kl_divergence_parts()
+        return SequenceKL(sequence_mean(gamma, mask)), GlobalKL(beta.sum())
 
     # -- q(f)
     def residual(self) -> torch.Tensor:
@@ -215,12 +228,12 @@ class DecoupledSGPAConditional:
         pad = None if self.mask is None else self.mask[:, None, :]
         jit = relative_jitter(self.gram_diag, self.jitter, pad)  # shape: (B, H, 1, 1)
         if self.mask is None:
-            L = cholesky(add_diagonal(R, jit[..., 0]), name="sgpa-decoupled (K_qq - Q_qq)")
+            L = cholesky(add_jitter(R, jit[..., 0, 0]), name="sgpa-decoupled (K_qq - Q_qq)")
             return matmul_samples(L, eps)
         perm = torch.argsort(self.mask.to(torch.int8), dim=-1, stable=True)  # shape: (B, T), real first
         rows = perm[:, None, :, None].expand(B, H, T, T)
         R = R.gather(-2, rows).gather(-1, rows.mT)  # R[perm][:, perm]
-        L = cholesky(add_diagonal(R, jit[..., 0]), name="sgpa-decoupled (K_qq - Q_qq)")
+        L = cholesky(add_jitter(R, jit[..., 0, 0]), name="sgpa-decoupled (K_qq - Q_qq)")
         inv = torch.argsort(perm, dim=-1)[:, None, :, None].expand(B, H, T, eps.shape[-1])  # shape: (B, H, T, Dv)
         inv = inv.expand(*eps.shape[:-4], *inv.shape)
         return matmul_samples(L, eps).gather(-2, inv)  # rows back in token order (ε's row order is immaterial)
@@ -251,7 +264,7 @@ class DecoupledSGPAConditional:
             return self.mean + self._residual_sample(eps) + matmul_samples(self.interp, low_rank)
 
 
-class DecoupledSGPAVariationalStrategy(nn.Module):
+class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
     r"""Decoupled SGPA (seed 004 §3.3; MATH.md §5b) for every head and output dim d at once.
 
     Two bases per head: the amortised mean basis (the sequence's keys k_a with coefficients the
@@ -331,7 +344,7 @@ class DecoupledSGPAVariationalStrategy(nn.Module):
             K = evaluate_kernel(self.kernel, queries, queries)  # shape: (B, H, T, T)
             K_gg = evaluate_kernel(self.kernel, global_keys, global_keys)  # shape: (H, M, M)
             jit = relative_jitter(K_gg.diagonal(dim1=-2, dim2=-1), self.jitter)  # shape: (H, 1, 1)
-            L_g = cholesky(add_diagonal(K_gg, jit[..., 0]), name="sgpa-decoupled (K_gg)")  # shape: (H, M, M)
+            L_g = cholesky(add_jitter(K_gg, jit[..., 0, 0]), name="sgpa-decoupled (K_gg)")  # shape: (H, M, M)
             K_qg = evaluate_kernel(self.kernel, queries, global_keys.expand(B, *global_keys.shape))  # (B, H, T, M)
             A = tri_solve(L_g.mT, K_qg, upper=True, left=False)  # shape: (B, H, T, M); A L_gᵀ = K_qg
             c = A.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
@@ -352,11 +365,3 @@ class DecoupledSGPAVariationalStrategy(nn.Module):
                 jitter=self.jitter,
                 covariance=self.covariance,
             )
-
-    def forward(self, queries, values, global_keys, mask=None) -> MultivariateNormal:
-        """q(f) at the queries.  # shape: -> batch (B, H, Dv), event T"""
-        return self.condition(queries, values, global_keys, mask).posterior()
-
-    def kl_divergence(self, queries, values, global_keys, mask=None) -> torch.Tensor:
-        """Process KL per (b, h, d).  # shape: -> (B, H, Dv)"""
-        return self.condition(queries, values, global_keys, mask).kl_divergence()

@@ -1,0 +1,54 @@
+"""The one GP attention shim: every GP variant is a short declaration
+on top of :class:`GPAttention` — its projections, its strategy (``self.strategy``, a
+:class:`gpattn.variational._strategy._AmortisedVariationalStrategy`) and, where it needs more than the
+projections, :meth:`GPAttention.strategy_inputs`.
+
+A forward projects, conditions once (``strategy.condition(*inputs, mask)``), draws from the conditional
+(P draws from the one factorisation with ``num_samples=P``: ``native_samples = True``) or takes its mean
+under ``gpattn.deterministic()``, and records the conditional's loss terms as GPyTorch added loss terms
+(reduced once, :func:`gpattn.variational._strategy.sequence_mean`). ``posterior()`` is the conditional's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpattn.attention.base import AttentionBase
+from gpattn.variational._strategy import AmortisedConditional
+
+__all__ = ["GPAttention"]
+
+
+class GPAttention(AttentionBase):
+    """Base of the GP variants: subclasses set ``projections`` and ``self.strategy`` in ``__init__``."""
+
+    is_gp = True
+    stochastic = True
+    native_samples = True
+
+    @property
+    def kernel(self):
+        """The strategy's kernel (a gpytorch ``Kernel``)."""
+        return self.strategy.kernel
+
+    def strategy_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The strategy's inputs for ``x``: by default the per-head projections, in the order of
+        ``projections``.  # shape: x (B, T, D) -> each (B, H, T, Dh or Dv)"""
+        p = self.project(x)
+        return tuple(p[name] for name in self.projections)
+
+    def _condition(self, x: torch.Tensor, mask: torch.Tensor | None) -> AmortisedConditional:
+        return self.strategy.condition(*self.strategy_inputs(x), mask=mask)
+
+    def _attend(self, x, mask, num_samples=None):
+        cond = self._condition(x, mask)
+        out = self.draw(cond.rsample, num_samples) if self.sampling else cond.mean
+        # after the draw: a loss term that samples (CGP's prior samples) takes the random numbers after it
+        self.set_loss_terms(*cond.added_loss_terms(self.loss_mask))
+        mean = cond.mean
+        if cond.output_dtype is not None:
+            out, mean = out.to(cond.output_dtype), mean.to(cond.output_dtype)
+        return out, mean
+
+    def _posterior(self, x, mask):
+        return self._condition(x, mask).posterior()
