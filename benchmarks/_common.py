@@ -310,7 +310,8 @@ def run_isolated(
     ``gpattn`` and the modules in ``preload`` once and never runs a torch op, then forks one child per
     case. The server is started by the first call of the process; later calls' ``preload`` and
     ``server_env`` are ignored. (Forking this process directly would hang as soon as it has run an
-    OpenMP parallel region; spawning a new interpreter per case repeats the imports of torch and gpattn every time.) ``fn`` must be
+    OpenMP parallel region; spawning a new interpreter per case repeats the imports of torch and gpattn
+    every time.) ``fn`` must be
     importable by module name; ``server_env`` holds environment variables for the server (read when it starts, e.g.
     ``OMP_WAIT_POLICY``). ``isolate=False`` runs in this process (no timeout, no memory cap)."""
     if not isolate or "forkserver" not in mp.get_all_start_methods():

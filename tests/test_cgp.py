@@ -1,4 +1,4 @@
-"""Exact correlated-GP attention (``cgp``; MATH.md §7, seed 003 §3 and App. A–B).
+"""Exact correlated-GP attention (``cgp``; docs/derivations.md §7, Bui et al. §3 and App. A–B).
 
 Every reference is written independently of gpattn.variational (gpattn.testing.references and the
 Monte-Carlo estimates here): pairwise-difference kernels, dense ``torch.linalg.solve`` and the formulas
@@ -85,7 +85,7 @@ def test_mean_and_covariance_match_dense_formulas():
 
 
 def test_scales_enter_cross_covariances():
-    """σ_q, σ_k multiply K_qo and K_ok too (MATH §7 Decision): the mean scales with σ_q σ_k."""
+    """σ_q, σ_k multiply K_qo and K_ok too (docs/derivations.md §7 Choice): the mean scales with σ_q σ_k."""
     gp = make_gp()
     q, k, o, v = make_inputs(1)
     nu = gp.condition(q, k, o, v).mean
@@ -242,7 +242,7 @@ def test_layer_loss_term_and_deterministic_mean():
     c = layer.input_scale
     assert c == pytest.approx(6**-0.25)
     res = layer.gp.condition(p["q"] * c, p["k"] * c, p["o"] * c, p["v"], mask)
-    # MATH §7: mean over the batch of Σ_{h,d} R / 2
+    # docs/derivations.md §7: mean over the batch of Σ_{h,d} R / 2
     torch.testing.assert_close(layer_loss_terms(layer)["cgp"], res.regularizer().sum((1, 2)).mean() / 2)
     with gpattn.deterministic():
         y_mean = layer(x, mask)

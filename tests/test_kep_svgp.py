@@ -1,4 +1,4 @@
-"""KEP-SVGP (MATH.md §6, seed 002): posterior, KL, sampling, KSVD objective, shapes, cost.
+"""KEP-SVGP (docs/derivations.md §6, Chen et al. (2024)): posterior, KL, sampling, KSVD objective, shapes, cost.
 
 Every reference here is written independently of gpattn.variational.kep_svgp: dense float64 matrices,
 explicit loops over heads/outputs, ``torch.linalg.solve`` for Λ⁻¹, ``torch.distributions`` for the KL,

@@ -1,4 +1,4 @@
-"""Sparse (DTC) correlated-GP attention (``scgp``; MATH.md §8, seed 003 §4 and App. C–E).
+"""Sparse (DTC) correlated-GP attention (``scgp``; docs/derivations.md §8, Bui et al. §4 and App. C–E).
 
 References are written independently of gpattn.variational (gpattn.testing.references and the
 Monte-Carlo estimates here): pairwise-difference kernels, dense solves and the appendix formulas in
@@ -100,7 +100,7 @@ def test_mean_and_covariance_match_dense_formulas():
 
 
 def test_sparse_limit_recovers_exact_cgp_mean():
-    """MATH §8: with m = l = T, s = x_o and s' = k, the DTC mean E[z_q | z_k] equals the exact CGP
+    """docs/derivations.md §8: with m = l = T, s = x_o and s' = k, the DTC mean E[z_q | z_k] equals the exact CGP
     mean for the same observations z_k (the layers feed different z, so compare predictive means)."""
     q, k, o, _ = make_inputs(3, scale=1.0)
     z = torch.randn(B, H, T, DV, generator=torch.Generator().manual_seed(4), dtype=F64)

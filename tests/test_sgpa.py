@@ -1,4 +1,4 @@
-"""Standard SGPA (MATH.md §5a): the posterior, KL and sampler against dense float64 references
+"""Standard SGPA (docs/derivations.md §5a): the posterior, KL and sampler against dense float64 references
 (gpattn.testing.references, written independently of gpattn.variational.sgpa). The shapes every GP
 variant shares (dense reference, padding = truncation, moments, E[layer], T > 800, float32 at T = 1024,
 the invariants in diag mode) come from gpattn.testing.GPAttentionTestCase; this file keeps SGPA's own
@@ -70,7 +70,7 @@ make_layer, inputs = CASE.make_layer, CASE.make_inputs  # float64, jitter 0, per
 @pytest.mark.parametrize("seed", [0, 1])
 def test_posterior_matches_dense_svgp_formula(seed):
     """mean = K_qk K_kk⁻¹ m, Σ = K_qq − K_qk K_kk⁻¹ K_kq + K_qk K_kk⁻¹ S K_kk⁻¹ K_kq with m = K v,
-    S = L diag(s²) Lᵀ (the generic SVGP formula, MATH §5a) to 1e-8 in float64."""
+    S = L diag(s²) Lᵀ (the generic SVGP formula, docs/derivations.md §5a) to 1e-8 in float64."""
     layer, x = make_layer(seed), inputs(seed=seed)
     post = layer.posterior(x)
     qk, v = sgpa_heads(layer, x)
@@ -124,7 +124,7 @@ def test_kl_matches_torch_distributions(jitter):
     """Whitened u-space KL(N(Lᵀv, diag s²) ‖ N(0, I)) and the unwhitened KL(N((K + jI) v, L Σ̃ Lᵀ) ‖
     N(0, K + jI)), L = chol(K + jI) with the relative jitter j = jitter · mean diag K (a large one here,
     so that its term is visible), both equal the strategy's closed form; the layer reports its batch
-    mean as kl_seq (MATH §9)."""
+    mean as kl_seq (docs/derivations.md §9)."""
     layer, x = make_layer(jitter=jitter), inputs()
     qk, v = sgpa_heads(layer, x)
     cond = layer.strategy.condition(qk, v)

@@ -1,4 +1,4 @@
-"""Decoupled SGPA (MATH.md §5b): posterior, KL, sampler and global keys against dense float64
+"""Decoupled SGPA (docs/derivations.md §5b): posterior, KL, sampler and global keys against dense float64
 references (gpattn.testing.references, written independently of gpattn.variational.sgpa_decoupled),
 the limiting case "global keys at the sequence's keys" → standard SGPA, and the relation to GPyTorch's
 OrthogonallyDecoupledVariationalStrategy. The shapes every GP variant shares come from
@@ -86,7 +86,7 @@ def condition(layer, x, mask=None):
 # ------------------------------------------------------------------ posterior and KL
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kl_parts_match_dense_formulas(seed):
-    """γ (input-dependent) and β (global) of the closed-form KL against MATH §5b densely (the posterior
+    """γ (input-dependent) and β (global) of the closed-form KL against docs/derivations.md §5b densely (the posterior
     and the loss terms: TestSGPADecoupled.test_posterior_matches_dense_reference)."""
     layer, x = make_layer(seed), inputs(seed=seed)
     mask = torch.zeros(2, 6, dtype=torch.bool)
@@ -161,7 +161,7 @@ def test_diag_is_diagonal_of_full():
 # ------------------------------------------------------------------ global keys (released-code bug)
 def test_each_head_global_keys_use_that_heads_W_qk():
     """Perturbing head h's rows of W_qk changes head h's global keys only; each head's keys equal
-    Z_g[h] projected like a token and sliced at head h (MATH §5b Peer code (i))."""
+    Z_g[h] projected like a token and sliced at head h (docs/derivations.md §5b Released code differs (i))."""
     torch.manual_seed(0)
     layer = gpattn.build_attention("sgpa-decoupled", 12, 3, num_global=4)
     Z = layer.strategy.inducing_inputs.detach()
@@ -279,7 +279,7 @@ def test_gpytorch_orthogonally_decoupled_differs_by_the_S_term():
 
 @gpytorch_internal_warnings
 def test_gpytorch_orthogonally_decoupled_agrees_as_S_vanishes():
-    """The equivalence that holds (MATH §5b): the mean difference is linear in S̃ and vanishes with it
+    """The equivalence that holds (docs/derivations.md §5b): the mean difference is linear in S̃ and vanishes with it
     (S̃ = 10⁻⁴ I → 10⁻⁸ I shrinks it 10⁴-fold, to below 10⁻⁶ relative)."""
     rel = []
     for scale in (1e-2, 1e-4):

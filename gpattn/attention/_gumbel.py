@@ -1,4 +1,4 @@
-r"""Gumbel-softmax sampling shared by STO-TRANS and H-STO-TRANS (MATH.md §3–4; seed 001 eqs. 9–11).
+r"""Gumbel-softmax sampling shared by STO-TRANS and H-STO-TRANS (docs/derivations.md §3–4; Pei et al. eqs. 9–11).
 
 The Gumbel-softmax of logits :math:`\ell` at temperature :math:`\tau` over the last axis is
 
@@ -10,14 +10,14 @@ Conventions of this module (one place, so that both variants agree):
 
 * **Masking before the noise.** Excluded entries (``mask`` True) get :math:`\ell = -\infty` before
   :math:`G` is added, so they receive exactly 0 weight and the rows renormalise over the real
-  entries (**Peer code** masks after sampling without renormalising).
+  entries (the released code masks after sampling without renormalising).
 * **Hard mode** (``hard=True``): the straight-through estimator of Jang et al. (2017), as in
   ``torch.nn.functional.gumbel_softmax``: the forward value is exactly the one-hot vector of
   :math:`\arg\max_j (\ell_j + G_j)`, the backward pass is that of the soft sample with the same
   noise. By the Gumbel-max trick the one-hot index is distributed as
   :math:`\mathrm{Categorical}(\mathrm{softmax}(\ell))` — independent of :math:`\tau`, which only
   shapes the gradient.
-* **Noise-free mode** (``sample=False``, used under ``gpattn.deterministic()``): **Decision** —
+* **Noise-free mode** (``sample=False``, used under ``gpattn.deterministic()``): **Choice** —
   :math:`\mathrm{softmax}(\ell/\tau)` in *both* soft and hard mode, i.e. the Gumbel-softmax with
   :math:`G` dropped. In hard mode this is the relaxation whose gradient the straight-through
   estimator uses (not the argmax one-hot, which ignores :math:`\tau`, is tie-sensitive and has no
@@ -26,13 +26,11 @@ Conventions of this module (one place, so that both variants agree):
   from torch's generator (so ``torch.manual_seed`` reproduces every sample), turned into uniforms
   on the centred grid :math:`U = (2i + 1)\,2^{-24}` (float32) or :math:`(2i+1)\,2^{-53}` (float64) by
   bit manipulation — never exactly 0 or 1, so :math:`G` is always finite. Large draws use two
-  spawned streams, drawn in two threads when torch may use them (the bits do not depend on it).
-  Measured on one core of this project's machine: ~4.5 ns per entry (SFC64 ~1.3, seven elementwise
-  passes the rest), against ~33 ns for ``exponential_().log()`` and ~9 ns for ``torch.rand`` plus
-  the same passes. Drawing the (B, H, T, T) noise and reading it as ``scaled_dot_product_attention``'s
-  additive mask are the whole cost of STO-TRANS over softmax attention (~0.5× softmax's
-  forward+backward at T = 256, ~1× at T = 1024, where the fused softmax kernel is ~6 ns per entry).
-  Other devices use ``exponential_`` on the device.
+  spawned streams, drawn in two threads when torch may use them (the bits do not depend on it):
+  the cheapest CPU noise generator measured (docs/benchmarks.md "Per-entry costs behind
+  implementation choices"). Drawing the (B, H, T, T) noise and reading it as
+  ``scaled_dot_product_attention``'s additive mask are the whole cost of STO-TRANS over softmax
+  attention, O(B·H·T²). Other devices use ``exponential_`` on the device.
 """
 
 from __future__ import annotations
@@ -206,7 +204,7 @@ def gumbel_attention(
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Gumbel-softmax attention :math:`\hat A v`, :math:`\hat A = \mathrm{GumbelSoftmax}(q k^\top/\tau)`
-    with padded keys at :math:`-\infty` before the noise (seed 001 eqs. 9–11).
+    with padded keys at :math:`-\infty` before the noise (Pei et al. eqs. 9–11).
 
     # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv), mask (B, S) bool (True = padding)
     # -> out (B, H, T, Dv), weights (B, H, T, S) or None

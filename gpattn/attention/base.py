@@ -1,4 +1,4 @@
-"""The attention contract (DESIGN.md "The contract"): one base class every variant derives from.
+"""The attention contract: one base class every variant derives from.
 
 A variant implements ``_attend(x, mask)`` returning per-head outputs ``(B, H, T, Dv)``; the GP variants
 derive from :class:`gpattn.attention.GPAttention`, which implements it (and ``_posterior``, a gpytorch
@@ -109,7 +109,7 @@ class AttentionBase(nn.Module):
         """Record this forward's loss terms as GPyTorch added loss terms, each under its kind's name
         (registered on first use): ``set_loss_terms(SequenceKL(kl))``, or by name,
         ``set_loss_terms(kl_seq=kl)`` (the kind registered under that name, gpattn.objectives). The values
-        are the layer's reduced terms (MATH §9: ``kl_seq`` already averaged over the batch,
+        are the layer's reduced terms (docs/derivations.md §9: ``kl_seq`` already averaged over the batch,
         :meth:`batch_mean`; ``kl_global`` the total over global parameters)."""
         for term in (*terms, *(GPLossTerm.kind(name)(value) for name, value in values.items())):
             if not isinstance(term, GPLossTerm):
@@ -213,7 +213,7 @@ class AttentionBase(nn.Module):
         with ``num_samples=P``: P draws per input, B-major (row b·P + p is draw p of sequence b).
 
         With ``num_samples`` a GP variant factorises once per sequence and draws its P samples from
-        that factorisation (the first sampling layer of a deep GP, MATH.md §9); a layer that does not
+        that factorisation (the first sampling layer of a deep GP, docs/derivations.md §9); a layer that does not
         sample in this forward computes its output once and repeats it; the other stochastic variants
         (Gumbel attention) run on the batch repeated P times. The loss terms are those of the B
         sequences (each sequence's terms once, as with the repeated batch, whose rows share them)."""

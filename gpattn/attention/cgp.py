@@ -1,5 +1,5 @@
 """Correlated-GP attention layers ``cgp`` (exact) and ``scgp`` (DTC sparse): thin shims over
-:mod:`gpattn.variational.cgp` and :mod:`gpattn.variational.scgp` (seed 003; MATH.md §7–8)."""
+:mod:`gpattn.variational.cgp` and :mod:`gpattn.variational.scgp` (Bui et al.; docs/derivations.md §7–8)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ __all__ = ["CGPAttention", "SCGPAttention"]
 class _CorrelatedGPAttention(GPAttention):
     """Shared shim: four projections q, k, o (the latent inputs x_o) and v; the GP in ``self.strategy``.
 
-    **Decision** (``input_scale``): the projected inputs are multiplied by a fixed
+    **Choice** (``input_scale``): the projected inputs are multiplied by a fixed
     ``input_scale`` (default :math:`D_h^{-1/4}`) before the canonical kernel. This is the
     reparametrisation :math:`W \\leftarrow cW` of the canonical representation (κ_o stays
     parameter-free), chosen so that at initialisation squared distances between projected
@@ -53,18 +53,18 @@ class _CorrelatedGPAttention(GPAttention):
 
 @register("cgp")
 class CGPAttention(_CorrelatedGPAttention):
-    """Exact correlated-GP attention, CGPT (seed 003 §3; MATH.md §7): see
+    """Exact correlated-GP attention, CGPT (Bui et al. §3; docs/derivations.md §7): see
     :class:`gpattn.variational.cgp.CorrelatedGP` for the equations. Cost O(T³) per (B, H).
 
     :param kernel: canonical kernel κ_o as a kernel spec (:mod:`gpattn.kernels`): ``"canonical-rbf"`` =
         exp(−½‖a−b‖²) (default; the legacy ``"rbf"`` means it here), another stationary spec, or a
         gpytorch ``Kernel`` (batch_shape ``(H,)`` or ``()``, ``ard_num_dims`` = Dh; checked here).
-    :param sigma: noise standard deviation σ (default 0.1, seed 003 App. F).
+    :param sigma: noise standard deviation σ (default 0.1, Bui et al. App. F).
     :param learn_sigma: learn σ per head (default fixed).
     :param jitter: diagonal jitter before factorising Σ, Σ_q, Σ_k and K_o.
     :param prior_samples: P_o prior samples of z_o in the regulariser (eqs. 42–44); ``None`` = exact
         expectation.
-    :param input_scale: fixed factor on the projected inputs (default Dh^(-1/4), see the Decision above).
+    :param input_scale: fixed factor on the projected inputs (default Dh^(-1/4), see the Choice above).
     """
 
     def __init__(
@@ -94,7 +94,7 @@ class CGPAttention(_CorrelatedGPAttention):
 
 @register("scgp")
 class SCGPAttention(_CorrelatedGPAttention):
-    """Sparse (DTC) correlated-GP attention, SCGPT (seed 003 §4; MATH.md §8): see
+    """Sparse (DTC) correlated-GP attention, SCGPT (Bui et al. §4; docs/derivations.md §8): see
     :class:`gpattn.variational.scgp.SparseCorrelatedGP`. Cost linear in T; nothing T×T is formed.
 
     :param num_inducing: m, inducing inputs for z_q | z_o (default 16).

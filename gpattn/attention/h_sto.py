@@ -1,5 +1,5 @@
 """H-STO-TRANS: hierarchical stochastic attention over learnable centroids and values
-(MATH.md §4; seed 001 eqs. 14–17, Algorithm 1, Proposition 3.1, Tables 1–2)."""
+(docs/derivations.md §4; Pei et al. eqs. 14–17, Algorithm 1, Proposition 3.1, Tables 1–2)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from gpattn.attention.registry import register
 
 __all__ = ["H_STO_PRESETS", "HierarchicalStochasticAttention", "centroid_attention", "hierarchical_gumbel_attention"]
 
-#: Seed 001's H-STO-TRANS settings. IMDB (Table 1): τ1 = 1, τ2 ∈ {20, 30}, soft/soft as the released
+#: Pei et al.'s H-STO-TRANS settings. IMDB (Table 1): τ1 = 1, τ2 ∈ {20, 30}, soft/soft as the released
 #: IMDB code. CoLA (Table 2): τ1 = τ2 = 1; ``"cola"`` keeps our soft/soft default, ``"cola-released"``
 #: the released CoLA code's hard/hard straight-through sampling. c = 2 centroids everywhere (the
 #: released default ``k_centroid=2``; the paper does not state c).
@@ -62,7 +62,7 @@ def hierarchical_gumbel_attention(
     return_weights: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    r"""Seed 001 Algorithm 1 for one layer, all heads at once.
+    r"""Pei et al. Algorithm 1 for one layer, all heads at once.
 
     # shape: q, k (B, H, T, Dh), v (B, H, T, Dv), centroids (Dh, c) or (H, Dh, c), mask (B, T) bool
     # -> out (B, H, T, Dv), value weights (B, H, T, T) or None, centroid weights (B, H, T, c)
@@ -70,7 +70,7 @@ def hierarchical_gumbel_attention(
     ``cluster="key"`` (eqs. 14–17): :math:`\hat a_c = \mathcal G(k C/\tau_1)`,
     :math:`\hat k = \hat a_c C^\top`, :math:`\hat a_v = \mathcal G(q \hat k^\top/\tau_2)` (padded keys
     at :math:`-\infty` before the noise), out :math:`= \hat a_v v`. ``cluster="query"`` applies the
-    centroid step to the queries instead (seed 001, "Why perform clustering on key heads?").
+    centroid step to the queries instead (Pei et al., "Why perform clustering on key heads?").
     The centroid noise is drawn before the value noise.
     """
     if cluster not in _CLUSTER:
@@ -86,7 +86,7 @@ def hierarchical_gumbel_attention(
             q2, k2 = a_c, k @ centroids
     else:
         # fused path: form k̂ = â_c Cᵀ (T·c·Dh) so that scaled_dot_product_attention keeps its fused
-        # kernel (with a head width of c = 2 it falls back to a 3x slower path, measured)
+        # kernel (with a head width of c = 2 it falls back to a slower path: docs/benchmarks.md)
         mixed = a_c @ centroids.mT  # shape: (B, H, T, Dh)
         q2, k2 = (q, mixed) if cluster == "key" else (mixed, k)
     out, a_v = gumbel_attention(
@@ -98,9 +98,9 @@ def hierarchical_gumbel_attention(
 
 @register("h-sto")
 class HierarchicalStochasticAttention(AttentionBase):
-    r"""Hierarchical stochastic self-attention (H-STO-TRANS, Pei et al., AAAI 2022; MATH.md §4).
+    r"""Hierarchical stochastic self-attention (H-STO-TRANS, Pei et al., AAAI 2022; docs/derivations.md §4).
 
-    Per head, with learnable centroids :math:`C \in \mathbb R^{D_h \times c}` (seed 001 eqs. 14–17):
+    Per head, with learnable centroids :math:`C \in \mathbb R^{D_h \times c}` (Pei et al. eqs. 14–17):
 
     .. math::
         \hat a_c = \mathcal G(k C/\tau_1) \in \mathbb R^{T \times c}, \quad
@@ -113,14 +113,14 @@ class HierarchicalStochasticAttention(AttentionBase):
     Samples in train and eval mode; under ``gpattn.deterministic()`` both steps are the noise-free
     soft attentions :math:`\mathrm{softmax}(\cdot/\tau)`, whatever ``hard_*``.
 
-    :param num_centroids: c (default 2, the released code's ``k_centroid``; seed 001 does not state it).
-    :param tau1: centroid temperature τ1 (default 1, seed 001 Table 2).
+    :param num_centroids: c (default 2, the released code's ``k_centroid``; Pei et al. do not state it).
+    :param tau1: centroid temperature τ1 (default 1, Pei et al. Table 2).
     :param tau2: value temperature τ2 (default 1, Table 2; IMDB uses 20 or 30: :data:`H_STO_PRESETS`).
     :param hard_centroids: straight-through one-hot centroid assignments (released CoLA code: True).
     :param hard_values: straight-through one-hot value attention (released CoLA code: True).
     :param cluster: ``"key"`` (eqs. 14–16) or ``"query"`` (the centroid step on q instead).
     :param per_head_centroids: one C per head, shape (H, Dh, c); default one C shared by all heads
-        (**Decision** of MATH.md §4, as the released code).
+        (**Choice** of docs/derivations.md §4, as the released code).
 
     ``centroids`` are initialised U(−½, ½) as in the released code. Attributes: ``store_weights``
     (default False) — when True every forward keeps ``last_weights`` (B, H, T, T), the detached

@@ -1,4 +1,5 @@
-"""KEP-SVGP attention: the registered shim over ``gpattn.variational.kep_svgp`` (MATH.md §6; seed 002)."""
+"""KEP-SVGP attention: the registered shim over ``gpattn.variational.kep_svgp`` (docs/derivations.md §6;
+Chen et al. (2024))."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def _check_kernel(kernel) -> None:
     raise ValueError(
         f"kep-svgp takes only kernel={KEP_KERNEL!r} (kappa(q, k) = phi(q).phi(k), phi(t) = t/|t|), got {got}: "
         f"its KSVD is solved in the primal, e = phi(q) W_e with W_e = X omega_e built from landmark tokens in "
-        f"the Dh-wide space of an explicit feature map phi (MATH.md §6), while a gpytorch kernel or a kernel "
-        f"spec gives only the values kappa(q, k); use sgpa or sgpa-decoupled for another kernel"
+        f"the Dh-wide space of an explicit feature map phi (docs/derivations.md §6), while a gpytorch kernel "
+        f"or a kernel spec gives only the values kappa(q, k); use sgpa or sgpa-decoupled for another kernel"
     )
 
 
@@ -35,7 +36,7 @@ def _positive_int(name, val):
 
 @register("kep-svgp")
 class KEPSVGPAttention(GPAttention):
-    r"""Kernel-eigen pair SVGP attention (Chen, Tao, Tonin, Suykens, ICML 2024; seed 002 eqs. 10–21).
+    r"""Kernel-eigen pair SVGP attention (Chen, Tao, Tonin, Suykens, ICML 2024; Chen et al. (2024) eqs. 10–21).
 
     Per head: cosine features :math:`\phi(q), \phi(k)`, primal KSVD projections
     :math:`e = \phi(q)\tilde X\omega_e`, :math:`r = \phi(k)\tilde X\omega_r` from s landmark tokens,
@@ -54,7 +55,7 @@ class KEPSVGPAttention(GPAttention):
     objective divides it by N), ``ksvd`` = :math:`J^2`, the released KSVD objective
     (:func:`gpattn.variational.kep_svgp.ksvd_objective`; the objective multiplies it by η).
 
-    Seed 002 §5 replaces only the *last* layer of a transformer by KEP-SVGP; the models' presets use
+    Chen et al. (2024) §5 replaces only the *last* layer of a transformer by KEP-SVGP; the models' presets use
     ``attention_layers="last"`` for it.
 
     :param kernel: ``"cosine"``, the only kernel whose feature map KEP-SVGP's primal KSVD has (any

@@ -1,4 +1,5 @@
-"""Kernel attention baselines, symmetric and asymmetric (MATH.md §2; seeds 003 §2.3, 004 §3.1)."""
+"""Kernel attention baselines, symmetric and asymmetric (docs/derivations.md §2; Bui et al. §2.3,
+Chen & Li (2023) §3.1)."""
 
 from __future__ import annotations
 

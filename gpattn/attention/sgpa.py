@@ -1,4 +1,4 @@
-"""SGPA attention layers (MATH.md §5; Chen & Li, ICLR 2023): thin shims over
+"""SGPA attention layers (docs/derivations.md §5; Chen & Li, ICLR 2023): thin shims over
 :mod:`gpattn.variational.sgpa` (standard) and :mod:`gpattn.variational.sgpa_decoupled` (decoupled)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ __all__ = ["DecoupledSGPAttention", "SGPAttention"]
 
 @register("sgpa")
 class SGPAttention(GPAttention):
-    r"""Standard SGPA (seed 004 §3.2, MATH.md §5a): each head's output dim d is a sparse variational
+    r"""Standard SGPA (Chen & Li (2023) §3.2, docs/derivations.md §5a): each head's output dim d is a sparse variational
     GP whose inducing inputs are the sequence's own keys; the posterior mean is kernel attention
     :math:`K_{qk} v` and the whitened amortised covariance gives :math:`\Sigma_d = L \tilde\Sigma_d L^\top`.
     Symmetric kernel (W_q = W_k: projections ("qk", "v")). Cost O(T³) per (B, H).
@@ -34,7 +34,7 @@ class SGPAttention(GPAttention):
     :param covariance: ``"full"`` (default: exact joint samples; with L shared, as cheap as ``"diag"``)
         or ``"diag"`` (independent tokens).
 
-    Loss terms: ``kl_seq`` — the KL, summed over heads and Dv, averaged over the batch (MATH.md §9).
+    Loss terms: ``kl_seq`` — the KL, summed over heads and Dv, averaged over the batch (docs/derivations.md §9).
     """
 
     projections = ("qk", "v")
@@ -61,18 +61,18 @@ class SGPAttention(GPAttention):
 
 @register("sgpa-decoupled")
 class DecoupledSGPAttention(GPAttention):
-    r"""Decoupled SGPA (seed 004 §3.3–3.4, MATH.md §5b): amortised mean basis from the sequence's
+    r"""Decoupled SGPA (Chen & Li (2023) §3.3–3.4, docs/derivations.md §5b): amortised mean basis from the sequence's
     keys and values plus ``num_global`` global inducing inputs per head, mapped like tokens through
     the layer's own W_qk rows for that head; whitened S̃_g,d per output dim.
 
     :param kernel: as for ``sgpa``.
-    :param num_global: M global inducing inputs per head (default 16, the seed-004 / issue-7 setting).
+    :param num_global: M global inducing inputs per head (default 16, as in Chen & Li (2023)).
     :param covariance: ``"diag"`` (default, the released code's mode: independent tokens) or
         ``"full"`` (exact joint samples).
     :param jitter: relative jitter (1e-6 suits float32; 0 for float64 checks).
 
     Loss terms: ``kl_seq`` — the γ-part (input-dependent), summed over heads and Dv, averaged over the
-    batch; ``kl_global`` — the β-part (global parameters), summed (MATH.md §9).
+    batch; ``kl_global`` — the β-part (global parameters), summed (docs/derivations.md §9).
     """
 
     projections = ("qk", "v")

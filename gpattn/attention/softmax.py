@@ -1,4 +1,4 @@
-"""Softmax attention, the MSP baseline and the reference of every benchmark (MATH.md §1)."""
+"""Softmax attention, the MSP baseline and the reference of every benchmark (docs/derivations.md §1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""STO-TRANS: Gumbel-softmax stochastic attention (MATH.md §3; seed 001 eqs. 7–11, Table 1)."""
+"""STO-TRANS: Gumbel-softmax stochastic attention (docs/derivations.md §3; Pei et al. eqs. 7–11, Table 1)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from gpattn.attention.registry import register
 
 __all__ = ["STO_PRESETS", "StochasticAttention"]
 
-#: Seed 001's STO-TRANS settings: IMDB Table 1 (τ = 1 and τ = 40, the two reported rows) and CoLA
+#: Pei et al.'s STO-TRANS settings: IMDB Table 1 (τ = 1 and τ = 40, the two reported rows) and CoLA
 #: Table 2 (τ = 1). The released code samples soft attention in both (``hard=False``, the default).
 STO_PRESETS: dict[str, dict[str, object]] = {
     "cola": {"tau": 1.0},
@@ -25,7 +25,7 @@ STO_PRESETS: dict[str, dict[str, object]] = {
 class StochasticAttention(AttentionBase):
     r"""Stochastic self-attention with Gumbel-softmax weights (STO-TRANS, Pei et al., AAAI 2022).
 
-    Per head (seed 001 eqs. 9–11, MATH.md §3):
+    Per head (Pei et al. eqs. 9–11, docs/derivations.md §3):
 
     .. math::
         \hat A = \mathrm{softmax}\big((q k^\top + G)/\tau\big), \quad
@@ -37,9 +37,9 @@ class StochasticAttention(AttentionBase):
     (also with ``hard=True``; see :mod:`gpattn.attention._gumbel`).
 
     :param tau: temperature :math:`\tau`; it replaces the :math:`\sqrt{D_h}` of softmax attention
-        (seed 001 eq. 7). ``None`` (default) means :math:`\tau = \sqrt{D_h}`, where the layer's
+        (Pei et al. eq. 7). ``None`` (default) means :math:`\tau = \sqrt{D_h}`, where the layer's
         noise-free attention *is* softmax attention (the paper reports that τ near
-        :math:`\sqrt{D/H}` recovers vanilla accuracy). Seed 001 uses τ ∈ {1, 40} on IMDB and τ = 1 on
+        :math:`\sqrt{D/H}` recovers vanilla accuracy). Pei et al. use τ ∈ {1, 40} on IMDB and τ = 1 on
         CoLA: see :data:`STO_PRESETS`.
     :param hard: straight-through one-hot samples (forward one-hot of
         :math:`\arg\max_j (q_i k_j^\top + G_{ij})`, which is Categorical(softmax(q_i kᵀ)) whatever τ;

@@ -1,7 +1,7 @@
-"""The asymmetric cross-covariance kernel of correlated-GP attention (seed 003 §3.1–3.2; MATH.md §7).
+"""The asymmetric cross-covariance kernel of correlated-GP attention (Bui et al. §3.1–3.2; docs/derivations.md §7).
 
 A canonical GP :math:`z_o \\sim \\mathcal{GP}(0, \\kappa_o)` with a *parameter-free* kernel
-:math:`\\kappa_o` generates every process of CGPT by an affine input scaling (seed 003 eqs. 13–16):
+:math:`\\kappa_o` generates every process of CGPT by an affine input scaling (Bui et al. eqs. 13–16):
 :math:`z_q(x) = \\sigma_q z_o(x W_q)`, :math:`z_k(x) = \\sigma_k z_o(x W_k)`, and the latent
 :math:`z_o(x W_o)` itself. Their (cross-)covariances are
 
@@ -35,7 +35,7 @@ ROLES = ("q", "k", "o")
 
 
 class CanonicalRBFKernel(Kernel):
-    r"""The canonical squared-exponential kernel of CGPT (seed 003 §3.1, §5.1), without parameters:
+    r"""The canonical squared-exponential kernel of CGPT (Bui et al. §3.1, §5.1), without parameters:
 
     .. math::
         \kappa_o(a, b) = \exp\big(-\tfrac12 \lVert a - b \rVert^2\big).
@@ -90,7 +90,7 @@ class CanonicalRBFKernel(Kernel):
 
 
 class CrossCovarianceKernel(Kernel):
-    r"""Cross-covariances of the correlated GPs :math:`z_q, z_k, z_o` (seed 003 eqs. 14–16):
+    r"""Cross-covariances of the correlated GPs :math:`z_q, z_k, z_o` (Bui et al. eqs. 14–16):
 
     .. math::
         \kappa_{ab}(\tilde x, \tilde x') = \sigma_a \sigma_b\, \kappa_o(\tilde x, \tilde x'),

@@ -1,4 +1,4 @@
-"""The exponential (dot-product) kernel of SGPA for text (MATH.md "Kernels")."""
+"""The exponential (dot-product) kernel of SGPA for text (docs/derivations.md "Kernels")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``GPAttentionTestCase``: what every GP attention variant must satisfy beyond the contract's
-invariants, against a dense float64 reference (STYLE.md 5).
+invariants, against a dense float64 reference.
 
 A subclass names the variant, its options and its dense reference; every test below then runs::
 

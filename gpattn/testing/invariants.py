@@ -1,4 +1,4 @@
-"""Invariants of the attention contract (DESIGN.md "The contract"; STYLE.md 6), as plain functions.
+"""Invariants of the attention contract, as plain functions.
 
 ``run_attention_invariant(check, name, **options)`` runs one named check on the registered variant
 ``name`` and raises ``AssertionError`` on failure; :class:`gpattn.testing.BaseAttentionTestCase` makes

@@ -1,6 +1,6 @@
 """Dense float64 references for the GP attention variants, written independently of
 :mod:`gpattn.variational`: explicit Gram matrices from pairwise formulas, ``torch.linalg.solve`` /
-``cholesky`` on dense matrices, and the papers' equations as printed (MATH.md §5–§8).
+``cholesky`` on dense matrices, and the papers' equations as printed (docs/derivations.md §5–§8).
 
 Each ``*_dense_posterior(layer, x, mask=None)`` recomputes a layer's head-space posterior from its
 parameters and returns a :class:`DenseReference`; the lower-level functions take the per-head inputs
@@ -42,7 +42,7 @@ class DenseReference(NamedTuple):
 
     :ivar mean: posterior mean.  # shape: (B, H, Dv, T)
     :ivar covariance: per-output covariance.  # shape: (B, H, Dv, T, T)
-    :ivar loss_terms: the layer's loss terms for the same input (MATH §9 reductions), where the
+    :ivar loss_terms: the layer's loss terms for the same input (docs/derivations.md §9 reductions), where the
         reference knows them (empty otherwise).
     """
 
@@ -57,7 +57,7 @@ def _relative_jitter(K: torch.Tensor, jitter: float) -> torch.Tensor:
     return K + scale * torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
 
 
-# ------------------------------------------------------------------------------ SGPA (MATH §5)
+# ------------------------------------------------------------------------------ SGPA (docs/derivations.md §5)
 def exponential_gram(kernel, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """σ² exp(Σ_i a_i b_i / ℓ_i²) per head, from an ``ExponentialKernel``'s lengthscale and outputscale.
 
@@ -88,7 +88,7 @@ def sgpa_amortised_std(layer, k: torch.Tensor) -> torch.Tensor:
 
 
 def sgpa_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None) -> DenseReference:
-    """Standard SGPA (MATH §5a), q = k: mean K v, covariance L diag(s_d²) Lᵀ with L = chol(K + jI)
+    """Standard SGPA (docs/derivations.md §5a), q = k: mean K v, covariance L diag(s_d²) Lᵀ with L = chol(K + jI)
     (j relative to mean diag K), KL ½ Σ_t (s² − 1 − log s²) + ½ vᵀ(K + jI)v per (b, h, d); ``kl_seq``
     its sum over heads and Dv, averaged over the batch; ``covariance="diag"`` keeps the diagonal. An
     ``ExponentialKernel`` only; no padding."""
@@ -142,7 +142,7 @@ def _decoupled(layer, x, mask):
 
 
 def sgpa_decoupled_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None) -> DenseReference:
-    """Decoupled SGPA (MATH §5b): mean K_qa v_a − K_qg K_gg⁻¹ K_ga v_a + K_qg v_g, covariance
+    """Decoupled SGPA (docs/derivations.md §5b): mean K_qa v_a − K_qg K_gg⁻¹ K_ga v_a + K_qg v_g, covariance
     K_qq − K_qg K_gg⁻¹ K_gq + K_qg K_gg⁻¹ S_g K_gg⁻¹ K_gq with S_g = L_g S̃ L_gᵀ (K_gg with the relative
     jitter); loss terms ``kl_seq`` (γ summed over heads and Dv, batch mean) and ``kl_global`` (β summed)."""
     mean, cov, gamma, beta = _decoupled(layer, x, mask)
@@ -154,7 +154,7 @@ def sgpa_decoupled_kl_parts(layer, x: torch.Tensor, mask: torch.Tensor | None = 
     return _decoupled(layer, x, mask)[2:]
 
 
-# ------------------------------------------------------------------------------ KEP-SVGP (MATH §6)
+# ------------------------------------------------------------------------------ KEP-SVGP (docs/derivations.md §6)
 def kep_svgp_dense_moments(G, lam, m, L, W, b, extra=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Brute force: stack every u_c of a head into one vector u (r·r), write the head output y (T·Dv)
     as an explicit matrix J times u plus b, then mean = J μ_u + b, cov = J S_u Jᵀ. ``extra`` (B, H, T, T):
@@ -221,7 +221,7 @@ def kep_svgp_dense_features(layer, x: torch.Tensor, mask: torch.Tensor | None = 
 
 
 def kep_svgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None) -> DenseReference:
-    """KEP-SVGP (MATH §6) recomputed from the layer's parameters: features (``kep_svgp_dense_features``),
+    """KEP-SVGP (docs/derivations.md §6) recomputed from the layer's parameters: features (``kep_svgp_dense_features``),
     the brute-force moments (``kep_svgp_dense_moments``) and the layer's diagonal jitter. No residual
     term (``include_residual=False``) and no loss terms."""
     with torch.no_grad():
@@ -232,7 +232,7 @@ def kep_svgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None =
     return DenseReference(mean, cov + layer.jitter * torch.eye(x.shape[1], dtype=x.dtype), {})
 
 
-# ------------------------------------------------------------------ correlated GPs (MATH §7–§8)
+# ------------------------------------------------------------------ correlated GPs (docs/derivations.md §7–§8)
 def canonical_rbf(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """exp(−½‖a − b‖²) from explicit pairwise differences.  # shape: (..., n, d), (..., m, d) -> (..., n, m)"""
     return torch.exp(-0.5 * ((a[..., :, None, :] - b[..., None, :, :]) ** 2).sum(-1))

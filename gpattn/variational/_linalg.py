@@ -1,4 +1,4 @@
-"""The numerics policy of gpattn in one place (DESIGN.md "Numerics policy").
+"""The numerics policy of gpattn in one place.
 
 * every factorisation goes through :func:`cholesky`, a wrapper of linear_operator's
   ``psd_safe_cholesky``: a plain Cholesky first, then — with ``gpattn.validation()`` on — a *bounded*

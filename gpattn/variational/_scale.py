@@ -20,7 +20,7 @@ mean with KL (∝ 1/σ² per coordinate) and adds noise ∝ σ; the smaller prio
 calibrated. sgpa on CoLA (5 epochs): training CE at epoch 5 0.602 / 0.573 / 0.554 for σ² = 0.2 / 0.05 /
 0.01; on digits 0.785 (σ² = 0.05) vs 0.950 (0.01) in-domain. sgpa-decoupled, 0.05 → 0.01: CoLA MCC
 0.074 → 0.130 with the same NLL (0.620 / 0.621) and ECE (0.063); digits 0.945 → 0.972, shift NLL
-1.117 → 0.829. (MATH §9's probe used 0.05; the previous initialisation, σ² = 1 and ℓ = Dh^¼, gave a prior
+1.117 → 0.829. (docs/derivations.md §9's probe used 0.05; the previous initialisation, σ² = 1 and ℓ = Dh^¼, gave a prior
 variance ≈ 7.) After ``W_o`` (variance 1/3 per coordinate at
 initialisation) the output spread per token is then ≈ 0.1–0.2 of the LayerNorm-ed input's norm, and
 the posterior mean is of the same order for T up to a few hundred tokens. The GP variants' tests

@@ -1,4 +1,4 @@
-r"""Exact correlated-GP attention, CGPT (seed 003 §3, App. A–B; MATH.md §7), and the algebra it shares
+r"""Exact correlated-GP attention, CGPT (Bui et al. §3, App. A–B; docs/derivations.md §7), and the algebra it shares
 with the sparse variant (:mod:`gpattn.variational.scgp`).
 
 A canonical GP :math:`z_o` with parameter-free kernel :math:`\kappa_o` generates the query process
@@ -71,9 +71,9 @@ class CorrelatedGPBase(_AmortisedVariationalStrategy):
         ``"rbf"``) is :math:`\exp(-\tfrac12\lVert a-b\rVert^2)`, or any ``gpytorch.kernels.Kernel`` (the
         attention layers also take a kernel spec, :func:`gpattn.kernels.make_kernel`).
     :param sigma: the noise standard deviation :math:`\sigma` (:math:`\sigma^2` is added to the Gram
-        matrices of the conditioning sets). Default 0.1: seed 003 App. F uses :math:`\sigma = 0.1` for
+        matrices of the conditioning sets). Default 0.1: Bui et al. App. F uses :math:`\sigma = 0.1` for
         SCGPT on CIFAR10 (0.5 on CoLA) and states no value for CGPT, so both use 0.1.
-    :param learn_sigma: learn :math:`\sigma` per head (default: fixed, as in the seed). A learned σ is
+    :param learn_sigma: learn :math:`\sigma` per head (default: fixed, as in Bui et al.). A learned σ is
         constrained to :math:`\sigma > ` ``SIGMA_FLOOR`` (1e-3): the regulariser's bound
         :math:`2T\log\sigma^2` would otherwise run to −∞ with σ.
     :param jitter: added to the diagonal of the matrices that are PSD only in exact arithmetic
@@ -244,7 +244,7 @@ class CorrelatedConditional(AmortisedConditional):
 
 
 class CorrelatedGP(CorrelatedGPBase):
-    r"""Exact CGP attention (seed 003 eqs. 21–25, App. A–B; MATH.md §7).
+    r"""Exact CGP attention (Bui et al. eqs. 21–25, App. A–B; docs/derivations.md §7).
 
     Gram blocks (:class:`~gpattn.kernels.cross_covariance.CrossCovarianceKernel`; :math:`\sigma_q,
     \sigma_k` enter the cross-covariances too, eq. 16):
@@ -278,7 +278,7 @@ class CorrelatedGP(CorrelatedGPBase):
 
     i.e. :math:`-2\times` the lower bound without its :math:`T\log 2\pi` constants.
 
-    **Bounded** (**Decision**, MATH §9): the conditionals carry the observation noise :math:`\sigma^2 I`
+    **Bounded** (**Choice**, docs/derivations.md §9): the conditionals carry the observation noise :math:`\sigma^2 I`
     of the conditioning sets, as the sparse bound does (App. E: :math:`z_q\mid z_m \sim
     \mathcal N(\cdot, \sigma^2 I)`). Without it (eq. 37 as printed) :math:`\Sigma_q` is the
     noise-free conditional :math:`K_q - K_{qo}A^{-1}K_{oq}`, which tends to 0 when the GP variances

@@ -1,18 +1,19 @@
-r"""KEP-SVGP: kernel-eigen pair sparse variational GPs for self-attention (MATH.md §6).
+r"""KEP-SVGP: kernel-eigen pair sparse variational GPs for self-attention (docs/derivations.md §6).
 
-Seed 002 (Chen, Tao, Tonin, Suykens, ICML 2024). The seed's text lost its formulas; MATH §6 is the
-reconstruction followed here, written as the textbook per-output SVGP. Everything in this file is
-per head; shapes use the GLOSSARY symbols (r = KEP rank, s = landmark tokens).
+Chen et al. (2024) (Chen, Tao, Tonin, Suykens, ICML 2024). The paper text available to us lost its
+formulas; docs/derivations.md §6 is the reconstruction followed here, written as the textbook
+per-output SVGP. Everything in this file is per head; shapes use the GLOSSARY symbols (r = KEP rank,
+s = landmark tokens).
 
 Pieces, kept apart as in GPyTorch (q(u) parameterisation vs the q(u) → q(f) map):
 
 * :func:`cosine_features`, :func:`landmark_indices`, :class:`KSVDProjection` — the primal KSVD
   projections :math:`e = \phi(q) W_e`, :math:`r = \phi(k) W_r` with :math:`W = \tilde X \omega`, the
-  singular values :math:`\Lambda` and the KSVD objective :func:`ksvd_objective` (seed 002 eqs. 10–11,
+  singular values :math:`\Lambda` and the KSVD objective :func:`ksvd_objective` (Chen et al. (2024) eqs. 10–11,
   Primal-Attention).
 * :class:`KEPVariationalDistribution` — :math:`q(u_c) = N(m_c, L_c L_c^\top)`, c = 1..r, per head, and
-  :func:`kep_kl_divergence` against the prior :math:`N(0, \Lambda^2)` (seed 002 eq. 21).
-* :func:`kep_mean`, :func:`kep_sample`, :func:`kep_posterior` — the q(u) → q(f) map (seed 002 eqs.
+  :func:`kep_kl_divergence` against the prior :math:`N(0, \Lambda^2)` (Chen et al. (2024) eq. 21).
+* :func:`kep_mean`, :func:`kep_sample`, :func:`kep_posterior` — the q(u) → q(f) map (Chen et al. (2024) eqs.
   16–18) followed by the linear output map r → Dv, on merged features ``a = G Λ⁻¹`` (eq. 19).
 * :class:`KEPSVGP` — the strategy that owns the parameters and composes the above; its
   :meth:`KEPSVGP.condition` returns a :class:`KEPConditional`; the attention layer
@@ -79,7 +80,7 @@ def _inv_norm(t: torch.Tensor) -> torch.Tensor:
     """1 / ‖t‖ over the last axis, with F.normalize's floor (‖t‖ ≥ 1e-12).  # shape: (..., Dh) -> (..., 1)
 
     Written as rsqrt of a sum of squares: its backward is a few elementwise passes, cheaper than
-    ``vector_norm``'s (measured: the norm's backward was the largest KEP-specific cost at T=256)."""
+    ``vector_norm``'s (its backward was the largest KEP-specific cost: docs/benchmarks.md)."""
     return t.pow(2).sum(-1, keepdim=True).clamp_min(1e-24).rsqrt()
 
 
@@ -115,7 +116,7 @@ def ksvd_objective(
     omega_r: torch.Tensor,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    r"""The released KSVD objective J (MATH §6; the layer's ``ksvd`` loss term is :math:`J^2`).
+    r"""The released KSVD objective J (docs/derivations.md §6; the layer's ``ksvd`` loss term is :math:`J^2`).
 
     .. math::
         J = \tfrac12 \operatorname{mean}_{b,h,t} \lVert e_t \Lambda^{-1/2} \rVert^2
@@ -123,7 +124,7 @@ def ksvd_objective(
           - \operatorname{mean}_h \operatorname{tr}(\omega_{e,h}^\top \omega_{r,h}),
 
     the means over real tokens only. Relation to the primal KSVD problem of Primal-Attention
-    (seed 002 eq. 11 / App. C eq. 37), per head and sequence with n real tokens,
+    (Chen et al. (2024) eq. 11 / App. C eq. 37), per head and sequence with n real tokens,
     :math:`J_{primal} = \tfrac12 \sum_t e_t^\top \Lambda^{-1} e_t + \tfrac12 \sum_t r_t^\top \Lambda^{-1} r_t
     - \operatorname{tr}(W_e^\top W_r)`, which is 0 at its stationary point (the SVD
     :math:`K = \Phi_q \Phi_k^\top = U \Sigma V^\top`, :math:`W_e = \Phi_k^\top V`, :math:`W_r = \Phi_q^\top U`,
@@ -149,7 +150,7 @@ def ksvd_objective(
 
 
 class KSVDProjection(nn.Module):
-    r"""Primal KSVD projections of one attention layer (seed 002 eq. 10; Primal-Attention).
+    r"""Primal KSVD projections of one attention layer (Chen et al. (2024) eq. 10; Primal-Attention).
 
     .. math::
         e(x_i) = \phi(q_i)^\top W_e,\quad r(x_j) = \phi(k_j)^\top W_r,\quad
@@ -213,7 +214,7 @@ class KSVDProjection(nn.Module):
 
 # --------------------------------------------------------------------------------------- q(u_c)
 class KEPVariationalDistribution(CholeskyVariationalDistribution):
-    r""":math:`q(u_c) = N(m_c, S_c = L_c L_c^\top)` for the r output GPs c = 1..r of every head (seed 002
+    r""":math:`q(u_c) = N(m_c, S_c = L_c L_c^\top)` for the r output GPs c = 1..r of every head (Chen et al. (2024)
     eq. 17), shared by the e- and r-branches: gpytorch's ``CholeskyVariationalDistribution`` with batch
     shape ``(H, r_c)`` over the r inducing *features* (the kernel-eigen features), prior
     :math:`N(0, \Lambda^2)`.
@@ -243,7 +244,8 @@ class KEPVariationalDistribution(CholeskyVariationalDistribution):
 
 
 def kep_kl_divergence(lam: torch.Tensor, m: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
-    r""":math:`\sum_{h,c} KL(N(m_c, L_c L_c^\top) \,\|\, N(0, \Lambda^2))` (seed 002 eq. 21, MATH §6):
+    r""":math:`\sum_{h,c} KL(N(m_c, L_c L_c^\top) \,\|\, N(0, \Lambda^2))`
+    (Chen et al. (2024) eq. 21, docs/derivations.md §6):
 
     .. math::
         \tfrac12 \sum_c \big[\operatorname{tr}(\Lambda^{-2} S_c) + m_c^\top \Lambda^{-2} m_c - r
@@ -285,8 +287,8 @@ def kep_sample(
     generator: torch.Generator | None = None,
     num_samples: int | None = None,
 ) -> torch.Tensor:
-    r"""One reparameterised sample of the head output (seed 002 eq. 18, MATH §6), or ``num_samples``
-    independent samples on a leading axis (the features ``a`` computed once).
+    r"""One reparameterised sample of the head output (Chen et al. (2024) eq. 18, docs/derivations.md §6),
+    or ``num_samples`` independent samples on a leading axis (the features ``a`` computed once).
 
     Exact (default): :math:`f_c = a (m_c + L_c \varepsilon_c)`, :math:`\varepsilon_c \sim N(0, I_r)`
     shared by the T tokens — the exact low-rank root :math:`a L_c`, O(T·r²); then :math:`F W + b`.
@@ -333,7 +335,7 @@ def kep_posterior(
     jitter: float = 0.0,
     name: str = "kep-svgp",
 ) -> MultivariateNormal:
-    r"""Exact posterior of the head output after the linear map r → Dv (MATH §6).
+    r"""Exact posterior of the head output after the linear map r → Dv (docs/derivations.md §6).
 
     Output column d is :math:`y_d = \sum_c W_{cd} f_c + b_d` with independent
     :math:`f_c = a u_c`, :math:`u_c \sim N(m_c, S_c)`, so
@@ -380,7 +382,7 @@ def residual_root(phi_q: torch.Tensor, phi_k: torch.Tensor, W: torch.Tensor, mas
     never T×T. (r-branch: swap q and k.) It is PSD at the KSVD stationary point; elsewhere its negative
     eigen-directions are clamped at 0 (the variance-clamping rule) through ``torch.linalg.eigh`` of the
     Dh×Dh middle matrix — gradients through eigh are unstable for (near-)repeated eigenvalues, which is
-    why this opt-in term is off by default (seed 002 Remark 3.1 drops it).
+    why this opt-in term is off by default (Chen et al. (2024) Remark 3.1 drops it).
 
     # shape: phi_q (B, H, T, Dh) (the branch's own features), phi_k (B, H, T, Dh) (the other side),
     #        W (B, H, Dh, r), mask (B, T) or None -> (B, H, T, Dh)
@@ -394,7 +396,7 @@ def residual_root(phi_q: torch.Tensor, phi_k: torch.Tensor, W: torch.Tensor, mas
 
 # ------------------------------------------------------------------------------------ the layer
 class KEPSVGP(_AmortisedVariationalStrategy):
-    r"""Kernel-eigen pair SVGP attention of one layer (seed 002 §4, eqs. 16–21; MATH.md §6).
+    r"""Kernel-eigen pair SVGP attention of one layer (Chen et al. (2024) §4, eqs. 16–21; docs/derivations.md §6).
 
     Per head, with the KSVD projections :math:`e = \phi(q) W_e`, :math:`r = \phi(k) W_r` and singular
     values :math:`\Lambda` (:class:`KSVDProjection`), the two SVGPs of the kernel pair
@@ -408,7 +410,7 @@ class KEPSVGP(_AmortisedVariationalStrategy):
     (and the same with r), for every output c = 1..r, :math:`q(u_c) = N(m_c, S_c)` shared by the two
     branches (:class:`KEPVariationalDistribution`). Merge (eq. 19):
 
-    * ``merge="add"`` — :math:`F = f_e + f_r`. **Decision**: the two branches are evaluated at the *same*
+    * ``merge="add"`` — :math:`F = f_e + f_r`. **Choice**: the two branches are evaluated at the *same*
       draw of :math:`u_c` (one inducing variable per output, as the released code's
       :math:`(e + r)\Lambda^{-1}(m + L\varepsilon)`), so :math:`F_c = G\Lambda^{-1}u_c` with
       :math:`G = e + r`. Variable T.
@@ -419,7 +421,7 @@ class KEPSVGP(_AmortisedVariationalStrategy):
 
     Then the linear map r → Dv per head (weight ``(H, r, Dv)``, bias ``(H, Dv)``); the shim applies
     :math:`W_o`. Because that map is linear, the posterior of the head output is exact
-    (:func:`kep_posterior`). With ``include_residual=True`` the :math:`K_{ff} - Q_{ff}` term that seed 002
+    (:func:`kep_posterior`). With ``include_residual=True`` the :math:`K_{ff} - Q_{ff}` term that Chen et al. (2024)
     Remark 3.1 drops is added back (:func:`residual_root`), independently per branch and output.
 
     Cost per head: O(T·Dh·r + T·r²) (+ O(T²·r) for concat, O(T·Dh²) for the residual) — linear in T.
@@ -429,7 +431,7 @@ class KEPSVGP(_AmortisedVariationalStrategy):
     the ``kl_global`` / ``ksvd`` loss terms); ``jitter`` is the constant diagonal of the posterior it
     returns (samples and means never include it).
 
-    **Peer code** (released ``kep_svgp.py``): its sampler and KL trace permute L's output and inducing
+    **Released code differs** (released ``kep_svgp.py``): its sampler and KL trace permute L's output and inducing
     indices (``permute(0,1,4,2,3)``), an undimensioned squeeze breaks B = 1 / H = 1 / T = 1, and padded tokens are
     landmarks. Here: the per-output SVGP above, explicit reshapes, landmarks from real tokens only.
     """

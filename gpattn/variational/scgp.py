@@ -1,5 +1,5 @@
 r"""Sparse correlated-GP attention, SCGPT: the DTC approximation of CGP, linear in T
-(seed 003 §4, App. C–E; MATH.md §8).
+(Bui et al. §4, App. C–E; docs/derivations.md §8).
 
 Nothing with two token-sized axes is ever formed: every product is contracted over T into an
 :math:`m\times m`, :math:`l\times l` or :math:`m\times l` matrix first, and only those are factorised.
@@ -47,7 +47,7 @@ class DTCTerms(NamedTuple):
 class SparseCorrelatedGP(CorrelatedGPBase):
     r"""SCGP attention: DTC approximations of :math:`z_q\mid z_o` (inducing inputs :math:`s_{1..m}`)
     and :math:`z_o\mid z_k` (inducing inputs :math:`s'_{1..l}`), both in the canonical input space
-    (seed 003 §4, App. C–E; MATH.md §8).
+    (Bui et al. §4, App. C–E; docs/derivations.md §8).
 
     With :math:`K_{qm} = \sigma_q\kappa_o(q, s)`, :math:`K_{om} = \kappa_o(x_o, s)`,
     :math:`K_{ol} = \kappa_o(x_o, s')`, :math:`K_{kl} = \sigma_k\kappa_o(k, s')` and the
@@ -83,7 +83,7 @@ class SparseCorrelatedGP(CorrelatedGPBase):
               + \mathrm{tr}\big(B_q^{-1}S K_{mm}^{-1}S B_q^{-1}K_{mq}K_{qm}\big)
               + \sigma^2\,\mathrm{tr}\big(B_q^{-1}K_{mq}K_{qm}\big)\Big] + T\log\sigma^2,
 
-    :math:`S = K_{mo}K_{om}`, with :math:`z_m\mid z_o` the DTC posterior (eq. 55) and — **Decision** —
+    :math:`S = K_{mo}K_{om}`, with :math:`z_m\mid z_o` the DTC posterior (eq. 55) and — **Choice** —
     the prior of :math:`z_o` taken in the sparse model, :math:`z_o\sim\mathcal N(0, K_{om}K_{mm}^{-1}
     K_{mo})` (the DTC / Nyström counterpart of App. A's :math:`\mathcal N(0, K_o)`; the exact
     :math:`K_o` would need :math:`T\times T` work). Two deviations from the printed App. E, both
@@ -94,7 +94,7 @@ class SparseCorrelatedGP(CorrelatedGPBase):
     Cost :math:`O(T(m + l)(D_h + D_v) + T(m^2 + ml + l^2) + m^3 + l^3)` per (B, H).
 
     :param head_dim: Dh, the width of the canonical input space.
-    :param num_inducing: m, inducing inputs for :math:`z_q\mid z_o` (default 16, seed 003 §5.1).
+    :param num_inducing: m, inducing inputs for :math:`z_q\mid z_o` (default 16, Bui et al. §5.1).
     :param num_inducing_keys: l, inducing inputs for :math:`z_o\mid z_k` (default 16).
     :param amortize: compute the inducing inputs from the sequence, :math:`s = C_m x_o` and
         :math:`s' = C_l k` with learnable token maps :math:`C_m\in\mathbb R^{m\times T}`,

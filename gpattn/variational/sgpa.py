@@ -1,6 +1,6 @@
-"""Standard SGPA: the sequence's keys as amortised inducing inputs (MATH.md §5a).
+"""Standard SGPA: the sequence's keys as amortised inducing inputs (docs/derivations.md §5a).
 
-Chen & Li, *Calibrating Transformers via Sparse Gaussian Processes*, ICLR 2023 (seed 004 §3.1–3.2).
+Chen & Li, *Calibrating Transformers via Sparse Gaussian Processes*, ICLR 2023 (Chen & Li (2023) §3.1–3.2).
 The q(u) parameterisation (:class:`AmortisedDiagonalVariationalDistribution`) is kept apart from
 the q(u) → q(f) map (:class:`SGPAVariationalStrategy`), as GPyTorch keeps
 ``CholeskyVariationalDistribution`` apart from ``VariationalStrategy``. The strategy cannot subclass
@@ -130,7 +130,7 @@ def posterior_distribution(mean: torch.Tensor, covariance: LinearOperator) -> Mu
 
 # ---------------------------------------------------------------------------------- q(u)
 class AmortisedDiagonalVariationalDistribution(nn.Module):
-    r"""Whitened, amortised q(ũ) of standard SGPA (MATH.md §5a, **Decision**).
+    r"""Whitened, amortised q(ũ) of standard SGPA (docs/derivations.md §5a, **Choice**).
 
     For head h and output dim d the whitened inducing outputs at the keys are
 
@@ -185,7 +185,7 @@ class SGPAConditional(AmortisedConditional):
         return MultivariateNormal(m_tilde.transpose(-1, -2), DiagLinearOperator(self.std.square().transpose(-1, -2)))
 
     def kl_divergence(self) -> torch.Tensor:
-        r"""KL(q(ũ_d) ‖ N(0, I)) per (b, h, d), MATH.md §5a:
+        r"""KL(q(ũ_d) ‖ N(0, I)) per (b, h, d), docs/derivations.md §5a:
 
         .. math:: \tfrac12\Big[\sum_t s_{dt}^2 + v_d^\top (K + jI) v_d - T - \sum_t \log s_{dt}^2\Big]
 
@@ -226,7 +226,7 @@ class SGPAConditional(AmortisedConditional):
 
 
 class SGPAVariationalStrategy(_AmortisedVariationalStrategy):
-    r"""Standard SGPA (seed 004 §3.2; MATH.md §5a) for every head and output dim d at once.
+    r"""Standard SGPA (Chen & Li (2023) §3.2; docs/derivations.md §5a) for every head and output dim d at once.
 
     Inducing inputs are the sequence's keys k (W_q = W_k, so the queries are the keys), inducing
     outputs u_d ~ N(m_d, S_d) with m_d = K_kk v_d and the whitened, amortised S_d = L Σ̃_d Lᵀ,

@@ -1,6 +1,6 @@
-"""Decoupled SGPA: orthogonally decoupled sparse GP attention (MATH.md §5b).
+"""Decoupled SGPA: orthogonally decoupled sparse GP attention (docs/derivations.md §5b).
 
-Chen & Li, ICLR 2023 (seed 004 §3.3–3.4), built on the orthogonally decoupled SVGP of Salimbeni,
+Chen & Li, ICLR 2023 (Chen & Li (2023) §3.3–3.4), built on the orthogonally decoupled SVGP of Salimbeni,
 Cheng, Boots & Deisenroth (NeurIPS 2018). The q(u_g) parameterisation
 (:class:`WhitenedGlobalVariationalDistribution`: global, per layer, head and output dim) is kept
 apart from the q(u) → q(f) map (:class:`DecoupledSGPAVariationalStrategy`), which keeps GPyTorch's
@@ -12,7 +12,7 @@ computes its mean as ``base_mean(x) + Cov_q(x, a) γ`` with the *posterior* cova
 covariance strategy, so its mean carries the extra term K_qg L_g⁻ᵀ S̃ L_g⁻¹ K_ga γ, and its
 ``kl_divergence()`` adds ½ γᵀ Cov_q(a, a) γ instead of the process KL's
 ½ γᵀ (K_aa − K_ag K_gg⁻¹ K_ga) γ (an extra ½ γᵀ K_ag L_g⁻ᵀ S̃ L_g⁻¹ K_ga γ). Salimbeni et al.'s mean
-(and MATH §5b) has no S̃ in the mean; the two agree as S̃ → 0 (the difference is linear in S̃). Measured in
+(and docs/derivations.md §5b) has no S̃ in the mean; the two agree as S̃ → 0 (the difference is linear in S̃). Measured in
 ``tests/test_sgpa_decoupled.py`` (float64, T = 12, M = 5, one output dim; the identities above hold to
 4e-15): at S̃ = I (the initialisation) the relative mean difference ‖Δμ‖/‖μ‖ is 5.4 and GPyTorch's
 KL is 40.4 against the process KL 5.8; at S̃ = 0.09·I, 0.48 and 12.7 vs 9.6; at S̃ = 10⁻⁸·I,
@@ -154,7 +154,7 @@ class DecoupledSGPAConditional(AmortisedConditional):
         )
 
     def kl_divergence_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""The two parts of the process KL (MATH.md §5b, §9):
+        r"""The two parts of the process KL (docs/derivations.md §5b, §9):
 
         .. math::
             \mathrm{KL}_{\gamma,d} = \tfrac12\, v_{a,d}^\top (K_{aa} - K_{ag} K_{gg}^{-1} K_{ga}) v_{a,d}, \qquad
@@ -265,7 +265,7 @@ class DecoupledSGPAConditional(AmortisedConditional):
 
 
 class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
-    r"""Decoupled SGPA (seed 004 §3.3; MATH.md §5b) for every head and output dim d at once.
+    r"""Decoupled SGPA (Chen & Li (2023) §3.3; docs/derivations.md §5b) for every head and output dim d at once.
 
     Two bases per head: the amortised mean basis (the sequence's keys k_a with coefficients the
     values v_a) and M global inducing inputs Z_g ∈ R^{M×D} per head, mapped like tokens through the
@@ -278,7 +278,7 @@ class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
         \Sigma_d &= K_{qq} - K_{qg} K_{gg}^{-1} K_{gq} + (A L_{s,d})(A L_{s,d})^\top,
 
     with ũ_d = L_gᵀ v_g,d. Cost per (B, H): mean and KL O(T²·(Dh + Dv) + T·M·(Dh + Dv) + M³);
-    ``covariance="diag"`` adds O(T·M²·Dv) for the marginal variances A_t S̃_d A_tᵀ (MATH §5b's
+    ``covariance="diag"`` adds O(T·M²·Dv) for the marginal variances A_t S̃_d A_tᵀ (docs/derivations.md §5b's
     "O(T·M·Dv)" holds only for a diagonal S̃; at M = 16 this equals the T²·Dv attention product at
     T = 256); ``"full"`` sampling adds O(T²·M) for the residual and one T×T Cholesky, O(T³/3).
 
@@ -312,7 +312,7 @@ class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
 
     def global_keys(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """k_g[h] = Z_g[h] W_qk[h]ᵀ + b_qk[h]: each head's global inputs through *that head's* rows of
-        W_qk (the released code slices a fused qkv weight wrongly, MATH §5b Peer code (i)).
+        W_qk (the released code slices a fused qkv weight wrongly, docs/derivations.md §5b Released code differs (i)).
 
         # shape: weight (H, Dh, D), bias (H, Dh) or None -> (H, M, Dh)
         """
