@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from gpattn._io import load_file
-from gpattn.attention.registry import attention_class, attention_options, list_attention
+from gpattn.attention.registry import attention_class, attention_options, build_attention, list_attention
 from gpattn.objectives import DEFAULT_ALPHA
 from gpattn.training import (
     COLLAPSE,
@@ -158,10 +158,9 @@ def expand_variants(variants, variant_options: dict | None = None) -> list[Varia
 def _run(base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, progress: bool, fingerprint, log):
     """(config, folder, predictions) of one trained run: reused when its configuration and data are the
     same as now, else trained; the log line says which and why."""
-    options = {k: v for k, v in base.attention_options.items() if k in attention_options(spec.attention)}
-    options.update(dict(spec.options))
     cfg = dataclasses.replace(
-        base, attention=spec.attention, attention_options=options, mc_dropout=spec.mcdropout, seed=seed,
+        base, attention=spec.attention, attention_options=_spec_options(base, spec), mc_dropout=spec.mcdropout,
+        seed=seed,
         progress=progress,
     )
     folder = root / "runs" / spec.run_name / f"seed{seed}"
@@ -238,6 +237,7 @@ def compare(
         M.ood_score_key(score, "ood_auroc")  # ValueError listing the accepted names
     specs = expand_variants(variants, variant_options)
     notes = _option_notes(specs, base)
+    _check_specs(specs, base)
     for note in notes:
         log(f"[compare] {note}")
     if any(s.laplace for s in specs) and not laplace_torch_available():
@@ -309,6 +309,25 @@ def compare(
         notes=notes, plot_notes=plot_notes, specs=specs,
     )
     return results
+
+
+def _spec_options(base: TrainConfig, spec: VariantSpec) -> dict:
+    """The attention options of one variant's runs: the ``--attention-option``s it takes, then its own."""
+    options = {k: v for k, v in base.attention_options.items() if k in attention_options(spec.attention)}
+    options.update(dict(spec.options))
+    return options
+
+
+def _check_specs(specs, base: TrainConfig) -> None:
+    """Build one layer of every variant with its options before anything trains, so that a bad option
+    (e.g. a kernel a variant cannot take) fails at once instead of after the other variants' runs."""
+    for spec in specs:
+        try:
+            build_attention(spec.attention, base.embed_dim, base.num_heads, **_spec_options(base, spec))
+        except (ValueError, TypeError) as err:
+            raise ValueError(
+                f"variant {spec.spec!r} cannot be built with its options (nothing was trained): {err}"
+            ) from err
 
 
 def _option_notes(specs, base: TrainConfig) -> list[str]:

@@ -341,3 +341,18 @@ def test_compare_cache_ignores_progress_bars(tmp_path):
     lines = []
     compare("softmax", [0], tmp_path, base, progress=False, log=lines.append)
     assert any("softmax seed 0: reused" in ln for ln in lines), lines
+
+
+def test_compare_checks_every_variant_before_training(tmp_path, monkeypatch):
+    """An option a variant cannot take fails before any variant trains (it used to surface when that
+    variant's turn came, after the others' runs)."""
+    from gpattn.compare import compare
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("compare trained before checking every variant")
+
+    monkeypatch.setattr("gpattn.compare.train", no_training)
+    base = TrainConfig(dataset="digits", **{**TINY, "epochs": 1}, attention_options={"kernel": "ard-rbf"})
+    with pytest.raises(ValueError, match="variant 'kep-svgp' cannot be built with its options .*nothing was trained"):
+        compare("sgpa,kep-svgp", [0], tmp_path, base, progress=False, log=lambda s: None)
+    assert not (tmp_path / "runs").exists()
