@@ -135,8 +135,14 @@ class AttentionBase(nn.Module):
 
     @staticmethod
     def fold_samples(samples: torch.Tensor) -> torch.Tensor:
-        """A leading sample axis folded B-major into the batch.  # shape: (P, B, ...) -> (B·P, ...)"""
+        """A leading sample axis folded B-major into the batch.  # shape: (P, B, ...) -> (B·P, ...)
+
+        Head outputs ``(P, B, H, T, Dv)`` are copied once, straight into the memory order of the
+        merged heads ``(B·P, T, H·Dv)`` that ``W_o`` reads, and returned as a ``(B·P, H, T, Dv)`` view."""
         P, B = samples.shape[:2]
+        if samples.dim() == 5:
+            _, _, H, T, Dv = samples.shape
+            return samples.permute(1, 0, 3, 2, 4).reshape(B * P, T, H, Dv).transpose(1, 2)
         return samples.transpose(0, 1).reshape(B * P, *samples.shape[2:])
 
     def draw(self, rsample, num_samples: int | None) -> torch.Tensor:
@@ -246,7 +252,7 @@ class AttentionBase(nn.Module):
                 *_repeat_rows(drawn, x, key_padding_mask), heads, mean.repeat_interleave(drawn, 0)
             )
         if keep is not None:  # all-padding sequences: output 0 (masked arithmetic, no host read)
-            y = torch.where(keep.repeat_interleave(drawn, 0)[:, None, None], y, 0)
+            y = y.masked_fill_(~keep.repeat_interleave(drawn, 0)[:, None, None], 0)  # y is W_o's fresh output
         if P > drawn:  # this forward did not sample: every draw is the same
             y = y.repeat_interleave(P, 0)
         return y
