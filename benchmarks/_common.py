@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import platform
 import resource
+import statistics
 import time
 import traceback
 from pathlib import Path
@@ -31,6 +32,7 @@ __all__ = [
     "add_omp_wait_policy_argument",
     "default_mem_limit_mb",
     "machine_info",
+    "median_ms",
     "mem_available_mb",
     "omp_env",
     "parse_variants",
@@ -197,6 +199,21 @@ def synchronize(device) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def median_ms(fn, reps: int, device, warmup: int = 0) -> float:
+    """Median wall time of ``fn()`` in milliseconds over ``reps`` calls (after ``warmup`` untimed calls),
+    each ended by :func:`synchronize`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
 
 
 def add_device_argument(parser) -> None:

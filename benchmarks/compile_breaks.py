@@ -13,13 +13,12 @@ compiler on the CPU). The default configuration runs no value check (``gpattn.va
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 import warnings
 
 import torch
-from _common import add_device_argument, machine_info, synchronize
+from _common import add_device_argument, machine_info, median_ms, synchronize
 
 import gpattn
 from gpattn.training import resolve_device
@@ -31,17 +30,6 @@ def _inputs(device, B=2, T=16, D=32):
     mask = torch.zeros(B, T, dtype=torch.bool, device=device)
     mask[0, T - 4 :] = True
     return x, mask
-
-
-def _median_ms(fn, reps: int, device) -> float:
-    times = []
-    for _ in range(reps):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def measure(name: str, deterministic: bool, device, speed: bool, reps: int) -> dict:
@@ -66,8 +54,8 @@ def measure(name: str, deterministic: bool, device, speed: bool, reps: int) -> d
             compiled(x, mask)
             synchronize(device)
             row["first_call_s"] = time.perf_counter() - start
-            row["eager_ms"] = _median_ms(lambda: layer(x, mask), reps, device)
-            row["compiled_ms"] = _median_ms(lambda: compiled(x, mask), reps, device)
+            row["eager_ms"] = median_ms(lambda: layer(x, mask), reps, device)
+            row["compiled_ms"] = median_ms(lambda: compiled(x, mask), reps, device)
     return row
 
 

@@ -18,29 +18,15 @@ listed as the reference row (it does not sample: its P = 10 output is one forwar
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 import warnings
 
 import torch
-from _common import REFERENCE, add_device_argument, machine_info, synchronize, variant_configs, write_json
+from _common import REFERENCE, add_device_argument, machine_info, median_ms, variant_configs, write_json
 
 import gpattn
 from gpattn.attention.registry import attention_class
 from gpattn.training import resolve_device
-
-
-def _median_ms(fn, reps: int, device) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def measure(cfg: dict, args, device) -> dict:
@@ -53,9 +39,9 @@ def measure(cfg: dict, args, device) -> dict:
     xr, mr = x.repeat_interleave(P, 0), mask.repeat_interleave(P, 0)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        one = _median_ms(lambda: layer(x, mask), args.reps, device)
-        many = _median_ms(lambda: layer(x, mask, num_samples=P), args.reps, device)
-        repeated = _median_ms(lambda: layer(xr, mr), args.reps, device)
+        one = median_ms(lambda: layer(x, mask), args.reps, device, warmup=1)
+        many = median_ms(lambda: layer(x, mask, num_samples=P), args.reps, device, warmup=1)
+        repeated = median_ms(lambda: layer(xr, mr), args.reps, device, warmup=1)
     return {
         "variant": cfg["variant"],
         "options": cfg["options"],
