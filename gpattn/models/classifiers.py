@@ -39,7 +39,7 @@ _ENCODER_ARGS = (
 
 #: the kernel of kernel-based attention on images: Bui et al. §5.1 (after Chen & Li's (2023) SGPA) uses the ARD-RBF
 #: kernel for SGPA and kernel attention on images and the exponential dot-product kernel on text
-IMAGE_KERNEL = "rbf"
+IMAGE_KERNEL = "ard-rbf"
 
 
 def _image_attention_options(attention, options: dict | None) -> dict:
