@@ -336,7 +336,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: the experiment application's third-party modules (setup.cfg's ``experiments`` extra) -> package
+EXTRA_PACKAGES = {"matplotlib": "matplotlib", "scipy": "scipy", "sklearn": "scikit-learn", "tqdm": "tqdm"}
+
+
 def main(argv=None) -> int:
+    """The ``gpattn`` command; without the ``experiments`` extra, a message naming it instead of a traceback."""
+    try:
+        return _run(argv)
+    except ModuleNotFoundError as err:
+        module = (err.name or "").partition(".")[0]
+        if module not in EXTRA_PACKAGES:
+            raise
+        print(
+            f"gpattn: error: this command needs {EXTRA_PACKAGES[module]} (module {module!r} is not installed), "
+            "which comes with the experiment application: pip install 'gpattn[experiments]'",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _run(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from gpattn.experiments.data import DataNotFoundError
