@@ -274,7 +274,7 @@ def _start_server(ctx, preload, env: dict) -> None:
     from multiprocessing import forkserver
 
     # torch.optim imports torch._dynamo (~800 modules, ~3 s) on its first step: import it once, here
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "gpattn", "gpattn.training", *preload])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "gpattn", "gpattn.experiments.training", *preload])
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update({k: str(v) for k, v in env.items()})
     try:

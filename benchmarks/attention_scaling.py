@@ -48,7 +48,7 @@ from _common import (
 )
 
 import gpattn
-from gpattn.training import resolve_device
+from gpattn.experiments.training import resolve_device
 
 MODES = ("forward", "fwd+bwd")
 
@@ -235,7 +235,7 @@ def format_table(rows, slope_rows, configs) -> str:
 
 def plot(rows, path) -> list[str]:
     """Time vs T on log-log axes, one PNG per mode (``path`` for fwd+bwd, ``<stem>_forward.png`` for
-    forward), with ``gpattn.plots.scaling_curves`` when it exists, else a matplotlib figure here."""
+    forward), with ``gpattn.experiments.plots.scaling_curves`` when it exists, else a matplotlib figure here."""
     path = Path(path)
     written = []
     for mode in reversed(MODES):
@@ -245,7 +245,7 @@ def plot(rows, path) -> list[str]:
             continue
         title = f"attention {mode}, ms per call vs T (log-log)"
         try:
-            from gpattn.plots import scaling_curves
+            from gpattn.experiments.plots import scaling_curves
         except ImportError:
             scaling_curves = None
         if scaling_curves is not None:

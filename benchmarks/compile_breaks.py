@@ -21,7 +21,7 @@ import torch
 from _common import add_device_argument, machine_info, median_ms, synchronize
 
 import gpattn
-from gpattn.training import resolve_device
+from gpattn.experiments.training import resolve_device
 
 
 def _inputs(device, B=2, T=16, D=32):

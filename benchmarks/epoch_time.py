@@ -9,7 +9,7 @@ layer is the variant except KEP-SVGP, which replaces only the last layer as in C
 (``--attention-layers all`` to override). Data: the official ``cola_public_1.1.zip``
 (``--data-dir``), preset "official": train = ``in_domain_train`` minus a seeded 10 % validation split.
 
-A step is exactly the step of ``gpattn.training.train``: forward with ``num_samples=train_samples``,
+A step is exactly the step of ``gpattn.experiments.training.train``: forward with ``num_samples=train_samples``,
 ``ELBOObjective`` with every layer's ``loss_terms()``, backward, gradient clipping, Adam, cosine
 schedule; batches visit the training set in a seeded random order and are cut to their longest
 sentence. One warm-up step is not timed. ``--max-steps N`` times the first N steps only and
@@ -45,8 +45,8 @@ from _common import (
     write_outputs,
 )
 
+from gpattn.experiments.training import TrainConfig, build_model, resolve_device
 from gpattn.objectives import ELBOObjective
-from gpattn.training import TrainConfig, build_model, resolve_device
 
 #: Chen et al. (2024) App. D.1 CoLA model ("2-layer Transformer, embedding dimension 128, hidden dimension 256,
 #: 4 heads", batch size 32), as TrainConfig fields
@@ -177,7 +177,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> dict:
-    from gpattn.data import load_dataset
+    from gpattn.experiments.data import load_dataset
 
     args = parse_args(argv)
     options = {} if not args.no_verify_checksum else {"verify_checksum": False}

@@ -26,7 +26,7 @@ from _common import REFERENCE, add_device_argument, machine_info, median_ms, var
 
 import gpattn
 from gpattn.attention.registry import attention_class
-from gpattn.training import resolve_device
+from gpattn.experiments.training import resolve_device
 
 
 def measure(cfg: dict, args, device) -> dict:

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 import gpattn
-from gpattn.data import load_dataset
+from gpattn.experiments.data import load_dataset
+from gpattn.experiments.presets import get_preset
+from gpattn.experiments.training import TrainConfig, _batch, _epoch_order, build_model
 from gpattn.objectives import ELBOObjective
-from gpattn.presets import get_preset
-from gpattn.training import TrainConfig, _batch, _epoch_order, build_model
 from gpattn.variational import _linalg
 
 _COLA = get_preset("cola")
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     gpattn.set_validation(True)  # the escalation counters and NotPSDErrors are read only with validation on
     variants = gpattn.list_attention() if args.variants == "all" else args.variants.split(",")
     if args.fixture:
-        from gpattn.data.fixtures import make_cola_zip
+        from gpattn.experiments.data.fixtures import make_cola_zip
 
         tmp = Path(tempfile.mkdtemp())
         make_cola_zip(tmp / "cola_public_1.1.zip", n_train=400)

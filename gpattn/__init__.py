@@ -2,10 +2,13 @@
 
 Public API: :func:`build_attention`, :func:`list_attention`, :func:`attention_options`,
 :class:`deterministic`, :class:`validation` / :func:`set_validation` (opt-in value checks),
-:func:`load_run` (score new inputs with a saved run,
-:mod:`gpattn.inference`), and the subpackages (``kernels``, ``variational``, ``attention``, ``models``,
-``objectives``, ``metrics``, ``data``, ``training``, ``plots``, ``testing``), imported on first use.
-Importing gpattn changes no gpytorch / linear_operator / matplotlib global setting.
+:func:`load_run` (score new inputs with a saved run, :mod:`gpattn.experiments.inference`), and the
+subpackages (``kernels``, ``variational``, ``attention``, ``models``, ``objectives``, ``testing``),
+imported on first use. The library core needs torch, gpytorch, linear_operator and numpy only.
+
+``experiments`` is the experiment application (data sets, training, compare, presets, Laplace,
+metrics, plots and the ``gpattn`` command): ``pip install 'gpattn[experiments]'``. The core never
+imports it. Importing gpattn changes no gpytorch / linear_operator / matplotlib global setting.
 """
 
 import importlib
@@ -17,19 +20,11 @@ __version__ = "0.1.0"
 
 _SUBMODULES = (
     "attention",
-    "cli",
-    "compare",
-    "data",
-    "inference",
+    "experiments",
     "kernels",
-    "laplace",
-    "metrics",
     "models",
     "objectives",
-    "plots",
-    "presets",
     "testing",
-    "training",
     "variational",
 )
 
@@ -38,24 +33,17 @@ __all__ = [
     "attention",
     "attention_options",
     "build_attention",
-    "cli",
-    "compare",
-    "data",
     "deterministic",
-    "inference",
+    "experiments",
     "is_deterministic",
     "is_validating",
     "kernels",
     "list_attention",
     "load_run",
-    "metrics",
     "models",
     "objectives",
-    "plots",
-    "presets",
     "set_validation",
     "testing",
-    "training",
     "validation",
     "variational",
 ]
@@ -63,17 +51,24 @@ __all__ = [
 
 def load_run(path, device=None):
     """A saved run ready to score new inputs: ``gpattn.load_run(run_dir).predict(["a sentence"], num_samples=10)``
-    (see :mod:`gpattn.inference`; needs no data file)."""
-    from gpattn.inference import load_run as _load_run
+    (see :mod:`gpattn.experiments.inference`; needs no data file)."""
+    from gpattn.experiments.inference import load_run as _load_run
 
     return _load_run(path, device)
 
 
-def __getattr__(name):
-    if name in _SUBMODULES:
-        return importlib.import_module(f"gpattn.{name}")
-    raise AttributeError(f"module 'gpattn' has no attribute {name!r}")
+def _lazy_submodules(package: str, submodules, exported):
+    """A package's ``(__getattr__, __dir__)`` that import ``submodules`` on first attribute access."""
+
+    def __getattr__(name):
+        if name in submodules:
+            return importlib.import_module(f"{package}.{name}")
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__():
+        return exported
+
+    return __getattr__, __dir__
 
 
-def __dir__():
-    return __all__
+__getattr__, __dir__ = _lazy_submodules(__name__, _SUBMODULES, __all__)

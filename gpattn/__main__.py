@@ -2,7 +2,7 @@
 
 import sys
 
-from gpattn.cli import main
+from gpattn.experiments.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

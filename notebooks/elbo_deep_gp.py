@@ -54,12 +54,12 @@ import torch
 import torch.nn.functional as F
 
 import gpattn
-from gpattn import metrics as M
-from gpattn.data import load_dataset
+from gpattn.experiments import metrics as M
+from gpattn.experiments.data import load_dataset
+from gpattn.experiments.plots import reliability_diagram
+from gpattn.experiments.training import TrainConfig, load_run, train
 from gpattn.models import ViTClassifier
 from gpattn.objectives import DeepGPELBO, SequenceKL, expected_nll
-from gpattn.plots import reliability_diagram
-from gpattn.training import TrainConfig, load_run, train
 
 SIZE = os.environ.get("GPATTN_NOTEBOOK_SIZE", "full")
 CI = SIZE == "ci"
@@ -230,7 +230,7 @@ plt.close(fig)
 # %% [markdown]
 # ## 2. A brief training run: GP transformers vs softmax, calibration
 #
-# `gpattn.training.train` with the ELBO objective (β = 1, η = 0.1, one sample per training step,
+# `gpattn.experiments.training.train` with the ELBO objective (β = 1, η = 0.1, one sample per training step,
 # 10 samples averaged in probability space at test time). Three models of the same size:
 # KEP-SVGP in *both* layers (a 2-layer deep GP: `kl_global` + `ksvd`), decoupled SGPA in both layers
 # (`kl_seq` + `kl_global`), and softmax attention. Only robust facts are asserted (both GP and softmax

@@ -46,7 +46,7 @@ def test_unknown_name_lists_valid_names():
 
 def test_public_api_sorted():
     assert gpattn.__all__ == sorted(gpattn.__all__)
-    for sub in ("attention", "kernels", "variational", "testing"):
+    for sub in ("attention", "kernels", "variational", "testing", "experiments"):
         mod = importlib.import_module(f"gpattn.{sub}")
         assert mod.__all__ == sorted(mod.__all__), sub
         for name in mod.__all__:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import gpattn
-from gpattn.cli import main
+from gpattn.experiments.cli import main
 from gpattn.models import TransformerClassifier
 
 COMMON = ["--no-progress", "--epochs", "1", "--embed-dim", "8", "--num-heads", "2", "--num-samples", "1"]
@@ -25,7 +25,7 @@ def test_cli_corrupt_zip(tmp_path, capsys):
 
 
 def test_cli_checksum_mismatch(tmp_path, capsys):
-    from gpattn.data.fixtures import make_cola_zip
+    from gpattn.experiments.data.fixtures import make_cola_zip
 
     make_cola_zip(tmp_path / "cola_public_1.1.zip")  # right format, wrong digest
     code, err = _cli(tmp_path, capsys, "--dataset", "cola", "--data-dir", str(tmp_path))
@@ -103,7 +103,7 @@ def test_cli_bad_training_numbers_are_named(tmp_path, capsys, flag, value, words
 
 
 def test_train_config_checks_its_own_fields():
-    from gpattn.training import TrainConfig
+    from gpattn.experiments.training import TrainConfig
 
     for field, value in [("num_samples", 0), ("train_samples", 1.5), ("eval_batch_size", 0), ("seed", "1"),
                          ("weight_decay", -1e-3), ("grad_clip", float("nan")), ("average", "mean"),

@@ -239,7 +239,7 @@ def test_attention_scaling_smoke_schema(tmp_path):
 
 @pytest.mark.slow
 def test_epoch_time_smoke_schema(tmp_path):
-    from gpattn.data.fixtures import make_cola_zip
+    from gpattn.experiments.data.fixtures import make_cola_zip
 
     torch.manual_seed(0)
     make_cola_zip(tmp_path / "data", n_train=64, n_dev=16, n_ood=16, seed=0)

@@ -1,4 +1,4 @@
-"""gpattn.data: loaders, tokeniser, splits, checksummed downloads and errors. No network: downloads
+"""gpattn.experiments.data: loaders, tokeniser, splits, checksummed downloads and errors. No network: downloads
 are exercised with file:// URLs to local temporary files."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-import gpattn.data as gdata
-from gpattn.data import DataNotFoundError, DatasetBundle, Split, list_datasets, load_dataset
-from gpattn.data import cola as cola_module
-from gpattn.data._download import fetch
-from gpattn.data._text import build_vocab, encode, tokenize
-from gpattn.data.fixtures import DEV_ONLY_WORDS, OOD_ONLY_WORDS, make_cola_zip, make_text_table
+import gpattn.experiments.data as gdata
+from gpattn.experiments.data import DataNotFoundError, DatasetBundle, Split, list_datasets, load_dataset
+from gpattn.experiments.data import cola as cola_module
+from gpattn.experiments.data._download import fetch
+from gpattn.experiments.data._text import build_vocab, encode, tokenize
+from gpattn.experiments.data.fixtures import DEV_ONLY_WORDS, OOD_ONLY_WORDS, make_cola_zip, make_text_table
 
 COLA_URL = "https://nyu-mll.github.io/CoLA/cola_public_1.1.zip"
 COLA_SHA256 = "2cf856f46df11c143d38e0cf2f9f34ff2fdb088c521cd859f5c4b9581683278b"
@@ -262,7 +262,7 @@ def _blur_reference(x: np.ndarray, sigma: float) -> np.ndarray:
 
 
 def test_digits_corruptions_match_their_definitions(digits):
-    from gpattn.data.digits import SEVERITY_PARAMS, corrupt
+    from gpattn.experiments.data.digits import SEVERITY_PARAMS, corrupt
 
     clean = digits.splits["test"].inputs.numpy()
     for s in (1, 5):

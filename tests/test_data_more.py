@@ -1,5 +1,5 @@
 """Loaders ``fashion_mnist``, ``imdb`` and ``cifar10`` on synthetic files in the official formats
-(written by ``gpattn.data.fixtures_more``), read back here by independent parsers; offline errors;
+(written by ``gpattn.experiments.data.fixtures_more``), read back here by independent parsers; offline errors;
 downloads through file:// URLs. Debian's real Fashion-MNIST files are checked when installed."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from gpattn.data import DataNotFoundError, dataset_options, list_datasets, load_dataset
-from gpattn.data import cifar10 as cifar_module
-from gpattn.data import fashion_mnist as fm_module
-from gpattn.data import imdb as imdb_module
-from gpattn.data.digits import CORRUPTIONS, corrupt
-from gpattn.data.fashion_mnist import stratified_subsample
-from gpattn.data.fixtures_more import (
+from gpattn.experiments.data import DataNotFoundError, dataset_options, list_datasets, load_dataset
+from gpattn.experiments.data import cifar10 as cifar_module
+from gpattn.experiments.data import fashion_mnist as fm_module
+from gpattn.experiments.data import imdb as imdb_module
+from gpattn.experiments.data.digits import CORRUPTIONS, corrupt
+from gpattn.experiments.data.fashion_mnist import stratified_subsample
+from gpattn.experiments.data.fixtures_more import (
     IMDB_TEST_ONLY_WORDS,
     make_cifar10_tar,
     make_cifar10c,
@@ -146,7 +146,7 @@ def test_registered_with_their_options():
         opts = dataset_options(name)
         assert {"max_train", "max_val", "max_test", "val_fraction", "verify_checksum"} <= set(opts)
     assert dataset_options("imdb")["max_len"] == 256
-    assert load_dataset.__module__ == "gpattn.data._bundle"
+    assert load_dataset.__module__ == "gpattn.experiments.data._bundle"
     with pytest.raises(ValueError, match="valid options"):
         load_dataset("imdb", data_dir="/nonexistent", max_lenn=3)
 

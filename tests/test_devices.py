@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from gpattn.cli import main
-from gpattn.training import TrainConfig, _same_run, load_run, resolve_device
+from gpattn.experiments.cli import main
+from gpattn.experiments.training import TrainConfig, _same_run, load_run, resolve_device
 
 COMMON = ["--dataset", "digits", "--no-progress", "--epochs", "1", "--embed-dim", "8", "--num-heads", "2",
           "--num-layers", "1", "--num-samples", "1", "--batch-size", "256"]  # fmt: skip

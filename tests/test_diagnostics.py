@@ -1,4 +1,4 @@
-"""Collapse is never silent (gpattn.diagnostics): per-layer scale in the history, warnings, report flags."""
+"""Collapse is never silent (gpattn.experiments.diagnostics): per-layer scale in the history, warnings, report flags."""
 
 import json
 import warnings
@@ -6,16 +6,16 @@ import warnings
 import pytest
 import torch
 
-from gpattn.diagnostics import (
+from gpattn.experiments.diagnostics import (
     BASE_RATE_MARGIN,
     EpochStats,
     GPCollapseWarning,
     base_rate_entropy,
     collapse_warnings,
 )
+from gpattn.experiments.training import COLLAPSE, TrainConfig, train
 from gpattn.models import TransformerClassifier
 from gpattn.objectives import DEFAULT_ALPHA
-from gpattn.training import COLLAPSE, TrainConfig, train
 
 TINY = dict(embed_dim=16, num_heads=2, num_layers=1, batch_size=32, pooling="mean", patch_size=4,
             num_samples=2, progress=False)  # fmt: skip
@@ -94,7 +94,7 @@ def test_train_warns_and_records_a_run_at_the_base_rate(tmp_path):
 
 
 def test_compare_flags_a_collapsed_row(tmp_path):
-    from gpattn.compare import compare
+    from gpattn.experiments.compare import compare
 
     base = TrainConfig(dataset="digits", epochs=1, lr=1e-9, **TINY)
     with pytest.warns(GPCollapseWarning):
@@ -112,7 +112,7 @@ def test_plain_train_on_a_users_table_does_not_collapse(tmp_path, attention):
     """``gpattn train --dataset text_table`` with a GP variant and no preset uses the exact ELBO (β = 1) and
     the library's CGP weight α = DEFAULT_ALPHA; at the stream-scale initialisation it learns (before:
     kl_seq 8.1 -> 0.007 and predictions at the class prior; cgp / scgp at the base rate with α = 1)."""
-    from gpattn.data.fixtures import make_text_table
+    from gpattn.experiments.data.fixtures import make_text_table
 
     path = make_text_table(tmp_path / "reviews.tsv", n=300, seed=0)
     cfg = TrainConfig(

@@ -38,7 +38,7 @@ import sys
 
 import torch
 
-from gpattn.training import TrainConfig, train
+from gpattn.experiments.training import TrainConfig, train
 
 out, mode = sys.argv[1], sys.argv[2]
 cfg = TrainConfig(dataset="digits", attention="sto", embed_dim=16, num_heads=2, num_layers=1, epochs=2,
@@ -87,9 +87,9 @@ def test_every_parameter_takes_part_in_a_training_step():
     import torch
 
     import gpattn
-    from gpattn.data import load_dataset
+    from gpattn.experiments.data import load_dataset
+    from gpattn.experiments.training import TrainConfig, _batch, build_model
     from gpattn.objectives import ELBOObjective
-    from gpattn.training import TrainConfig, _batch, build_model
 
     bundle = load_dataset("digits", seed=0)
     x, mask, y = _batch(bundle.splits["train"], torch.arange(4))

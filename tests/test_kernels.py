@@ -10,8 +10,9 @@ from gpytorch.kernels import AdditiveKernel, MaternKernel, ProductKernel, RBFKer
 from gpytorch.test.base_kernel_test_case import BaseKernelTestCase
 
 import gpattn
-from gpattn.cli import _kv
-from gpattn.cli import main as cli_main
+from gpattn.experiments.cli import _kv
+from gpattn.experiments.cli import main as cli_main
+from gpattn.experiments.training import TrainConfig, load_run, predict, train
 from gpattn.kernels import (
     CanonicalRBFKernel,
     ExponentialKernel,
@@ -20,7 +21,6 @@ from gpattn.kernels import (
     kernel_spec,
     make_kernel,
 )
-from gpattn.training import TrainConfig, load_run, predict, train
 
 
 def test_exponential_kernel_matches_formula_per_head():

@@ -1,4 +1,4 @@
-"""Last-layer Laplace (gpattn.laplace): the dense float64 back end against brute-force autograd
+"""Last-layer Laplace (gpattn.experiments.laplace): the dense float64 back end against brute-force autograd
 Hessians, Jacobians and the evidence formula written here; Monte-Carlo logits against their
 analytic moments; the calibration effect far from the data; laplace-torch (the optional extra)
 pinned to the dense reference. laplace-torch tests are skipped when it is not installed."""
@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import gpattn.laplace as gl
-from gpattn.data import Split
-from gpattn.laplace import dense_ggn, extract_features, fit_last_layer_laplace
-from gpattn.metrics import average_samples
+import gpattn.experiments.laplace as gl
+from gpattn.experiments.data import Split
+from gpattn.experiments.laplace import dense_ggn, extract_features, fit_last_layer_laplace
+from gpattn.experiments.metrics import average_samples
 from gpattn.models import TransformerClassifier, ViTClassifier
 
 HAS_LAPLACE = importlib.util.find_spec("laplace") is not None
@@ -378,7 +378,7 @@ def test_laplace_torch_import_in_a_fresh_interpreter_pulls_no_torchvision_and_no
         "warnings.simplefilter('error')\n"
         "warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated', category=DeprecationWarning)\n"
         "import torch\n"
-        "import gpattn.laplace as gl\n"
+        "import gpattn.experiments.laplace as gl\n"
         "assert gl.laplace_torch_available()\n"
         "assert 'laplace' in sys.modules and 'curvlinops' in sys.modules\n"
         "assert not [m for m in sys.modules if m.split('.')[0] == 'torchvision'], 'torchvision was imported'\n"

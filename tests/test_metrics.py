@@ -1,4 +1,4 @@
-"""gpattn.metrics: hand-computed cases, scikit-learn / torchmetrics cross-checks, degenerate cases."""
+"""gpattn.experiments.metrics: hand-computed cases, scikit-learn / torchmetrics cross-checks, degenerate cases."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpattn import metrics as M
+from gpattn.experiments import metrics as M
 
 # ----------------------------------------------------------------------------------------------------
 # The hand-computed case used throughout: 5 binary examples, distinct confidences.

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import gpattn
-from gpattn.data import load_dataset
+from gpattn.experiments.data import load_dataset
+from gpattn.experiments.training import EpochStats, TrainConfig, _Dist, _DivergenceGuard, _train_step, build_model
 from gpattn.models import TransformerClassifier
 from gpattn.objectives import DeepGPELBO, ELBOObjective
-from gpattn.training import EpochStats, TrainConfig, _Dist, _DivergenceGuard, _train_step, build_model
 
 READS = ("item", "__bool__", "__int__", "__float__", "tolist", "nonzero", "cpu")
 

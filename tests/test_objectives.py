@@ -14,7 +14,7 @@ from gpytorch.mlls import AddedLossTerm
 
 import gpattn
 from gpattn.attention.softmax import SoftmaxAttention
-from gpattn.diagnostics import GPCollapseWarning
+from gpattn.experiments.diagnostics import GPCollapseWarning
 from gpattn.models import TransformerClassifier
 from gpattn.objectives import (
     CGPRegulariser,
@@ -278,8 +278,8 @@ def test_a_new_regulariser_reaches_the_loss_parts():
 
 
 def test_a_new_regulariser_reaches_the_trainers_history_and_the_cli(tmp_path, monkeypatch, capsys):
-    from gpattn import training
-    from gpattn.cli import _print_loss_parts
+    from gpattn.experiments import training
+    from gpattn.experiments.cli import _print_loss_parts
 
     build = training.build_model
     monkeypatch.setattr(training, "build_model", lambda cfg, bundle: _with_toy_layer(build(cfg, bundle)))

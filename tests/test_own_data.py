@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpattn.data import load_dataset
-from gpattn.data.fixtures import make_text_table
+from gpattn.experiments.data import load_dataset
+from gpattn.experiments.data.fixtures import make_text_table
 
 
 def _headerless(tmp_path, n=60):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import gpattn
-from gpattn.cli import main
-from gpattn.data.fixtures import make_text_table
+from gpattn.experiments.cli import main
+from gpattn.experiments.data.fixtures import make_text_table
 from gpattn.objectives import DEFAULT_ALPHA
 
 TINY = ["--epochs", "1", "--embed-dim", "16", "--num-heads", "2", "--num-layers", "1", "--num-samples", "3",
@@ -114,9 +114,9 @@ def test_shift_file_with_unknown_labels_never_gives_silent_null_metrics(tmp_path
 
 @pytest.mark.slow
 def test_global_attention_option_no_longer_aborts_and_laplace_without_laplace_torch(tmp_path, monkeypatch):
-    from gpattn.compare import compare
-    from gpattn.laplace import laplace_torch_available
-    from gpattn.training import TrainConfig
+    from gpattn.experiments.compare import compare
+    from gpattn.experiments.laplace import laplace_torch_available
+    from gpattn.experiments.training import TrainConfig
 
     monkeypatch.setitem(sys.modules, "laplace", None)  # `import laplace` raises ImportError
     assert not laplace_torch_available()
@@ -141,7 +141,7 @@ def test_global_attention_option_no_longer_aborts_and_laplace_without_laplace_to
 
 
 def test_variant_spec_syntax():
-    from gpattn.compare import expand_variants, parse_variant, split_variants
+    from gpattn.experiments.compare import expand_variants, parse_variant, split_variants
 
     assert split_variants("sto[tau=2,hard=True]+ts,softmax") == ["sto[tau=2,hard=True]+ts", "softmax"]
     spec = parse_variant("h-sto[tau1=1.0, tau2=20]+ts+ens2")
@@ -150,7 +150,7 @@ def test_variant_spec_syntax():
     with pytest.raises(ValueError, match="unknown option 'tau' for attention 'sgpa'"):
         parse_variant("sgpa[tau=2]")
     # the papers' per-variant settings through a preset: Pei et al.'s CoLA tau for sto and h-sto
-    from gpattn.presets import get_preset
+    from gpattn.experiments.presets import get_preset
 
     preset = get_preset("cola")
     specs = {s.spec: s for s in expand_variants("sto,h-sto[tau2=3.0],softmax", preset["variant_options"])}
@@ -170,7 +170,7 @@ def test_cli_data_lists_options(capsys):
 
 
 def test_mutual_information_score():
-    from gpattn import metrics as M
+    from gpattn.experiments import metrics as M
 
     # two samples that disagree completely: H(mean) = log 2, each sample certain: MI = log 2
     sp = torch.tensor([[[1.0, 0.0], [0.0, 1.0]], [[0.5, 0.5], [0.5, 0.5]]])

@@ -1,4 +1,4 @@
-"""gpattn.plots: every function writes a real, non-blank PNG; importing changes no matplotlib global."""
+"""gpattn.experiments.plots: every function writes a real, non-blank PNG; importing changes no matplotlib global."""
 
 import os
 import subprocess
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from matplotlib import image as mpimg
 
-from gpattn import metrics as M
-from gpattn import plots
+from gpattn.experiments import metrics as M
+from gpattn.experiments import plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -104,8 +104,8 @@ def test_import_changes_no_matplotlib_global(tmp_path):
         matplotlib.use("svg")
         before = matplotlib.get_backend()
         import numpy as np
-        import gpattn.plots as plots
-        assert "matplotlib.pyplot" not in sys.modules, "gpattn.plots imported pyplot"
+        import gpattn.experiments.plots as plots
+        assert "matplotlib.pyplot" not in sys.modules, "gpattn.experiments.plots imported pyplot"
         assert matplotlib.get_backend() == before, (before, matplotlib.get_backend())
         plots.scaling_curves([{"variant": "a", "T": 2, "ms_median": 1.0},
                               {"variant": "a", "T": 4, "ms_median": 2.0}], sys.argv[1])

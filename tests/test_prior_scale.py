@@ -51,7 +51,7 @@ def test_output_mean_and_spread_start_on_the_input_scale(name, T):
     mean_ratio, spread_ratio, diag, mean_norm, in_norm = _scale(layer, x, mask)
     assert MEAN_BAND[0] <= mean_ratio <= MEAN_BAND[1], (name, T, mean_ratio)
     assert SPREAD_BAND[0] <= spread_ratio <= SPREAD_BAND[1], (name, T, spread_ratio)
-    # the layer's own diagnostics (gpattn.diagnostics) measure the same per-token norms
+    # the layer's own diagnostics (gpattn.experiments.diagnostics) measure the same per-token norms
     assert diag["spread_norm"] == 0  # deterministic(): no sample was drawn
     torch.testing.assert_close(float(diag["mean_norm"]), mean_norm, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(float(diag["input_norm"]), in_norm, rtol=1e-4, atol=1e-6)

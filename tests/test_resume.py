@@ -10,8 +10,8 @@ import pytest
 import torch
 from _cli_helpers import run, single_thread_env, train_cmd
 
-from gpattn import training
-from gpattn.training import TrainConfig, atomic_save, train
+from gpattn.experiments import training
+from gpattn.experiments.training import TrainConfig, atomic_save, train
 
 ARGS = ("--num-samples", "2", "--checkpoint-every", "1")
 

@@ -10,9 +10,9 @@ import torch
 from _cli_helpers import TINY_DIGITS
 
 from gpattn import list_attention
-from gpattn.cli import main
-from gpattn.compare import compare
-from gpattn.training import TrainConfig, load_run, resolve_device, train
+from gpattn.experiments.cli import main
+from gpattn.experiments.compare import compare
+from gpattn.experiments.training import TrainConfig, load_run, resolve_device, train
 
 TINY = dict(embed_dim=16, num_heads=2, num_layers=1, epochs=1, batch_size=256, patch_size=4, num_samples=2,
             eval_batch_size=512, progress=False)  # fmt: skip
@@ -150,7 +150,9 @@ def test_compare_cache_with_laplace_and_an_ensemble_loads_weights_only(tmp_path,
     base = TrainConfig(dataset="digits", **TINY)
     specs = "softmax,softmax+laplace,softmax+ens2"
     first = compare(specs, [0], tmp_path, base, progress=False, log=lambda s: None)
-    monkeypatch.setattr("gpattn.compare.train", lambda *a, **k: pytest.fail("a cached run was trained again"))
+    monkeypatch.setattr(
+        "gpattn.experiments.compare.train", lambda *a, **k: pytest.fail("a cached run was trained again")
+    )
     loads.clear()
     again = compare(specs, [0], tmp_path, base, progress=False, log=lambda s: None)
     assert again == first

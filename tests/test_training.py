@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpattn.cli import main
-from gpattn.training import TrainConfig, load_run, train
+from gpattn.experiments.cli import main
+from gpattn.experiments.training import TrainConfig, load_run, train
 
 REAL_COLA = Path(__file__).resolve().parents[2] / "shared" / "data" / "cola_public_1.1.zip"
 
@@ -26,7 +26,7 @@ TINY = dict(
 
 
 def _schema_keys():
-    from gpattn.metrics import METRIC_KEYS, OOD_KEYS
+    from gpattn.experiments.metrics import METRIC_KEYS, OOD_KEYS
 
     return set(METRIC_KEYS), set(OOD_KEYS)
 
@@ -90,7 +90,7 @@ def test_evaluate_checkpoint_reproduces_metrics(tmp_path):
 
 
 def _cola_fixture(tmp_path):
-    from gpattn.data.fixtures import make_cola_zip
+    from gpattn.experiments.data.fixtures import make_cola_zip
 
     make_cola_zip(tmp_path / "cola_public_1.1.zip")
     return tmp_path
@@ -156,7 +156,7 @@ def test_cli_unknown_attention_and_dataset(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_compare_report_with_baselines(tmp_path):
-    from gpattn.compare import compare
+    from gpattn.experiments.compare import compare
 
     base = TrainConfig(dataset="digits", **{**TINY, "epochs": 1})
     results = compare(
@@ -179,7 +179,7 @@ def test_compare_report_with_baselines(tmp_path):
     assert "| softmax |" not in delta and "| kernel |" in delta
     assert "Δ aurc" in delta and "Δ mcc" not in delta  # the split's own columns (no MCC for images)
     # one paired table per split, with that split's columns: the papers' claims are about shift and OOD too
-    from gpattn.compare import _fmt
+    from gpattn.experiments.compare import _fmt
 
     lower = {"accuracy": False, "nll": True, "ece": True, "ood_auroc": False}  # written out, not imported
     for split, header in (("shift", "| variant | Δ accuracy | Δ nll | Δ ece |"), ("ood", "| variant | Δ ood_auroc |")):
@@ -238,9 +238,9 @@ def test_cli_train_real_cola_one_epoch(tmp_path):
 
 
 def test_presets_are_valid_configs():
-    from gpattn.compare import expand_variants
-    from gpattn.data import list_datasets
-    from gpattn.presets import PRESETS, get_preset
+    from gpattn.experiments.compare import expand_variants
+    from gpattn.experiments.data import list_datasets
+    from gpattn.experiments.presets import PRESETS, get_preset
 
     for name in PRESETS:
         preset = get_preset(name)
@@ -258,7 +258,7 @@ def test_presets_are_valid_configs():
 def _poison(monkeypatch, at_call: int, where: str = "grad", only: str | None = None):
     """Make the head's gradient (or logits) NaN at its ``at_call``-th use in every model built from now
     on (only for attention ``only`` when given); returns the list of models built."""
-    import gpattn.training as training
+    import gpattn.experiments.training as training
 
     real, built = training.build_model, []
 
@@ -288,7 +288,7 @@ def test_divergence_stops_before_the_parameters_are_poisoned(tmp_path, monkeypat
     """A NaN gradient or loss at step 2 raises TrainingDivergedError naming the step (and the
     parameters), records diverged.json, and takes no optimizer step with it: clipping a NaN norm used
     to spread NaN into every parameter, and the next forward failed in an input check far away."""
-    from gpattn.training import TrainingDivergedError
+    from gpattn.experiments.training import TrainingDivergedError
 
     built = _poison(monkeypatch, at_call=3, where=where)
     cfg = TrainConfig(dataset="digits", attention="softmax", **TINY)
@@ -310,7 +310,7 @@ def test_divergence_stops_before_the_parameters_are_poisoned(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_compare_records_a_diverged_variant_and_goes_on(tmp_path, monkeypatch, capsys):
-    from gpattn.compare import compare
+    from gpattn.experiments.compare import compare
 
     _poison(monkeypatch, at_call=3, only="kernel")
     base = TrainConfig(dataset="digits", **{**TINY, "epochs": 1})
@@ -326,7 +326,7 @@ def test_compare_records_a_diverged_variant_and_goes_on(tmp_path, monkeypatch, c
     def no_training(*args, **kwargs):
         raise AssertionError("compare trained again")
 
-    monkeypatch.setattr("gpattn.compare.train", no_training)
+    monkeypatch.setattr("gpattn.experiments.compare.train", no_training)
     again = compare("softmax,kernel", [0, 1], tmp_path, base, progress=False, log=lambda s: None)
     assert again == results
 
@@ -334,7 +334,7 @@ def test_compare_records_a_diverged_variant_and_goes_on(tmp_path, monkeypatch, c
 def test_compare_cache_ignores_progress_bars(tmp_path):
     """A finished run is reused whether or not progress bars are shown (a --no-progress rerun of the
     cola comparison retrained every run before)."""
-    from gpattn.compare import compare
+    from gpattn.experiments.compare import compare
 
     base = TrainConfig(dataset="digits", attention="softmax", **{**TINY, "epochs": 1})
     compare("softmax", [0], tmp_path, base, progress=True, log=lambda s: None)
@@ -346,12 +346,12 @@ def test_compare_cache_ignores_progress_bars(tmp_path):
 def test_compare_checks_every_variant_before_training(tmp_path, monkeypatch):
     """An option a variant cannot take fails before any variant trains (it used to surface when that
     variant's turn came, after the others' runs)."""
-    from gpattn.compare import compare
+    from gpattn.experiments.compare import compare
 
     def no_training(*args, **kwargs):
         raise AssertionError("compare trained before checking every variant")
 
-    monkeypatch.setattr("gpattn.compare.train", no_training)
+    monkeypatch.setattr("gpattn.experiments.compare.train", no_training)
     base = TrainConfig(dataset="digits", **{**TINY, "epochs": 1}, attention_options={"kernel": "ard-rbf"})
     with pytest.raises(ValueError, match="variant 'kep-svgp' cannot be built with its options .*nothing was trained"):
         compare("sgpa,kep-svgp", [0], tmp_path, base, progress=False, log=lambda s: None)

@@ -301,7 +301,7 @@ class AttentionBase(nn.Module):
         tensors; empty after an eval-mode forward):
         ``input_norm`` ‖x‖ of the (LayerNorm-ed) layer input, ``mean_norm`` ‖E[y]‖ of the posterior mean
         output and ``spread_norm`` ‖y − E[y]‖ of the drawn sample (0 when not sampling). Collapse shows
-        as a mean far below the spread, or both far below the input (``gpattn.training`` logs them per
+        as a mean far below the spread, or both far below the input (``gpattn.experiments.training`` logs them per
         epoch and warns). Empty for the other variants."""
         return dict(getattr(self, "_diagnostics", {}))
 

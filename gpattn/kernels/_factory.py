@@ -287,5 +287,5 @@ def require_kernel_spec(kernel, *, name: str = "kernel") -> None:
         hint = f"and it has no spec ({err})"
     raise ValueError(
         f"{name} is a gpytorch kernel instance ({type(kernel).__name__}), which config.json cannot store; {hint} "
-        f"(docs/kernels.md; per-head values are learned, or set after gpattn.training.build_model)"
+        f"(docs/kernels.md; per-head values are learned, or set after gpattn.experiments.training.build_model)"
     )

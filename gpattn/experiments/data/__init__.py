@@ -3,15 +3,15 @@ seed=0, **options)``.
 
 Nothing is downloaded unless ``download=True``; every download is checked against its SHA-256. Files
 live in ``data_dir``, else ``$GPATTN_DATA_DIR``, else ``~/.cache/gpattn``. A loader joins the registry
-with ``@register_dataset("name")`` (``gpattn.data._bundle``); every public module of this package is
-imported here, so a new data set needs no edit elsewhere. ``gpattn.data.fixtures`` writes synthetic
+with ``@register_dataset("name")`` (``gpattn.experiments.data._bundle``); every public module of this package is
+imported here, so a new data set needs no edit elsewhere. ``gpattn.experiments.data.fixtures`` writes synthetic
 files in the official formats for tests.
 """
 
 import importlib
 import pkgutil
 
-from gpattn.data._bundle import (
+from gpattn.experiments.data._bundle import (
     DataNotFoundError,
     DatasetBundle,
     Split,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpattn.data.cola import COLA_FILENAME, COLA_MEMBERS
+from gpattn.experiments.data.cola import COLA_FILENAME, COLA_MEMBERS
 
 __all__ = ["DEV_ONLY_WORDS", "OOD_ONLY_WORDS", "make_cola_zip", "make_text_table"]
 
@@ -52,7 +52,7 @@ _PREPOSITIONS = ("near", "behind", "under", "with", "beside")
 _IN_SOURCES = ("gj04", "bc01", "ks08", "l-93")
 _OUT_SOURCES = ("clc95", "swb04", "w_80")
 _TIMESTAMP = (2018, 12, 14, 17, 28, 0)
-_README = """CoLA (synthetic test fixture written by gpattn.data.fixtures.make_cola_zip)
+_README = """CoLA (synthetic test fixture written by gpattn.experiments.data.fixtures.make_cola_zip)
 
 Same layout and format as the public CoLA v1.1 archive, random sentences from a toy grammar.
 Each line in the .tsv files consists of 4 tab-separated columns.

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gpattn.data.cifar10 import CIFAR10_FILENAME, CIFAR10C_DIRNAME
-from gpattn.data.cifar10 import CLASS_NAMES as CIFAR10_CLASS_NAMES
-from gpattn.data.fashion_mnist import FILES as FASHION_FILES
-from gpattn.data.imdb import IMDB_FILENAME
+from gpattn.experiments.data.cifar10 import CIFAR10_FILENAME, CIFAR10C_DIRNAME
+from gpattn.experiments.data.cifar10 import CLASS_NAMES as CIFAR10_CLASS_NAMES
+from gpattn.experiments.data.fashion_mnist import FILES as FASHION_FILES
+from gpattn.experiments.data.imdb import IMDB_FILENAME
 
 __all__ = [
     "IMDB_TEST_ONLY_WORDS",
@@ -105,7 +105,7 @@ _POSITIVE = ("wonderful", "brilliant", "moving", "superb", "delightful", "great"
 _NEGATIVE = ("awful", "boring", "dreadful", "tedious", "terrible", "bad", "clumsy")
 _NEUTRAL = ("film", "movie", "plot", "actors", "director", "story", "scene", "ending", "music", "script")
 IMDB_TEST_ONLY_WORDS = ("zeitgeist", "quixotic", "marzipan")
-_IMDB_README = """Large Movie Review Dataset v1.0 (synthetic test fixture written by gpattn.data.fixtures_more)
+_IMDB_README = """Large Movie Review Dataset v1.0 (synthetic test fixture, gpattn.experiments.data.fixtures_more)
 
 Same layout as the official aclImdb_v1.tar.gz: [[train/, test/]] x [[pos/, neg/]] with files
 <id>_<rating>.txt, plus train/unsup/ (unlabelled, rating 0) and bag-of-words feature files.

@@ -34,14 +34,14 @@ def bundle_meta(bundle) -> dict:
         meta["model_max_len"] = max(int(s.inputs.shape[1]) for s in bundle.splits.values())
         max_len = bundle.info.get("max_len")
         meta["max_len"] = int(max_len) if max_len is not None else None
-        meta["tokenizer"] = "gpattn.data._text.tokenize (lowercased words and punctuation)"
+        meta["tokenizer"] = "gpattn.experiments.data._text.tokenize (lowercased words and punctuation)"
     else:
         meta["image_shape"] = [int(v) for v in bundle.image_shape]
     return meta
 
 
 def _stub_bundle(meta: dict):
-    """What :func:`gpattn.training.build_model` reads of a bundle, from :func:`bundle_meta`."""
+    """What :func:`gpattn.experiments.training.build_model` reads of a bundle, from :func:`bundle_meta`."""
     width = meta.get("model_max_len", 1)
     return types.SimpleNamespace(
         kind=meta["kind"],
@@ -91,7 +91,7 @@ class Run:
 
     def encode(self, texts) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and padding mask of ``texts`` with the run's vocabulary and tokenizer."""
-        from gpattn.data._text import encode, tokenize
+        from gpattn.experiments.data._text import encode, tokenize
 
         if self.meta["kind"] != "text":
             raise ValueError(f"this run was trained on images ({self.meta['dataset']}); pass an image tensor")
@@ -104,7 +104,7 @@ class Run:
     def predict(self, inputs, num_samples: int | None = None, batch_size: int = 256) -> Prediction:
         """Predictive probabilities and their entropy split for a list of texts (text runs) or an image
         tensor (N, C, Hpx, Wpx) in [0, 1] (image runs); ``num_samples`` defaults to the run's."""
-        from gpattn import metrics as M
+        from gpattn.experiments import metrics as M
 
         P = num_samples or self.cfg.num_samples
         if isinstance(P, bool) or not isinstance(P, int) or P < 1:
@@ -135,13 +135,13 @@ class Run:
 
 def load_run(path, device=None) -> Run:
     """A saved run (folder or ``checkpoint.pt``) ready to score new inputs, without its data files."""
-    from gpattn.training import TrainConfig, _as_device, _run_checkpoint, build_model
+    from gpattn.experiments.training import TrainConfig, _as_device, _run_checkpoint, build_model
 
     target = torch.device("cpu") if device is None else _as_device(device)
     path, ckpt = _run_checkpoint(path, map_location=target)
     if "data" not in ckpt:
         raise ValueError(
-            f"{path} was written before checkpoints carried their vocabulary; use gpattn.training.load_run "
+            f"{path} was written before checkpoints carried their vocabulary; use gpattn.experiments.training.load_run "
             f"(which reloads the data set) or retrain"
         )
     cfg = TrainConfig.from_dict(ckpt["config"])

@@ -95,7 +95,7 @@ class EpochStats:
 
 
 def collapse_warnings(history: list[dict], base_rate: float | None = None) -> list[str]:
-    """Messages for the last epoch of ``history`` (entries written by ``gpattn.training.train``)."""
+    """Messages for the last epoch of ``history`` (entries written by ``gpattn.experiments.training.train``)."""
     if not history or "train" not in history[-1]:
         return []
     last = history[-1]

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpattn.data._bundle import DatasetBundle, register_dataset
-from gpattn.data._download import fetch_archive, open_zip, read_zip_member
-from gpattn.data._split import check_fraction, stratified_split
-from gpattn.data._text import build_text_bundle
+from gpattn.experiments.data._bundle import DatasetBundle, register_dataset
+from gpattn.experiments.data._download import fetch_archive, open_zip, read_zip_member
+from gpattn.experiments.data._split import check_fraction, stratified_split
+from gpattn.experiments.data._text import build_text_bundle
 
 __all__ = ["CLASS_NAMES", "COLA_FILENAME", "COLA_MEMBERS", "COLA_SHA256", "COLA_URL", "load_cola", "read_cola"]
 
@@ -84,10 +84,10 @@ def load_cola(
       into train/valid/test with 7:1:2. Additionally, we use the provided 516 out-of-domain samples
       for uncertainty estimation." (80 % train+val, 20 % test.)
 
-    Sentences are tokenised by :func:`gpattn.data._text.tokenize`, the vocabulary is built on the train
+    Sentences are tokenised by :func:`gpattn.experiments.data._text.tokenize`, the vocabulary is built on the train
     split only (``min_freq``, ``max_vocab_size``), sequences are cut to ``max_len`` tokens.
     ``verify_checksum=False`` skips the SHA-256 check of an existing archive (for a synthetic
-    archive from :func:`gpattn.data.fixtures.make_cola_zip`); a download is always verified.
+    archive from :func:`gpattn.experiments.data.fixtures.make_cola_zip`); a download is always verified.
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {PRESETS}, got {preset!r}")

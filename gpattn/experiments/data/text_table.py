@@ -8,9 +8,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from gpattn.data._bundle import DataNotFoundError, DatasetBundle, register_dataset
-from gpattn.data._split import check_fraction, stratified_split
-from gpattn.data._text import build_text_bundle
+from gpattn.experiments.data._bundle import DataNotFoundError, DatasetBundle, register_dataset
+from gpattn.experiments.data._split import check_fraction, stratified_split
+from gpattn.experiments.data._text import build_text_bundle
 
 __all__ = ["load_text_table", "read_table"]
 

@@ -42,7 +42,7 @@ def _seeds(text: str) -> list[int]:
 
 
 def _ood_scores(text: str) -> list[str]:
-    from gpattn.metrics import OOD_SCORE_NAMES
+    from gpattn.experiments.metrics import OOD_SCORE_NAMES
 
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in OOD_SCORE_NAMES]
@@ -53,7 +53,7 @@ def _ood_scores(text: str) -> list[str]:
 
 
 def _training_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", help="named settings (gpattn.presets); explicit flags override them")
+    p.add_argument("--preset", help="named settings (gpattn.experiments.presets); explicit flags override them")
     p.add_argument("--dataset", help="digits, cola, text_table, ... (default digits)")
     p.add_argument("--data-dir", help="folder with the data files (default $GPATTN_DATA_DIR or ~/.cache/gpattn)")
     p.add_argument("--download", action="store_true", default=None, help="download missing files (checksummed)")
@@ -118,8 +118,8 @@ def _validate_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args, **extra):
-    from gpattn.presets import get_preset
-    from gpattn.training import TrainConfig
+    from gpattn.experiments.presets import get_preset
+    from gpattn.experiments.training import TrainConfig
 
     values = {}
     preset = {}
@@ -163,7 +163,7 @@ def _config(args, **extra):
 
 
 def _print_metrics(metrics: dict, ood_scores=("msp",)) -> None:
-    from gpattn.metrics import ood_score_key
+    from gpattn.experiments.metrics import ood_score_key
 
     aurocs = tuple(ood_score_key(score, "ood_auroc") for score in ood_scores)
     for split, row in metrics.items():
@@ -177,7 +177,7 @@ def _print_metrics(metrics: dict, ood_scores=("msp",)) -> None:
 
 
 def _print_data(folder: Path) -> None:
-    from gpattn.data.summary import summary_lines
+    from gpattn.experiments.data.summary import summary_lines
 
     if (folder / "data.json").is_file():
         print("data:")
@@ -203,7 +203,7 @@ def _validation(args):
 
 
 def cmd_train(args) -> int:
-    from gpattn.training import train
+    from gpattn.experiments.training import train
 
     cfg, _ = _config(args, attention=args.attention, seed=args.seed)
     out = Path(args.out)
@@ -220,7 +220,7 @@ def cmd_train(args) -> int:
 def cmd_evaluate(args) -> int:
     import torch
 
-    from gpattn.training import evaluate_predictions, load_run, predict
+    from gpattn.experiments.training import evaluate_predictions, load_run, predict
 
     cfg, model, bundle, _ = load_run(args.checkpoint, device=args.device or "auto")
     P = args.num_samples or cfg.num_samples
@@ -243,7 +243,7 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from gpattn.compare import compare
+    from gpattn.experiments.compare import compare
 
     cfg, preset = _config(args)
     variants = args.attention or preset.get("variants") or "all+baselines"
@@ -270,8 +270,8 @@ def cmd_data(args) -> int:
     """``gpattn data [NAME]``: the data sets, or one data set's options with defaults and accepted values."""
     import inspect
 
-    from gpattn.data import dataset_options, list_datasets
-    from gpattn.data._bundle import _loader
+    from gpattn.experiments.data import dataset_options, list_datasets
+    from gpattn.experiments.data._bundle import _loader
 
     if not args.name:
         print("data sets (gpattn data NAME lists a data set's options):")
@@ -336,10 +336,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: the experiment application's third-party modules (setup.cfg's ``experiments`` extra) -> package
+EXTRA_PACKAGES = {"matplotlib": "matplotlib", "scipy": "scipy", "sklearn": "scikit-learn", "tqdm": "tqdm"}
+
+
 def main(argv=None) -> int:
+    """The ``gpattn`` command; without the ``experiments`` extra, a message naming it instead of a traceback."""
+    try:
+        return _run(argv)
+    except ModuleNotFoundError as err:
+        module = (err.name or "").partition(".")[0]
+        if module not in EXTRA_PACKAGES:
+            raise
+        print(
+            f"gpattn: error: this command needs {EXTRA_PACKAGES[module]} (module {module!r} is not installed), "
+            "which comes with the experiment application: pip install 'gpattn[experiments]'",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _run(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from gpattn.data import DataNotFoundError
+    from gpattn.experiments.data import DataNotFoundError
 
     try:
         return args.func(args)

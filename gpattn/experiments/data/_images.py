@@ -1,12 +1,12 @@
 """Argument checks and the ``Split`` constructor shared by the image loaders (``digits``,
-``fashion_mnist`` and, through :func:`gpattn.data.fashion_mnist.build_image_bundle`, ``cifar10``)."""
+``fashion_mnist`` and, through :func:`gpattn.experiments.data.fashion_mnist.build_image_bundle`, ``cifar10``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from gpattn.data._bundle import Split
+from gpattn.experiments.data._bundle import Split
 
 __all__ = ["check_classes", "check_severities", "image_split", "is_int"]
 

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from gpattn._io import load_file
 from gpattn._settings import is_validating
-from gpattn.diagnostics import EpochStats, GPCollapseWarning, base_rate_entropy, collapse_warnings
+from gpattn.experiments._io import load_file
+from gpattn.experiments.diagnostics import EpochStats, GPCollapseWarning, base_rate_entropy, collapse_warnings
 from gpattn.kernels import require_kernel_spec
 from gpattn.models import TransformerClassifier, ViTClassifier
 from gpattn.objectives import DEFAULT_ALPHA, DeepGPELBO
@@ -59,7 +59,7 @@ __all__ = [
 
 CHECKPOINT = "checkpoint.pt"
 DIVERGED = "diverged.json"
-#: the collapse checks of a finished run (gpattn.diagnostics): base-rate entropy and warnings
+#: the collapse checks of a finished run (gpattn.experiments.diagnostics): base-rate entropy and warnings
 COLLAPSE = "collapse.json"
 #: settings that change where and how a run executes, not what it computes: a run trained with other
 #: values is resumed (``--resume``) and reused (``gpattn compare``) as it is. ``device`` is one of them:
@@ -460,7 +460,7 @@ def evaluate_predictions(preds: dict, bundle, average: str = "probs", temperatur
     labelled rows (``None`` where no row has a label; ``n`` / ``n_labelled`` / ``class_counts`` say
     which), and for OOD splits the OOD-detection metrics against ``in_domain`` under every score
     (max probability as ``ood_auroc`` ..., the others as ``ood_auroc_<score>`` ...)."""
-    from gpattn import metrics as M
+    from gpattn.experiments import metrics as M
 
     def probs_of(name):
         logits = preds[bundle.eval_splits[name]]["logits"] / temperature
@@ -548,7 +548,7 @@ class _Interrupt:
 def _load_checkpoint(path: Path, map_location="cpu") -> dict:
     """A checkpoint written by :func:`train`, or a ``ValueError`` naming the file: a truncated or
     foreign file otherwise fails deep inside unpickling with a message about neither, and a file that
-    is not plain data is refused unread (:func:`gpattn._io.load_file`, ``weights_only=True``)."""
+    is not plain data is refused unread (:func:`gpattn.experiments._io.load_file`, ``weights_only=True``)."""
     ckpt = load_file(path, map_location=map_location, what="checkpoint")
     if not isinstance(ckpt, dict) or not {"config", "model"} <= set(ckpt):
         got = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
@@ -569,7 +569,7 @@ def _run_checkpoint(path, map_location="cpu") -> tuple[Path, dict]:
 def load_run(path, device=None) -> tuple[TrainConfig, torch.nn.Module, object, dict]:
     """Load a checkpoint file (or a run folder) -> (config, model, data bundle, checkpoint dict), the
     model on ``device`` (``auto``/``cpu``/``cuda[:N]`` or a ``torch.device``; default: the CPU)."""
-    from gpattn.data import load_dataset
+    from gpattn.experiments.data import load_dataset
 
     device = torch.device("cpu") if device is None else _as_device(device)
     path, ckpt = _run_checkpoint(path, map_location=device)
@@ -603,7 +603,7 @@ def train(
     ``stop_after_steps`` simulates an interruption (tests): the run checkpoints after that many
     optimizer steps and raises ``KeyboardInterrupt``.
     """
-    from gpattn.data import load_dataset
+    from gpattn.experiments.data import load_dataset
 
     resolve_device(cfg.device)  # CUDA asked for where there is none: refused before any file is written
     out = Path(out) if out is not None else None
@@ -615,8 +615,8 @@ def train(
         bundle = load_dataset(
             cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
         )
-    from gpattn.data.summary import data_summary
-    from gpattn.inference import bundle_meta
+    from gpattn.experiments.data.summary import data_summary
+    from gpattn.experiments.inference import bundle_meta
 
     if out is not None and int(os.environ.get("RANK", "0")) == 0:
         _write_json(data_summary(bundle), out / "data.json")  # files, sizes, class counts, fingerprint
@@ -647,7 +647,7 @@ def train(
         kl_scaling=cfg.kl_scaling,
     )
     step, history = 0, []
-    stats = EpochStats()  # epoch means of the loss parts and of each GP layer's scale (gpattn.diagnostics)
+    stats = EpochStats()  # epoch means of the loss parts and of each GP layer's scale (gpattn.experiments.diagnostics)
     base_rate = base_rate_entropy(train_split.labels, bundle.num_classes)
     ckpt_path = out / CHECKPOINT if out is not None else None
     if resume:

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpattn.data._bundle import DatasetBundle, register_dataset
-from gpattn.data._images import check_classes, check_severities, image_split, is_int
-from gpattn.data._split import check_fraction, stratified_split
+from gpattn.experiments.data._bundle import DatasetBundle, register_dataset
+from gpattn.experiments.data._images import check_classes, check_severities, image_split, is_int
+from gpattn.experiments.data._split import check_fraction, stratified_split
 
 __all__ = ["CORRUPTIONS", "SEVERITY_PARAMS", "corrupt", "load_digits"]
 

@@ -18,7 +18,7 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-from gpattn.data._bundle import DataNotFoundError, missing_file_message
+from gpattn.experiments.data._bundle import DataNotFoundError, missing_file_message
 
 __all__ = ["fetch", "fetch_archive", "open_tar", "open_zip", "read_zip_member", "sha256_file", "verify_sha256"]
 

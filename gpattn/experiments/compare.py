@@ -2,7 +2,7 @@
 
 A *variant spec* is a registered attention name with optional modifiers:
 ``softmax+ts`` (post-hoc temperature scaling fitted on the validation split, Guo et al. 2017),
-``softmax+laplace`` (post-hoc last-layer Laplace, :mod:`gpattn.laplace`; laplace-torch when installed,
+``softmax+laplace`` (post-hoc last-layer Laplace, :mod:`gpattn.experiments.laplace`; laplace-torch when installed,
 else the dense float64 back end),
 ``softmax+mcdropout`` (dropout kept on at prediction), ``softmax+ens5`` (deep ensemble of 5
 independently seeded models: the seed run plus members seeded ``seed + 1000·j``). Modifiers combine
@@ -27,10 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpattn._io import load_file
 from gpattn.attention.registry import attention_class, attention_options, build_attention, list_attention
-from gpattn.objectives import DEFAULT_ALPHA
-from gpattn.training import (
+from gpattn.experiments._io import load_file
+from gpattn.experiments.training import (
     COLLAPSE,
     DIVERGED,
     TrainConfig,
@@ -39,6 +38,7 @@ from gpattn.training import (
     evaluate_predictions,
     train,
 )
+from gpattn.objectives import DEFAULT_ALPHA
 
 __all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "split_variants", "write_report"]
 
@@ -191,8 +191,8 @@ def _run(base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, pr
 
 def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:
     """Sample logits of a last-layer Laplace fitted post hoc on the trained run in ``folder``."""
-    from gpattn.laplace import fit_last_layer_laplace, laplace_torch_available
-    from gpattn.training import CHECKPOINT, _load_checkpoint, build_model, resolve_device
+    from gpattn.experiments.laplace import fit_last_layer_laplace, laplace_torch_available
+    from gpattn.experiments.training import CHECKPOINT, _load_checkpoint, build_model, resolve_device
 
     device = resolve_device(cfg.device)
     model = build_model(cfg, bundle).to(device)
@@ -221,13 +221,13 @@ def compare(
     """Train / evaluate every variant spec for every seed; write ``results.json``, ``data.json``,
     ``report.md`` and the plots under ``out``; return the results dict ``{spec: {seed: metrics}}``.
 
-    ``ood_scores``: the OOD scores (:data:`gpattn.metrics.OOD_SCORE_NAMES`) shown in report.md and the
+    ``ood_scores``: the OOD scores (:data:`gpattn.experiments.metrics.OOD_SCORE_NAMES`) shown in report.md and the
     histograms (every score is in results.json). ``variant_options``: per-variant default options
     (a preset's), beneath the options a spec gives in brackets."""
-    from gpattn import metrics as M
-    from gpattn.data import load_dataset
-    from gpattn.data.summary import data_summary, summary_lines
-    from gpattn.laplace import laplace_torch_available
+    from gpattn.experiments import metrics as M
+    from gpattn.experiments.data import load_dataset
+    from gpattn.experiments.data.summary import data_summary, summary_lines
+    from gpattn.experiments.laplace import laplace_torch_available
 
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds) or len(set(seeds)) < len(seeds):
@@ -276,7 +276,8 @@ def compare(
                         base, spec, seed + 1000 * j, out, bundle, progress, summaries[seed]["fingerprint"], log
                     )
                     members.append(_laplace_predictions(cfg, folder, bundle, member) if spec.laplace else member)
-                    if (folder / COLLAPSE).is_file():  # gpattn.diagnostics: a collapsed layer or the base rate
+                    # gpattn.experiments.diagnostics: a collapsed layer or the base rate
+                    if (folder / COLLAPSE).is_file():
                         collapse += json.loads((folder / COLLAPSE).read_text())["warnings"]
             except TrainingDivergedError as err:  # one diverged run must not end the whole comparison
                 log(f"[compare] {spec.spec} seed {seed}: {err}")
@@ -359,8 +360,8 @@ def _plots(plot_preds, out: Path, average: str, ood_scores=("msp",)) -> list[str
     """Reliability diagrams of every labelled evaluation split, pooled over seeds (plus the historical
     in-domain diagram of the first seed), risk-coverage (first seed) and OOD histograms for every chosen
     score (first seed); returns the report's lines that name them."""
-    from gpattn import metrics as M
-    from gpattn import plots
+    from gpattn.experiments import metrics as M
+    from gpattn.experiments import plots
 
     curves, ood = {}, {score: {} for score in ood_scores}
     pooled = set()
@@ -422,7 +423,7 @@ def _collapsed_seeds(per_seed: dict, seeds) -> list:
 
 def _label(spec: str, per_seed: dict, seeds) -> str:
     """The row name, flagged when some seeds diverged (their cells are left out of mean ± std) or
-    collapsed (a GP layer's mean under its noise, or training at the base rate: gpattn.diagnostics)."""
+    collapsed (a GP layer's mean under its noise, or training at the base rate: gpattn.experiments.diagnostics)."""
     flags = []
     bad = _diverged_seeds(per_seed, seeds)
     if bad:
@@ -469,7 +470,7 @@ LOWER_IS_BETTER = {"nll": True, "ece": True, "aurc": True, "accuracy": False, "m
 def _split_columns(split: str, results: dict, seeds, bundle, ood_scores=("msp",)) -> tuple:
     """The metrics report.md shows for ``split``: MCC only for text, an OOD split's detection AUROC under
     every chosen score, and an unlabelled OOD split only its detection metrics."""
-    from gpattn.metrics import ood_score_key
+    from gpattn.experiments.metrics import ood_score_key
 
     default = REPORT_COLUMNS["ood"] if split in bundle.ood_splits else ("accuracy", "nll", "ece")
     cols = REPORT_COLUMNS.get(split, default)
@@ -519,7 +520,7 @@ def write_report(
 ) -> None:
     """report.md: what was run (data files, split sizes, class counts, objective weights, options), one
     table per evaluation split, mean ± std (sample std) over seeds; fractions."""
-    from gpattn.data.summary import summary_lines
+    from gpattn.experiments.data.summary import summary_lines
 
     lines = [
         f"# gpattn compare — {base.dataset}",

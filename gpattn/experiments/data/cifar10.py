@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gpattn.data._bundle import DataNotFoundError, DatasetBundle, missing_file_message, register_dataset
-from gpattn.data._download import fetch_archive, open_tar
-from gpattn.data.digits import CORRUPTIONS, SEVERITY_PARAMS
-from gpattn.data.fashion_mnist import build_image_bundle, synthetic_shift
+from gpattn.experiments.data._bundle import DataNotFoundError, DatasetBundle, missing_file_message, register_dataset
+from gpattn.experiments.data._download import fetch_archive, open_tar
+from gpattn.experiments.data.digits import CORRUPTIONS, SEVERITY_PARAMS
+from gpattn.experiments.data.fashion_mnist import build_image_bundle, synthetic_shift
 
 __all__ = [
     "CIFAR10C_CORRUPTIONS",
@@ -225,7 +225,7 @@ def load_cifar10(
     shift_corruptions: Sequence[str] | None = None,
     verify_checksum: bool = True,
 ) -> DatasetBundle:
-    """CIFAR-10 as images ``(3, 32, 32)`` in [0, 1] (splits as :func:`gpattn.data.fashion_mnist.
+    """CIFAR-10 as images ``(3, 32, 32)`` in [0, 1] (splits as :func:`gpattn.experiments.data.fashion_mnist.
     build_image_bundle`: val = 10 % of the official train set, test = the official test set).
 
     - ``ood_classes``: classes held out of training and evaluated as the ``ood`` split (official test
@@ -236,7 +236,7 @@ def load_cifar10(
     - ``max_shift`` (default 200) test images are corrupted per (corruption, severity) block: the
       full CIFAR-10-C benchmark is 750000 images (9 GB as float32), pass ``None`` on a big machine.
     - ``max_*`` cut splits to stratified random subsets; ``verify_checksum=False`` skips the archive's
-      SHA-256 (synthetic archives from :mod:`gpattn.data.fixtures_more`); a download is always checked.
+      SHA-256 (synthetic archives from :mod:`gpattn.experiments.data.fixtures_more`); a download is always checked.
     """
     if not isinstance(verify_checksum, bool):
         raise ValueError(f"verify_checksum must be a bool, got {verify_checksum!r}")

@@ -24,7 +24,7 @@ predictive distribution of the logits is exactly Gaussian ("GLM predictive"):
     f_n \sim \mathcal{N}(f_n(\theta^*),\; J_n \Sigma J_n^\top),
 
 and :meth:`LastLayerLaplace.predict_logits` returns ``P`` samples of it, shape ``(N, P, C)``, which
-``gpattn.metrics.average_samples`` turns into the Monte-Carlo predictive (mean softmax). The prior
+``gpattn.experiments.metrics.average_samples`` turns into the Monte-Carlo predictive (mean softmax). The prior
 precision is a given float or maximises the Laplace evidence (MacKay, 1992)
 
 .. math::
@@ -120,7 +120,9 @@ def _head_of(model) -> nn.Linear:
 def _check_split(split, name: str = "split"):
     for attr in ("inputs", "labels", "mask"):
         if not hasattr(split, attr):
-            raise ValueError(f"{name} must be a gpattn.data.Split (inputs, labels, mask), got {type(split).__name__}")
+            raise ValueError(
+                f"{name} must be a gpattn.experiments.data.Split (inputs, labels, mask), got {type(split).__name__}"
+            )
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -134,10 +136,10 @@ def extract_features(model, split, batch_size: int = 256) -> torch.Tensor:
     """The input of ``model.head`` for every row of ``split``, in eval mode, one forward pass per
     batch with ``num_samples=1``.  # shape: (N, D)
 
-    Batches are formed as in training (:func:`gpattn.training._batch`: text cut to its longest real
+    Batches are formed as in training (:func:`gpattn.experiments.training._batch`: text cut to its longest real
     sequence, padding mask passed as ``key_padding_mask``). The model's train/eval mode is restored.
     """
-    from gpattn.training import _batch
+    from gpattn.experiments.training import _batch
 
     head = _head_of(model)
     _check_split(split)
@@ -295,7 +297,7 @@ class LastLayerLaplace:
         ``mean + L eps`` with ``cov = L L^T`` (Cholesky, bounded jitter only if needed), eps standard
         normal from ``generator`` (the global RNG if None). A Cholesky factor is continuous in ``cov``;
         an eigenbasis is not (its signs follow rounding), so the same seed gives the same draws on any
-        thread count. Same layout as ``gpattn.training.predict``."""
+        thread count. Same layout as ``gpattn.experiments.training.predict``."""
         _check_positive_int("num_samples", num_samples)
         mean, cov = self.predictive_moments(inputs)  # shape: (N, C), (N, C, C)
         scale = cholesky(cov, name="last-layer Laplace predictive covariance")  # shape: (N, C, C)
@@ -325,7 +327,7 @@ def fit_last_layer_laplace(
     marglik_lr: float = 0.1,
 ) -> LastLayerLaplace:
     """Fit a last-layer Laplace posterior to the trained ``model`` on ``train_split`` (a
-    ``gpattn.data.Split``; every row counts, N = ``len(train_split)``).
+    ``gpattn.experiments.data.Split``; every row counts, N = ``len(train_split)``).
 
     :param hessian_structure: ``"kron"`` (default), ``"full"`` or ``"diag"`` for laplace-torch;
         the dense back end supports ``"full"`` only.

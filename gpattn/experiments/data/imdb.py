@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gpattn.data._bundle import DatasetBundle, register_dataset
-from gpattn.data._download import fetch_archive, open_tar
-from gpattn.data._split import check_fraction, stratified_split
-from gpattn.data._text import build_text_bundle
-from gpattn.data.fashion_mnist import stratified_subsample
+from gpattn.experiments.data._bundle import DatasetBundle, register_dataset
+from gpattn.experiments.data._download import fetch_archive, open_tar
+from gpattn.experiments.data._split import check_fraction, stratified_split
+from gpattn.experiments.data._text import build_text_bundle
+from gpattn.experiments.data.fashion_mnist import stratified_subsample
 
 __all__ = ["CLASS_NAMES", "IMDB_FILENAME", "IMDB_SHA256", "IMDB_URL", "load_imdb", "read_imdb"]
 
@@ -92,10 +92,10 @@ def load_imdb(
     val = a seeded stratified ``val_fraction`` of the official train folder, train = the rest,
     test = the official test folder; ``max_train`` / ``max_val`` / ``max_test`` then cut each to a
     stratified random subset (CPU presets). Reviews are tokenised by
-    :func:`gpattn.data._text.tokenize`, the vocabulary is built on the (cut) train split only
+    :func:`gpattn.experiments.data._text.tokenize`, the vocabulary is built on the (cut) train split only
     (``min_freq``, at most ``max_vocab_size`` words), sequences are cut to their first ``max_len``
     tokens. ``eval_splits`` = {"in_domain": "test"}. ``verify_checksum=False`` skips the SHA-256
-    check of an existing archive (synthetic archives from :mod:`gpattn.data.fixtures_more`); a
+    check of an existing archive (synthetic archives from :mod:`gpattn.experiments.data.fixtures_more`); a
     download is always verified.
     """
     val_fraction = check_fraction("val_fraction", val_fraction, allow_zero=False)

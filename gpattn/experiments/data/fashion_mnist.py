@@ -35,11 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gpattn.data._bundle import DataNotFoundError, DatasetBundle, missing_file_message, register_dataset
-from gpattn.data._download import fetch
-from gpattn.data._images import check_classes, check_severities, image_split, is_int
-from gpattn.data._split import check_fraction, stratified_split
-from gpattn.data.digits import CORRUPTIONS, SEVERITY_PARAMS, corrupt
+from gpattn.experiments.data._bundle import DataNotFoundError, DatasetBundle, missing_file_message, register_dataset
+from gpattn.experiments.data._download import fetch
+from gpattn.experiments.data._images import check_classes, check_severities, image_split, is_int
+from gpattn.experiments.data._split import check_fraction, stratified_split
+from gpattn.experiments.data.digits import CORRUPTIONS, SEVERITY_PARAMS, corrupt
 
 __all__ = [
     "CLASS_NAMES",
@@ -171,7 +171,7 @@ def stratified_subsample(labels, max_n: int | None, rng: np.random.Generator) ->
 
 def synthetic_shift(x_test: np.ndarray, severities: Sequence[int], seed: int, corruptions=CORRUPTIONS):
     """The shift split of ``digits`` for uint8 images: every corruption of
-    :func:`gpattn.data.digits.corrupt` at every severity, blocks in (corruption, severity) order.
+    :func:`gpattn.experiments.data.digits.corrupt` at every severity, blocks in (corruption, severity) order.
     Returns (images float32 in [0, 1] (K·N, C, H, W), corruption name per row, chunks)."""
     xs, names, chunks = [], [], []
     x01 = x_test.astype(np.float32) / 255.0
@@ -315,7 +315,7 @@ def load_fashion_mnist(
     subset (CPU presets); ``max_shift`` (default 1000) test images are corrupted, 15 blocks of them
     (``None``: every test image, 150000 float images); ``debian_dir=None`` skips Debian's directory;
     ``verify_checksum=False`` skips the content digests (for synthetic files from
-    :mod:`gpattn.data.fixtures_more`).
+    :mod:`gpattn.experiments.data.fixtures_more`).
     """
     if not isinstance(verify_checksum, bool):
         raise ValueError(f"verify_checksum must be a bool, got {verify_checksum!r}")

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from gpattn.data._bundle import DatasetBundle, Split
+from gpattn.experiments.data._bundle import DatasetBundle, Split
 
 __all__ = [
     "CLS",

@@ -2,7 +2,7 @@
 
 Figures are built with :class:`matplotlib.figure.Figure` on a :class:`FigureCanvasAgg`, never through
 pyplot, so importing or calling this module changes no matplotlib global state (backend, figure
-registry). Binning and curves come from :mod:`gpattn.metrics`, so the plots show exactly the numbers
+registry). Binning and curves come from :mod:`gpattn.experiments.metrics`, so the plots show exactly the numbers
 the metrics report. Every function creates the parent directory and returns the path written.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from gpattn import metrics as M
+from gpattn.experiments import metrics as M
 
 __all__ = ["ood_histograms", "reliability_diagram", "risk_coverage", "scaling_curves"]
 
@@ -69,7 +69,7 @@ def _check_dict(obj, name: str) -> None:
 
 def reliability_diagram(probs, labels, path, n_bins: int = 15, title: str | None = None) -> Path:
     """Accuracy per confidence bin (bars) against the diagonal, the gap to each bin's mean confidence
-    shaded; the ECE (same right-closed bins as :func:`gpattn.metrics.ece`) in the title."""
+    shaded; the ECE (same right-closed bins as :func:`gpattn.experiments.metrics.ece`) in the title."""
     bins = M.calibration_bins(probs, labels, n_bins=n_bins)
     ece = M.ece(probs, labels, n_bins=n_bins)
     left = bins.edges[:-1]
