@@ -18,7 +18,7 @@ $(BIN)/python:
 
 $(STAMP): setup.cfg setup.py pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH)"
-	$(BIN)/python -m pip install -e ".[experiments,test,notebooks,laplace]"
+	$(BIN)/python -m pip install -e ".[experiments,test,notebooks,laplace,huggingface]"
 	$(BIN)/python -m pip install --no-deps $(LAPLACE_NODEPS)
 	touch $(STAMP)
 

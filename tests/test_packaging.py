@@ -14,6 +14,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "gpattn"
 APP = PACKAGE / "experiments"
+#: optional integrations with other libraries, each behind its own extra (module -> extra)
+INTEGRATIONS = PACKAGE / "integrations"
 
 CORE_MODULES = ("gpattn", "gpattn.attention", "gpattn.kernels", "gpattn.variational", "gpattn.models",
                 "gpattn.objectives", "gpattn.testing")  # fmt: skip
@@ -74,16 +76,31 @@ def _declared():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     extras = cfg["options.extras_require"]
-    return _requirements(cfg["options"]["install_requires"]), _requirements(extras["experiments"])
+    return (
+        _requirements(cfg["options"]["install_requires"]),
+        _requirements(extras["experiments"]),
+        _requirements(extras["huggingface"]),
+    )
 
 
 def test_dependencies_are_declared_as_used():
-    core_files = [f for f in PACKAGE.rglob("*.py") if APP not in f.parents]
+    core_files = [f for f in PACKAGE.rglob("*.py") if APP not in f.parents and INTEGRATIONS not in f.parents]
     core = {DISTRIBUTIONS.get(n, n) for n in _third_party(core_files)}
     app = {DISTRIBUTIONS.get(n, n) for n in _third_party(APP.rglob("*.py")) - OPTIONAL}
-    install_requires, experiments = _declared()
+    hf = {DISTRIBUTIONS.get(n, n) for n in _third_party(INTEGRATIONS.rglob("*.py"))}
+    install_requires, experiments, huggingface = _declared()
     assert install_requires == core, "install_requires must be exactly what the core imports"
     assert experiments == app - core, "the experiments extra must be what the application adds to the core"
+    assert huggingface - {"transformers"} == hf - core, "the huggingface extra must be what the integration adds"
+
+
+def test_huggingface_integration_imports_without_transformers():
+    """``transformers`` is needed to build the models, not to import the integration (nor gpattn)."""
+    proc = _run(
+        "import sys; sys.modules['transformers'] = sys.modules['safetensors'] = None\n"
+        "import gpattn, gpattn.integrations.huggingface as hf\nassert hf.supported_architectures()"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 _MISSING = """
