@@ -24,16 +24,11 @@ from gpattn.objectives import DeepGPELBO, summed_loss_terms  # noqa: E402
 VARIANTS = ["softmax", "kernel", "sto", "sgpa"]
 
 
-def tiny_config(impl="sdpa", **kw):
-    return transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        attn_implementation=impl,
-        **kw,
+def tiny_config(impl="sdpa", config=None, **kw):
+    """A tiny randomly initialised BERT (or ``config``: another class taking BERT's arguments)."""
+    sizes = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    return (config or transformers.BertConfig)(
+        **sizes, **{"max_position_embeddings": 32, "attn_implementation": impl, **kw}
     )
 
 
@@ -87,14 +82,7 @@ def test_distilbert_and_roberta_swap_reproduce_the_encoder():
     distil = transformers.DistilBertConfig(
         vocab_size=100, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=32
     )
-    roberta = transformers.RobertaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=40,
-    )
+    roberta = tiny_config(config=transformers.RobertaConfig, max_position_embeddings=40)  # positions start at 2
     transfers = []
     for model in (transformers.DistilBertModel(distil).eval(), transformers.RobertaModel(roberta).eval()):
         with torch.no_grad():
