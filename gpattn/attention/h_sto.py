@@ -177,8 +177,10 @@ class HierarchicalStochasticAttention(AttentionBase):
             p["q"], p["k"], p["v"], self.centroids.to(x.dtype),
             tau1=self.tau1, tau2=self.tau2, mask=mask, hard_centroids=self.hard_centroids,
             hard_values=self.hard_values, cluster=self.cluster, sample=self.sampling,
-            return_weights=self.store_weights,
+            return_weights=self.store_weights or self.weights_wanted,
         )
+        if self.weights_wanted:
+            self._attn_weights = a_v
         store = self.store_weights
         self.last_weights = a_v.detach() if store else None
         self.last_centroid_weights = a_c.detach() if store else None

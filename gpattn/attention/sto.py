@@ -69,9 +69,11 @@ class StochasticAttention(AttentionBase):
         p = self.project(x)  # each: (B, H, T, Dh)
         out, weights = gumbel_attention(
             p["q"], p["k"], p["v"], self.tau, mask=mask, hard=self.hard, sample=self.sampling,
-            return_weights=self.store_weights,
+            return_weights=self.store_weights or self.weights_wanted,
         )
-        self.last_weights = None if weights is None else weights.detach()
+        if self.weights_wanted:
+            self._attn_weights = weights
+        self.last_weights = None if weights is None or not self.store_weights else weights.detach()
         return out  # shape: (B, H, T, Dv)
 
     def extra_repr(self) -> str:
