@@ -25,9 +25,6 @@ class GPAttention(AttentionBase):
     is_gp = True
     stochastic = True
     native_samples = True
-    #: the posterior conditions every query on one set of inducing inputs: an ``attn_mask`` may only pad
-    #: (docs/derivations.md §10)
-    per_query_masks = False
 
     @property
     def kernel(self):

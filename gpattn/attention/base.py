@@ -99,9 +99,10 @@ class AttentionBase(nn.Module):
     #: ``_attend(x, mask, num_samples=P)`` draws P samples from one factorisation (the GP variants);
     #: otherwise a sampling forward with ``num_samples`` repeats the batch P times before ``_attend``
     native_samples: bool = False
-    #: whether ``_attend`` takes a per-query mask ``(B, H or 1, T, T)`` (``attn_mask``); the others take only
-    #: key padding, and an ``attn_mask`` that does more than pad is a ``ValueError`` (docs/derivations.md §10)
-    per_query_masks: bool = True
+    #: whether ``_attend`` takes a per-query mask ``(B, H or 1, T, T)`` from ``attn_mask`` (read it through
+    #: :func:`excluded_keys`); otherwise it gets only key padding ``(B, T)``, and an ``attn_mask`` that does
+    #: more than pad is a ``ValueError`` (docs/derivations.md §11). Opt-in: a variant must handle the mask.
+    per_query_masks: bool = False
     #: read by torch's transformer layers (an nn.MultiheadAttention attribute): False keeps
     #: nn.TransformerEncoderLayer's eval-mode fast path, which runs MHA's own fused kernel, off this layer
     _qkv_same_embed_dim = False
@@ -309,7 +310,7 @@ class AttentionBase(nn.Module):
                 f"every query and head, i.e. a key_padding_mask); this mask excludes different keys for "
                 f"different queries (a causal mask, say). Its posterior conditions every query on one "
                 f"shared set of inducing inputs, and a per-query conditioning set would make a different GP "
-                f"for every query (docs/derivations.md §10). Pass the padding as key_padding_mask, or use a "
+                f"for every query (docs/derivations.md §11). Pass the padding as key_padding_mask, or use a "
                 f"variant with per-query masks: {', '.join(_per_query_variants())}"
             )
         return excluded[:, 0, 0, :].expand(B, -1)
@@ -321,12 +322,11 @@ class AttentionBase(nn.Module):
           tensor (:meth:`forward_gp`);
         * nn.MultiheadAttention's, ``layer(query, key, value, key_padding_mask=None, need_weights=True,
           attn_mask=None, average_attn_weights=True, is_causal=False)`` → ``(output, weights or None)``
-          (:meth:`forward_mha`), taken when the second argument is a floating-point tensor (the key) or
-          ``query``/``key``/``value`` is passed by name: this is how torch's transformer layers call
-          ``self_attn``.
+          (:meth:`forward_mha`), taken when a third positional argument is a tensor (the value; gpattn's
+          third is ``num_samples``, an int) or ``query``/``key``/``value`` is passed by name: this is how
+          torch's transformer layers call ``self_attn``.
         """
-        second = args[1] if len(args) > 1 else kwargs.get("key")
-        if (torch.is_tensor(second) and second.is_floating_point()) or {"query", "key", "value"} & set(kwargs):
+        if (len(args) > 2 and torch.is_tensor(args[2])) or {"query", "key", "value"} & set(kwargs):
             return self.forward_mha(*args, **kwargs)
         return self.forward_gp(*args, **kwargs)
 
@@ -383,7 +383,7 @@ class AttentionBase(nn.Module):
         ``attn_mask`` (as in :meth:`attn_mask_excluded`; True = not allowed) excludes keys per query: a
         query with no allowed key gets head output 0 (output 0 where that holds in every head). The
         variants without ``per_query_masks`` (the GP variants) take only an ``attn_mask`` that pads, which
-        then acts exactly as ``key_padding_mask`` (docs/derivations.md §10).
+        then acts exactly as ``key_padding_mask`` (docs/derivations.md §11).
 
         With ``num_samples`` a GP variant factorises once per sequence and draws its P samples from
         that factorisation (the first sampling layer of a deep GP, docs/derivations.md §9); a layer that does not

@@ -130,6 +130,7 @@ class HierarchicalStochasticAttention(AttentionBase):
 
     projections = ("q", "k", "v")
     is_gp = False
+    per_query_masks = True  # any attn_mask: excluded keys leave the row (docs/derivations.md §11)
     stochastic = True
 
     def __init__(

@@ -26,6 +26,7 @@ class KernelAttention(AttentionBase):
     """
 
     projections = ("qk", "v")
+    per_query_masks = True  # any attn_mask: excluded keys leave the row (docs/derivations.md §11)
 
     def __init__(self, embed_dim: int, num_heads: int, *, kernel: str | dict | Kernel = "exponential", **base):
         super().__init__(embed_dim, num_heads, **base)
