@@ -80,6 +80,8 @@ class AttentionBase(nn.Module):
     :param embed_dim: model width D (divisible by ``num_heads``).
     :param num_heads: H; head width Dh = D / H.
     :param bias: bias of the input and output projections.
+    :param batch_first: layout of nn.MultiheadAttention's call (:meth:`forward_mha`): (B, T, D) when True
+        (default), (T, B, D) otherwise; gpattn's own call ``layer(x, key_padding_mask)`` is always (B, T, D).
 
     Class attributes set by subclasses:
     ``projections`` — names of the per-head input projections (fused into one linear map);

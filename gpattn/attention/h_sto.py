@@ -64,7 +64,8 @@ def hierarchical_gumbel_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     r"""Pei et al. Algorithm 1 for one layer, all heads at once.
 
-    # shape: q, k (B, H, T, Dh), v (B, H, T, Dv), centroids (Dh, c) or (H, Dh, c), mask (B, T) bool
+    # shape: q, k (B, H, T, Dh), v (B, H, T, Dv), centroids (Dh, c) or (H, Dh, c), mask (B, T) bool or
+    # a per-query (B or 1, H or 1, T, T) bool (True = excluded; the value step only)
     # -> out (B, H, T, Dv), value weights (B, H, T, T) or None, centroid weights (B, H, T, c)
 
     ``cluster="key"`` (eqs. 14–17): :math:`\hat a_c = \mathcal G(k C/\tau_1)`,
