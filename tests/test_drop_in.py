@@ -1,4 +1,4 @@
-"""Drop-in layers (issue 20, item 1): every registered variant replaces ``self_attn`` of torch's transformer
+"""Drop-in layers: every registered variant replaces ``self_attn`` of torch's transformer
 layers through nn.MultiheadAttention's call signature, with ``attn_mask``, ``batch_first`` and
 ``need_weights`` (docs/derivations.md §11)."""
 
