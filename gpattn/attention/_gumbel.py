@@ -42,6 +42,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gpattn.attention.base import excluded_keys
+
 __all__ = ["gumbel_attention", "gumbel_noise", "gumbel_softmax", "straight_through_one_hot"]
 
 # constants of the centred uniform grids (exact in the target dtype, see gumbel_noise)
@@ -206,8 +208,8 @@ def gumbel_attention(
     r"""Gumbel-softmax attention :math:`\hat A v`, :math:`\hat A = \mathrm{GumbelSoftmax}(q k^\top/\tau)`
     with padded keys at :math:`-\infty` before the noise (Pei et al. eqs. 9–11).
 
-    # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv), mask (B, S) bool (True = padding)
-    # -> out (B, H, T, Dv), weights (B, H, T, S) or None
+    # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv), mask (B, S) bool (True = padding) or
+    # (B or 1, H or 1, T, S) bool (True = excluded for that query) -> out (B, H, T, Dv), weights (B, H, T, S) or None
 
     Soft samples without ``return_weights`` never form the attention matrix in Python: the
     temperature goes into ``scaled_dot_product_attention``'s ``scale`` and the noise :math:`G/\tau`
@@ -218,7 +220,7 @@ def gumbel_attention(
     tau = _check_tau(tau)
     B, H, T = q.shape[:3]
     S = k.shape[-2]
-    key_mask = None if mask is None else mask[:, None, None, :]  # shape: (B, 1, 1, S)
+    key_mask = excluded_keys(mask)  # shape: (B, 1, 1, S) or a per-query (B or 1, H or 1, T, S)
     if not return_weights and not (hard and sample):
         if sample:
             # softmax(q kᵀ/τ + G/τ): the noise enters as an additive mask, the 1/τ as SDPA's scale

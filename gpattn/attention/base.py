@@ -22,7 +22,39 @@ from gpattn._settings import is_deterministic, is_validating
 from gpattn.objectives import GPLossTerm, summed_loss_terms
 from gpattn.variational._strategy import kept_mean
 
-__all__ = ["AttentionBase"]
+__all__ = ["AttentionBase", "excluded_keys"]
+
+#: an additive float mask entry at or below this value excludes its key (−∞, or a large negative number
+#: as Hugging Face writes it): exp(−1e4) underflows to 0 in float32, so softmax gives such keys no weight
+_ADDITIVE_EXCLUDED = -1e4
+
+
+def excluded_keys(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask a variant's ``_attend`` receives, broadcastable against scores ``(B, H, T, T)``
+    (True = the key is excluded for that query): a key padding mask ``(B, T)`` becomes ``(B, 1, 1, T)``,
+    a per-query mask ``(B, H or 1, T, T)`` is returned as is."""
+    if mask is None or mask.dim() == 4:
+        return mask
+    return mask[:, None, None, :]
+
+
+def _as_excluded(mask: torch.Tensor, arg: str) -> torch.Tensor:
+    """A bool mask (True = excluded, nn.MultiheadAttention's polarity) or an additive float mask (0 =
+    allowed, −∞ or ≤ −1e4 = excluded) as bool, True = excluded."""
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        raise ValueError(
+            f"{arg} must be a bool tensor (True = not allowed) or an additive float tensor (0 or -inf), got "
+            f"dtype {mask.dtype}"
+        )
+    excluded = mask <= _ADDITIVE_EXCLUDED
+    if is_validating() and not bool((excluded | (mask == 0)).all()):  # reads the device: opt-in
+        raise ValueError(
+            f"{arg} is an additive float mask with values other than 0 and -inf (or <= {_ADDITIVE_EXCLUDED:g}): "
+            f"gpattn's layers take masks, not attention biases; pass a bool mask"
+        )
+    return excluded
 
 
 def _check_num_samples(num_samples) -> int:
@@ -36,12 +68,20 @@ def _repeat_rows(P: int, *tensors):
     return tuple(t if t is None or P == 1 else t.repeat_interleave(P, 0) for t in tensors)
 
 
+def _per_query_variants() -> list[str]:
+    from gpattn.attention.registry import _REGISTRY
+
+    return sorted(n for n, c in _REGISTRY.items() if c.per_query_masks)
+
+
 class AttentionBase(nn.Module):
     """Multi-head self-attention with ``x (B, T, D) -> y (B, T, D)``.
 
     :param embed_dim: model width D (divisible by ``num_heads``).
     :param num_heads: H; head width Dh = D / H.
     :param bias: bias of the input and output projections.
+    :param batch_first: layout of nn.MultiheadAttention's call (:meth:`forward_mha`): (B, T, D) when True
+        (default), (T, B, D) otherwise; gpattn's own call ``layer(x, key_padding_mask)`` is always (B, T, D).
 
     Class attributes set by subclasses:
     ``projections`` — names of the per-head input projections (fused into one linear map);
@@ -61,9 +101,28 @@ class AttentionBase(nn.Module):
     #: ``_attend(x, mask, num_samples=P)`` draws P samples from one factorisation (the GP variants);
     #: otherwise a sampling forward with ``num_samples`` repeats the batch P times before ``_attend``
     native_samples: bool = False
+    #: whether ``_attend`` takes a per-query mask ``(B, H or 1, T, T)`` from ``attn_mask`` (read it through
+    #: :func:`excluded_keys`); otherwise it gets only key padding ``(B, T)``, and an ``attn_mask`` that does
+    #: more than pad is a ``ValueError`` (docs/derivations.md §11). Opt-in: a variant must handle the mask.
+    per_query_masks: bool = False
+    #: read by torch's transformer layers (an nn.MultiheadAttention attribute): False keeps
+    #: nn.TransformerEncoderLayer's eval-mode fast path, which runs MHA's own fused kernel, off this layer
+    _qkv_same_embed_dim = False
 
-    def __init__(self, embed_dim: int, num_heads: int, *, bias: bool = True, value_dim: int | None = None):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        bias: bool = True,
+        value_dim: int | None = None,
+        batch_first: bool = True,
+    ):
         super().__init__()
+        if not isinstance(batch_first, bool):
+            raise ValueError(f"batch_first must be True or False, got {batch_first!r}")
+        #: layout of the nn.MultiheadAttention call (:meth:`forward_mha`): (B, T, D) when True, else (T, B, D)
+        self.batch_first = batch_first
         for arg, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{arg} must be a positive int, got {val!r}")
@@ -82,7 +141,19 @@ class AttentionBase(nn.Module):
         self.out_proj = nn.Linear(num_heads * self.value_dim, embed_dim, bias=bias)
         self._added_loss_terms: dict[str, GPLossTerm | None] = {}  # gpytorch's registry of added loss terms
 
+    @property
+    def in_proj_bias(self) -> torch.Tensor | None:
+        """The fused input projection's bias (nn.MultiheadAttention's attribute, read by torch's transformer
+        layers; gpattn's layout differs from MHA's, see ``_qkv_same_embed_dim``)."""
+        return None if self.in_proj is None else self.in_proj.bias
+
     # ------------------------------------------------------------------ helpers for subclasses
+    @property
+    def weights_wanted(self) -> bool:
+        """Whether this forward should record its attention weights (``need_weights`` of :meth:`forward_mha`):
+        variants with weights set ``self._attn_weights`` (B, H, T, T) when it is True."""
+        return getattr(self, "_weights_wanted", False)
+
     @property
     def sampling(self) -> bool:
         """Whether this forward should sample (stochastic variant, outside ``gpattn.deterministic()``)."""
@@ -212,11 +283,109 @@ class AttentionBase(nn.Module):
         keep = ~mask.all(-1)  # shape: (B,)
         return mask & keep[:, None], keep
 
-    def forward(
-        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, num_samples: int | None = None
+    def attn_mask_excluded(self, attn_mask: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        """An ``attn_mask`` as nn.MultiheadAttention takes it — bool (True = not allowed) or additive float,
+        of shape (T, T), (B·H, T, T), (B, T, T) or (B or 1, H or 1, T, T) — as a bool mask (True = excluded)
+        of shape (B or 1, H or 1, T, T)."""
+        if not torch.is_tensor(attn_mask):
+            raise ValueError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask)}")
+        H, shape = self.num_heads, tuple(attn_mask.shape)
+        m = _as_excluded(attn_mask, "attn_mask")
+        if shape[-2:] == (T, T) and m.dim() == 2:
+            return m[None, None]
+        if shape[-2:] == (T, T) and m.dim() == 3 and shape[0] in (B * H, B, 1):
+            return m.view(B, H, T, T) if shape[0] == B * H else m[:, None]
+        if shape[-2:] == (T, T) and m.dim() == 4 and shape[0] in (B, 1) and shape[1] in (H, 1):
+            return m
+        raise ValueError(
+            f"attn_mask must have shape (T, T) = {(T, T)}, (B*H, T, T) = {(B * H, T, T)}, (B, T, T) or "
+            f"(B or 1, H or 1, T, T) with B={B}, H={H}, T={T}; got {shape}"
+        )
+
+    def _padding_part(self, excluded: torch.Tensor, B: int) -> torch.Tensor:
+        """For the variants without per-query masks: the key padding mask (B, T) that ``excluded`` (B or 1,
+        H or 1, T, T) amounts to, or a ``ValueError`` when it differs between queries or heads (reads the
+        device once: only when such a variant is given an ``attn_mask``)."""
+        if bool((excluded != excluded[:, :1, :1, :]).any()):
+            raise ValueError(
+                f"attn_mask: attention {self.name!r} takes only masks that pad (the same excluded keys for "
+                f"every query and head, i.e. a key_padding_mask); this mask excludes different keys for "
+                f"different queries (a causal mask, say). Its posterior conditions every query on one "
+                f"shared set of inducing inputs, and a per-query conditioning set would make a different GP "
+                f"for every query (docs/derivations.md §11). Pass the padding as key_padding_mask, or use a "
+                f"variant with per-query masks: {', '.join(_per_query_variants())}"
+            )
+        return excluded[:, 0, 0, :].expand(B, -1)
+
+    def forward(self, *args, **kwargs):
+        """Two call signatures, told apart by the second argument:
+
+        * gpattn's own, ``layer(x, key_padding_mask=None, num_samples=None, *, attn_mask=None)`` → the output
+          tensor (:meth:`forward_gp`);
+        * nn.MultiheadAttention's, ``layer(query, key, value, key_padding_mask=None, need_weights=True,
+          attn_mask=None, average_attn_weights=True, is_causal=False)`` → ``(output, weights or None)``
+          (:meth:`forward_mha`), taken when a third positional argument is a tensor (the value; gpattn's
+          third is ``num_samples``, an int) or ``query``/``key``/``value`` is passed by name: this is how
+          torch's transformer layers call ``self_attn``.
+        """
+        if (len(args) > 2 and torch.is_tensor(args[2])) or {"query", "key", "value"} & set(kwargs):
+            return self.forward_mha(*args, **kwargs)
+        return self.forward_gp(*args, **kwargs)
+
+    def forward_mha(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """nn.MultiheadAttention's call, for self-attention: ``query``, ``key`` and ``value`` must be the same
+        tensor, (B, T, D) with ``batch_first`` (the default) or (T, B, D). ``key_padding_mask`` (B, T) and
+        ``attn_mask`` are bool (True = not allowed) or additive float (0 / −∞); ``is_causal=True`` without an
+        ``attn_mask`` means the causal mask. Returns ``(output, weights)``: the weights, with
+        ``need_weights``, where the variant has attention weights — (B, T, T) averaged over heads with
+        ``average_attn_weights``, else (B, H, T, T) — and None otherwise (the GP variants)."""
+        if key is not query or value is not query:
+            raise ValueError(
+                f"attention {self.name!r} is self-attention: pass the same tensor as query, key and value "
+                f"(got {'a different key' if key is not query else 'a different value'}); cross-attention is "
+                f"not supported by any gpattn variant"
+            )
+        x = query if self.batch_first else query.transpose(0, 1)
+        if key_padding_mask is not None and torch.is_tensor(key_padding_mask):
+            key_padding_mask = _as_excluded(key_padding_mask, "key_padding_mask")
+        if is_causal and attn_mask is None and torch.is_tensor(x) and x.dim() == 3:
+            T = x.shape[1]
+            attn_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        self._weights_wanted, self._attn_weights = bool(need_weights), None
+        try:
+            y = self.forward_gp(x, key_padding_mask, attn_mask=attn_mask)
+            weights = self._attn_weights if need_weights else None
+        finally:
+            self._weights_wanted, self._attn_weights = False, None
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(1)
+        return (y if self.batch_first else y.transpose(0, 1)), weights
+
+    def forward_gp(
+        self,
+        x: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        num_samples: int | None = None,
+        *,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """# shape: x (B, T, D), key_padding_mask (B, T) bool (True = padding) -> (B, T, D), or (B·P, T, D)
         with ``num_samples=P``: P draws per input, B-major (row b·P + p is draw p of sequence b).
+
+        ``attn_mask`` (as in :meth:`attn_mask_excluded`; True = not allowed) excludes keys per query: a
+        query with no allowed key gets head output 0 (output 0 where that holds in every head). The
+        variants without ``per_query_masks`` (the GP variants) take only an ``attn_mask`` that pads, which
+        then acts exactly as ``key_padding_mask`` (docs/derivations.md §11).
 
         With ``num_samples`` a GP variant factorises once per sequence and draws its P samples from
         that factorisation (the first sampling layer of a deep GP, docs/derivations.md §9); a layer that does not
@@ -225,14 +394,29 @@ class AttentionBase(nn.Module):
         sequences (each sequence's terms once, as with the repeated batch, whose rows share them)."""
         x, key_padding_mask = self.check_inputs(x, key_padding_mask)
         P = 1 if num_samples is None else _check_num_samples(num_samples)
+        excluded = empty = None
+        if attn_mask is not None:
+            excluded = self.attn_mask_excluded(attn_mask, *x.shape[:2])
+            if excluded.device != x.device:
+                raise ValueError(f"attn_mask is on {excluded.device} but x is on {x.device}")
+            if not self.per_query_masks:  # only padding: it joins key_padding_mask
+                pad = self._padding_part(excluded, x.shape[0])
+                key_padding_mask, excluded = (pad if key_padding_mask is None else key_padding_mask | pad), None
         if P > 1 and self.sampling and not self.native_samples:
             x = x.repeat_interleave(P, 0)
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.repeat_interleave(P, 0)
+            if excluded is not None and excluded.shape[0] > 1:
+                excluded = excluded.repeat_interleave(P, 0)
             P = 1
         self._added_loss_terms, self._diagnostics = dict.fromkeys(self._added_loss_terms), {}  # registered, unset
         if x.shape[0] == 0:  # empty batch: a defined zero result with a graph
             return x.new_zeros(x.shape) + 0 * sum(p.sum() for p in self.parameters())
         mask, keep = self._effective_mask(key_padding_mask)
+        if excluded is not None:  # per-query mask: padding joined in, queries with no allowed key opened
+            if mask is not None:
+                excluded = excluded | mask[:, None, None, :]
+            empty = excluded.all(-1, keepdim=True)  # shape: (B or 1, H or 1, T, 1)
+            mask = excluded & ~empty
         self._keep, self._loss_mask = keep, key_padding_mask
         try:
             if P > 1 and self.sampling:
@@ -245,8 +429,14 @@ class AttentionBase(nn.Module):
         if isinstance(heads, tuple):  # GP variants: (sample or mean, posterior mean)
             heads, mean = heads
         drawn = heads.shape[0] // x.shape[0]  # P when the variant drew the samples, else 1
+        if empty is not None:  # only variants with per-query masks, which draw no samples of their own
+            heads = heads.masked_fill(empty, 0)
+            if getattr(self, "_attn_weights", None) is not None:
+                self._attn_weights = self._attn_weights.masked_fill(empty, 0)
         BP, H, T, Dv = heads.shape
         y = self.out_proj(heads.transpose(1, 2).reshape(BP, T, H * Dv))
+        if empty is not None:
+            y = y.masked_fill(empty.all(1), 0)  # a query with no allowed key in any head: output 0
         if mean is not None and self.training:  # the trainer reads them; prediction skips the extra W_o
             self._record_diagnostics(
                 *_repeat_rows(drawn, x, key_padding_mask), heads, mean.repeat_interleave(drawn, 0)

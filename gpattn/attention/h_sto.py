@@ -64,7 +64,8 @@ def hierarchical_gumbel_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     r"""Pei et al. Algorithm 1 for one layer, all heads at once.
 
-    # shape: q, k (B, H, T, Dh), v (B, H, T, Dv), centroids (Dh, c) or (H, Dh, c), mask (B, T) bool
+    # shape: q, k (B, H, T, Dh), v (B, H, T, Dv), centroids (Dh, c) or (H, Dh, c), mask (B, T) bool or
+    # a per-query (B or 1, H or 1, T, T) bool (True = excluded; the value step only)
     # -> out (B, H, T, Dv), value weights (B, H, T, T) or None, centroid weights (B, H, T, c)
 
     ``cluster="key"`` (eqs. 14–17): :math:`\hat a_c = \mathcal G(k C/\tau_1)`,
@@ -130,6 +131,7 @@ class HierarchicalStochasticAttention(AttentionBase):
 
     projections = ("q", "k", "v")
     is_gp = False
+    per_query_masks = True  # any attn_mask: excluded keys leave the row (docs/derivations.md §11)
     stochastic = True
 
     def __init__(
@@ -177,8 +179,10 @@ class HierarchicalStochasticAttention(AttentionBase):
             p["q"], p["k"], p["v"], self.centroids.to(x.dtype),
             tau1=self.tau1, tau2=self.tau2, mask=mask, hard_centroids=self.hard_centroids,
             hard_values=self.hard_values, cluster=self.cluster, sample=self.sampling,
-            return_weights=self.store_weights,
+            return_weights=self.store_weights or self.weights_wanted,
         )
+        if self.weights_wanted:
+            self._attn_weights = a_v
         store = self.store_weights
         self.last_weights = a_v.detach() if store else None
         self.last_centroid_weights = a_c.detach() if store else None

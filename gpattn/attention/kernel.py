@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gpytorch.kernels import Kernel
 
-from gpattn.attention.base import AttentionBase
+from gpattn.attention.base import AttentionBase, excluded_keys
 from gpattn.attention.registry import register
 from gpattn.kernels import evaluate_kernel, make_kernel
 from gpattn.variational._linalg import gp_algebra
@@ -18,7 +18,7 @@ class KernelAttention(AttentionBase):
     r"""Unnormalised kernel attention :math:`\text{out} = K_{qk} v` with :math:`K_{qk} = \kappa(q, k)`.
 
     Symmetric: one projection :math:`W_q = W_k` ("qk"), so :math:`K_{qq}` is a Gram matrix.
-    Padded keys get zero kernel columns.
+    Padded keys get zero kernel columns (excluded keys of an ``attn_mask``: zero entries).
 
     :param kernel: a kernel spec (:mod:`gpattn.kernels`): ``"exponential"`` (default), ``"ard-rbf"`` (the
         legacy ``"rbf"`` means it here), a composition, or a gpytorch ``Kernel`` (batch_shape ``(H,)`` or
@@ -26,6 +26,7 @@ class KernelAttention(AttentionBase):
     """
 
     projections = ("qk", "v")
+    per_query_masks = True  # any attn_mask: excluded keys leave the row (docs/derivations.md §11)
 
     def __init__(self, embed_dim: int, num_heads: int, *, kernel: str | dict | Kernel = "exponential", **base):
         super().__init__(embed_dim, num_heads, **base)
@@ -40,7 +41,9 @@ class KernelAttention(AttentionBase):
         with gp_algebra(x.device.type):
             K = evaluate_kernel(self.kernel, q, k)  # shape: (B, H, T, T)
         if mask is not None:
-            K = K.masked_fill(mask[:, None, None, :], 0.0)
+            K = K.masked_fill(excluded_keys(mask), 0.0)
+        if self.weights_wanted:
+            self._attn_weights = K
         return K @ p["v"]
 
 

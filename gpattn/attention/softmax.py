@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.nn.functional as F
 
-from gpattn.attention.base import AttentionBase
+from gpattn.attention.base import AttentionBase, excluded_keys
 from gpattn.attention.registry import register
 
 __all__ = ["SoftmaxAttention"]
@@ -19,6 +22,7 @@ class SoftmaxAttention(AttentionBase):
     """
 
     projections = ("q", "k", "v")
+    per_query_masks = True  # any attn_mask: excluded keys leave the row (docs/derivations.md §11)
 
     def __init__(self, embed_dim: int, num_heads: int, *, dropout: float = 0.0, **base):
         super().__init__(embed_dim, num_heads, **base)
@@ -28,7 +32,14 @@ class SoftmaxAttention(AttentionBase):
 
     def _attend(self, x, mask):
         p = self.project(x)
-        attn_mask = None if mask is None else ~mask[:, None, None, :]  # shape: (B, 1, 1, T), True = attend
+        excluded = excluded_keys(mask)  # shape: (B, 1, 1, T) or (B or 1, H or 1, T, T)
+        dropout = self.dropout if self.training else 0.0
+        if self.weights_wanted:  # the explicit path, which forms the weights
+            scores = p["q"] @ p["k"].transpose(-1, -2) / math.sqrt(self.head_dim)  # shape: (B, H, T, T)
+            if excluded is not None:
+                scores = scores.masked_fill(excluded, float("-inf"))
+            self._attn_weights = torch.softmax(scores, dim=-1)
+            return F.dropout(self._attn_weights, dropout, self.training) @ p["v"]
         return F.scaled_dot_product_attention(
-            p["q"], p["k"], p["v"], attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
+            p["q"], p["k"], p["v"], attn_mask=None if excluded is None else ~excluded, dropout_p=dropout
         )

@@ -54,6 +54,7 @@ class StochasticAttention(AttentionBase):
 
     projections = ("q", "k", "v")
     is_gp = False
+    per_query_masks = True  # any attn_mask: excluded keys leave the row (docs/derivations.md §11)
     stochastic = True
 
     def __init__(self, embed_dim: int, num_heads: int, *, tau: float | None = None, hard: bool = False, **base):
@@ -69,9 +70,11 @@ class StochasticAttention(AttentionBase):
         p = self.project(x)  # each: (B, H, T, Dh)
         out, weights = gumbel_attention(
             p["q"], p["k"], p["v"], self.tau, mask=mask, hard=self.hard, sample=self.sampling,
-            return_weights=self.store_weights,
+            return_weights=self.store_weights or self.weights_wanted,
         )
-        self.last_weights = None if weights is None else weights.detach()
+        if self.weights_wanted:
+            self._attn_weights = weights
+        self.last_weights = None if weights is None or not self.store_weights else weights.detach()
         return out  # shape: (B, H, T, Dv)
 
     def extra_repr(self) -> str:
