@@ -329,6 +329,9 @@ class HFClassifier(nn.Module):
     :param attention_layers: ``"last"``, ``"all"`` or a list of layer indices.
     :param attention_options: the variant's options.
     :param pooling: ``"mean"`` (over real tokens) or ``"cls"`` (the first token's state).
+    :param mc_dropout: keep the encoder's dropout modules (``nn.Dropout``: embeddings, hidden states) on
+        in eval mode, MC dropout (Gal & Ghahramani 2016); off inside ``gpattn.deterministic()``. The
+        attention-probability dropout of the unswapped layers follows transformers' own training flag.
     """
 
     def __init__(
@@ -339,8 +342,12 @@ class HFClassifier(nn.Module):
         attention_layers="last",
         attention_options: dict | None = None,
         pooling: str = "mean",
+        mc_dropout: bool = False,
     ):
         super().__init__()
+        if not isinstance(mc_dropout, bool):
+            raise ValueError(f"mc_dropout must be a bool, got {mc_dropout!r}")
+        self.mc_dropout = mc_dropout
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"num_classes must be an int >= 2, got {num_classes!r}")
         if pooling not in ("mean", "cls"):
@@ -377,6 +384,13 @@ class HFClassifier(nn.Module):
             raise ValueError(
                 f"key_padding_mask must have the shape of input_ids {(B, T)}, got {tuple(key_padding_mask.shape)}"
             )
+        if self.mc_dropout:  # dropout on in eval mode too (gpattn.deterministic() turns it off)
+            from gpattn._settings import is_deterministic
+
+            on = not is_deterministic()  # as gpattn's MCDropout: training or not
+            for module in self.encoder.modules():
+                if isinstance(module, nn.Dropout):
+                    module.train(on)
         ids = input_ids.repeat_interleave(num_samples, 0)  # B-major: row b·P + p
         mask = None if key_padding_mask is None else key_padding_mask.repeat_interleave(num_samples, 0)
         attend = None if mask is None else (~mask).long()
