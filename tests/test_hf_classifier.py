@@ -5,6 +5,7 @@ installed (slow). Skips when ``transformers`` is missing."""
 
 import importlib.util
 import json
+import types
 
 import pytest
 import torch
@@ -204,3 +205,13 @@ def test_compare_with_encoder_runs_variants_ts_mcdropout_laplace_and_ensembles(t
     for key in ("softmax", "softmax+laplace"):
         assert results[key]["0"]["in_domain"]["nll"] > 0
     assert results["softmax+laplace"]["0"]["in_domain"] != results["softmax"]["0"]["in_domain"]
+
+
+def test_encoder_runs_without_transformers_name_the_extra(monkeypatch):
+    from gpattn.experiments.encoders import build_encoder_model
+    from gpattn.experiments.training import TrainConfig
+
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
+    stub = types.SimpleNamespace(num_classes=2, encoder_config={"model_type": "bert"})
+    with pytest.raises(ImportError, match=r"gpattn\[huggingface\]"):
+        build_encoder_model(TrainConfig(encoder="anything"), stub)
