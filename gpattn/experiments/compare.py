@@ -34,6 +34,7 @@ from gpattn.experiments.training import (
     DIVERGED,
     TrainConfig,
     TrainingDivergedError,
+    _for_model,
     _same_run,
     evaluate_predictions,
     train,
@@ -256,9 +257,10 @@ def compare(
         results[spec.spec] = {}
         for seed in seeds:
             if seed not in bundles:
-                bundles[seed] = load_dataset(
+                bundle = load_dataset(
                     base.dataset, data_dir=base.data_dir, download=base.download, seed=seed, **base.dataset_options
                 )
+                bundles[seed] = _for_model(base, bundle)  # re-tokenised by an encoder's tokenizer (--encoder)
                 summaries[seed] = data_summary(bundles[seed])
                 if len(summaries) == 1:
                     for line in summary_lines(summaries[seed]):

@@ -37,6 +37,10 @@ def bundle_meta(bundle) -> dict:
         meta["tokenizer"] = "gpattn.experiments.data._text.tokenize (lowercased words and punctuation)"
     else:
         meta["image_shape"] = [int(v) for v in bundle.image_shape]
+    if bundle.info.get("encoder") is not None:  # a pretrained encoder: its config and tokenizer files
+        from gpattn.experiments.encoders import encoder_meta
+
+        meta.update(encoder_meta(bundle))
     return meta
 
 
@@ -49,6 +53,7 @@ def _stub_bundle(meta: dict):
         vocab_size=len(meta["vocab"]) if meta["kind"] == "text" else None,
         image_shape=tuple(meta["image_shape"]) if meta["kind"] == "image" else None,
         splits={"any": types.SimpleNamespace(inputs=torch.empty(0, width))},
+        encoder_config=meta.get("encoder_config"),
     )
 
 
@@ -80,6 +85,7 @@ class Run:
     def __init__(self, cfg, model, meta: dict, path: Path):
         self.cfg, self.model, self.meta, self.path = cfg, model, meta, path
         self.class_names = list(meta["class_names"])
+        self._tokenizer = None  # a pretrained encoder's, rebuilt from the checkpoint on first use
 
     @property
     def device(self) -> torch.device:
@@ -97,6 +103,12 @@ class Run:
             raise ValueError(f"this run was trained on images ({self.meta['dataset']}); pass an image tensor")
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise ValueError("texts must be a list of strings (wrap a single sentence in a list)")
+        if "tokenizer_files" in self.meta:  # a pretrained encoder's own tokenizer
+            from gpattn.experiments.encoders import encode_texts, tokenizer_from_meta
+
+            if self._tokenizer is None:
+                self._tokenizer = tokenizer_from_meta(self.meta)
+            return encode_texts(self._tokenizer, texts, self.meta["max_len"])
         limit = min(v for v in (self.meta.get("max_len"), self.meta["model_max_len"]) if v is not None)
         return encode([tokenize(t) for t in texts], self.meta["vocab"], limit)
 

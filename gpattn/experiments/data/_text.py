@@ -137,4 +137,5 @@ def build_text_bundle(
         ood_splits=ood_splits,
         vocab=vocab,
         info=info,
+        texts={key: list(values) for key, values in texts.items()},
     )

@@ -1,0 +1,139 @@
+"""Runs on a pretrained Hugging Face encoder (``TrainConfig.encoder``, ``gpattn train --encoder``).
+
+The text data set is re-tokenised with the encoder's own tokenizer (word-piece ids; its attention mask
+becomes ``key_padding_mask``, True = padding), truncated to ``TrainConfig.encoder_max_len`` or else the
+encoder's ``max_position_embeddings``. The model is
+:class:`gpattn.integrations.huggingface.HFClassifier`: the chosen layers' self-attention swapped for
+``TrainConfig.attention`` (``attention_layers="auto"`` means the last layer), mean or CLS pooling
+(``pooling``, default mean) and a linear head; every parameter is fine-tuned. The encoder's own dropout
+(its config's ``hidden_dropout_prob``) applies, not ``TrainConfig.dropout``; ``mc_dropout`` (compare's
+``+mcdropout``) keeps it on at prediction. ``embed_dim`` / ``num_heads`` / ``num_layers`` are the encoder's.
+
+A checkpoint is self-contained: its ``data`` entry holds the encoder's config (``encoder_config``) and
+the tokenizer's files (``tokenizer_files``, their text), so :func:`gpattn.load_run` rebuilds the model
+and tokenizer without the encoder folder, and its ``model`` entry holds every weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+
+import torch
+
+from gpattn.experiments.data import DatasetBundle, Split
+
+__all__ = ["build_encoder_model", "encode_texts", "encoder_bundle", "encoder_meta", "tokenizer_from_meta"]
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as err:  # the optional extra
+        raise ImportError(
+            "encoder: a run on a pretrained encoder needs transformers 5 (pip install 'gpattn[huggingface]')"
+        ) from err
+    return transformers
+
+
+def _path(cfg) -> str:
+    from gpattn.integrations.huggingface import resolve_encoder
+
+    return resolve_encoder(cfg.encoder)
+
+
+def _load(path: str):
+    """(tokenizer, config) of the encoder folder ``path`` (local files only, never downloaded)."""
+    transformers = _transformers()
+    return (
+        transformers.AutoTokenizer.from_pretrained(path, local_files_only=True),
+        transformers.AutoConfig.from_pretrained(path, local_files_only=True),
+    )
+
+
+def _max_len(cfg, tokenizer, config) -> int:
+    """``encoder_max_len``, capped by the encoder's positions and the tokenizer's limit (512 if none)."""
+    limits = (cfg.encoder_max_len, getattr(config, "max_position_embeddings", None), tokenizer.model_max_length)
+    values = [int(v) for v in limits if v and v < 10**9]  # tokenizers without a limit say ~1e30
+    return min(values) if values else 512
+
+
+def encode_texts(tokenizer, texts, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (N, T) int64, key_padding_mask (N, T) bool True = padding), padded to the longest, truncated."""
+    if not len(texts):
+        return torch.zeros(0, 1, dtype=torch.int64), torch.ones(0, 1, dtype=torch.bool)
+    enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_len, return_tensors="pt")
+    return enc["input_ids"].to(torch.int64), enc["attention_mask"] == 0
+
+
+def encoder_bundle(bundle, cfg) -> DatasetBundle:
+    """``bundle`` (a text bundle with its raw texts) re-tokenised with the encoder's tokenizer; the
+    bundle's ``info["encoder"]`` records the encoder and ``max_len``. A bundle already converted is returned."""
+    if bundle.info.get("encoder") is not None:
+        return bundle
+    if bundle.kind != "text" or bundle.texts is None:
+        raise ValueError(
+            f"encoder: a pretrained text encoder needs a text data set with its raw texts (cola, text_table, "
+            f"imdb); got the {bundle.kind} data set {bundle.name!r}"
+        )
+    path = _path(cfg)
+    tokenizer, config = _load(path)
+    max_len = _max_len(cfg, tokenizer, config)
+    splits = {}
+    for key, split in bundle.splits.items():
+        ids, mask = encode_texts(tokenizer, bundle.texts[key], max_len)
+        splits[key] = Split(ids, split.labels, mask, split.groups)
+    info = {**bundle.info, "encoder": {"path": path, "max_len": max_len}}
+    return dataclasses.replace(bundle, splits=splits, vocab=[], info=info)
+
+
+def build_encoder_model(cfg, bundle) -> torch.nn.Module:
+    """:class:`HFClassifier` for ``cfg``: the pretrained weights from the encoder folder, or (a stub
+    bundle from a checkpoint's metadata, ``encoder_config``) a fresh encoder of the saved config whose
+    weights the checkpoint then loads."""
+    from gpattn.integrations.huggingface import HFClassifier
+
+    layers = "last" if cfg.attention_layers == "auto" else cfg.attention_layers
+    kwargs = dict(
+        attention=cfg.attention,
+        attention_layers=layers,
+        attention_options=dict(cfg.attention_options),
+        pooling=cfg.pooling or "mean",
+        mc_dropout=cfg.mc_dropout,
+    )
+    saved = getattr(bundle, "encoder_config", None)
+    if saved is None:
+        return HFClassifier.from_pretrained(cfg.encoder, bundle.num_classes, **kwargs)
+    transformers = _transformers()
+    config = transformers.AutoConfig.for_model(**saved)
+    encoder = transformers.AutoModel.from_config(config, add_pooling_layer=False)
+    return HFClassifier(encoder, bundle.num_classes, **kwargs)
+
+
+def encoder_meta(bundle) -> dict:
+    """Plain data a checkpoint carries to rebuild the model and tokenizer of a converted bundle
+    (:func:`encoder_bundle`): the encoder's config and the text of the tokenizer's files."""
+    tokenizer, config = _load(bundle.info["encoder"]["path"])
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        files = {}
+        for name in sorted(os.listdir(folder)):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                files[name] = f.read()
+    return {
+        "encoder": bundle.info["encoder"]["path"],
+        "encoder_config": config.to_dict(),
+        "tokenizer_files": files,
+        "max_len": int(bundle.info["encoder"]["max_len"]),
+        "tokenizer": f"the encoder's ({type(tokenizer).__name__})",
+    }
+
+
+def tokenizer_from_meta(meta: dict):
+    """The tokenizer a checkpoint carries (:func:`encoder_meta`)."""
+    with tempfile.TemporaryDirectory() as folder:
+        for name, text in meta["tokenizer_files"].items():
+            with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        return _transformers().AutoTokenizer.from_pretrained(folder, local_files_only=True)
