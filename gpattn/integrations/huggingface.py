@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 
 from gpattn.attention import build_attention
+from gpattn.models._blocks import pool_tokens
 
 __all__ = [
     "HFAttentionAdapter",
@@ -395,14 +396,7 @@ class HFClassifier(nn.Module):
         mask = None if key_padding_mask is None else key_padding_mask.repeat_interleave(num_samples, 0)
         attend = None if mask is None else (~mask).long()
         h = self.encoder(input_ids=ids, attention_mask=attend).last_hidden_state  # shape: (B·P, T, D)
-        if self.pooling == "cls":
-            pooled = h[:, 0]
-        elif mask is None:
-            pooled = h.mean(1)
-        else:
-            keep = (~mask).unsqueeze(-1).to(h.dtype)
-            pooled = (h * keep).sum(1) / keep.sum(1).clamp_min(1.0)
-        return self.head(pooled).view(B, num_samples, self.num_classes)
+        return self.head(pool_tokens(h, mask, cls=self.pooling == "cls")).view(B, num_samples, self.num_classes)
 
     # gpytorch's walkers over the module tree (they need only nn.Module): the objective's view, DeepGPELBO
     named_added_loss_terms = gpytorch.Module.named_added_loss_terms

@@ -14,7 +14,7 @@ from gpattn._settings import is_deterministic
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import build_attention
 
-__all__ = ["Block", "Encoder", "MCDropout", "repeat_samples", "resolve_attention_layers"]
+__all__ = ["Block", "Encoder", "MCDropout", "pool_tokens", "repeat_samples", "resolve_attention_layers"]
 
 
 def repeat_samples(x: torch.Tensor, mask: torch.Tensor | None, num_samples: int):
@@ -22,6 +22,18 @@ def repeat_samples(x: torch.Tensor, mask: torch.Tensor | None, num_samples: int)
     if num_samples == 1:
         return x, mask
     return x.repeat_interleave(num_samples, dim=0), None if mask is None else mask.repeat_interleave(num_samples, 0)
+
+
+def pool_tokens(h: torch.Tensor, mask: torch.Tensor | None, cls: bool) -> torch.Tensor:
+    """The first (CLS) token, or the mean over the real tokens (padding left out).
+
+    # shape: h (B, T, D), mask (B, T) bool (True = padding) or None -> (B, D)"""
+    if cls:
+        return h[:, 0]
+    if mask is None:
+        return h.mean(1)
+    keep = (~mask).unsqueeze(-1).to(h.dtype)
+    return (h * keep).sum(1) / keep.sum(1).clamp_min(1.0)
 
 
 class MCDropout(nn.Module):

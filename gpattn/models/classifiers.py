@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from gpattn._settings import is_validating
 from gpattn.attention.registry import attention_options as attention_defaults
-from gpattn.models._blocks import Encoder, MCDropout, repeat_samples
+from gpattn.models._blocks import Encoder, MCDropout, pool_tokens, repeat_samples
 
 __all__ = ["TransformerClassifier", "ViTClassifier"]
 
@@ -113,14 +113,7 @@ class _SequenceClassifier(nn.Module):
             h, mask = repeat_samples(h, mask, P)
             P = 1
         h, mask, P = self.encoder.propagate(self.embed_drop(h), mask, P)  # shape: (B·P/pending, T, D)
-        if self.cls_token is not None:
-            pooled = h[:, 0]
-        elif mask is None:
-            pooled = h.mean(1)
-        else:
-            keep = (~mask).unsqueeze(-1).to(h.dtype)
-            pooled = (h * keep).sum(1) / keep.sum(1).clamp_min(1.0)
-        logits = self.head(pooled)  # shape: (B·P/pending, C)
+        logits = self.head(pool_tokens(h, mask, cls=self.cls_token is not None))  # shape: (B·P/pending, C)
         if P > 1:  # nothing sampled: every draw is the same
             logits = logits.unsqueeze(1).expand(-1, P, -1).reshape(-1, self.num_classes)
         return logits.view(B, num_samples, self.num_classes)
