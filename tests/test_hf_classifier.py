@@ -65,9 +65,11 @@ def test_gp_classifier_samples_reports_kl_and_diagnostics_and_trains():
     ids, pad = batch()
     y = torch.tensor([0, 1, 1])
     objective = DeepGPELBO(model, num_data=30, combine_terms=False)
-    logits = model(ids, pad, num_samples=3)
+    with torch.no_grad():  # eval: the encoder's dropout is off, so only the GP layer can make draws differ
+        draws = model.eval()(ids, pad, num_samples=3)
+    assert not torch.allclose(draws[:, 0], draws[:, 1])  # each draw samples its own attention
+    logits = model.train()(ids, pad, num_samples=3)
     assert logits.shape == (3, 3, 2)
-    assert not torch.allclose(logits[:, 0], logits[:, 1])  # each draw samples its own attention
     assert set(model.loss_terms()) == {"kl_seq"} and model.loss_terms()["kl_seq"] > 0
     assert [name for name, _ in model.named_added_loss_terms()]  # the walker reaches the swapped layer
     rows = model.layer_diagnostics()
