@@ -217,3 +217,126 @@ def test_encoder_runs_without_transformers_name_the_extra(monkeypatch):
     stub = types.SimpleNamespace(num_classes=2, encoder_config={"model_type": "bert"})
     with pytest.raises(ImportError, match=r"gpattn\[huggingface\]"):
         build_encoder_model(TrainConfig(encoder="anything"), stub)
+
+
+# ----------------------------------------------------------------------------- the frozen-trunk recipe
+def _distilbert():
+    config = transformers.DistilBertConfig(vocab_size=50, dim=16, n_layers=3, n_heads=2, hidden_dim=32)
+    torch.manual_seed(0)
+    return transformers.DistilBertModel(config)
+
+
+@pytest.mark.parametrize("make", [tiny_encoder, _distilbert], ids=["bert", "distilbert"])
+@pytest.mark.parametrize("layers", ["last", [1]])
+def test_frozen_trunk_forward_on_cached_hidden_states_is_the_model(make, layers):
+    """forward(trunk(ids)) == forward(ids) in eval mode (same seed, the GP layer sampling) and inside
+    gpattn.deterministic(); the trunk is the input of the first swapped layer, computed in eval mode whatever
+    the model's mode; only the top layers and the head are trainable, and the trunk stays in eval mode."""
+    encoder = make()
+    model = HFClassifier(encoder, 2, "sgpa", layers, frozen_trunk=True)
+    first = encoder.config.num_hidden_layers - 1 if layers == "last" else 1
+    assert model.trunk_layers == first
+    ids, pad = batch()
+    model.train()
+    hidden = model.trunk(ids, pad)
+    assert model.training and model._top_layers()[0].training  # trunk() restored the modes
+    # the trunk is the first swapped layer's input: capture it in a plain eval-mode encoder run
+    seen = []
+    layer = model.encoder.get_submodule("encoder.layer" if hasattr(model.encoder, "encoder") else "transformer.layer")
+    handle = layer[first].register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    model.eval()
+    with torch.no_grad(), gpattn.deterministic():
+        full = model(ids, pad, num_samples=2)
+        cached = model(hidden, pad, num_samples=2)
+    handle.remove()
+    # nothing random (eval, deterministic): the P = 2 predictions come from one forward of the B rows
+    torch.testing.assert_close(seen[0], hidden, rtol=0, atol=0)
+    torch.testing.assert_close(cached, full, rtol=0, atol=0)
+    with torch.no_grad():  # sampling: the same draws from the same seed
+        torch.manual_seed(3)
+        full = model(ids, pad, num_samples=3)
+        torch.manual_seed(3)
+        cached = model(hidden, pad, num_samples=3)
+    torch.testing.assert_close(cached, full, rtol=0, atol=0)
+    assert not torch.allclose(full[:, 0], full[:, 1])
+    top = {id(p) for p in model._top_layers().parameters()} | {id(p) for p in model.head.parameters()}
+    for name, p in model.named_parameters():
+        assert p.requires_grad == (id(p) in top), name
+    model.train()
+    assert not model.encoder.embeddings.training and all(not layer[i].training for i in range(first))
+    assert all(layer[i].training for i in range(first, len(layer)))
+
+
+def test_frozen_trunk_training_step_leaves_the_trunk_and_drops_out_only_on_top():
+    encoder = tiny_encoder()
+    frozen = {k: v.clone() for k, v in encoder.state_dict().items() if not k.startswith("encoder.layer.1.")}
+    model = HFClassifier(encoder, 2, "softmax", "last", frozen_trunk=True, mc_dropout=True)
+    ids, pad = batch()
+    hidden = model.trunk(ids, pad)
+    top_before = model.adapters[1].attention.in_proj.weight.detach().clone()
+    model.train()
+    loss = torch.nn.functional.cross_entropy(model(hidden, pad).squeeze(1), torch.tensor([0, 1, 1]))
+    loss.backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5).step()
+    after = model.encoder.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in frozen.items())
+    assert not torch.equal(model.adapters[1].attention.in_proj.weight, top_before)  # the top layer trained
+    model.eval()  # MC dropout: on in the top layer only
+    with torch.no_grad():
+        again = model.trunk(ids, pad)
+        draws = model(ids, pad, num_samples=4)
+    torch.testing.assert_close(again, hidden, rtol=0, atol=0)
+    assert not torch.allclose(draws[:, 0], draws[:, 1])
+    assert not any(m.training for m in model.encoder.embeddings.modules())
+
+
+def test_frozen_trunk_input_errors():
+    model = HFClassifier(tiny_encoder(), 2, "sgpa", "last", frozen_trunk=True)
+    ids, pad = batch()
+    with pytest.raises(ValueError, match=r"trunk output must be \(B, T, 16\)"):
+        model(torch.zeros(3, 5, 8), pad)
+    with pytest.raises(ValueError, match="key_padding_mask must be"):
+        model(torch.zeros(3, 5, 16), pad[:, :4])
+    with pytest.raises(ValueError, match="frozen_trunk must be a bool"):
+        HFClassifier(tiny_encoder(), 2, "sgpa", frozen_trunk="yes")
+
+
+def test_train_and_compare_with_a_frozen_trunk(tmp_path):
+    """--encoder-recipe frozen-trunk: the data become the trunk's outputs (fingerprinted by the token ids),
+    training leaves the trunk's weights as pretrained, and the checkpoint scores new text from token ids."""
+    from gpattn.experiments.cli import main
+    from gpattn.experiments.training import TrainConfig
+
+    with pytest.raises(ValueError, match="encoder_recipe"):
+        TrainConfig(encoder_recipe="frozen-trunk")
+    with pytest.raises(ValueError, match="encoder_recipe"):
+        TrainConfig(encoder="x", encoder_recipe="frozen")
+    table = _text_table(tmp_path)
+    enc = tiny_encoder_folder(tmp_path / "enc", table)
+    out = tmp_path / "cmp"
+    argv = ["compare", "--dataset", "text_table", "--dataset-option", f"path={table}", "--encoder", str(enc),
+            "--encoder-recipe", "frozen-trunk", "--seeds", "0", *TINY_RUN,
+            "--attention", "softmax,sgpa,softmax+laplace,softmax+mcdropout", "--out", str(out)]  # fmt: skip
+    with pytest.warns(GPCollapseWarning):
+        assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert all(results[k]["0"]["in_domain"]["nll"] > 0 for k in results)
+    data = json.loads((out / "runs" / "sgpa" / "seed0" / "data.json").read_text())
+    # reused on a second call: the fingerprint is of the token ids, not of float hidden states
+    log = []
+    from gpattn.experiments.compare import compare
+    from gpattn.experiments.training import TrainConfig as C
+
+    base = C(dataset="text_table", dataset_options={"path": str(table)}, encoder=str(enc),
+             encoder_recipe="frozen-trunk", epochs=1, batch_size=16, num_samples=2, progress=False, device="cpu")  # fmt: skip
+    compare(["sgpa"], [0], out, base, progress=False, log=log.append)
+    assert any("reused" in line for line in log), log
+    assert data["fingerprint"]
+    pretrained = transformers.BertModel.from_pretrained(enc, local_files_only=True).state_dict()
+    ckpt = torch.load(out / "runs" / "sgpa" / "seed0" / "checkpoint.pt", weights_only=False)
+    for k, v in pretrained.items():
+        if k.startswith(("embeddings.", "encoder.layer.0.")):
+            torch.testing.assert_close(ckpt["model"]["encoder." + k], v, rtol=0, atol=0)
+    run = gpattn.load_run(out / "runs" / "sgpa" / "seed0")
+    pred = run.predict(["a great film , really good", "terrible"], num_samples=3)
+    assert pred.probs.shape == (2, 3)

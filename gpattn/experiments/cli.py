@@ -70,6 +70,11 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-len", type=int, dest="encoder_max_len", help="with --encoder: word pieces kept per text")
     p.add_argument(
+        "--encoder-recipe", choices=("full", "frozen-trunk"),
+        help="with --encoder: full fine-tuning (default), or frozen-trunk: the layers below the first swapped "
+        "one keep their pretrained weights and their outputs are computed once (seconds per epoch on a CPU)",
+    )
+    p.add_argument(
         "--attention-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
         help="an attention option, repeatable (gpattn.attention_options(NAME) lists them); in compare it applies "
         "to every variant that takes it — for one variant write name[key=value,...], e.g. sto[tau=2]; VALUE is a "
@@ -124,14 +129,14 @@ def _validate_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args, **extra):
-    from gpattn.experiments.presets import get_preset
+    from gpattn.experiments.presets import PRESET_ONLY, get_preset
     from gpattn.experiments.training import TrainConfig
 
     values = {}
     preset = {}
     if getattr(args, "preset", None):
         preset = get_preset(args.preset)
-        values.update({k: v for k, v in preset.items() if k not in ("variants", "seeds", "variant_options")})
+        values.update({k: v for k, v in preset.items() if k not in PRESET_ONLY})
         # a single run of a variant the preset sets options for (train --preset cola --attention sto)
         own = preset.get("variant_options", {}).get(extra.get("attention"))
         if own:
@@ -143,6 +148,7 @@ def _config(args, **extra):
         "attention_layers",
         "encoder",
         "encoder_max_len",
+        "encoder_recipe",
         "epochs",
         "batch_size",
         "lr",
@@ -254,6 +260,8 @@ def cmd_compare(args) -> int:
     from gpattn.experiments.compare import compare
 
     cfg, preset = _config(args)
+    if preset.get("budget_minutes"):
+        print(f"[compare] preset {args.preset}: about {preset['budget_minutes']} min on 2 CPU cores", flush=True)
     variants = args.attention or preset.get("variants") or "all+baselines"
     if args.ensemble:
         variants = f"{variants},softmax+ens{args.ensemble}"
@@ -261,7 +269,7 @@ def cmd_compare(args) -> int:
     with _validation(args):
         compare(
             variants, seeds, args.out, cfg, progress=cfg.progress, ood_scores=args.ood_score,
-            variant_options=preset.get("variant_options"),
+            variant_options=preset.get("variant_options"), budget_minutes=preset.get("budget_minutes"),
         )
     print(f"wrote {Path(args.out) / 'report.md'}")
     return 0

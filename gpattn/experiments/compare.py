@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -217,19 +218,21 @@ def _log(message: str) -> None:
 
 def compare(
     variants, seeds, out, base: TrainConfig, progress: bool = True, log=_log, ood_scores=("msp",),
-    variant_options: dict | None = None,
+    variant_options: dict | None = None, budget_minutes: float | None = None,
 ) -> dict:
     """Train / evaluate every variant spec for every seed; write ``results.json``, ``data.json``,
     ``report.md`` and the plots under ``out``; return the results dict ``{spec: {seed: metrics}}``.
 
     ``ood_scores``: the OOD scores (:data:`gpattn.experiments.metrics.OOD_SCORE_NAMES`) shown in report.md and the
     histograms (every score is in results.json). ``variant_options``: per-variant default options
-    (a preset's), beneath the options a spec gives in brackets."""
+    (a preset's), beneath the options a spec gives in brackets. ``budget_minutes``: the time a preset states
+    for itself (on 2 CPU cores), printed in report.md beside the measured wall time."""
     from gpattn.experiments import metrics as M
     from gpattn.experiments.data import load_dataset
     from gpattn.experiments.data.summary import data_summary, summary_lines
     from gpattn.experiments.laplace import laplace_torch_available
 
+    started = time.perf_counter()
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds) or len(set(seeds)) < len(seeds):
         raise ValueError(f"seeds must be a non-empty list of distinct ints, got {seeds!r}")
@@ -309,7 +312,7 @@ def compare(
     plot_notes = _plots(plot_preds, out, base.average, ood_scores)
     write_report(
         results, out / "report.md", base, seeds, bundles[seeds[0]], summaries=summaries, ood_scores=ood_scores,
-        notes=notes, plot_notes=plot_notes, specs=specs,
+        notes=notes, plot_notes=plot_notes, specs=specs, elapsed=time.perf_counter() - started, budget=budget_minutes,
     )
     return results
 
@@ -494,7 +497,7 @@ def _against_reference(results: dict, seeds, split: str, cols, reference: str = 
     if reference not in results:
         return []
     lines = [
-        f"## Against {reference} (MSP), {split}",
+        f"## Against {reference} ({'MSP + temperature scaling' if reference.endswith('+ts') else 'MSP'}), {split}",
         "",
         f"Paired over seeds: mean ± std of (variant − {reference}); `k/n` = seeds in which the variant is "
         "better (lower NLL/ECE/AURC, higher accuracy/MCC/AUROC).",
@@ -518,16 +521,31 @@ def _against_reference(results: dict, seeds, split: str, cols, reference: str = 
 
 def write_report(
     results: dict, path: Path, base: TrainConfig, seeds, bundle, *, summaries=None, ood_scores=("msp",), notes=(),
-    plot_notes=None, specs=None,
+    plot_notes=None, specs=None, elapsed: float | None = None, budget: float | None = None,
 ) -> None:
     """report.md: what was run (data files, split sizes, class counts, objective weights, options), one
     table per evaluation split, mean ± std (sample std) over seeds; fractions."""
     from gpattn.experiments.data.summary import summary_lines
 
+    if base.encoder is None:
+        model = f"{base.num_layers} layers, width {base.embed_dim}, {base.num_heads} heads"
+    else:  # the encoder's own shape
+        enc = bundle.info.get("encoder", {})
+        trunk = bundle.info.get("trunk")
+        recipe = (
+            f"frozen trunk: embeddings and layers 0–{trunk['layers'] - 1} pretrained and frozen (their outputs "
+            f"computed once), the layers from {trunk['layers']} on and the head trained"
+            if trunk
+            else "full fine-tuning"
+        )
+        model = (
+            f"pretrained encoder `{base.encoder}` ({enc.get('path', base.encoder)}; word pieces ≤ "
+            f"{enc.get('max_len')}), attention swapped into layers {base.attention_layers}, {recipe}"
+        )
     lines = [
         f"# gpattn compare — {base.dataset}",
         "",
-        f"Seeds {list(seeds)}; {base.num_layers} layers, width {base.embed_dim}, {base.num_heads} heads, "
+        f"Seeds {list(seeds)}; {model}, "
         f"{base.epochs} epochs, batch {base.batch_size}, lr {base.lr}; {base.num_samples} Monte-Carlo samples, "
         f"predictions averaged over {base.average}.",
         f"Objective (docs/derivations.md §9): β = {base.beta:g} "
@@ -577,8 +595,12 @@ def write_report(
         lines.append("")
     lines += _diverged_notes(results, seeds)
     lines += _collapse_notes(results, seeds)
-    for split, cols in columns.items():
-        lines += _against_reference(results, seeds, split, cols)
+    for reference in ("softmax", "softmax+ts"):  # MSP, and where MSP + temperature scaling stands
+        for split, cols in columns.items():
+            lines += _against_reference(results, seeds, split, cols, reference)
+    if elapsed is not None:
+        lines += [f"Wall time of this compare call: {elapsed / 60:.1f} min"
+                  + (f" (the preset states {budget} min on 2 CPU cores)." if budget else "."), ""]
     lines += [
         "## Plots",
         "",

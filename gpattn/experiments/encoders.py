@@ -9,6 +9,17 @@ encoder's ``max_position_embeddings``. The model is
 (its config's ``hidden_dropout_prob``) applies, not ``TrainConfig.dropout``; ``mc_dropout`` (compare's
 ``+mcdropout``) keeps it on at prediction. ``embed_dim`` / ``num_heads`` / ``num_layers`` are the encoder's.
 
+**Frozen-trunk recipe** (``TrainConfig.encoder_recipe="frozen-trunk"``, ``--encoder-recipe frozen-trunk``):
+the embeddings and the layers below the first swapped layer (the *trunk*; with the default ``last``, five
+of MiniLM's six layers) keep their pretrained weights and run in eval mode, so their output is a fixed
+function of the tokens. :func:`trunk_bundle` computes it once per data set, and every split's ``inputs``
+become those hidden states ``(N, T, D)`` float32 (the padding mask is kept); training and evaluation then
+run only the top layers and the head (``HFClassifier.forward`` on hidden states). A checkpoint still holds
+the whole encoder, so the predict API scores new text from token ids through the same function
+(``forward(trunk(ids)) == forward(ids)``, tests/test_hf_classifier.py). Last-layer fine-tuning of a frozen
+pretrained encoder is the standard cheap recipe for uncertainty baselines on top of pretrained features
+(as last-layer Laplace, Kristiadi et al. (2020)).
+
 A checkpoint is self-contained: its ``data`` entry holds the encoder's config (``encoder_config``) and
 the tokenizer's files (``tokenizer_files``, their text), so :func:`gpattn.load_run` rebuilds the model
 and tokenizer without the encoder folder, and its ``model`` entry holds every weight.
@@ -24,7 +35,14 @@ import torch
 
 from gpattn.experiments.data import DatasetBundle, Split
 
-__all__ = ["build_encoder_model", "encode_texts", "encoder_bundle", "encoder_meta", "tokenizer_from_meta"]
+__all__ = [
+    "build_encoder_model",
+    "encode_texts",
+    "encoder_bundle",
+    "encoder_meta",
+    "tokenizer_from_meta",
+    "trunk_bundle",
+]
 
 
 def _transformers():
@@ -94,13 +112,13 @@ def build_encoder_model(cfg, bundle) -> torch.nn.Module:
     weights the checkpoint then loads."""
     from gpattn.integrations.huggingface import HFClassifier
 
-    layers = "last" if cfg.attention_layers == "auto" else cfg.attention_layers
     kwargs = dict(
         attention=cfg.attention,
-        attention_layers=layers,
+        attention_layers=_layers(cfg),
         attention_options=dict(cfg.attention_options),
         pooling=cfg.pooling or "mean",
         mc_dropout=cfg.mc_dropout,
+        frozen_trunk=cfg.encoder_recipe == "frozen-trunk",
     )
     saved = getattr(bundle, "encoder_config", None)
     if saved is None:
@@ -109,6 +127,51 @@ def build_encoder_model(cfg, bundle) -> torch.nn.Module:
     config = transformers.AutoConfig.for_model(**saved)
     encoder = transformers.AutoModel.from_config(config, add_pooling_layer=False)
     return HFClassifier(encoder, bundle.num_classes, **kwargs)
+
+
+def _layers(cfg):
+    return "last" if cfg.attention_layers == "auto" else cfg.attention_layers
+
+
+@torch.no_grad()
+def trunk_bundle(bundle, cfg, batch_size: int = 128) -> DatasetBundle:
+    """``bundle`` (re-tokenised: :func:`encoder_bundle`) with every split's token ids replaced by the
+    frozen trunk's output ``(N, T, D)`` float32 for ``cfg`` (the pretrained encoder's embeddings and layers
+    below the first of ``cfg.attention_layers``; eval mode), computed in batches sorted by length. The
+    bundle's ``info["trunk"]`` records the trunk (its layer count) and the token ids' fingerprint, which
+    stands for the hidden states in :func:`gpattn.experiments.data.summary.bundle_fingerprint`. A bundle
+    already holding this trunk's outputs is returned."""
+    from gpattn.experiments.data.summary import bundle_fingerprint
+    from gpattn.integrations.huggingface import HFClassifier
+
+    from gpattn.integrations.huggingface import _layer_indices
+
+    path = bundle.info["encoder"]["path"]
+    config = _transformers().AutoConfig.from_pretrained(path, local_files_only=True)
+    spec = {"layers": min(_layer_indices(_layers(cfg), config.num_hidden_layers))}
+    done = bundle.info.get("trunk")
+    if done is not None:
+        if {k: done[k] for k in spec} != spec:
+            raise ValueError(f"bundle holds the outputs of another trunk ({done}); this run needs {spec}")
+        return bundle
+    trunk = HFClassifier.from_pretrained(
+        path, bundle.num_classes, attention="softmax", attention_layers=_layers(cfg), frozen_trunk=True
+    ).eval()
+    source = bundle_fingerprint(bundle)
+    splits = {}
+    for key, split in bundle.splits.items():
+        n, T = split.inputs.shape
+        lengths = (~split.mask).sum(1) if split.mask is not None else torch.full((n,), T)
+        order = torch.argsort(lengths, descending=True)
+        out = torch.zeros(n, T, trunk.encoder.config.hidden_size)
+        for start in range(0, n, batch_size):
+            rows = order[start : start + batch_size]
+            longest = max(int(lengths[rows].max()), 1)
+            mask = None if split.mask is None else split.mask[rows, :longest]
+            out[rows, :longest] = trunk.trunk(split.inputs[rows, :longest], mask).float()
+        splits[key] = Split(out, split.labels, split.mask, split.groups)
+    info = {**bundle.info, "trunk": {**spec, "source_fingerprint": source}}
+    return dataclasses.replace(bundle, splits=splits, info=info)
 
 
 def encoder_meta(bundle) -> dict:

@@ -1,7 +1,8 @@
 """Named experiment settings for ``gpattn train|compare --preset NAME``: the papers' setups at CPU scale.
 
 A preset is a dict of ``TrainConfig`` fields plus ``variants`` (for compare), ``seeds`` and optionally
-``variant_options`` (per-variant attention options from the papers' tables); flags given
+``variant_options`` (per-variant attention options from the papers' tables) and ``budget_minutes`` (the
+time ``compare --preset`` takes on 2 CPU cores, printed at the start and in report.md); flags given
 explicitly on the command line override it. Where we differ from the papers it is said here:
 no ELMo embeddings offline (word embeddings trained from scratch), fewer epochs, smaller image
 models, and for the image presets a subsample of the training set.
@@ -13,7 +14,10 @@ from gpattn.attention.h_sto import H_STO_PRESETS
 from gpattn.attention.sto import STO_PRESETS
 from gpattn.objectives import DEFAULT_ALPHA
 
-__all__ = ["PRESETS", "get_preset"]
+__all__ = ["PRESETS", "PRESET_ONLY", "get_preset"]
+
+#: preset keys that are not TrainConfig fields
+PRESET_ONLY = ("variants", "seeds", "variant_options", "budget_minutes")
 
 _DEMO_MODEL = dict(embed_dim=32, num_heads=2, num_layers=2, mlp_ratio=2.0, dropout=0.1)
 

@@ -113,6 +113,10 @@ def _same_run(saved: dict, cfg: TrainConfig) -> tuple[bool, list]:
     return saved == mine, sorted(k for k in mine if saved.get(k) != mine[k])
 
 
+#: how a pretrained encoder is trained (``TrainConfig.encoder_recipe``)
+ENCODER_RECIPES = ("full", "frozen-trunk")
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """Every setting of a run (``config.json``). ``attention`` may carry modifiers handled by
@@ -129,6 +133,9 @@ class TrainConfig:
     encoder: str | None = None
     #: with ``encoder``: truncate texts to this many word pieces (default: the encoder's limit)
     encoder_max_len: int | None = None
+    #: with ``encoder``: ``"full"`` fine-tunes every weight; ``"frozen-trunk"`` freezes the layers below the
+    #: first swapped one and trains on their outputs, computed once per data set (gpattn.experiments.encoders)
+    encoder_recipe: str = "full"
     embed_dim: int = 64
     num_heads: int = 4
     num_layers: int = 2
@@ -188,6 +195,10 @@ class TrainConfig:
             raise bad("encoder_max_len", "None (the encoder's limit) or an int >= 2")
         if self.encoder_max_len is not None and self.encoder is None:
             raise bad("encoder_max_len", "None without an encoder (--max-len needs --encoder)")
+        if self.encoder_recipe not in ENCODER_RECIPES:
+            raise bad("encoder_recipe", f"one of {', '.join(ENCODER_RECIPES)}")
+        if self.encoder_recipe != "full" and self.encoder is None:
+            raise bad("encoder_recipe", "'full' without an encoder (--encoder-recipe needs --encoder)")
         if self.average not in ("probs", "logits"):
             raise bad("average", "'probs' or 'logits'")
         if not _valid_device(self.device):
@@ -599,12 +610,14 @@ def load_run(path, device=None) -> tuple[TrainConfig, torch.nn.Module, object, d
 
 
 def _for_model(cfg: TrainConfig, bundle):
-    """The data as the model reads it: re-tokenised by the encoder's tokenizer with ``cfg.encoder``."""
+    """The data as the model reads it: re-tokenised by the encoder's tokenizer with ``cfg.encoder``, and
+    with the frozen-trunk recipe the trunk's outputs in place of the token ids."""
     if cfg.encoder is None:
         return bundle
-    from gpattn.experiments.encoders import encoder_bundle
+    from gpattn.experiments.encoders import encoder_bundle, trunk_bundle
 
-    return encoder_bundle(bundle, cfg)
+    bundle = encoder_bundle(bundle, cfg)
+    return trunk_bundle(bundle, cfg) if cfg.encoder_recipe == "frozen-trunk" else bundle
 
 
 def _as_device(device) -> torch.device:
@@ -659,7 +672,8 @@ def train(
     steps_per_epoch = max(1, math.ceil(n / cfg.batch_size))
     total_steps = steps_per_epoch * cfg.epochs
     # fused: one kernel per step, and it skips a step flagged by ``found_inf`` on the device (_DivergenceGuard)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # a frozen trunk is not optimised
+    optimizer = torch.optim.Adam(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps)) if cfg.cosine else None
     objective = DeepGPELBO(  # the loss parts: every added loss term of the model, by name, and the loss
         model,

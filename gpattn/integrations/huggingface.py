@@ -307,13 +307,18 @@ def resolve_encoder(name_or_path: str | os.PathLike) -> str:
     return os.path.abspath(text)
 
 
+class _TrunkDone(Exception):
+    """Raised by :meth:`HFClassifier.trunk`'s hook once the trunk's output is captured."""
+
+
 class HFClassifier(nn.Module):
     """A Hugging Face encoder (``transformers.AutoModel``) with gpattn attention in chosen layers, mean or
     CLS pooling and a linear head, behind gpattn's classifier contract:
     ``forward(input_ids, key_padding_mask=None, num_samples=P) -> logits (B, P, C)``.
 
     Monte-Carlo samples: the batch is repeated B-major (row b·P + p is sample p of sequence b) **before
-    the encoder**, so every layer, pretrained or swapped, runs on B·P rows and each draw samples its own
+    the encoder** (before the top layers on a frozen trunk's output; not at all when nothing in the forward
+    is random: eval mode without MC dropout and without a sampling layer), so every layer, pretrained or swapped, runs on B·P rows and each draw samples its own
     attention (and dropout in training mode). This costs P encoder passes; the explicit sample axis of
     gpattn's layers (sampling from the first GP layer on, as :class:`gpattn.models.TransformerClassifier`
     does) is not used inside transformers yet. The layers' KL terms are means over the B·P sequences,
@@ -333,6 +338,17 @@ class HFClassifier(nn.Module):
     :param mc_dropout: keep the encoder's dropout modules (``nn.Dropout``: embeddings, hidden states) on
         in eval mode, MC dropout (Gal & Ghahramani 2016); off inside ``gpattn.deterministic()``. The
         attention-probability dropout of the unswapped layers follows transformers' own training flag.
+        With ``frozen_trunk`` only the dropout of the trainable layers (the top) is switched.
+    :param frozen_trunk: the frozen-trunk (last-layer) recipe: the embeddings and every layer below the
+        first swapped one (the *trunk*) keep their pretrained weights (``requires_grad=False``) and stay
+        in eval mode (no dropout) whatever ``train()`` says, so the trunk is a fixed function of the
+        tokens. Its output can then be computed once per data set (:meth:`trunk`) and passed to
+        :meth:`forward` instead of token ids: ``forward(trunk(ids, mask), mask)`` equals
+        ``forward(ids, mask)``, and training only runs the top layers and the head.
+
+    **Inputs of forward**: token ids ``(B, T)`` (the whole encoder runs), or — the frozen-trunk cache —
+    the trunk's output ``(B, T, D)`` float hidden states (only the layers from the first swapped one on
+    run, with transformers' own mask for them).
     """
 
     def __init__(
@@ -344,10 +360,12 @@ class HFClassifier(nn.Module):
         attention_options: dict | None = None,
         pooling: str = "mean",
         mc_dropout: bool = False,
+        frozen_trunk: bool = False,
     ):
         super().__init__()
-        if not isinstance(mc_dropout, bool):
-            raise ValueError(f"mc_dropout must be a bool, got {mc_dropout!r}")
+        for name, flag in (("mc_dropout", mc_dropout), ("frozen_trunk", frozen_trunk)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
         self.mc_dropout = mc_dropout
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"num_classes must be an int >= 2, got {num_classes!r}")
@@ -359,6 +377,79 @@ class HFClassifier(nn.Module):
         hidden = encoder.config.hidden_size
         self.head = nn.Linear(hidden, num_classes)
         self.max_tokens = int(getattr(encoder.config, "max_position_embeddings", 0) or 0) or None
+        #: index of the first swapped layer: the layers from it on (and the head) are the *top*
+        self.trunk_layers = min(self.adapters)
+        self.frozen_trunk = frozen_trunk
+        if frozen_trunk:
+            top = {id(p) for p in self._top_layers().parameters()}
+            for p in self.encoder.parameters():
+                if id(p) not in top:
+                    p.requires_grad_(False)
+            self.train(self.training)
+
+    def _top_layers(self) -> nn.ModuleList:
+        return _encoder_layers(self.encoder)[0][self.trunk_layers :]
+
+    def train(self, mode: bool = True):
+        """As ``nn.Module.train``; with ``frozen_trunk`` the trunk stays in eval mode (no dropout)."""
+        super().train(mode)
+        if getattr(self, "frozen_trunk", False):
+            self.encoder.eval()
+            for layer in self._top_layers():
+                layer.train(mode)
+        return self
+
+    @torch.no_grad()
+    def trunk(self, input_ids, key_padding_mask=None) -> torch.Tensor:
+        """The input of the first swapped layer (the embeddings and the layers below it, in eval mode: no
+        dropout), i.e. what :meth:`forward` takes in place of ``input_ids``.
+        # shape: input_ids (B, T) long, key_padding_mask (B, T) bool True = padding -> (B, T, D)"""
+        self._check_ids(input_ids, key_padding_mask)
+        captured = []
+
+        def stop(module, args, kwargs):
+            captured.append(args[0] if args else kwargs["hidden_states"])
+            raise _TrunkDone
+
+        first = _encoder_layers(self.encoder)[0][self.trunk_layers]
+        handle = first.register_forward_pre_hook(stop, with_kwargs=True)
+        modes = [m.training for m in self.encoder.modules()]
+        self.encoder.eval()
+        try:
+            attend = None if key_padding_mask is None else (~key_padding_mask).long()
+            self.encoder(input_ids=input_ids, attention_mask=attend)
+        except _TrunkDone:
+            pass
+        finally:
+            handle.remove()
+            for m, mode in zip(self.encoder.modules(), modes):
+                m.training = mode
+        return captured[0]
+
+    def _check_ids(self, input_ids, key_padding_mask) -> None:
+        if input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise ValueError(f"input_ids must be (B, T) token ids, got shape {tuple(input_ids.shape)} {input_ids.dtype}")
+        B, T = input_ids.shape
+        if self.max_tokens is not None and T > self.max_tokens:
+            raise ValueError(
+                f"input_ids have {T} tokens but the encoder takes at most {self.max_tokens} "
+                f"(max_position_embeddings): truncate them"
+            )
+        if key_padding_mask is not None and key_padding_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"key_padding_mask must have the shape of input_ids {(B, T)}, got {tuple(key_padding_mask.shape)}"
+            )
+
+    def _top(self, hidden, mask) -> torch.Tensor:
+        """The layers from the first swapped one on, on hidden states ``(N, T, D)``; transformers' mask."""
+        from transformers.masking_utils import create_bidirectional_mask
+
+        attend = None if mask is None else (~mask).long()
+        full = create_bidirectional_mask(config=self.encoder.config, inputs_embeds=hidden, attention_mask=attend)
+        for layer in self._top_layers():
+            hidden = layer(hidden, full)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        return hidden
 
     @classmethod
     def from_pretrained(cls, name_or_path, num_classes: int, **kwargs) -> HFClassifier:
@@ -370,33 +461,45 @@ class HFClassifier(nn.Module):
         return cls(encoder, num_classes, **kwargs)
 
     def forward(self, input_ids, key_padding_mask=None, num_samples: int = 1) -> torch.Tensor:
-        """# shape: input_ids (B, T) long, key_padding_mask (B, T) bool True = padding -> logits (B, P, C)"""
+        """# shape: input_ids (B, T) long or trunk output (B, T, D) float, key_padding_mask (B, T) bool
+        True = padding -> logits (B, P, C)"""
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (B, T) token ids, got shape {tuple(input_ids.shape)}")
-        B, T = input_ids.shape
-        if self.max_tokens is not None and T > self.max_tokens:
-            raise ValueError(
-                f"input_ids have {T} tokens but the encoder takes at most {self.max_tokens} "
-                f"(max_position_embeddings): truncate them"
-            )
-        if key_padding_mask is not None and key_padding_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"key_padding_mask must have the shape of input_ids {(B, T)}, got {tuple(key_padding_mask.shape)}"
-            )
-        if self.mc_dropout:  # dropout on in eval mode too (gpattn.deterministic() turns it off)
-            from gpattn._settings import is_deterministic
+        cached = input_ids.dim() == 3 and input_ids.is_floating_point()
+        if cached:
+            hidden = self.encoder.config.hidden_size
+            if input_ids.shape[-1] != hidden:
+                raise ValueError(f"trunk output must be (B, T, {hidden}), got shape {tuple(input_ids.shape)}")
+            if key_padding_mask is not None and key_padding_mask.shape != input_ids.shape[:2]:
+                raise ValueError(
+                    f"key_padding_mask must be (B, T) = {tuple(input_ids.shape[:2])}, got {tuple(key_padding_mask.shape)}"
+                )
+        else:
+            self._check_ids(input_ids, key_padding_mask)
+        from gpattn._settings import is_deterministic
 
+        B = input_ids.shape[0]
+        if self.mc_dropout:  # dropout on in eval mode too (gpattn.deterministic() turns it off)
             on = not is_deterministic()  # as gpattn's MCDropout: training or not
-            for module in self.encoder.modules():
+            for module in (self._top_layers() if self.frozen_trunk else self.encoder).modules():
                 if isinstance(module, nn.Dropout):
                     module.train(on)
-        ids = input_ids.repeat_interleave(num_samples, 0)  # B-major: row b·P + p
-        mask = None if key_padding_mask is None else key_padding_mask.repeat_interleave(num_samples, 0)
-        attend = None if mask is None else (~mask).long()
-        h = self.encoder(input_ids=ids, attention_mask=attend).last_hidden_state  # shape: (B·P, T, D)
-        return self.head(pool_tokens(h, mask, cls=self.pooling == "cls")).view(B, num_samples, self.num_classes)
+        # a forward with nothing random (eval mode, no MC dropout, no sampling layer) is computed once
+        random = (
+            self.training
+            or (self.mc_dropout and not is_deterministic())
+            or any(getattr(a.attention, "sampling", True) for a in self.adapters.values())
+        )
+        P = num_samples if random else 1
+        x = input_ids.repeat_interleave(P, 0)  # B-major: row b·P + p
+        mask = None if key_padding_mask is None else key_padding_mask.repeat_interleave(P, 0)
+        if cached:
+            h = self._top(x, mask)  # shape: (B·P, T, D)
+        else:
+            attend = None if mask is None else (~mask).long()
+            h = self.encoder(input_ids=x, attention_mask=attend).last_hidden_state  # shape: (B·P, T, D)
+        logits = self.head(pool_tokens(h, mask, cls=self.pooling == "cls")).view(B, P, self.num_classes)
+        return logits.expand(B, num_samples, self.num_classes)
 
     # gpytorch's walkers over the module tree (they need only nn.Module): the objective's view, DeepGPELBO
     named_added_loss_terms = gpytorch.Module.named_added_loss_terms

@@ -59,7 +59,9 @@ class Split:
 
     inputs: text ``(N, T)`` int64 token ids (0 = ``<pad>``); images ``(N, C, Hpx, Wpx)`` float32 in [0, 1].
     labels: ``(N,)`` int64; -1 marks an unknown label (OOD examples of held-out classes).
-    mask:   text ``(N, T)`` bool, True = padding (``key_padding_mask`` convention); images None.
+    mask:   text ``(N, T)`` bool, True = padding (``key_padding_mask`` convention); images None. (A
+            frozen trunk's outputs, gpattn.experiments.encoders.trunk_bundle, are ``(N, T, D)`` float32
+            inputs with an ``(N, T)`` mask.)
     groups: optional ``(N,)`` int64, e.g. corruption severity 1..5 of a shift split.
     """
 
@@ -74,9 +76,10 @@ class Split:
         n = self.labels.shape[0]
         if self.inputs.dim() < 2 or self.inputs.shape[0] != n:
             raise ValueError(f"inputs must have N={n} rows and at least 2 dims, got {_describe(self.inputs)}")
-        if self.mask is not None and (self.mask.shape != self.inputs.shape or self.mask.dtype != torch.bool):
+        if self.mask is not None and (self.mask.shape != self.inputs.shape[:2] or self.mask.dtype != torch.bool):
             raise ValueError(
-                f"mask must be a bool tensor shaped like inputs {tuple(self.inputs.shape)}, got {_describe(self.mask)}"
+                f"mask must be a bool tensor shaped like inputs' first two dims {tuple(self.inputs.shape[:2])}, "
+                f"got {_describe(self.mask)}"
             )
         if self.groups is not None and tuple(self.groups.shape) != (n,):
             raise ValueError(f"groups must have shape ({n},), got {_describe(self.groups)}")

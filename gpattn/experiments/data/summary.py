@@ -15,7 +15,13 @@ __all__ = ["bundle_fingerprint", "data_summary", "summary_lines"]
 
 
 def bundle_fingerprint(bundle) -> str:
-    """SHA-256 of the bundle's content: every split's inputs, labels, mask and groups, and the vocabulary."""
+    """SHA-256 of the bundle's content: every split's inputs, labels, mask and groups, and the vocabulary.
+    A bundle of a frozen trunk's outputs (``info["trunk"]``, gpattn.experiments.encoders.trunk_bundle) is
+    fingerprinted by its token ids' fingerprint and the trunk, which determine the hidden states (whose float
+    bits may differ between machines and thread counts)."""
+    trunk = bundle.info.get("trunk")
+    if trunk is not None:
+        return hashlib.sha256(f"trunk|{sorted(trunk.items())}".encode()).hexdigest()
     digest = hashlib.sha256()
     digest.update(f"{bundle.name}|{bundle.kind}|{bundle.num_classes}|{sorted(bundle.eval_splits.items())}".encode())
     for key in sorted(bundle.splits):
