@@ -328,7 +328,8 @@ def test_train_and_compare_with_a_frozen_trunk(tmp_path):
     from gpattn.experiments.training import TrainConfig as C
 
     base = C(dataset="text_table", dataset_options={"path": str(table)}, encoder=str(enc),
-             encoder_recipe="frozen-trunk", epochs=1, batch_size=16, num_samples=2, progress=False, device="cpu")  # fmt: skip
+             encoder_recipe="frozen-trunk", epochs=1, batch_size=16, num_samples=2, progress=False,
+             device="cpu")  # fmt: skip
     compare(["sgpa"], [0], out, base, progress=False, log=log.append)
     assert any("reused" in line for line in log), log
     assert data["fingerprint"]

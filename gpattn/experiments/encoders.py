@@ -142,9 +142,7 @@ def trunk_bundle(bundle, cfg, batch_size: int = 128) -> DatasetBundle:
     stands for the hidden states in :func:`gpattn.experiments.data.summary.bundle_fingerprint`. A bundle
     already holding this trunk's outputs is returned."""
     from gpattn.experiments.data.summary import bundle_fingerprint
-    from gpattn.integrations.huggingface import HFClassifier
-
-    from gpattn.integrations.huggingface import _layer_indices
+    from gpattn.integrations.huggingface import HFClassifier, _layer_indices
 
     path = bundle.info["encoder"]["path"]
     config = _transformers().AutoConfig.from_pretrained(path, local_files_only=True)

@@ -318,7 +318,8 @@ class HFClassifier(nn.Module):
 
     Monte-Carlo samples: the batch is repeated B-major (row b·P + p is sample p of sequence b) **before
     the encoder** (before the top layers on a frozen trunk's output; not at all when nothing in the forward
-    is random: eval mode without MC dropout and without a sampling layer), so every layer, pretrained or swapped, runs on B·P rows and each draw samples its own
+    is random: eval mode without MC dropout and without a sampling layer), so every layer, pretrained or
+    swapped, runs on B·P rows and each draw samples its own
     attention (and dropout in training mode). This costs P encoder passes; the explicit sample axis of
     gpattn's layers (sampling from the first GP layer on, as :class:`gpattn.models.TransformerClassifier`
     does) is not used inside transformers yet. The layers' KL terms are means over the B·P sequences,
@@ -428,7 +429,9 @@ class HFClassifier(nn.Module):
 
     def _check_ids(self, input_ids, key_padding_mask) -> None:
         if input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise ValueError(f"input_ids must be (B, T) token ids, got shape {tuple(input_ids.shape)} {input_ids.dtype}")
+            raise ValueError(
+                f"input_ids must be (B, T) token ids, got shape {tuple(input_ids.shape)} {input_ids.dtype}"
+            )
         B, T = input_ids.shape
         if self.max_tokens is not None and T > self.max_tokens:
             raise ValueError(
@@ -472,7 +475,8 @@ class HFClassifier(nn.Module):
                 raise ValueError(f"trunk output must be (B, T, {hidden}), got shape {tuple(input_ids.shape)}")
             if key_padding_mask is not None and key_padding_mask.shape != input_ids.shape[:2]:
                 raise ValueError(
-                    f"key_padding_mask must be (B, T) = {tuple(input_ids.shape[:2])}, got {tuple(key_padding_mask.shape)}"
+                    f"key_padding_mask must be (B, T) = {tuple(input_ids.shape[:2])}, "
+                    f"got {tuple(key_padding_mask.shape)}"
                 )
         else:
             self._check_ids(input_ids, key_padding_mask)
