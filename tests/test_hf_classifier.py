@@ -341,3 +341,21 @@ def test_train_and_compare_with_a_frozen_trunk(tmp_path):
     run = gpattn.load_run(out / "runs" / "sgpa" / "seed0")
     pred = run.predict(["a great film , really good", "terrible"], num_samples=3)
     assert pred.probs.shape == (2, 3)
+
+
+def test_compare_checks_variants_at_the_encoders_width(tmp_path, monkeypatch):
+    """compare builds each variant's layer before training: with --encoder at the encoder's width and heads."""
+    from gpattn.experiments import compare as C
+    from gpattn.experiments.training import TrainConfig
+
+    enc = tiny_encoder_folder(tmp_path / "enc", _text_table(tmp_path))
+    built = []
+
+    def record(name, width, heads, **options):
+        built.append((name, width, heads))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(C, "build_attention", record)
+    with pytest.raises(ValueError, match="cannot be built with its options"):
+        C._check_specs(C.expand_variants("sgpa"), TrainConfig(dataset="text_table", encoder=str(enc)))
+    assert built == [("sgpa", 16, 2)]  # tiny_encoder: hidden 16, 2 heads (TrainConfig's default: 64, 4)

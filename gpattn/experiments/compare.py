@@ -326,10 +326,16 @@ def _spec_options(base: TrainConfig, spec: VariantSpec) -> dict:
 
 def _check_specs(specs, base: TrainConfig) -> None:
     """Build one layer of every variant with its options before anything trains, so that a bad option
-    (e.g. a kernel a variant cannot take) fails at once instead of after the other variants' runs."""
+    (e.g. a kernel a variant cannot take) fails at once instead of after the other variants' runs. With a
+    pretrained encoder the layer has the encoder's width and heads (read from its config, not its weights)."""
+    width, heads = base.embed_dim, base.num_heads
+    if base.encoder is not None:
+        from gpattn.experiments.encoders import encoder_shape
+
+        width, heads = encoder_shape(base)
     for spec in specs:
         try:
-            build_attention(spec.attention, base.embed_dim, base.num_heads, **_spec_options(base, spec))
+            build_attention(spec.attention, width, heads, **_spec_options(base, spec))
         except (ValueError, TypeError) as err:
             raise ValueError(
                 f"variant {spec.spec!r} cannot be built with its options (nothing was trained): {err}"

@@ -40,6 +40,7 @@ __all__ = [
     "encode_texts",
     "encoder_bundle",
     "encoder_meta",
+    "encoder_shape",
     "tokenizer_from_meta",
     "trunk_bundle",
 ]
@@ -127,6 +128,12 @@ def build_encoder_model(cfg, bundle) -> torch.nn.Module:
     config = transformers.AutoConfig.for_model(**saved)
     encoder = transformers.AutoModel.from_config(config, add_pooling_layer=False)
     return HFClassifier(encoder, bundle.num_classes, **kwargs)
+
+
+def encoder_shape(cfg) -> tuple[int, int]:
+    """(width, heads) of ``cfg.encoder`` from its config (no weights are loaded)."""
+    config = _transformers().AutoConfig.from_pretrained(_path(cfg), local_files_only=True)
+    return config.hidden_size, config.num_attention_heads
 
 
 def _layers(cfg):
