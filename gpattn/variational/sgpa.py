@@ -25,7 +25,14 @@ placeholder with mean 0 and variance 1 + jitter (the model discards it).
 (mean over the real tokens, detached from the graph). The exponential kernel's diagonal
 σ² exp(‖k‖²/ℓ²) spans orders of magnitude, so an absolute jitter would be either negligible or
 dominant. The default 1e-6 suits float32; use ``jitter=0`` with float64 for verification (a failed
-plain Cholesky still escalates through :func:`gpattn.variational._linalg.cholesky`).
+plain Cholesky still escalates through :func:`gpattn.variational._linalg.cholesky`). Under a per-query
+mask the jitter is relative to each key's own diagonal, ``K + jitter · diag(K)``, so that no query
+depends on keys it may not attend to (:class:`MaskedSGPAConditional`, docs/derivations.md §11).
+
+**Per-query masks.** :meth:`SGPAVariationalStrategy.condition` also takes a mask (B or 1, H or 1, T, T):
+every query is then its own sparse GP whose inducing inputs are the keys it may attend to
+(:class:`MaskedSGPAConditional`): the causal mask (with key padding) from one factorisation and prefix
+sums, any other mask with one factorisation per query.
 """
 
 from __future__ import annotations
