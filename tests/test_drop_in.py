@@ -29,7 +29,7 @@ def _causal(T=T):
 
 
 def test_variant_lists_cover_the_registry():
-    assert set(PER_QUERY) == {"softmax", "kernel", "kernel-asym", "sto", "h-sto"}
+    assert set(PER_QUERY) == {"softmax", "kernel", "kernel-asym", "sto", "h-sto", "sgpa"}
     assert set(PER_QUERY) | set(PADDING_ONLY) == set(NAMES)
 
 
@@ -92,7 +92,7 @@ def test_causal_mask_is_the_prefix(name):
 @pytest.mark.parametrize("name", PADDING_ONLY)
 def test_causal_mask_is_refused_by_the_gp_variants(name):
     x, _ = make_inputs(B=2, T=T, D=D)
-    with pytest.raises(ValueError, match=r"attn_mask: .*takes only masks that pad.*different GP for every query"):
+    with pytest.raises(ValueError, match=r"attn_mask: .*takes only masks that pad.*different GP for every query.*sgpa"):
         _layer(name)(x, attn_mask=_causal())
     dec = nn.TransformerDecoderLayer(D, H, 16, dropout=0.0, batch_first=True)
     dec.self_attn = _layer(name)

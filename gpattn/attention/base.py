@@ -68,6 +68,12 @@ def _repeat_rows(P: int, *tensors):
     return tuple(t if t is None or P == 1 else t.repeat_interleave(P, 0) for t in tensors)
 
 
+def _pads_only(excluded: torch.Tensor) -> bool:
+    """Whether an excluded mask (B or 1, H or 1, T, T) excludes the same keys for every query and head
+    (reads the device once)."""
+    return not bool((excluded != excluded[:, :1, :1, :]).any())
+
+
 def _per_query_variants() -> list[str]:
     from gpattn.attention.registry import _REGISTRY
 
@@ -104,6 +110,9 @@ class AttentionBase(nn.Module):
     #: whether ``_attend`` takes a per-query mask ``(B, H or 1, T, T)`` from ``attn_mask`` (read it through
     #: :func:`excluded_keys`); otherwise it gets only key padding ``(B, T)``, and an ``attn_mask`` that does
     #: more than pad is a ``ValueError`` (docs/derivations.md §11). Opt-in: a variant must handle the mask.
+    #: A GP variant with per-query masks gets a mask that pads as key padding (one GP for the sequence,
+    #: exactly), and other masks as they are: a query with no allowed key is its own concern (no inducing
+    #: input); the other variants get such rows opened to every key (their output is zeroed afterwards).
     per_query_masks: bool = False
     #: read by torch's transformer layers (an nn.MultiheadAttention attribute): False keeps
     #: nn.TransformerEncoderLayer's eval-mode fast path, which runs MHA's own fused kernel, off this layer
@@ -303,17 +312,18 @@ class AttentionBase(nn.Module):
         )
 
     def _padding_part(self, excluded: torch.Tensor, B: int) -> torch.Tensor:
-        """For the variants without per-query masks: the key padding mask (B, T) that ``excluded`` (B or 1,
-        H or 1, T, T) amounts to, or a ``ValueError`` when it differs between queries or heads (reads the
+        """The key padding mask (B, T) that ``excluded`` (B or 1, H or 1, T, T) amounts to; for the variants
+        without per-query masks a ``ValueError`` when it differs between queries or heads (reads the
         device once: only when such a variant is given an ``attn_mask``)."""
-        if bool((excluded != excluded[:, :1, :1, :]).any()):
+        if not self.per_query_masks and not _pads_only(excluded):
             raise ValueError(
                 f"attn_mask: attention {self.name!r} takes only masks that pad (the same excluded keys for "
                 f"every query and head, i.e. a key_padding_mask); this mask excludes different keys for "
                 f"different queries (a causal mask, say). Its posterior conditions every query on one "
-                f"shared set of inducing inputs, and a per-query conditioning set would make a different GP "
-                f"for every query (docs/derivations.md §11). Pass the padding as key_padding_mask, or use a "
-                f"variant with per-query masks: {', '.join(_per_query_variants())}"
+                f"shared set of inducing inputs (or couples all keys), and a per-query conditioning set would "
+                f"make a different GP for every query, which this variant does not define "
+                f"(docs/derivations.md §11). Pass the padding as key_padding_mask, or use a variant with "
+                f"per-query masks: {', '.join(_per_query_variants())} (sgpa: one GP per query)"
             )
         return excluded[:, 0, 0, :].expand(B, -1)
 
@@ -384,8 +394,10 @@ class AttentionBase(nn.Module):
 
         ``attn_mask`` (as in :meth:`attn_mask_excluded`; True = not allowed) excludes keys per query: a
         query with no allowed key gets head output 0 (output 0 where that holds in every head). The
-        variants without ``per_query_masks`` (the GP variants) take only an ``attn_mask`` that pads, which
-        then acts exactly as ``key_padding_mask`` (docs/derivations.md §11).
+        variants without ``per_query_masks`` (the GP variants but ``sgpa``) take only an ``attn_mask`` that
+        pads, which then acts exactly as ``key_padding_mask``; so does a mask that pads for ``sgpa``, which
+        makes every query its own GP under any other mask (docs/derivations.md §11; a GP variant reads
+        the mask once on the host to tell).
 
         With ``num_samples`` a GP variant factorises once per sequence and draws its P samples from
         that factorisation (the first sampling layer of a deep GP, docs/derivations.md §9); a layer that does not
@@ -399,7 +411,7 @@ class AttentionBase(nn.Module):
             excluded = self.attn_mask_excluded(attn_mask, *x.shape[:2])
             if excluded.device != x.device:
                 raise ValueError(f"attn_mask is on {excluded.device} but x is on {x.device}")
-            if not self.per_query_masks:  # only padding: it joins key_padding_mask
+            if not self.per_query_masks or (self.is_gp and _pads_only(excluded)):  # padding: joins key_padding_mask
                 pad = self._padding_part(excluded, x.shape[0])
                 key_padding_mask, excluded = (pad if key_padding_mask is None else key_padding_mask | pad), None
         if P > 1 and self.sampling and not self.native_samples:
@@ -416,7 +428,7 @@ class AttentionBase(nn.Module):
             if mask is not None:
                 excluded = excluded | mask[:, None, None, :]
             empty = excluded.all(-1, keepdim=True)  # shape: (B or 1, H or 1, T, 1)
-            mask = excluded & ~empty
+            mask = excluded if self.is_gp else excluded & ~empty
         self._keep, self._loss_mask = keep, key_padding_mask
         try:
             if P > 1 and self.sampling:
@@ -429,7 +441,9 @@ class AttentionBase(nn.Module):
         if isinstance(heads, tuple):  # GP variants: (sample or mean, posterior mean)
             heads, mean = heads
         drawn = heads.shape[0] // x.shape[0]  # P when the variant drew the samples, else 1
-        if empty is not None:  # only variants with per-query masks, which draw no samples of their own
+        if empty is not None:  # only variants with per-query masks
+            if empty.shape[0] > 1:
+                empty = empty.repeat_interleave(drawn, 0)  # shape: (B·P, H or 1, T, 1)
             heads = heads.masked_fill(empty, 0)
             if getattr(self, "_attn_weights", None) is not None:
                 self._attn_weights = self._attn_weights.masked_fill(empty, 0)
@@ -447,13 +461,23 @@ class AttentionBase(nn.Module):
             y = y.repeat_interleave(P, 0)
         return y
 
-    def posterior(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None):
+    def posterior(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, attn_mask=None):
         """Posterior over the per-head outputs (before W_o): ``MultivariateNormal`` with batch
-        ``(B, H, Dv)`` and event ``T``. GP variants only; the others raise ``NotImplementedError``."""
+        ``(B, H, Dv)`` and event ``T``. GP variants only; the others raise ``NotImplementedError``.
+        ``attn_mask`` as in :meth:`forward_gp`: under a per-query mask (``sgpa``) the posterior is each
+        query's marginal (diagonal, docs/derivations.md §11)."""
         x, key_padding_mask = self.check_inputs(x, key_padding_mask)
+        mask = key_padding_mask
+        if attn_mask is not None:
+            excluded = self.attn_mask_excluded(attn_mask, *x.shape[:2])
+            if not self.per_query_masks or _pads_only(excluded):
+                pad = self._padding_part(excluded, x.shape[0])
+                mask = key_padding_mask = pad if key_padding_mask is None else key_padding_mask | pad
+            else:
+                mask = excluded if key_padding_mask is None else excluded | key_padding_mask[:, None, None, :]
         if key_padding_mask is not None and bool(key_padding_mask.all(-1).any()):  # an analysis call: may read
             raise ValueError("posterior(): a sequence in the batch has every key padded (no posterior to give)")
-        return self._posterior(x, key_padding_mask)
+        return self._posterior(x, mask)
 
     def loss_terms(self) -> dict[str, torch.Tensor]:
         """The unweighted loss terms of the last forward by name, summed over this layer's added loss terms

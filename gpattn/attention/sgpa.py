@@ -35,9 +35,18 @@ class SGPAttention(GPAttention):
         or ``"diag"`` (independent tokens).
 
     Loss terms: ``kl_seq`` — the KL, summed over heads and Dv, averaged over the batch (docs/derivations.md §9).
+
+    Masks: any ``attn_mask`` (docs/derivations.md §11). A mask that pads is ``key_padding_mask``; under any
+    other (causal, per query, per head) query i is its own sparse GP whose inducing inputs are the keys
+    it may attend to: its mean is masked kernel attention, its samples are drawn from its own marginal
+    (independent across tokens, for both ``covariance`` settings) and ``kl_seq`` takes the mean of the
+    queries' KLs. The causal mask (with key padding) costs what the unmasked layer costs; a general mask
+    one factorisation per query, O(T⁴) per (B, H). The mask is read once on the host to tell them apart.
+    ``need_weights`` gives no weights.
     """
 
     projections = ("qk", "v")
+    per_query_masks = True  # one GP per query (docs/derivations.md §11)
 
     def __init__(
         self,

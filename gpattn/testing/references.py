@@ -34,6 +34,7 @@ __all__ = [
     "sgpa_decoupled_kl_parts",
     "sgpa_dense_posterior",
     "sgpa_heads",
+    "sgpa_masked_dense_moments",
 ]
 
 
@@ -105,6 +106,50 @@ def sgpa_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = Non
     if layer.strategy.covariance == "diag":
         cov = torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
     return DenseReference((K @ v).transpose(-1, -2), cov, {"kl_seq": kl.sum((1, 2)).mean(0)})
+
+
+def sgpa_masked_dense_moments(layer, x: torch.Tensor, excluded: torch.Tensor) -> dict:
+    """Standard SGPA under a per-query mask (docs/derivations.md §11), by brute force, one query at a time:
+    query i's inducing inputs are S = A_i (the keys it may attend to), L_S = chol(K_SS + cI) with c the
+    sequence's relative jitter (mean diag K over its real tokens; a key excluded for every query is
+    padding), mean_i = K_iS v_S, variance_i = [L_S diag(s_S²) L_Sᵀ]_ii when i ∈ S and
+    K_ii + c − ‖a‖² + Σ_j a_j² s_j² (a = L_S⁻¹ K_Si) otherwise, KL_i = ½[Σ_{j∈S}(s_j² − 1 − log s_j²) +
+    v_Sᵀ(K_SS + cI)v_S]; ``kl_seq`` = Σ_{h,d} of the mean of KL_i over the real queries (not padding,
+    S ≠ ∅), averaged over the batch. An ``ExponentialKernel`` only.
+
+    # shape: x (B, T, D), excluded (B, H, T, T) bool, padding joined -> mean, variance, query_kl (B, H, T, Dv)
+    """
+    qk, v = sgpa_heads(layer, x)
+    K = exponential_gram(layer.kernel, qk, qk)  # shape: (B, H, T, T)
+    Kj = K + torch.diag_embed(layer.strategy.jitter * K.diagonal(dim1=-2, dim2=-1))
+    s2 = sgpa_amortised_std(layer, qk).square()  # shape: (B, H, T, Dv)
+    B, H, T, Dv = v.shape
+    mean, variance, query_kl = (torch.zeros(B, H, T, Dv, dtype=x.dtype) for _ in range(3))
+    kl_seq = x.new_zeros(())
+    for b in range(B):
+        pad = excluded[b].all(0).all(0)  # shape: (T,)
+        for h in range(H):
+            total, real = x.new_zeros(Dv), 0
+            for i in range(T):
+                S = (~excluded[b, h, i]).nonzero()[:, 0]
+                if len(S) == 0:
+                    variance[b, h, i] = Kj[b, h, i, i]
+                    continue
+                Kss = Kj[b, h][S][:, S]
+                L = torch.linalg.cholesky(Kss)
+                mean[b, h, i] = K[b, h, i, S] @ v[b, h, S]
+                if i in S.tolist():
+                    row = L[S.tolist().index(i)]
+                    variance[b, h, i] = row.square() @ s2[b, h, S]
+                else:
+                    a = torch.linalg.solve_triangular(L, K[b, h, S, i][:, None], upper=False)[:, 0]
+                    variance[b, h, i] = Kj[b, h, i, i] - a.square().sum() + a.square() @ s2[b, h, S]
+                vs, ss = v[b, h, S], s2[b, h, S]
+                query_kl[b, h, i] = 0.5 * ((ss - 1 - ss.log()).sum(0) + (vs * (Kss @ vs)).sum(0))
+                if not pad[i]:
+                    total, real = total + query_kl[b, h, i], real + 1
+            kl_seq = kl_seq + total.sum() / max(real, 1) / B
+    return {"mean": mean, "variance": variance, "query_kl": query_kl, "kl_seq": kl_seq}
 
 
 def sgpa_decoupled_global_keys(layer) -> torch.Tensor:

@@ -25,7 +25,14 @@ placeholder with mean 0 and variance 1 + jitter (the model discards it).
 (mean over the real tokens, detached from the graph). The exponential kernel's diagonal
 σ² exp(‖k‖²/ℓ²) spans orders of magnitude, so an absolute jitter would be either negligible or
 dominant. The default 1e-6 suits float32; use ``jitter=0`` with float64 for verification (a failed
-plain Cholesky still escalates through :func:`gpattn.variational._linalg.cholesky`).
+plain Cholesky still escalates through :func:`gpattn.variational._linalg.cholesky`). Under a per-query
+mask the jitter is relative to each key's own diagonal, ``K + jitter · diag(K)``, so that no query
+depends on keys it may not attend to (:class:`MaskedSGPAConditional`, docs/derivations.md §11).
+
+**Per-query masks.** :meth:`SGPAVariationalStrategy.condition` also takes a mask (B or 1, H or 1, T, T):
+every query is then its own sparse GP whose inducing inputs are the keys it may attend to
+(:class:`MaskedSGPAConditional`): the causal mask (with key padding) from one factorisation and prefix
+sums, any other mask with one factorisation per query.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from gpattn.variational._linalg import (
     matmul_samples,
     safe_sqrt,
     standard_normal,
+    tri_solve,
     with_policy,
 )
 from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy
@@ -61,6 +69,7 @@ from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariati
 __all__ = [
     "COVARIANCE_MODES",
     "AmortisedDiagonalVariationalDistribution",
+    "MaskedSGPAConditional",
     "SGPAConditional",
     "SGPAVariationalStrategy",
     "check_covariance",
@@ -225,6 +234,74 @@ class SGPAConditional(AmortisedConditional):
         return self.mean + matmul_samples(self.chol, self.std * eps)
 
 
+class MaskedSGPAConditional(AmortisedConditional):
+    """Standard SGPA under a per-query mask (returned by :meth:`SGPAVariationalStrategy.condition` for a
+    mask (B or 1, H or 1, T, T); docs/derivations.md §11): query i is its own sparse GP, whose inducing
+    inputs are the keys in A_i (the keys it may attend to), with q_i(ũ_S) = N(L_Sᵀ v_S, diag s_S²),
+    L_S = chol(K̂_SS), K̂ = K + jitter · diag(K): the jitter is relative to each key's own prior variance
+    (the unmasked layer's, relative to the mean, would make every query depend on every key).
+
+    The queries are different GPs, so there is no joint posterior over the tokens: for both
+    ``covariance`` settings, :meth:`posterior` is diagonal (each query's marginal) and :meth:`rsample`
+    draws each query from its marginal, independently across tokens. There is no single q(ũ) either
+    (``prior_distribution`` and ``variational_distribution`` raise); :meth:`query_kl_divergence` gives
+    each query's KL and :meth:`kl_divergence` the layer's term, their mean over the real queries.
+
+    :ivar mean: Σ_{j∈A_i} K_ij v_j, masked kernel attention.  # shape: (B, H, T, Dv)
+    :ivar real: the queries that count in the KL: not padding, A_i ≠ ∅.  # shape: (B, H, T)
+    """
+
+    def __init__(self, mean, variance, query_kl, real, covariance):
+        self.mean = mean  # shape: (B, H, T, Dv)
+        self._variance = variance  # shape: (B, H, T, Dv)
+        self._query_kl = query_kl  # shape: (B, H, T, Dv)
+        self.real = real  # shape: (B, H, T)
+        self.covariance = covariance
+
+    def _one_q_per_query(self, member: str):
+        raise NotImplementedError(
+            f"MaskedSGPAConditional.{member}: under a per-query mask every query has its own q(ũ) over its "
+            f"own inducing inputs (docs/derivations.md §11), so there is no single one; use "
+            f"query_kl_divergence(), kl_divergence() and posterior()"
+        )
+
+    @property
+    def prior_distribution(self) -> MultivariateNormal:
+        self._one_q_per_query("prior_distribution")
+
+    @property
+    def variational_distribution(self) -> MultivariateNormal:
+        self._one_q_per_query("variational_distribution")
+
+    def query_kl_divergence(self) -> torch.Tensor:
+        """KL_i = ½[Σ_{j∈A_i}(s_j² − 1 − log s_j²) + v_Sᵀ K̂_SS v_S] per query and output dim (0 where
+        A_i = ∅).  # shape: -> (B, H, T, Dv)"""
+        return self._query_kl
+
+    def kl_divergence(self) -> torch.Tensor:
+        """The layer's per-sequence term: the mean of KL_i over the real queries (docs/derivations.md §11;
+        equal to the unmasked KL when every query has the same A_i).  # shape: -> (B, H, Dv)"""
+        real = self.real.to(self._query_kl.dtype)[..., None]  # shape: (B, H, T, 1)
+        return (self._query_kl * real).sum(-2) / real.sum(-2).clamp_min(1)
+
+    def variance(self) -> torch.Tensor:
+        """Each query's marginal variance.  # shape: -> (B, H, T, Dv)"""
+        return self._variance
+
+    def posterior(self) -> MultivariateNormal:
+        """The per-query marginals as one diagonal q(f) (independent tokens), for both ``covariance``
+        settings."""
+        return posterior_distribution(self.mean, DiagLinearOperator(self._variance.transpose(-1, -2)))
+
+    def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Each query drawn from its own marginal: mean + sqrt(variance) ⊙ ε.
+
+        # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P
+        """
+        eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)
+        return self.mean + safe_sqrt(self._variance) * eps
+
+
 class SGPAVariationalStrategy(_AmortisedVariationalStrategy):
     r"""Standard SGPA (Chen & Li (2023) §3.2; docs/derivations.md §5a) for every head and output dim d at once.
 
@@ -261,21 +338,115 @@ class SGPAVariationalStrategy(_AmortisedVariationalStrategy):
         self.jitter = check_jitter(jitter)
         self.covariance = check_covariance(covariance)
 
-    def condition(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None) -> SGPAConditional:
+    def condition(
+        self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> SGPAConditional | MaskedSGPAConditional:
         """Factorise once for a batch of sequences.
 
-        # shape: keys (B, H, T, Dh), values (B, H, T, Dv), mask (B, T) bool (True = padding) or None
+        ``mask`` is a key padding mask (B, T) (True = padding: one GP per sequence, an
+        :class:`SGPAConditional`) or a per-query mask (B or 1, H or 1, T, T) (True = query i may not
+        attend to key j: one GP per query, a :class:`MaskedSGPAConditional`, docs/derivations.md §11).
+
+        # shape: keys (B, H, T, Dh), values (B, H, T, Dv), mask (B, T) or (B or 1, H or 1, T, T) bool or None
         """
+        if mask is not None and mask.dim() == 4:
+            return self._condition_per_query(keys, values, mask)
         check_sequence_inputs(keys, values, mask)
         with gp_algebra(keys.device.type):
-            keys, values = full_precision(keys, values)
-            K = isolate_padding(evaluate_kernel(self.kernel, keys, keys), mask)  # shape: (B, H, T, T)
-            pad = None if mask is None else mask[:, None, :]  # shape: (B, 1, T)
-            jit = relative_jitter(K.diagonal(dim1=-2, dim2=-1), self.jitter, pad)  # shape: (B, H, 1, 1)
-            L = cholesky(add_jitter(K, jit[..., 0, 0]), name="sgpa (K_kk)")  # shape: (B, H, T, T)
-            std = self.variational_distribution(keys)  # shape: (B, H, T, Dv)
-            if mask is not None:
-                tok = mask[:, None, :, None]  # shape: (B, 1, T, 1)
-                std = std.masked_fill(tok, 1.0)  # q(ũ_p) = prior: KL contribution 0
-                values = values.masked_fill(tok, 0.0)
+            L, K, values, std, jit = self._factorise(keys, values, mask)
             return SGPAConditional(L, K, values, std, jit, self.covariance)
+
+    def _factorise(self, keys, values, mask):
+        """The padded factors: (L, K̂, v̂, s, jitter).  # shape: mask (B, T) or None"""
+        keys, values = full_precision(keys, values)
+        K = isolate_padding(evaluate_kernel(self.kernel, keys, keys), mask)  # shape: (B, H, T, T)
+        pad = None if mask is None else mask[:, None, :]  # shape: (B, 1, T)
+        jit = relative_jitter(K.diagonal(dim1=-2, dim2=-1), self.jitter, pad)  # shape: (B, H, 1, 1)
+        L = cholesky(add_jitter(K, jit[..., 0, 0]), name="sgpa (K_kk)")  # shape: (B, H, T, T)
+        std = self.variational_distribution(keys)  # shape: (B, H, T, Dv)
+        if mask is not None:
+            tok = mask[:, None, :, None]  # shape: (B, 1, T, 1)
+            std = std.masked_fill(tok, 1.0)  # q(ũ_p) = prior: KL contribution 0
+            values = values.masked_fill(tok, 0.0)
+        return L, K, values, std, jit
+
+    def _condition_per_query(self, keys, values, excluded) -> MaskedSGPAConditional:
+        """One GP per query (docs/derivations.md §11): query i's inducing inputs are the keys it may
+        attend to. Reads the mask once on the host, to tell a causal mask (with key padding) from a
+        general one.  # shape: excluded (B or 1, H or 1, T, T) bool"""
+        check_sequence_inputs(keys, values, None)
+        B, H, T = keys.shape[:3]
+        if excluded.dtype != torch.bool or excluded.shape[-2:] != (T, T) or excluded.shape[0] not in (1, B) or (
+            excluded.shape[1] not in (1, H)
+        ):
+            raise ValueError(
+                f"a per-query mask must be a bool tensor of shape (B or 1, H or 1, T, T) with (B, H, T) = "
+                f"{(B, H, T)}, got {excluded.dtype} {tuple(excluded.shape)}"
+            )
+        excluded = excluded.expand(B, H, T, T)
+        pad = excluded.all(-2).all(1)  # shape: (B, T): a key no query may attend to is padding
+        causal = torch.ones(T, T, dtype=torch.bool, device=excluded.device).triu(1)
+        with gp_algebra(keys.device.type):
+            if bool((excluded == (causal | pad[:, None, None, :])).all()):  # reads the device once
+                return self._condition_causal(keys, values, pad if bool(pad.any()) else None)
+            return self._condition_general(keys, values, excluded, pad)
+
+    def _key_jitter(self, K: torch.Tensor) -> torch.Tensor:
+        """Per-query masks: the jitter of key j is ``jitter · K_jj`` (detached), whichever query's K_SS it
+        is in, so that the leading block of the jittered Gram is the prefix's own and no query's
+        factor depends on keys it may not attend to (docs/derivations.md §11).
+        # shape: K (B, H, T, T) -> (B, H, T)"""
+        return self.jitter * K.diagonal(dim1=-2, dim2=-1).detach()
+
+    def _condition_causal(self, keys, values, pad) -> MaskedSGPAConditional:
+        """The causal mask (A_i = the real keys j ≤ i): the factor of a leading block is the leading block
+        of L, so every query's quantities come from one factorisation of the sequence (O(T³) once,
+        O(T²·Dv) for the rest; docs/derivations.md §11).  # shape: pad (B, T) or None"""
+        keys, values = full_precision(keys, values)
+        K = isolate_padding(evaluate_kernel(self.kernel, keys, keys), pad)  # shape: (B, H, T, T)
+        jit = self._key_jitter(K)  # shape: (B, H, T)
+        L = cholesky(K + torch.diag_embed(jit), name="sgpa (K_kk, causal)")  # shape: (B, H, T, T)
+        std = self.variational_distribution(keys)  # shape: (B, H, T, Dv)
+        if pad is not None:
+            tok = pad[:, None, :, None]  # shape: (B, 1, T, 1)
+            std = std.masked_fill(tok, 1.0)  # padded keys are in no query's inducing set
+            values = values.masked_fill(tok, 0.0)
+        mean = K.tril() @ values  # shape: (B, H, T, Dv); Σ_{j≤i} K_ij v_j
+        s2 = std.square()
+        variance = L.square() @ s2  # Σ_{j≤i} L_ij² s_j²: row i of L is row i of the prefix's factor
+        # v_{≤i}ᵀ K̂_{≤i} v_{≤i} as a prefix sum of v_j (2 Σ_{k<j} K_jk v_k + (K_jj + c_j) v_j)
+        diag = K.diagonal(dim1=-2, dim2=-1)[..., None]  # shape: (B, H, T, 1)
+        quad = (values * (2 * mean - (diag - jit[..., None]) * values)).cumsum(-2)
+        query_kl = 0.5 * ((s2 - 1 - s2.log()).cumsum(-2) + quad)  # shape: (B, H, T, Dv)
+        real = keys.new_ones(keys.shape[:3], dtype=torch.bool) if pad is None else ~pad[:, None, :].expand(
+            keys.shape[:3]
+        )
+        return MaskedSGPAConditional(mean, variance, query_kl, real, self.covariance)
+
+    def _condition_general(self, keys, values, excluded, pad) -> MaskedSGPAConditional:
+        """Any per-query mask: one Cholesky factorisation of K_SS per query, batched over the queries
+        (O(T⁴) time and O(T³) memory per (B, H); docs/derivations.md §11).
+        # shape: excluded (B, H, T, T), pad (B, T)"""
+        keys, values = full_precision(keys, values)
+        K = evaluate_kernel(self.kernel, keys, keys)  # shape: (B, H, T, T)
+        jit = self._key_jitter(K)  # shape: (B, H, T)
+        Kj = K + torch.diag_embed(jit)
+        allowed = ~excluded  # shape: (B, H, T, T): row i = A_i
+        both = allowed[..., :, None] & allowed[..., None, :]  # shape: (B, H, T, T, T): A_i × A_i
+        eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
+        L = cholesky(torch.where(both, Kj[:, :, None], eye), name="sgpa (K_SS per query)")  # shape: (B, H, T, T, T)
+        mean = K.masked_fill(excluded, 0.0) @ values  # masked kernel attention
+        # L_S⁻¹ K̂_{S,i} per query i (the jittered column: with i ∈ A_i it is row i of L_S)
+        a = tri_solve(L, Kj.masked_fill(excluded, 0.0)[..., None])[..., 0]  # shape: (B, H, T, T)
+        own = allowed.diagonal(dim1=-2, dim2=-1)  # shape: (B, H, T): i ∈ A_i
+        # K̂_ii − K̂_iS K̂_SS⁻¹ K̂_Si: 0 when i ∈ A_i (the value at query i is an inducing output), the
+        # prior variance when A_i = ∅
+        residual = torch.where(own, 0.0, (Kj.diagonal(dim1=-2, dim2=-1) - a.square().sum(-1)).clamp_min(0))
+        std = self.variational_distribution(keys)  # shape: (B, H, T, Dv)
+        s2 = std.square()
+        variance = residual[..., None] + a.square() @ s2  # shape: (B, H, T, Dv)
+        w = allowed[..., None] * values[:, :, None]  # shape: (B, H, T, T, Dv): v_S per query, 0 elsewhere
+        quad = (L.mT @ w).square().sum(-2)  # ‖L_Sᵀ v_S‖² = v_Sᵀ K̂_SS v_S
+        query_kl = 0.5 * (allowed.to(s2.dtype) @ (s2 - 1 - s2.log()) + quad)  # shape: (B, H, T, Dv)
+        real = allowed.any(-1) & ~pad[:, None, :]  # shape: (B, H, T)
+        return MaskedSGPAConditional(mean, variance, query_kl, real, self.covariance)
