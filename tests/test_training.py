@@ -240,16 +240,21 @@ def test_cli_train_real_cola_one_epoch(tmp_path):
 def test_presets_are_valid_configs():
     from gpattn.experiments.compare import expand_variants
     from gpattn.experiments.data import list_datasets
-    from gpattn.experiments.presets import PRESETS, get_preset
+    from gpattn.attention.registry import attention_class
+    from gpattn.experiments.presets import PRESET_ONLY, PRESETS, get_preset
 
+    names = __import__("gpattn").list_attention()
     for name in PRESETS:
         preset = get_preset(name)
-        cfg = TrainConfig.from_dict(
-            {k: v for k, v in preset.items() if k not in ("variants", "seeds", "variant_options")}
-        )
+        cfg = TrainConfig.from_dict({k: v for k, v in preset.items() if k not in PRESET_ONLY})
         assert cfg.dataset in list_datasets(), name
         specs = expand_variants(preset["variants"], preset.get("variant_options"))
-        assert {s.attention for s in specs} >= set(__import__("gpattn").list_attention()), name
+        # every variant; on a pretrained encoder (one swapped layer) every GP variant and the baselines
+        wanted = set(names) if cfg.encoder is None else {n for n in names if attention_class(n).is_gp}
+        assert {s.attention for s in specs} >= wanted, name
+        if cfg.encoder is not None:
+            assert {s.spec for s in specs} >= {"softmax", "softmax+ts", "softmax+mcdropout", "softmax+laplace"}, name
+            assert any(s.ensemble > 1 for s in specs) and preset["budget_minutes"] > 0, name
         assert preset["seeds"], name
     with pytest.raises(ValueError, match="valid presets"):
         get_preset("nope")
