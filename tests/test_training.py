@@ -238,9 +238,9 @@ def test_cli_train_real_cola_one_epoch(tmp_path):
 
 
 def test_presets_are_valid_configs():
+    from gpattn.attention.registry import attention_class
     from gpattn.experiments.compare import expand_variants
     from gpattn.experiments.data import list_datasets
-    from gpattn.attention.registry import attention_class
     from gpattn.experiments.presets import PRESET_ONLY, PRESETS, get_preset
 
     names = __import__("gpattn").list_attention()
