@@ -197,7 +197,9 @@ def test_compare_with_encoder_runs_variants_ts_mcdropout_laplace_and_ensembles(t
     results = json.loads((out / "results.json").read_text())
     assert set(results) == {"softmax", "softmax+ts", "softmax+mcdropout", "softmax+laplace", "sto+ens2"}
     assert results["softmax+ts"]["0"]["temperature"] > 0
-    assert (out / "report.md").is_file()
+    report = (out / "report.md").read_text()  # where MSP + temperature scaling stands: a second reference
+    assert "## Against softmax+ts (MSP + temperature scaling), in_domain" in report
+    assert "pretrained encoder" in report and "full fine-tuning" in report
     preds = torch.load(out / "runs" / "softmax+mcdropout" / "seed0" / "predictions.pt", weights_only=True)
     logits = preds["test"]["logits"]
     assert not torch.allclose(logits[:, 0], logits[:, 1])  # MC dropout samples at prediction
@@ -321,6 +323,9 @@ def test_train_and_compare_with_a_frozen_trunk(tmp_path):
         assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert all(results[k]["0"]["in_domain"]["nll"] > 0 for k in results)
+    report = (out / "report.md").read_text()
+    assert "frozen trunk: embeddings and layers 0–0 pretrained and frozen" in report
+    assert "training 3 of its 3 runs" in report and "Against softmax+ts" not in report
     data = json.loads((out / "runs" / "sgpa" / "seed0" / "data.json").read_text())
     # reused on a second call: the fingerprint is of the token ids, not of float hidden states
     log = []
@@ -332,6 +337,7 @@ def test_train_and_compare_with_a_frozen_trunk(tmp_path):
              device="cpu")  # fmt: skip
     compare(["sgpa"], [0], out, base, progress=False, log=log.append)
     assert any("reused" in line for line in log), log
+    assert "training 0 of its 1 runs (the others reused)" in (out / "report.md").read_text()
     assert data["fingerprint"]
     pretrained = transformers.BertModel.from_pretrained(enc, local_files_only=True).state_dict()
     ckpt = torch.load(out / "runs" / "sgpa" / "seed0" / "checkpoint.pt", weights_only=False)

@@ -157,9 +157,11 @@ def expand_variants(variants, variant_options: dict | None = None) -> list[Varia
     return specs
 
 
-def _run(base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, progress: bool, fingerprint, log):
+def _run(
+    base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, progress: bool, fingerprint, log, trained: set
+):
     """(config, folder, predictions) of one trained run: reused when its configuration and data are the
-    same as now, else trained; the log line says which and why."""
+    same as now, else trained (its folder added to ``trained``); the log line says which and why."""
     cfg = dataclasses.replace(
         base, attention=spec.attention, attention_options=_spec_options(base, spec), mc_dropout=spec.mcdropout,
         seed=seed,
@@ -188,6 +190,7 @@ def _run(base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, pr
         )
         log(f"[compare]   {spec.run_name} seed {seed}: trained ({why}) -> {folder}")
         train(cfg, folder, bundle=bundle)
+        trained.add(folder)
     return cfg, folder, load_file(done, what="predictions file")
 
 
@@ -233,6 +236,7 @@ def compare(
     from gpattn.experiments.laplace import laplace_torch_available
 
     started = time.perf_counter()
+    runs, trained = set(), set()  # every run folder of this call, and those trained by it (not reused)
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds) or len(set(seeds)) < len(seeds):
         raise ValueError(f"seeds must be a non-empty list of distinct ints, got {seeds!r}")
@@ -278,8 +282,10 @@ def compare(
                 collapse = []
                 for j in range(spec.ensemble):
                     cfg, folder, member = _run(
-                        base, spec, seed + 1000 * j, out, bundle, progress, summaries[seed]["fingerprint"], log
+                        base, spec, seed + 1000 * j, out, bundle, progress, summaries[seed]["fingerprint"], log,
+                        trained,
                     )
+                    runs.add(folder)
                     members.append(_laplace_predictions(cfg, folder, bundle, member) if spec.laplace else member)
                     # gpattn.experiments.diagnostics: a collapsed layer or the base rate
                     if (folder / COLLAPSE).is_file():
@@ -313,6 +319,7 @@ def compare(
     write_report(
         results, out / "report.md", base, seeds, bundles[seeds[0]], summaries=summaries, ood_scores=ood_scores,
         notes=notes, plot_notes=plot_notes, specs=specs, elapsed=time.perf_counter() - started, budget=budget_minutes,
+        trained=(len(trained), len(runs)),
     )
     return results
 
@@ -527,7 +534,7 @@ def _against_reference(results: dict, seeds, split: str, cols, reference: str = 
 
 def write_report(
     results: dict, path: Path, base: TrainConfig, seeds, bundle, *, summaries=None, ood_scores=("msp",), notes=(),
-    plot_notes=None, specs=None, elapsed: float | None = None, budget: float | None = None,
+    plot_notes=None, specs=None, elapsed: float | None = None, budget: float | None = None, trained=None,
 ) -> None:
     """report.md: what was run (data files, split sizes, class counts, objective weights, options), one
     table per evaluation split, mean ± std (sample std) over seeds; fractions."""
@@ -605,8 +612,9 @@ def write_report(
         for split, cols in columns.items():
             lines += _against_reference(results, seeds, split, cols, reference)
     if elapsed is not None:
-        lines += [f"Wall time of this compare call: {elapsed / 60:.1f} min"
-                  + (f" (the preset states {budget} min on 2 CPU cores)." if budget else "."), ""]
+        done = f", training {trained[0]} of its {trained[1]} runs (the others reused)" if trained else ""
+        lines += [f"Wall time of this compare call: {elapsed / 60:.1f} min{done}"
+                  + (f"; the preset states {budget} min on 2 CPU cores for all of them." if budget else "."), ""]
     lines += [
         "## Plots",
         "",
