@@ -53,8 +53,8 @@ _COLA_PAPER_OPTIONS = {"sto": dict(STO_PRESETS["cola"]), "h-sto": dict(H_STO_PRE
 # cola-minilm: lr and epochs measured on seed 0 (2026-11-25, tuning runs of the same recipe): softmax at lr 1e-3
 # x 5 epochs overfits (MCC 0.211, NLL 0.740, ECE 0.157), at 2e-4 x 3 epochs it is calibrated already (MCC 0.216,
 # NLL 0.607, ECE 0.066) but sgpa stays near the majority class (MCC 0.059); 5e-4 x 3 epochs trains both (sgpa
-# 0.193, softmax 0.216). Cost: one BERT layer per step, ~0.2 s per batch of 32 on one core; the 27 runs of the
-# table took 78 min of one-thread run time in all (two processes on the 2 cores: 48 min wall), docs/results.md.
+# 0.193, softmax 0.216). Cost: one BERT layer per step, ~0.2 s per batch of 32 on one core; one
+# `compare --preset cola-minilm` call on the 2 cores trained the 27 runs in 51 min (2026-11-25, docs/results.md).
 _LR_MINILM = 5e-4
 _BUDGET_MINILM = 80
 
