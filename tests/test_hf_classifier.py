@@ -229,14 +229,14 @@ def _distilbert():
 
 
 @pytest.mark.parametrize("make", [tiny_encoder, _distilbert], ids=["bert", "distilbert"])
-@pytest.mark.parametrize("layers", ["last", [1]])
+@pytest.mark.parametrize("layers", ["last", [1], "all"])
 def test_frozen_trunk_forward_on_cached_hidden_states_is_the_model(make, layers):
     """forward(trunk(ids)) == forward(ids) in eval mode (same seed, the GP layer sampling) and inside
     gpattn.deterministic(); the trunk is the input of the first swapped layer, computed in eval mode whatever
     the model's mode; only the top layers and the head are trainable, and the trunk stays in eval mode."""
     encoder = make()
     model = HFClassifier(encoder, 2, "sgpa", layers, frozen_trunk=True)
-    first = encoder.config.num_hidden_layers - 1 if layers == "last" else 1
+    first = {"last": encoder.config.num_hidden_layers - 1, "all": 0}.get(layers, 1) if isinstance(layers, str) else 1
     assert model.trunk_layers == first
     ids, pad = batch()
     model.train()
@@ -365,3 +365,30 @@ def test_compare_checks_variants_at_the_encoders_width(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="cannot be built with its options"):
         C._check_specs(C.expand_variants("sgpa"), TrainConfig(dataset="text_table", encoder=str(enc)))
     assert built == [("sgpa", 16, 2)]  # tiny_encoder: hidden 16, 2 heads (TrainConfig's default: 64, 4)
+
+
+def test_trunk_bundle_fingerprint_is_of_the_token_ids_and_the_trunk(tmp_path):
+    """The trunk's outputs are fingerprinted by the token ids and the trunk, not by their float bits (which
+    differ between machines and thread counts), so compare reuses a run wherever it was trained."""
+    import dataclasses
+
+    from gpattn.experiments.data import load_dataset
+    from gpattn.experiments.data.summary import bundle_fingerprint
+    from gpattn.experiments.encoders import encoder_bundle, trunk_bundle
+    from gpattn.experiments.training import TrainConfig
+
+    table = _text_table(tmp_path)
+    enc = tiny_encoder_folder(tmp_path / "enc", table)
+    cfg = TrainConfig(dataset="text_table", dataset_options={"path": str(table)}, encoder=str(enc),
+                      encoder_recipe="frozen-trunk")  # fmt: skip
+    ids = encoder_bundle(load_dataset("text_table", path=str(table)), cfg)
+    last = trunk_bundle(ids, cfg)
+    assert last.splits["train"].inputs.shape[-1] == 16 and last.info["trunk"]["layers"] == 1
+    assert trunk_bundle(last, cfg) is last  # already converted
+    with pytest.raises(ValueError, match="another trunk"):
+        trunk_bundle(last, dataclasses.replace(cfg, attention_layers="all"))
+    nudged = {k: dataclasses.replace(s, inputs=s.inputs + 1e-6) for k, s in last.splits.items()}
+    assert bundle_fingerprint(dataclasses.replace(last, splits=nudged)) == bundle_fingerprint(last)
+    assert bundle_fingerprint(trunk_bundle(ids, dataclasses.replace(cfg, attention_layers="all"))) != (
+        bundle_fingerprint(last)
+    )

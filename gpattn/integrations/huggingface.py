@@ -384,6 +384,8 @@ class HFClassifier(nn.Module):
             raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
         self.num_classes, self.pooling = num_classes, pooling
         self.encoder = encoder
+        # the encoder's layer list, found before swapping (a plain list: not registered a second time)
+        self._layer_list = [_encoder_layers(encoder)[0]]
         self.adapters = dict(swap_attention(encoder, attention, attention_layers, **(attention_options or {})))
         hidden = encoder.config.hidden_size
         self.head = nn.Linear(hidden, num_classes)
@@ -399,7 +401,7 @@ class HFClassifier(nn.Module):
             self.train(self.training)
 
     def _top_layers(self) -> nn.ModuleList:
-        return _encoder_layers(self.encoder)[0][self.trunk_layers :]
+        return self._layer_list[0][self.trunk_layers :]
 
     def train(self, mode: bool = True):
         """As ``nn.Module.train``; with ``frozen_trunk`` the trunk stays in eval mode (no dropout)."""
@@ -422,7 +424,7 @@ class HFClassifier(nn.Module):
             captured.append(args[0] if args else kwargs["hidden_states"])
             raise _TrunkDone
 
-        first = _encoder_layers(self.encoder)[0][self.trunk_layers]
+        first = self._layer_list[0][self.trunk_layers]
         handle = first.register_forward_pre_hook(stop, with_kwargs=True)
         modes = [m.training for m in self.encoder.modules()]
         self.encoder.eval()
