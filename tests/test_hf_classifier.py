@@ -160,6 +160,8 @@ def test_train_with_encoder_then_load_run_predicts(tmp_path):
     assert any("kl_seq" in str(row) for row in history)  # the swapped layer's KL reached the objective
     config = json.loads((out / "config.json").read_text())
     assert config["encoder"] == str(enc) and config["encoder_max_len"] == 12
+    (scaled,) = json.loads((out / "prior_scale.json").read_text())  # the GP prior put on the stream's scale
+    assert scaled["layer"] == 1 and scaled["out_gain"] == 1.0 and scaled["factor"] > 0
     # the checkpoint is self-contained: the encoder folder may go
     for f in enc.iterdir():
         f.unlink()
@@ -392,3 +394,51 @@ def test_trunk_bundle_fingerprint_is_of_the_token_ids_and_the_trunk(tmp_path):
     assert bundle_fingerprint(trunk_bundle(ids, dataclasses.replace(cfg, attention_layers="all"))) != (
         bundle_fingerprint(last)
     )
+
+
+# ----------------------------------------------------------------------------- the prior on the stream's scale
+@pytest.mark.parametrize("make", [tiny_encoder, _distilbert], ids=["bert", "distilbert"])
+def test_match_prior_to_stream_scales_each_gp_layer_to_its_input(make):
+    """c = v_s · (1/3) / g_o, with v_s the mean square per coordinate of the layer's input over real tokens
+    (measured here independently: the trunk's output) and g_o = ‖W_out‖²/D of the swapped out_proj (1 for
+    BERT's identity, DistilBERT's copied out_lin otherwise); σ_q², σ_k² are multiplied by c; token ids and
+    the cached trunk output give the same c; a second call is refused."""
+    ids, pad = batch()
+    models = [HFClassifier(make(), 2, "cgp", "last", frozen_trunk=True) for _ in range(2)]
+    (i,) = models[0].adapters
+    layer = models[0].adapters[i].attention
+    before = layer.strategy.covar.sigma_q.detach().clone()
+    with torch.no_grad():
+        h = models[0].trunk(ids, pad)
+    v = float(h[~pad].double().pow(2).mean())
+    W = layer.out_proj.weight.detach().double()
+    gain = float(W.pow(2).sum()) / W.shape[0]
+    if make is tiny_encoder:
+        assert gain == 1.0
+    rows = models[0].match_prior_to_stream(ids, pad)
+    assert rows == [
+        {"layer": i, "stream_variance": pytest.approx(v), "out_gain": pytest.approx(gain),
+         "factor": pytest.approx(v / 3 / gain)}
+    ]  # fmt: skip
+    torch.testing.assert_close(layer.strategy.covar.sigma_q.detach() ** 2, before**2 * rows[0]["factor"])
+    assert models[1].match_prior_to_stream(h, pad)[0]["factor"] == pytest.approx(rows[0]["factor"])
+    with pytest.raises(ValueError, match="already applied"):
+        models[0].match_prior_to_stream(ids, pad)
+
+
+def test_match_prior_to_stream_goes_bottom_up_and_leaves_non_gp_layers():
+    """All layers swapped: one row per layer, each v_s the input that layer receives once the layers below
+    are scaled (deterministic forward); the mode is restored. softmax and kep-svgp (out_proj = 0) are left
+    alone."""
+    ids, pad = batch()
+    model = HFClassifier(tiny_encoder(), 2, "sgpa", "all").train()
+    rows = model.match_prior_to_stream(ids, pad)
+    assert [r["layer"] for r in rows] == [0, 1] and model.training
+    with torch.no_grad(), gpattn.deterministic():
+        x = model._layer_input(1, lambda: model(ids, pad))
+    assert rows[1]["stream_variance"] == pytest.approx(float(x[~pad].double().pow(2).mean()))
+    for name in ("softmax", "kep-svgp"):
+        other = HFClassifier(tiny_encoder(), 2, name, "last")
+        state = {k: v.clone() for k, v in other.state_dict().items()}
+        assert other.match_prior_to_stream(ids, pad) == []
+        assert all(torch.equal(state[k], v) for k, v in other.state_dict().items())

@@ -73,3 +73,60 @@ def test_diagnostics_spread_is_the_sample_deviation(name):
     with torch.no_grad():  # prediction (eval mode) skips the measurement
         layer.eval()(x)
     assert layer.diagnostics() == {}
+
+
+# ----------------------------------------------------------------------------- scale_prior
+def _prior_variances(layer, q):
+    """κ(q, q) on the diagonal of every prior the layer's GP has at tokens ``q``."""
+    from gpattn.kernels._evaluate import evaluate_kernel
+
+    strategy = layer.strategy
+    if hasattr(strategy, "covar"):  # the correlated GPs: K_q = σ_q² κ_o, K_k = σ_k² κ_o
+        return [evaluate_kernel(strategy.covar, q, q, roles=(r, r)).diagonal(dim1=-2, dim2=-1) for r in "qk"]
+    return [evaluate_kernel(layer.kernel, q, q).diagonal(dim1=-2, dim2=-1)]
+
+
+@pytest.mark.parametrize("name", [n for n in GP_VARIANTS if n != "kep-svgp"])
+def test_scale_prior_multiplies_the_prior_variance_and_keeps_its_shape(name):
+    """scale_prior(c): every prior variance at a token times c (float64, exact up to rounding), the
+    correlations unchanged; a bad factor is refused before anything changes."""
+    torch.manual_seed(0)
+    layer = gpattn.build_attention(name, 16, 2).double()
+    q = torch.randn(3, 2, 5, 8, dtype=torch.float64)
+    before = _prior_variances(layer, q)
+    for bad in (0, -1.0, float("nan"), True, "2"):
+        with pytest.raises(ValueError, match="factor must be a finite number > 0"):
+            layer.scale_prior(bad)
+    layer.scale_prior(0.3)
+    for b, a in zip(before, _prior_variances(layer, q)):
+        torch.testing.assert_close(a, 0.3 * b, rtol=1e-10, atol=0)
+
+
+def test_scale_prior_of_kep_svgp_says_why_it_has_none():
+    with pytest.raises(ValueError, match="Lambda"):
+        gpattn.build_attention("kep-svgp", 16, 2).scale_prior(0.5)
+
+
+def test_scale_prior_variance_of_kernel_compositions():
+    """A sum scales every term, a product one factor, a ScaleKernel its outputscale: κ(x, x) times c for
+    each; a kernel with no outputscale is refused with the fix."""
+    from gpytorch.kernels import AdditiveKernel, ProductKernel, RBFKernel, ScaleKernel
+
+    from gpattn.kernels import ExponentialKernel, scale_prior_variance
+    from gpattn.kernels._evaluate import evaluate_kernel
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    kernels = [
+        ScaleKernel(RBFKernel()),
+        ExponentialKernel(),
+        AdditiveKernel(ScaleKernel(RBFKernel()), ExponentialKernel()),
+        ProductKernel(RBFKernel(), ScaleKernel(RBFKernel())),
+    ]
+    for k in kernels:
+        k.double()
+        before = evaluate_kernel(k, x, x)
+        scale_prior_variance(k, 0.25)
+        torch.testing.assert_close(evaluate_kernel(k, x, x), 0.25 * before, rtol=1e-10, atol=0)
+    for k in (RBFKernel(), AdditiveKernel(RBFKernel(), ScaleKernel(RBFKernel()))):
+        with pytest.raises(ValueError, match="wrap it in gpytorch.kernels.ScaleKernel"):
+            scale_prior_variance(k, 0.25)

@@ -31,6 +31,13 @@ class GPAttention(AttentionBase):
         """The strategy's kernel (a gpytorch ``Kernel``)."""
         return self.strategy.kernel
 
+    def scale_prior(self, factor: float) -> None:
+        """Multiply the prior variance of the head outputs at a token by ``factor``, in place (the strategy's
+        ``scale_prior``: a kernel's outputscale, CGP's σ_q², σ_k²; kep-svgp has none and raises). For a
+        stream other than the LayerNorm-ed one the initialisation assumes
+        (:meth:`gpattn.integrations.huggingface.HFClassifier.match_prior_to_stream`)."""
+        self.strategy.scale_prior(factor)
+
     def strategy_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The strategy's inputs for ``x``: by default the per-head projections, in the order of
         ``projections``.  # shape: x (B, T, D) -> each (B, H, T, Dh or Dv)"""

@@ -629,6 +629,21 @@ def _as_device(device) -> torch.device:
 
 
 # ----------------------------------------------------------------------------- the loop
+#: the rows of HFClassifier.match_prior_to_stream of an encoder run with GP layers (in the run folder)
+PRIOR_SCALE = "prior_scale.json"
+#: training sequences the stream's scale is measured on
+PRIOR_SCALE_ROWS = 256
+
+
+def _match_prior_to_stream(model, split, device) -> list[dict]:
+    """Scale the swapped GP layers' priors to the encoder's stream, measured on the first
+    :data:`PRIOR_SCALE_ROWS` training sequences (in file order), without touching the random streams."""
+    inputs = split.inputs[:PRIOR_SCALE_ROWS].to(device)
+    mask = None if split.mask is None else split.mask[:PRIOR_SCALE_ROWS].to(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return model.match_prior_to_stream(inputs, mask)
+
+
 def train(
     cfg: TrainConfig,
     out: str | os.PathLike | None = None,
@@ -665,6 +680,10 @@ def train(
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
     model = build_model(cfg, bundle).to(device)
+    if hasattr(model, "match_prior_to_stream") and not resume:  # a pretrained encoder's swapped GP layers
+        scaled = _match_prior_to_stream(model, bundle.splits["train"], device)
+        if scaled and out is not None and int(os.environ.get("RANK", "0")) == 0:
+            _write_json(scaled, out / PRIOR_SCALE)
     if dist.rank > 0:  # identical initial weights, independent Monte-Carlo noise per rank
         torch.manual_seed(cfg.seed * 1000003 + dist.rank)
     train_split = bundle.splits["train"]

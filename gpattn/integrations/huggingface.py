@@ -22,6 +22,13 @@ its attention branch (measured, CoLA on MiniLM's last layer, seed 0: in-domain M
 With the ``softmax`` variant everything is transferred and the swapped encoder computes
 the original function (tests/test_huggingface.py checks it to 1e-5).
 
+**The GP prior on the pretrained stream's scale**: gpattn's GP layers start with a prior variance set for a
+LayerNorm-ed stream of unit variance followed by a fresh output map (:mod:`gpattn.variational._scale`); a
+pretrained encoder's stream is smaller (MiniLM's last layer: ≈ 0.3 per coordinate) and the swapped
+``out_proj`` has gain 1, so :meth:`HFClassifier.match_prior_to_stream` multiplies each swapped GP layer's
+prior variance by ``v_s · (1/3) / g_o``, measured on a batch (gpattn's trainer does it on 256 training
+sequences and writes the factors to the run's ``prior_scale.json``). :func:`swap_attention` alone does not.
+
 **Masks**: transformers gives a (B, 1, T, T) mask — boolean True = attend (``sdpa``), additive 0 / very
 negative (``eager``) — or None when nothing is padded; :func:`key_padding_mask` turns one that masks
 keys only (the same for every query) into gpattn's ``key_padding_mask`` (True = padding) and rejects
@@ -383,6 +390,8 @@ class HFClassifier(nn.Module):
         if pooling not in ("mean", "cls"):
             raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
         self.num_classes, self.pooling = num_classes, pooling
+        #: the rows of :meth:`match_prior_to_stream` once applied (None before)
+        self.prior_scale: list[dict] | None = None
         self.encoder = encoder
         # the encoder's layer list, found before swapping (a plain list: not registered a second time)
         self._layer_list = [_encoder_layers(encoder)[0]]
@@ -418,26 +427,80 @@ class HFClassifier(nn.Module):
         dropout), i.e. what :meth:`forward` takes in place of ``input_ids``.
         # shape: input_ids (B, T) long, key_padding_mask (B, T) bool True = padding -> (B, T, D)"""
         self._check_ids(input_ids, key_padding_mask)
+        attend = None if key_padding_mask is None else (~key_padding_mask).long()
+        return self._layer_input(self.trunk_layers, lambda: self.encoder(input_ids=input_ids, attention_mask=attend))
+
+    def _layer_input(self, index: int, run) -> torch.Tensor:
+        """The hidden states encoder layer ``index`` receives when ``run()`` is called with the whole model
+        in eval mode (the run stops there; the modes are restored).  # shape: -> (N, T, D)"""
         captured = []
 
         def stop(module, args, kwargs):
             captured.append(args[0] if args else kwargs["hidden_states"])
             raise _TrunkDone
 
-        first = self._layer_list[0][self.trunk_layers]
-        handle = first.register_forward_pre_hook(stop, with_kwargs=True)
-        modes = [m.training for m in self.encoder.modules()]
-        self.encoder.eval()
+        handle = self._layer_list[0][index].register_forward_pre_hook(stop, with_kwargs=True)
+        modes = [m.training for m in self.modules()]
+        self.eval()
         try:
-            attend = None if key_padding_mask is None else (~key_padding_mask).long()
-            self.encoder(input_ids=input_ids, attention_mask=attend)
+            run()
         except _TrunkDone:
             pass
         finally:
             handle.remove()
-            for m, mode in zip(self.encoder.modules(), modes):
+            for m, mode in zip(self.modules(), modes):
                 m.training = mode
         return captured[0]
+
+    @torch.no_grad()
+    def match_prior_to_stream(self, inputs, key_padding_mask=None) -> list[dict]:
+        r"""Put every swapped GP layer's prior on the scale of the residual stream it was swapped into.
+
+        gpattn's GP layers start with a prior variance chosen for a LayerNorm-ed stream of unit variance
+        per coordinate followed by a fresh output map of gain 1/3 (:mod:`gpattn.variational._scale`). A
+        pretrained encoder's stream is not that: MiniLM's last layer receives ≈ 0.3 per coordinate, and the
+        swapped ``out_proj`` is the identity (gain 1), so the layer's noise would be ≈ 10× (variance) the
+        designed fraction of its input. Here each swapped GP layer's prior variance is multiplied by
+
+        .. math:: c = rac{v_s \cdot 1/3}{g_o},\qquad v_s = 	ext{mean square of the layer's input per
+            coordinate over real tokens},\quad g_o = \lVert W_{out}
+Vert_F^2 / D,
+
+        so that the noise it adds, relative to its input, is what the native design gives. Layers are
+        measured and scaled bottom-up (each after the swapped layers below it), in eval mode and
+        :func:`gpattn.deterministic`. Layers that are not GP layers, and those whose ``out_proj`` starts at
+        zero (``kep-svgp``, which adds nothing at initialisation and has no separate prior variance), are
+        left as they are. Call it once, on the freshly swapped model, before training (a second call raises:
+        it would scale twice); the scaled parameters are part of the state dict, so a reloaded model needs
+        no second call.
+
+        :param inputs: token ids ``(B, T)`` or, with ``frozen_trunk``, the trunk's output ``(B, T, D)`` —
+            a few hundred training sequences.
+        :param key_padding_mask: ``(B, T)`` bool, True = padding.
+        :returns: one row per scaled layer: ``layer``, ``stream_variance`` (v_s), ``out_gain`` (g_o), ``factor`` (c).
+        """
+        from gpattn._settings import deterministic
+        from gpattn.variational._scale import NATIVE_OUTPUT_GAIN
+
+        if self.prior_scale is not None:
+            raise ValueError("match_prior_to_stream: already applied to this model (a second call would scale twice)")
+        rows = []
+        for i, adapter in sorted(self.adapters.items()):
+            layer = adapter.attention
+            gain = float(layer.out_proj.weight.double().pow(2).sum()) / layer.out_proj.weight.shape[0]
+            if not getattr(layer, "is_gp", False) or gain == 0.0:
+                continue
+            with deterministic():
+                x = self._layer_input(i, lambda: self.forward(inputs, key_padding_mask))
+            real = x if key_padding_mask is None else x[~key_padding_mask.to(x.device)]
+            if real.numel() == 0:
+                raise ValueError("inputs: no real token to measure the stream on (key_padding_mask is all True)")
+            variance = float(real.double().pow(2).mean())
+            factor = variance * NATIVE_OUTPUT_GAIN / gain
+            layer.scale_prior(factor)
+            rows.append({"layer": i, "stream_variance": variance, "out_gain": gain, "factor": factor})
+        self.prior_scale = rows
+        return rows
 
     def _check_ids(self, input_ids, key_padding_mask) -> None:
         if input_ids.dim() != 2 or input_ids.is_floating_point():

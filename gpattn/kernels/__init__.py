@@ -8,6 +8,7 @@ from gpattn.kernels._factory import (
     kernel_spec,
     make_kernel,
     require_kernel_spec,
+    scale_prior_variance,
 )
 from gpattn.kernels.cross_covariance import CanonicalRBFKernel, CrossCovarianceKernel
 from gpattn.kernels.exponential import ExponentialKernel
@@ -23,4 +24,5 @@ __all__ = [
     "kernel_spec",
     "make_kernel",
     "require_kernel_spec",
+    "scale_prior_variance",
 ]

@@ -24,9 +24,17 @@ from gpytorch.kernels import AdditiveKernel, Kernel, MaternKernel, ProductKernel
 
 from gpattn.kernels.cross_covariance import CanonicalRBFKernel
 from gpattn.kernels.exponential import ExponentialKernel
-from gpattn.variational._scale import exponential_lengthscale
+from gpattn.variational._scale import check_prior_factor, exponential_lengthscale
 
-__all__ = ["KERNEL_NAMES", "KERNEL_OPTIONS", "check_kernel", "kernel_spec", "make_kernel", "require_kernel_spec"]
+__all__ = [
+    "KERNEL_NAMES",
+    "KERNEL_OPTIONS",
+    "check_kernel",
+    "kernel_spec",
+    "make_kernel",
+    "require_kernel_spec",
+    "scale_prior_variance",
+]
 
 #: options of each kernel name (every value a number > 0; ``nu`` one of :data:`MATERN_NU`)
 KERNEL_OPTIONS = {
@@ -183,6 +191,38 @@ def _check_width(kernel: Kernel, width: int, head_dim: int, where: str, applied=
         )
     for child in _kernel_children(kernel):
         _check_width(child, width, head_dim, where, kernel.active_dims)
+
+
+def _has_scale(kernel: Kernel) -> bool:
+    """Whether κ(x, x) of a kernel instance can be scaled through outputscales (as :func:`_carries_scale`)."""
+    if isinstance(kernel, AdditiveKernel):
+        return all(_has_scale(k) for k in kernel.kernels)
+    if isinstance(kernel, ProductKernel):
+        return any(_has_scale(k) for k in kernel.kernels)
+    return hasattr(kernel, "raw_outputscale")
+
+
+@torch.no_grad()
+def scale_prior_variance(kernel: Kernel, factor: float, *, name: str = "kernel") -> None:
+    """Multiply the prior variance κ(x, x) of ``kernel`` by ``factor`` in place, through its outputscale(s):
+    a ``ScaleKernel`` or :class:`ExponentialKernel` scales its own, a sum every term's, a product its first
+    factor's that has one (as ``make_kernel``'s ``prior_variance`` places it). The kernel's shape
+    (lengthscales, correlations) is unchanged.
+    :raises ValueError: ``factor`` is not a number > 0, or ``kernel`` has no outputscale where one is
+        needed (wrap it in a ``ScaleKernel``)."""
+    factor = check_prior_factor(factor)
+    if not _has_scale(kernel):
+        raise ValueError(
+            f"{name}: {type(kernel).__name__} has no outputscale to scale its prior variance by (a sum needs one "
+            f"in every term, a product in one factor); wrap it in gpytorch.kernels.ScaleKernel"
+        )
+    if isinstance(kernel, AdditiveKernel):
+        for k in kernel.kernels:
+            scale_prior_variance(k, factor, name=name)
+    elif isinstance(kernel, ProductKernel):
+        scale_prior_variance(next(k for k in kernel.kernels if _has_scale(k)), factor, name=name)
+    else:
+        kernel.outputscale = kernel.outputscale * factor
 
 
 def check_kernel(kernel: Kernel, num_heads: int, head_dim: int, *, name: str = "kernel") -> None:

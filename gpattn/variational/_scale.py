@@ -45,13 +45,30 @@ How each variant reaches it (a change of parameterisation only: the models are t
   only KL is global (÷ N), so the initial variance is largely where training leaves it.
 * ``cgp``, ``scgp``: σ_q = σ_k = √0.1 (:data:`CGP_SIGMA`), since K_q = σ_q² κ_o with κ_o(q, q) = 1 sets
   the prior variance of z_q directly.
+
+**Another stream** (a layer swapped into a pretrained encoder, :mod:`gpattn.integrations.huggingface`).
+The fractions above assume a unit-variance input and a fresh W_o of gain :data:`NATIVE_OUTPUT_GAIN` = 1/3.
+Inside a pretrained encoder the input has the stream's own variance v_s per coordinate (MiniLM's last
+layer: ≈ 0.3) and the swapped ``out_proj`` starts as the identity (gain g_o = 1), so the same prior adds
+≈ 10× (in variance) the designed fraction of noise: CGP's spread per token was 0.59× its input (designed:
+0.17×). ``scale_prior(v_s · (1/3) / g_o)`` on every GP layer's strategy
+(``HFClassifier.match_prior_to_stream``) restores the designed fraction; kep-svgp has no separate prior
+variance (p(u_c) = N(0, Λ²), Λ also in its mean) and starts with ``out_proj`` = 0 there instead.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["CGP_SIGMA", "KEP_COVARIANCE_STD", "KEP_MEAN_STD", "PRIOR_VARIANCE", "exponential_lengthscale"]
+__all__ = [
+    "CGP_SIGMA",
+    "KEP_COVARIANCE_STD",
+    "KEP_MEAN_STD",
+    "NATIVE_OUTPUT_GAIN",
+    "PRIOR_VARIANCE",
+    "check_prior_factor",
+    "exponential_lengthscale",
+]
 
 #: prior variance of one SGPA output coordinate at a token, at initialisation (the stream has 1)
 PRIOR_VARIANCE = 0.01
@@ -69,3 +86,15 @@ CGP_SIGMA = math.sqrt(0.1)
 def exponential_lengthscale(head_dim: int) -> float:
     """ℓ = √Dh: the exponent q·k/ℓ² of a projected LayerNorm-ed token pair stays ≲ 1/3."""
     return math.sqrt(head_dim)
+
+
+#: variance gain of a freshly initialised ``nn.Linear(D, D)`` output map W_o (U(±1/√D) entries): the
+#: prior variances above reach the stream divided by 3
+NATIVE_OUTPUT_GAIN = 1.0 / 3.0
+
+
+def check_prior_factor(factor) -> float:
+    """``factor`` of a prior-variance scaling (``scale_prior``): a finite number > 0."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+    return float(factor)

@@ -28,6 +28,7 @@ import torch
 from gpytorch.distributions import MultivariateNormal
 
 from gpattn.objectives import GPLossTerm, SequenceKL
+from gpattn.variational._scale import check_prior_factor
 
 __all__ = ["AmortisedConditional", "_AmortisedVariationalStrategy", "kept_mean", "sequence_mean"]
 
@@ -116,6 +117,19 @@ class _AmortisedVariationalStrategy(gpytorch.Module):
     def condition(self, *inputs: torch.Tensor, mask: torch.Tensor | None = None) -> AmortisedConditional:
         """Factorise once for a batch of sequences.  # shape: inputs (B, H, T, ·), mask (B, T) or None"""
         raise NotImplementedError
+
+    def scale_prior(self, factor: float) -> None:
+        """Multiply the prior variance of the GP's output at a token by ``factor``, in place (the prior's
+        shape is kept): by default through the kernel's outputscale(s)
+        (:func:`gpattn.kernels.scale_prior_variance`). Used to put a layer on the scale of a residual
+        stream other than the LayerNorm-ed one its initialisation assumes (gpattn.variational._scale).
+        Subclasses whose prior variance is not a kernel's outputscale override :meth:`_scale_prior`."""
+        self._scale_prior(check_prior_factor(factor))
+
+    def _scale_prior(self, factor: float) -> None:
+        from gpattn.kernels import scale_prior_variance
+
+        scale_prior_variance(self.kernel, factor, name=f"{type(self).__name__}.kernel")
 
     def forward(self, *inputs: torch.Tensor, **options) -> MultivariateNormal:
         """q(f) at the queries: ``condition(*inputs, **options).posterior()``.

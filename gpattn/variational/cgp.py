@@ -14,6 +14,8 @@ equal a run on the sequence without the padded tokens, and the padded query rows
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 from gpytorch.constraints import GreaterThan
@@ -138,6 +140,13 @@ class CorrelatedGPBase(_AmortisedVariationalStrategy):
         if sigma is None:
             sigma = like.new_full((self.num_heads,), self._sigma_value)
         return sigma.to(like).pow(2)[:, None, None]
+
+    @torch.no_grad()
+    def _scale_prior(self, factor: float) -> None:
+        r"""The prior variances :math:`\sigma_q^2, \sigma_k^2` of :math:`z_q, z_k` at a token times ``factor``
+        (κ_o stays canonical)."""
+        self.covar.sigma_q = self.covar.sigma_q * math.sqrt(factor)
+        self.covar.sigma_k = self.covar.sigma_k * math.sqrt(factor)
 
     # ------------------------------------------------------------------ masked dense blocks
     def cross(

@@ -473,6 +473,13 @@ class KEPSVGP(_AmortisedVariationalStrategy):
                 self.token_weight.uniform_(-b, b)
 
     # ---------------------------------------------------------------- pieces
+    def _scale_prior(self, factor: float) -> None:
+        raise ValueError(
+            "kep-svgp has no prior variance to scale: its prior p(u_c) = N(0, Lambda^2) is tied to the KSVD "
+            "singular values Lambda that also form its mean (f_c = G Lambda^-1 u_c); scale its output map "
+            "(out_proj) instead"
+        )
+
     def check_length(self, T: int) -> None:
         if self.merge == "concat" and T != self.seq_len:
             raise ValueError(
