@@ -397,6 +397,18 @@ def test_trunk_bundle_fingerprint_is_of_the_token_ids_and_the_trunk(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the prior on the stream's scale
+def _uneven(encoder):
+    """``encoder`` with random LayerNorm gains and biases: at initialisation (γ = 1, β = 0) every token of a
+    post-LN stream has mean square 1, so padding and real tokens would be indistinguishable in v_s."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for module in encoder.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.uniform_(0.2, 1.5)
+                module.bias.normal_(0, 0.3)
+    return encoder
+
+
 @pytest.mark.parametrize("make", [tiny_encoder, _distilbert], ids=["bert", "distilbert"])
 def test_match_prior_to_stream_scales_each_gp_layer_to_its_input(make):
     """c = v_s · (1/3) / g_o, with v_s the mean square per coordinate of the layer's input over real tokens
@@ -404,7 +416,7 @@ def test_match_prior_to_stream_scales_each_gp_layer_to_its_input(make):
     BERT's identity, DistilBERT's copied out_lin otherwise); σ_q², σ_k² are multiplied by c; token ids and
     the cached trunk output give the same c; a second call is refused."""
     ids, pad = batch()
-    models = [HFClassifier(make(), 2, "cgp", "last", frozen_trunk=True) for _ in range(2)]
+    models = [HFClassifier(_uneven(make()), 2, "cgp", "last", frozen_trunk=True) for _ in range(2)]
     (i,) = models[0].adapters
     layer = models[0].adapters[i].attention
     before = layer.strategy.covar.sigma_q.detach().clone()
@@ -426,17 +438,19 @@ def test_match_prior_to_stream_scales_each_gp_layer_to_its_input(make):
         models[0].match_prior_to_stream(ids, pad)
 
 
-def test_match_prior_to_stream_goes_bottom_up_and_leaves_non_gp_layers():
-    """All layers swapped: one row per layer, each v_s the input that layer receives once the layers below
-    are scaled (deterministic forward); the mode is restored. softmax and kep-svgp (out_proj = 0) are left
-    alone."""
+def test_match_prior_to_stream_in_every_layer_and_leaves_non_gp_layers():
+    """All layers swapped: one row per layer, each v_s the mean square of the input that layer receives in a
+    deterministic forward; the mode is restored. softmax and kep-svgp (out_proj = 0) are left alone."""
     ids, pad = batch()
-    model = HFClassifier(tiny_encoder(), 2, "sgpa", "all").train()
+    model = HFClassifier(_uneven(tiny_encoder()), 2, "sgpa", "all").train()
+    with torch.no_grad(), gpattn.deterministic():
+        seen = model._layer_inputs([0, 1], lambda: model(ids, pad))
     rows = model.match_prior_to_stream(ids, pad)
     assert [r["layer"] for r in rows] == [0, 1] and model.training
-    with torch.no_grad(), gpattn.deterministic():
-        x = model._layer_input(1, lambda: model(ids, pad))
-    assert rows[1]["stream_variance"] == pytest.approx(float(x[~pad].double().pow(2).mean()))
+    for i in (0, 1):
+        assert rows[i]["stream_variance"] == pytest.approx(float(seen[i][~pad].double().pow(2).mean()))
+    with pytest.raises(ValueError, match="no real token"):
+        HFClassifier(tiny_encoder(), 2, "sgpa", "last").match_prior_to_stream(ids, torch.ones_like(pad))
     for name in ("softmax", "kep-svgp"):
         other = HFClassifier(tiny_encoder(), 2, name, "last")
         state = {k: v.clone() for k, v in other.state_dict().items()}

@@ -121,6 +121,7 @@ def test_scale_prior_variance_of_kernel_compositions():
         ExponentialKernel(),
         AdditiveKernel(ScaleKernel(RBFKernel()), ExponentialKernel()),
         ProductKernel(RBFKernel(), ScaleKernel(RBFKernel())),
+        ProductKernel(ScaleKernel(RBFKernel()), ExponentialKernel()),  # one factor's scale, not both
     ]
     for k in kernels:
         k.double()

@@ -428,18 +428,24 @@ class HFClassifier(nn.Module):
         # shape: input_ids (B, T) long, key_padding_mask (B, T) bool True = padding -> (B, T, D)"""
         self._check_ids(input_ids, key_padding_mask)
         attend = None if key_padding_mask is None else (~key_padding_mask).long()
-        return self._layer_input(self.trunk_layers, lambda: self.encoder(input_ids=input_ids, attention_mask=attend))
+        first = self.trunk_layers
+        return self._layer_inputs([first], lambda: self.encoder(input_ids=input_ids, attention_mask=attend))[first]
 
-    def _layer_input(self, index: int, run) -> torch.Tensor:
-        """The hidden states encoder layer ``index`` receives when ``run()`` is called with the whole model
-        in eval mode (the run stops there; the modes are restored).  # shape: -> (N, T, D)"""
-        captured = []
+    def _layer_inputs(self, indices, run) -> dict[int, torch.Tensor]:
+        """The hidden states each encoder layer in ``indices`` receives when ``run()`` is called with the whole
+        model in eval mode (the run stops at the last of them; the modes are restored).
+        # shape: -> {index: (N, T, D)}"""
+        captured, last = {}, max(indices)
 
-        def stop(module, args, kwargs):
-            captured.append(args[0] if args else kwargs["hidden_states"])
-            raise _TrunkDone
+        def grab(index):
+            def hook(module, args, kwargs):
+                captured[index] = args[0] if args else kwargs["hidden_states"]
+                if index == last:
+                    raise _TrunkDone
 
-        handle = self._layer_list[0][index].register_forward_pre_hook(stop, with_kwargs=True)
+            return hook
+
+        handles = [self._layer_list[0][i].register_forward_pre_hook(grab(i), with_kwargs=True) for i in indices]
         modes = [m.training for m in self.modules()]
         self.eval()
         try:
@@ -447,10 +453,11 @@ class HFClassifier(nn.Module):
         except _TrunkDone:
             pass
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
             for m, mode in zip(self.modules(), modes):
                 m.training = mode
-        return captured[0]
+        return captured
 
     @torch.no_grad()
     def match_prior_to_stream(self, inputs, key_padding_mask=None) -> list[dict]:
@@ -462,13 +469,13 @@ class HFClassifier(nn.Module):
         swapped ``out_proj`` is the identity (gain 1), so the layer's noise would be ≈ 10× (variance) the
         designed fraction of its input. Here each swapped GP layer's prior variance is multiplied by
 
-        .. math:: c = rac{v_s \cdot 1/3}{g_o},\qquad v_s = 	ext{mean square of the layer's input per
-            coordinate over real tokens},\quad g_o = \lVert W_{out}
-Vert_F^2 / D,
+        .. math:: c = \frac{v_s \cdot 1/3}{g_o},\qquad v_s = \text{mean square of the layer's input per
+            coordinate over real tokens},\quad g_o = \lVert W_{out}\rVert_F^2 / D,
 
-        so that the noise it adds, relative to its input, is what the native design gives. Layers are
-        measured and scaled bottom-up (each after the swapped layers below it), in eval mode and
-        :func:`gpattn.deterministic`. Layers that are not GP layers, and those whose ``out_proj`` starts at
+        so that the noise it adds, relative to its input, is what the native design gives. Every layer's
+        v_s comes from one forward in eval mode and :func:`gpattn.deterministic`, before any is scaled (in
+        the post-LN BERT family a layer's input is a LayerNorm output, whose scale the layers below do not
+        set). Layers that are not GP layers, and those whose ``out_proj`` starts at
         zero (``kep-svgp``, which adds nothing at initialisation and has no separate prior variance), are
         left as they are. Call it once, on the freshly swapped model, before training (a second call raises:
         it would scale twice); the scaled parameters are part of the state dict, so a reloaded model needs
@@ -484,20 +491,22 @@ Vert_F^2 / D,
 
         if self.prior_scale is not None:
             raise ValueError("match_prior_to_stream: already applied to this model (a second call would scale twice)")
-        rows = []
+        gains = {}
         for i, adapter in sorted(self.adapters.items()):
-            layer = adapter.attention
-            gain = float(layer.out_proj.weight.double().pow(2).sum()) / layer.out_proj.weight.shape[0]
-            if not getattr(layer, "is_gp", False) or gain == 0.0:
-                continue
-            with deterministic():
-                x = self._layer_input(i, lambda: self.forward(inputs, key_padding_mask))
+            W = adapter.attention.out_proj.weight
+            if getattr(adapter.attention, "is_gp", False) and bool(W.any()):
+                gains[i] = float(W.double().pow(2).sum()) / W.shape[0]
+        if gains and key_padding_mask is not None and bool(key_padding_mask.all()):
+            raise ValueError("inputs: no real token to measure the stream on (key_padding_mask is all True)")
+        with deterministic():
+            seen = self._layer_inputs(list(gains), lambda: self.forward(inputs, key_padding_mask)) if gains else {}
+        rows = []
+        for i, gain in gains.items():
+            x = seen[i]
             real = x if key_padding_mask is None else x[~key_padding_mask.to(x.device)]
-            if real.numel() == 0:
-                raise ValueError("inputs: no real token to measure the stream on (key_padding_mask is all True)")
             variance = float(real.double().pow(2).mean())
             factor = variance * NATIVE_OUTPUT_GAIN / gain
-            layer.scale_prior(factor)
+            self.adapters[i].attention.scale_prior(factor)
             rows.append({"layer": i, "stream_variance": variance, "out_gain": gain, "factor": factor})
         self.prior_scale = rows
         return rows
