@@ -323,7 +323,8 @@ class AttentionBase(nn.Module):
                 f"shared set of inducing inputs (or couples all keys), and a per-query conditioning set would "
                 f"make a different GP for every query, which this variant does not define "
                 f"(docs/derivations.md §11). Pass the padding as key_padding_mask, or use a variant with "
-                f"per-query masks: {', '.join(_per_query_variants())} (sgpa: one GP per query)"
+                f"per-query masks: {', '.join(_per_query_variants())} (sgpa: one GP per query; sgpa-decoupled: one "
+                f"mean basis per query)"
             )
         return excluded[:, 0, 0, :].expand(B, -1)
 
@@ -394,10 +395,10 @@ class AttentionBase(nn.Module):
 
         ``attn_mask`` (as in :meth:`attn_mask_excluded`; True = not allowed) excludes keys per query: a
         query with no allowed key gets head output 0 (output 0 where that holds in every head). The
-        variants without ``per_query_masks`` (the GP variants but ``sgpa``) take only an ``attn_mask`` that
-        pads, which then acts exactly as ``key_padding_mask``; so does a mask that pads for ``sgpa``, which
-        makes every query its own GP under any other mask (docs/derivations.md §11; a GP variant reads
-        the mask once on the host to tell).
+        variants without ``per_query_masks`` (``kep-svgp``, ``cgp``, ``scgp``) take only an ``attn_mask`` that
+        pads, which then acts exactly as ``key_padding_mask``; so does a mask that pads for ``sgpa`` and
+        ``sgpa-decoupled``, which condition each query on the keys it may attend to under any other mask
+        (docs/derivations.md §11; a GP variant reads the mask once on the host to tell).
 
         With ``num_samples`` a GP variant factorises once per sequence and draws its P samples from
         that factorisation (the first sampling layer of a deep GP, docs/derivations.md §9); a layer that does not
@@ -464,7 +465,8 @@ class AttentionBase(nn.Module):
     def posterior(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, attn_mask=None):
         """Posterior over the per-head outputs (before W_o): ``MultivariateNormal`` with batch
         ``(B, H, Dv)`` and event ``T``. GP variants only; the others raise ``NotImplementedError``.
-        ``attn_mask`` as in :meth:`forward_gp`: under a per-query mask (``sgpa``) the posterior is each
+        ``attn_mask`` as in :meth:`forward_gp`: under a per-query mask ``sgpa-decoupled``'s posterior is joint
+        (the unmasked covariance, the masked mean); ``sgpa``'s is each
         query's marginal (diagonal, docs/derivations.md §11)."""
         x, key_padding_mask = self.check_inputs(x, key_padding_mask)
         mask = key_padding_mask

@@ -82,9 +82,16 @@ class DecoupledSGPAttention(GPAttention):
 
     Loss terms: ``kl_seq`` — the γ-part (input-dependent), summed over heads and Dv, averaged over the
     batch; ``kl_global`` — the β-part (global parameters), summed (docs/derivations.md §9).
+
+    Masks: any ``attn_mask`` (docs/derivations.md §11b). A mask that pads is ``key_padding_mask``; under any
+    other (causal, per query, per head) query i's mean basis is the keys it may attend to, while the
+    global basis, the covariance and the joint samples are the unmasked layer's; ``kl_seq`` takes the mean
+    of the queries' γ-parts. The causal mask costs what the unmasked layer costs; a general mask
+    O(T³·Dv) per (B, H). ``need_weights`` gives no weights.
     """
 
     projections = ("qk", "v")
+    per_query_masks = True  # query i's mean basis is A_i (docs/derivations.md §11b)
 
     def __init__(
         self,

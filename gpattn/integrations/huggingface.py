@@ -88,8 +88,8 @@ _mask_cache: list = [None, None]  # [weakref to the last mask translated, its ke
 
 def _attention_matrix_mask(attention_mask: torch.Tensor, shape) -> torch.Tensor:
     """A general (non-padding) mask. The swapped layers take key padding only here: most GP variants take
-    no other mask, and ``sgpa``'s per-query masks (docs/derivations.md §11) are not passed on by this
-    adapter."""
+    no other mask, and the per-query masks of ``sgpa`` and ``sgpa-decoupled`` (docs/derivations.md §11) are
+    not passed on by this adapter (encoders only)."""
     raise ValueError(
         f"attention_mask of shape {tuple(attention_mask.shape)} masks more than padded keys (it differs "
         f"between queries, e.g. a causal mask, or holds additive biases other than 0 and the dtype "

@@ -32,6 +32,7 @@ __all__ = [
     "sgpa_decoupled_dense_posterior",
     "sgpa_decoupled_global_keys",
     "sgpa_decoupled_kl_parts",
+    "sgpa_decoupled_masked_dense_moments",
     "sgpa_dense_posterior",
     "sgpa_heads",
     "sgpa_masked_dense_moments",
@@ -197,6 +198,44 @@ def sgpa_decoupled_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | 
 def sgpa_decoupled_kl_parts(layer, x: torch.Tensor, mask: torch.Tensor | None = None):
     """The two KL parts of decoupled SGPA: γ (B, H, Dv), input-dependent, and β (H, Dv), global."""
     return _decoupled(layer, x, mask)[2:]
+
+
+def sgpa_decoupled_masked_dense_moments(layer, x: torch.Tensor, excluded: torch.Tensor) -> dict:
+    """Decoupled SGPA under a per-query mask (docs/derivations.md §11b), by brute force, one query at a time:
+    query i's mean basis is S = A_i, so mean_i = K_iS v_S − K_ig K_gg⁻¹ K_gS v_S + K_ig v_g and
+    γ_i = ½ v_Sᵀ (K_SS − K_Sg K_gg⁻¹ K_gS) v_S (explicit solves, no Cholesky factor shared with the layer);
+    the covariance and β are the unmasked layer's; ``kl_seq`` = Σ_{h,d} of the mean of γ_i over the real
+    queries (not padding, S ≠ ∅), averaged over the batch. An ``ExponentialKernel`` only.
+
+    # shape: x (B, T, D), excluded (B, H, T, T) bool, padding joined -> mean, query_gamma (B, H, T, Dv),
+    #        covariance (B, H, Dv, T, T)
+    """
+    qk, v = sgpa_heads(layer, x)
+    kg = sgpa_decoupled_global_keys(layer)
+    Kqq, Kqg = exponential_gram(layer.kernel, qk, qk), exponential_gram(layer.kernel, qk, kg)
+    Kgg = _relative_jitter(exponential_gram(layer.kernel, kg, kg), layer.strategy.jitter)
+    vg = layer.strategy.variational_distribution.inducing_values.detach()  # shape: (H, M, Dv)
+    B, H, T, Dv = v.shape
+    mean, query_gamma = (torch.zeros(B, H, T, Dv, dtype=x.dtype) for _ in range(2))
+    kl_seq = x.new_zeros(())
+    for b in range(B):
+        pad = excluded[b].all(0).all(0)  # shape: (T,)
+        for h in range(H):
+            total, real = x.new_zeros(Dv), 0
+            for i in range(T):
+                S = (~excluded[b, h, i]).nonzero()[:, 0]
+                mean[b, h, i] = Kqg[b, h, i] @ vg[h]
+                if len(S) == 0:
+                    continue
+                vs, Kgs = v[b, h, S], Kqg[b, h, S].T  # shape: (|S|, Dv), (M, |S|)
+                mean[b, h, i] += Kqq[b, h, i, S] @ vs - Kqg[b, h, i] @ torch.linalg.solve(Kgg[h], Kgs @ vs)
+                Q = Kqq[b, h][S][:, S] - Kgs.T @ torch.linalg.solve(Kgg[h], Kgs)
+                query_gamma[b, h, i] = 0.5 * (vs * (Q @ vs)).sum(0)
+                if not pad[i]:
+                    total, real = total + query_gamma[b, h, i], real + 1
+            kl_seq = kl_seq + total.sum() / max(real, 1) / B
+    covariance = _decoupled(layer, x, None)[1]
+    return {"mean": mean, "query_gamma": query_gamma, "covariance": covariance, "kl_seq": kl_seq}
 
 
 # ------------------------------------------------------------------------------ KEP-SVGP (docs/derivations.md §6)

@@ -78,6 +78,7 @@ __all__ = [
     "isolate_padding",
     "posterior_distribution",
     "relative_jitter",
+    "split_per_query_mask",
     "standard_normal",
 ]
 
@@ -111,6 +112,26 @@ def check_sequence_inputs(keys: torch.Tensor, values: torch.Tensor, mask: torch.
             f"mask must be a bool tensor of shape (B, T) = {(keys.shape[0], keys.shape[2])}, got "
             f"{mask.dtype} {tuple(mask.shape)}"
         )
+
+
+def split_per_query_mask(excluded: torch.Tensor, B: int, H: int, T: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A per-query mask (True = query i may not attend to key j), checked and expanded; its padding (the
+    keys no query may attend to) and whether it is the causal mask with that padding
+    (docs/derivations.md §11). Reads the device once, for the last.
+
+    # shape: excluded (B or 1, H or 1, T, T) bool -> (B, H, T, T), (B, T), bool
+    """
+    if excluded.dtype != torch.bool or excluded.shape[-2:] != (T, T) or excluded.shape[0] not in (1, B) or (
+        excluded.shape[1] not in (1, H)
+    ):
+        raise ValueError(
+            f"a per-query mask must be a bool tensor of shape (B or 1, H or 1, T, T) with (B, H, T) = "
+            f"{(B, H, T)}, got {excluded.dtype} {tuple(excluded.shape)}"
+        )
+    excluded = excluded.expand(B, H, T, T)
+    pad = excluded.all(-2).all(1)  # shape: (B, T): a key no query may attend to is padding
+    causal = torch.ones(T, T, dtype=torch.bool, device=excluded.device).triu(1)
+    return excluded, pad, bool((excluded == (causal | pad[:, None, None, :])).all())
 
 
 def relative_jitter(diag: torch.Tensor, jitter: float, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -375,19 +396,9 @@ class SGPAVariationalStrategy(_AmortisedVariationalStrategy):
         attend to. Reads the mask once on the host, to tell a causal mask (with key padding) from a
         general one.  # shape: excluded (B or 1, H or 1, T, T) bool"""
         check_sequence_inputs(keys, values, None)
-        B, H, T = keys.shape[:3]
-        if excluded.dtype != torch.bool or excluded.shape[-2:] != (T, T) or excluded.shape[0] not in (1, B) or (
-            excluded.shape[1] not in (1, H)
-        ):
-            raise ValueError(
-                f"a per-query mask must be a bool tensor of shape (B or 1, H or 1, T, T) with (B, H, T) = "
-                f"{(B, H, T)}, got {excluded.dtype} {tuple(excluded.shape)}"
-            )
-        excluded = excluded.expand(B, H, T, T)
-        pad = excluded.all(-2).all(1)  # shape: (B, T): a key no query may attend to is padding
-        causal = torch.ones(T, T, dtype=torch.bool, device=excluded.device).triu(1)
+        excluded, pad, causal = split_per_query_mask(excluded, *keys.shape[:3])
         with gp_algebra(keys.device.type):
-            if bool((excluded == (causal | pad[:, None, None, :])).all()):  # reads the device once
+            if causal:
                 return self._condition_causal(keys, values, pad if bool(pad.any()) else None)
             return self._condition_general(keys, values, excluded, pad)
 

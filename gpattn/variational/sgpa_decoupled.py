@@ -58,12 +58,14 @@ from gpattn.variational.sgpa import (
     check_sequence_inputs,
     posterior_distribution,
     relative_jitter,
+    split_per_query_mask,
     standard_normal,
 )
 
 __all__ = [
     "DecoupledSGPAConditional",
     "DecoupledSGPAVariationalStrategy",
+    "MaskedDecoupledSGPAConditional",
     "WhitenedGlobalVariationalDistribution",
 ]
 
@@ -164,13 +166,17 @@ class DecoupledSGPAConditional(AmortisedConditional):
         γ depends on the sequence (``kl_seq``); β on global parameters only (``kl_global``).
         # shape: -> (B, H, Dv), (H, Dv)
         """
+        return self._gamma(), self._beta()
+
+    def _gamma(self) -> torch.Tensor:
         quad_aa = (self.values * self.gram_values).sum(-2)  # shape: (B, H, Dv); v̂ᵀ K_aa v̂
-        gamma = 0.5 * (quad_aa - self.proj_values.square().sum(-2))
+        return 0.5 * (quad_aa - self.proj_values.square().sum(-2))
+
+    def _beta(self) -> torch.Tensor:
         L_s = self.scale_tril
         log_det = 2 * L_s.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)  # shape: (H, Dv)
         M = L_s.shape[-1]
-        beta = 0.5 * (L_s.square().sum((-2, -1)) + self.whitened_values.square().sum(-2) - M - log_det)
-        return gamma, beta
+        return 0.5 * (L_s.square().sum((-2, -1)) + self.whitened_values.square().sum(-2) - M - log_det)
 
     def kl_divergence(self) -> torch.Tensor:
         """Process KL per (b, h, d) = γ-part + β-part.  # shape: -> (B, H, Dv)"""
@@ -217,23 +223,28 @@ class DecoupledSGPAConditional(AmortisedConditional):
         # SumLinearOperator explicitly: `dense + root` would root-decompose `dense` (Lanczos) in add_low_rank
         return posterior_distribution(self.mean, SumLinearOperator(dense, RootLinearOperator(root)))
 
+    def _jittered_residual(self) -> torch.Tensor:
+        """K_qq − Q_qq + c·I, c = ``jitter`` · the mean of diag K_qq over the real tokens (detached).
+        # shape: -> (B, H, T, T)"""
+        pad = None if self.mask is None else self.mask[:, None, :]
+        jit = relative_jitter(self.gram_diag, self.jitter, pad)  # shape: (B, H, 1, 1)
+        return add_jitter(self.residual(), jit[..., 0, 0])
+
     def _residual_sample(self, eps: torch.Tensor) -> torch.Tensor:
         """chol(R + jitter) ε with the real tokens ordered first, so that real tokens' samples never
         depend on padded ones. One Cholesky per (B, H), shared by the Dv output dims.
 
         # shape: eps (..., B, H, T, Dv) -> (..., B, H, T, Dv)
         """
-        R = self.residual()  # shape: (B, H, T, T)
+        R = self._jittered_residual()  # shape: (B, H, T, T)
         B, H, T, _ = R.shape
-        pad = None if self.mask is None else self.mask[:, None, :]
-        jit = relative_jitter(self.gram_diag, self.jitter, pad)  # shape: (B, H, 1, 1)
         if self.mask is None:
-            L = cholesky(add_jitter(R, jit[..., 0, 0]), name="sgpa-decoupled (K_qq - Q_qq)")
+            L = cholesky(R, name="sgpa-decoupled (K_qq - Q_qq)")
             return matmul_samples(L, eps)
         perm = torch.argsort(self.mask.to(torch.int8), dim=-1, stable=True)  # shape: (B, T), real first
         rows = perm[:, None, :, None].expand(B, H, T, T)
         R = R.gather(-2, rows).gather(-1, rows.mT)  # R[perm][:, perm]
-        L = cholesky(add_jitter(R, jit[..., 0, 0]), name="sgpa-decoupled (K_qq - Q_qq)")
+        L = cholesky(R, name="sgpa-decoupled (K_qq - Q_qq)")
         inv = torch.argsort(perm, dim=-1)[:, None, :, None].expand(B, H, T, eps.shape[-1])  # shape: (B, H, T, Dv)
         inv = inv.expand(*eps.shape[:-4], *inv.shape)
         return matmul_samples(L, eps).gather(-2, inv)  # rows back in token order (ε's row order is immaterial)
@@ -262,6 +273,42 @@ class DecoupledSGPAConditional(AmortisedConditional):
             low = self.scale_tril @ cols  # shape: (H, Dv, M, N)
             low_rank = low.permute(3, 0, 2, 1).reshape(*lead, H, M, Dv)  # shape: (..., B, H, M, Dv)
             return self.mean + self._residual_sample(eps) + matmul_samples(self.interp, low_rank)
+
+
+class MaskedDecoupledSGPAConditional(DecoupledSGPAConditional):
+    """Decoupled SGPA under a per-query mask (docs/derivations.md §11b): query i's mean basis is the keys in
+    A_i (the keys it may attend to), the global basis is every query's.
+
+    The γ-part is mean only, so the queries' GPs differ by a deterministic shift of the mean and share
+    the random part (q(ũ_g) and the prior's conditional): the joint q(f) keeps the unmasked covariance
+    with the masked mean, and :meth:`rsample` draws jointly as the unmasked conditional does. The
+    residual's jitter (``"full"`` samples) is per token, ``jitter`` · K_ii, so that under the causal mask
+    no draw depends on a later token. The γ-part of the KL is per query (:meth:`query_kl_divergence`);
+    the layer's term is its mean over the real queries (not padding, A_i ≠ ∅), as for ``sgpa``.
+
+    :ivar query_gamma: ½ v_Sᵀ (K_SS − K_Sg K_gg⁻¹ K_gS) v_S per query, S = A_i.  # shape: (B, H, T, Dv)
+    :ivar real: the queries that count in the KL.  # shape: (B, H, T)
+    """
+
+    def __init__(self, *, query_gamma, real, **factors):
+        super().__init__(gram_values=None, proj_values=None, **factors)
+        self.query_gamma = query_gamma
+        self.real = real
+
+    def query_kl_divergence(self) -> torch.Tensor:
+        """The γ-part of each query's KL (0 where A_i = ∅).  # shape: -> (B, H, T, Dv)"""
+        return self.query_gamma
+
+    def _gamma(self) -> torch.Tensor:
+        """The mean of :meth:`query_kl_divergence` over the real queries (β is unchanged: global).
+        # shape: -> (B, H, Dv)"""
+        real = self.real.to(self.query_gamma.dtype)[..., None]  # shape: (B, H, T, 1)
+        return (self.query_gamma * real).sum(-2) / real.sum(-2).clamp_min(1)
+
+    def _jittered_residual(self) -> torch.Tensor:
+        """K_qq − Q_qq + diag(``jitter`` · K_ii): per token, so that token i's row of the factor depends on
+        tokens ≤ i only.  # shape: -> (B, H, T, T)"""
+        return self.residual() + torch.diag_embed(self.jitter * self.gram_diag.detach())
 
 
 class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
@@ -331,8 +378,17 @@ class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
     ) -> DecoupledSGPAConditional:
         """Factorise once for a batch of sequences (self-attention: the keys k_a are the queries).
 
-        # shape: queries (B, H, T, Dh), values (B, H, T, Dv), global_keys (H, M, Dh), mask (B, T) or None
+        ``mask`` is a key padding mask (B, T) (True = padding) or a per-query mask (B or 1, H or 1, T, T)
+        (True = query i may not attend to key j: query i's mean basis is the keys in A_i, a
+        :class:`MaskedDecoupledSGPAConditional`; docs/derivations.md §11b).
+
+        # shape: queries (B, H, T, Dh), values (B, H, T, Dv), global_keys (H, M, Dh),
+        #        mask (B, T) or (B or 1, H or 1, T, T) bool or None
         """
+        excluded = causal = None
+        if mask is not None and mask.dim() == 4:
+            check_sequence_inputs(queries, values, None)
+            excluded, mask, causal = split_per_query_mask(mask, *queries.shape[:3])
         check_sequence_inputs(queries, values, mask)
         B, H, T, Dh = queries.shape
         if global_keys.dim() != 3 or global_keys.shape[0] != H or global_keys.shape[-1] != Dh:
@@ -349,19 +405,44 @@ class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
             A = tri_solve(L_g.mT, K_qg, upper=True, left=False)  # shape: (B, H, T, M); A L_gᵀ = K_qg
             c = A.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
             u_tilde = L_g.mT @ self.variational_distribution.inducing_values  # shape: (H, M, Dv)
-            Kv = K @ values  # shape: (B, H, T, Dv); K_qa v_a (padded keys have v = 0)
-            mean = Kv + A @ (u_tilde - c)  # shape: (B, H, T, Dv)
-            return DecoupledSGPAConditional(
+            factors = dict(
                 gram=K,
                 gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True),
-                gram_values=Kv,
                 interp=A,
-                mean=mean,
                 values=values,
-                proj_values=c,
                 whitened_values=u_tilde,
                 scale_tril=self.variational_distribution.scale_tril(),
                 mask=mask,
                 jitter=self.jitter,
                 covariance=self.covariance,
             )
+            if excluded is not None:
+                return self._condition_per_query(factors, excluded, causal)
+            Kv = K @ values  # shape: (B, H, T, Dv); K_qa v_a (padded keys have v = 0)
+            c = A.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
+            return DecoupledSGPAConditional(mean=Kv + A @ (u_tilde - c), gram_values=Kv, proj_values=c, **factors)
+
+    @staticmethod
+    def _condition_per_query(factors: dict, excluded: torch.Tensor, causal: bool) -> MaskedDecoupledSGPAConditional:
+        """Query i's mean basis is A_i (docs/derivations.md §11b). With R = K_aa − K_ag K_gg⁻¹ K_ga (self-attention:
+        q = a), mean_i = Σ_{j∈A_i} R_ij v_j + A_i ũ and γ_i = ½ v_Sᵀ R_SS v_S. Causal: R.tril() and a prefix
+        sum, O(T²·Dv); any other mask O(T³·Dv) time, O(T²·Dv) memory per (B, H).
+        # shape: excluded (B, H, T, T), padding joined"""
+        R = factors["gram"] - factors["interp"] @ factors["interp"].mT  # shape: (B, H, T, T)
+        values, A, u_tilde = factors["values"], factors["interp"], factors["whitened_values"]
+        allowed = ~excluded
+        if causal:
+            Rv = R.tril() @ values  # shape: (B, H, T, Dv); Σ_{j≤i} R_ij v_j
+            diag = R.diagonal(dim1=-2, dim2=-1)[..., None]  # shape: (B, H, T, 1)
+            # v_{≤i}ᵀ R_{≤i} v_{≤i} as a prefix sum of v_j (2 Σ_{k<j} R_jk v_k + R_jj v_j)
+            quad = (values * (2 * Rv - diag * values)).cumsum(-2)
+        else:
+            Rv = R.masked_fill(excluded, 0.0) @ values
+            w = allowed[..., None] * values[:, :, None]  # shape: (B, H, T, T, Dv): v_S per query, 0 elsewhere
+            quad = (w * (R[:, :, None] @ w)).sum(-2)  # shape: (B, H, T, Dv)
+        real = allowed.any(-1)
+        if factors["mask"] is not None:
+            real = real & ~factors["mask"][:, None, :]
+        return MaskedDecoupledSGPAConditional(
+            mean=Rv + A @ u_tilde, query_gamma=0.5 * quad, real=real, **factors
+        )
