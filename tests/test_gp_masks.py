@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
+from _mask_helpers import F64, D, H, T, assert_decoder_does_not_see_the_future
+from _mask_helpers import cases as _cases
+from _mask_helpers import causal as _causal
+from _mask_helpers import joined as _joined
 from gpytorch.distributions import MultivariateNormal
 
 import gpattn
@@ -14,8 +17,6 @@ from gpattn.testing import make_inputs
 from gpattn.testing.references import sgpa_masked_dense_moments
 from gpattn.variational.sgpa import MaskedSGPAConditional, SGPAConditional
 
-F64 = torch.float64
-D, H, T = 8, 2, 6
 COVARIANCES = ("full", "diag")
 
 
@@ -25,36 +26,6 @@ def _layer(covariance="full", jitter=1e-3, dtype=F64, **options):
     with torch.no_grad():  # amortised scales away from 1, so that the KL's trace terms are not 0
         layer.strategy.variational_distribution.weight.normal_(0, 0.5)
     return layer
-
-
-def _causal(T=T):
-    return torch.ones(T, T, dtype=torch.bool).triu(1)
-
-
-def _general_mask(B=2, seed=3):
-    """Per (sequence, head) rows: random keys, a query that may not attend to itself, one with no key."""
-    g = torch.Generator().manual_seed(seed)
-    blocked = torch.rand(B, H, T, T, generator=g) < 0.45
-    blocked[:, :, 1, 1] = True  # i ∉ A_i: the Nyström residual term
-    blocked[:, :, 1, 0] = False
-    blocked[:, 1, 4] = True  # A_i = ∅ in head 1
-    return blocked
-
-
-def _cases():
-    x, pad = make_inputs(B=2, T=T, D=D, pad=(0, 2), dtype=F64)
-    return {
-        "causal": (x, None, _causal()),
-        "causal+padding": (x, pad, _causal()),
-        "causal+left-padding": (x, torch.tensor([[False] * T, [True, True] + [False] * (T - 2)]), _causal()),
-        "general": (x, None, _general_mask()),
-        "general+padding": (x, pad, _general_mask()),
-    }
-
-
-def _joined(attn_mask, pad, B=2):
-    excluded = attn_mask.expand(B, H, T, T)
-    return excluded if pad is None else excluded | pad[:, None, None, :]
 
 
 @pytest.mark.parametrize("covariance", COVARIANCES)
@@ -169,32 +140,8 @@ def test_draws_are_per_query_marginals(case):
 @pytest.mark.parametrize("covariance", COVARIANCES)
 @pytest.mark.parametrize("sampling", [False, True])
 def test_decoder_layer_does_not_see_the_future(covariance, sampling):
-    """``sgpa`` as ``self_attn`` of nn.TransformerDecoderLayer with the causal tgt mask, eval mode: the
-    output at t does not change when tokens after t change — the posterior mean, and with sampling (fixed
-    seed) the draws too; with sampling the output differs from the mean."""
-    torch.manual_seed(0)
-    dec = nn.TransformerDecoderLayer(D, H, 16, dropout=0.0, batch_first=True).double().eval()
-    dec.self_attn = _layer(covariance)
-    tgt, memory = torch.randn(2, T, D, dtype=F64), torch.randn(2, 3, D, dtype=F64)
-    causal = nn.Transformer.generate_square_subsequent_mask(T, dtype=F64)
-
-    def run(t):
-        torch.manual_seed(11)
-        if sampling:
-            return dec(t, memory, tgt_mask=causal, tgt_is_causal=True)
-        with gpattn.deterministic():
-            return dec(t, memory, tgt_mask=causal, tgt_is_causal=True)
-
-    y = run(tgt)
-    for t in range(T - 1):
-        changed = tgt.clone()
-        changed[:, t + 1 :] += torch.randn(2, T - t - 1, D, dtype=F64)
-        y2 = run(changed)
-        torch.testing.assert_close(y2[:, : t + 1], y[:, : t + 1], rtol=1e-10, atol=1e-12)
-        assert not torch.allclose(y2[:, t + 1 :], y[:, t + 1 :])
-    with gpattn.deterministic():
-        mean = dec(tgt, memory, tgt_mask=causal, tgt_is_causal=True)
-    assert torch.allclose(y, mean) != sampling
+    """``sgpa`` as a decoder's ``self_attn`` under the causal mask: nothing at t depends on the tokens after t."""
+    assert_decoder_does_not_see_the_future(_layer(covariance), sampling)
 
 
 @pytest.mark.parametrize("case", ["causal+padding", "general"])

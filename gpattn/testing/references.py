@@ -124,33 +124,48 @@ def sgpa_masked_dense_moments(layer, x: torch.Tensor, excluded: torch.Tensor) ->
     K = exponential_gram(layer.kernel, qk, qk)  # shape: (B, H, T, T)
     Kj = K + torch.diag_embed(layer.strategy.jitter * K.diagonal(dim1=-2, dim2=-1))
     s2 = sgpa_amortised_std(layer, qk).square()  # shape: (B, H, T, Dv)
-    B, H, T, Dv = v.shape
-    mean, variance, query_kl = (torch.zeros(B, H, T, Dv, dtype=x.dtype) for _ in range(3))
-    kl_seq = x.new_zeros(())
+    mean, variance, query_kl = (torch.zeros_like(v) for _ in range(3))
+    for b, h, i, S in _query_sets(excluded):
+        if len(S) == 0:
+            variance[b, h, i] = Kj[b, h, i, i]
+            continue
+        Kss = Kj[b, h][S][:, S]
+        L = torch.linalg.cholesky(Kss)
+        mean[b, h, i] = K[b, h, i, S] @ v[b, h, S]
+        if i in S.tolist():
+            row = L[S.tolist().index(i)]
+            variance[b, h, i] = row.square() @ s2[b, h, S]
+        else:
+            a = torch.linalg.solve_triangular(L, K[b, h, S, i][:, None], upper=False)[:, 0]
+            variance[b, h, i] = Kj[b, h, i, i] - a.square().sum() + a.square() @ s2[b, h, S]
+        vs, ss = v[b, h, S], s2[b, h, S]
+        query_kl[b, h, i] = 0.5 * ((ss - 1 - ss.log()).sum(0) + (vs * (Kss @ vs)).sum(0))
+    kl_seq = _mean_over_real_queries(query_kl, excluded)
+    return {"mean": mean, "variance": variance, "query_kl": query_kl, "kl_seq": kl_seq}
+
+
+def _query_sets(excluded: torch.Tensor):
+    """(b, h, i, S) for every query, S = A_i the indices of the keys it may attend to, one at a time.
+    # shape: excluded (B, H, T, T)"""
+    B, H, T, _ = excluded.shape
+    for b in range(B):
+        for h in range(H):
+            for i in range(T):
+                yield b, h, i, (~excluded[b, h, i]).nonzero()[:, 0]
+
+
+def _mean_over_real_queries(query_terms: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:
+    """Σ_{h,d} of the mean of a per-query term over the real queries (not padding — a key no query may
+    attend to — and A_i ≠ ∅), averaged over the batch, by loops.  # shape: query_terms (B, H, T, Dv) -> ()"""
+    B, H, T, _ = query_terms.shape
+    total = query_terms.new_zeros(())
     for b in range(B):
         pad = excluded[b].all(0).all(0)  # shape: (T,)
         for h in range(H):
-            total, real = x.new_zeros(Dv), 0
-            for i in range(T):
-                S = (~excluded[b, h, i]).nonzero()[:, 0]
-                if len(S) == 0:
-                    variance[b, h, i] = Kj[b, h, i, i]
-                    continue
-                Kss = Kj[b, h][S][:, S]
-                L = torch.linalg.cholesky(Kss)
-                mean[b, h, i] = K[b, h, i, S] @ v[b, h, S]
-                if i in S.tolist():
-                    row = L[S.tolist().index(i)]
-                    variance[b, h, i] = row.square() @ s2[b, h, S]
-                else:
-                    a = torch.linalg.solve_triangular(L, K[b, h, S, i][:, None], upper=False)[:, 0]
-                    variance[b, h, i] = Kj[b, h, i, i] - a.square().sum() + a.square() @ s2[b, h, S]
-                vs, ss = v[b, h, S], s2[b, h, S]
-                query_kl[b, h, i] = 0.5 * ((ss - 1 - ss.log()).sum(0) + (vs * (Kss @ vs)).sum(0))
-                if not pad[i]:
-                    total, real = total + query_kl[b, h, i], real + 1
-            kl_seq = kl_seq + total.sum() / max(real, 1) / B
-    return {"mean": mean, "variance": variance, "query_kl": query_kl, "kl_seq": kl_seq}
+            real = [i for i in range(T) if not pad[i] and not bool(excluded[b, h, i].all())]
+            if real:
+                total = total + sum(query_terms[b, h, i].sum() for i in real) / len(real) / B
+    return total
 
 
 def sgpa_decoupled_global_keys(layer) -> torch.Tensor:
@@ -215,26 +230,17 @@ def sgpa_decoupled_masked_dense_moments(layer, x: torch.Tensor, excluded: torch.
     Kqq, Kqg = exponential_gram(layer.kernel, qk, qk), exponential_gram(layer.kernel, qk, kg)
     Kgg = _relative_jitter(exponential_gram(layer.kernel, kg, kg), layer.strategy.jitter)
     vg = layer.strategy.variational_distribution.inducing_values.detach()  # shape: (H, M, Dv)
-    B, H, T, Dv = v.shape
-    mean, query_gamma = (torch.zeros(B, H, T, Dv, dtype=x.dtype) for _ in range(2))
-    kl_seq = x.new_zeros(())
-    for b in range(B):
-        pad = excluded[b].all(0).all(0)  # shape: (T,)
-        for h in range(H):
-            total, real = x.new_zeros(Dv), 0
-            for i in range(T):
-                S = (~excluded[b, h, i]).nonzero()[:, 0]
-                mean[b, h, i] = Kqg[b, h, i] @ vg[h]
-                if len(S) == 0:
-                    continue
-                vs, Kgs = v[b, h, S], Kqg[b, h, S].T  # shape: (|S|, Dv), (M, |S|)
-                mean[b, h, i] += Kqq[b, h, i, S] @ vs - Kqg[b, h, i] @ torch.linalg.solve(Kgg[h], Kgs @ vs)
-                Q = Kqq[b, h][S][:, S] - Kgs.T @ torch.linalg.solve(Kgg[h], Kgs)
-                query_gamma[b, h, i] = 0.5 * (vs * (Q @ vs)).sum(0)
-                if not pad[i]:
-                    total, real = total + query_gamma[b, h, i], real + 1
-            kl_seq = kl_seq + total.sum() / max(real, 1) / B
+    mean, query_gamma = torch.zeros_like(v), torch.zeros_like(v)
+    for b, h, i, S in _query_sets(excluded):
+        mean[b, h, i] = Kqg[b, h, i] @ vg[h]
+        if len(S) == 0:
+            continue
+        vs, Kgs = v[b, h, S], Kqg[b, h, S].T  # shape: (|S|, Dv), (M, |S|)
+        mean[b, h, i] += Kqq[b, h, i, S] @ vs - Kqg[b, h, i] @ torch.linalg.solve(Kgg[h], Kgs @ vs)
+        Q = Kqq[b, h][S][:, S] - Kgs.T @ torch.linalg.solve(Kgg[h], Kgs)
+        query_gamma[b, h, i] = 0.5 * (vs * (Q @ vs)).sum(0)
     covariance = _decoupled(layer, x, None)[1]
+    kl_seq = _mean_over_real_queries(query_gamma, excluded)
     return {"mean": mean, "query_gamma": query_gamma, "covariance": covariance, "kl_seq": kl_seq}
 
 
