@@ -289,7 +289,8 @@ class _Objective:
         if log_prior is not None:
             parts["log_prior"] = log_prior
             loss = loss - log_prior / self.num_data
-        parts.update(beta=nll.new_tensor(weights.beta), alpha=nll.new_tensor(weights.alpha), loss=loss)
+        # new_full fills on the device; new_tensor would copy a host scalar and synchronise every step
+        parts.update(beta=nll.new_full((), weights.beta), alpha=nll.new_full((), weights.alpha), loss=loss)
         return parts
 
 

@@ -280,3 +280,22 @@ def test_compile_breaks_none_in_deterministic_mode(tmp_path):
         if r["mode"] == "deterministic":
             assert (r["graphs"], r["breaks"]) == (1, 0), r
     assert "| softmax | deterministic | 1 | 0 |" in (tmp_path / "breaks.md").read_text()
+
+
+@pytest.mark.slow  # child processes; ~8 s on one core
+def test_gpu_check_smoke_on_cpu(tmp_path):
+    """benchmarks/gpu_check.py (the CUDA end-to-end check) runs its ``layers`` check with the CPU as the
+    "device" and reports every item as passed: the script a GPU session runs has not rotted."""
+    import subprocess
+
+    out = tmp_path / "gc"
+    cmd = [sys.executable, str(BENCH / "gpu_check.py"), "--device", "cpu", "--checks", "layers"]
+    run = subprocess.run(
+        [*cmd, "--variants", "softmax,sgpa-decoupled", "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["overall"] == "PASS" and [c["check"] for c in report["checks"]] == ["layers"]
+    items = report["checks"][0]["data"]["items"]
+    assert {i["name"] for i in items} >= {"softmax", "sgpa-decoupled"} and all(i["status"] == "pass" for i in items)
+    assert "| layers | pass |" in (out / "gpu_check.md").read_text()

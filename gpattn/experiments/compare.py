@@ -38,6 +38,7 @@ from gpattn.experiments.training import (
     _for_model,
     _same_run,
     evaluate_predictions,
+    resolve_device,
     train,
 )
 from gpattn.objectives import DEFAULT_ALPHA
@@ -267,7 +268,8 @@ def compare(
                 bundle = load_dataset(
                     base.dataset, data_dir=base.data_dir, download=base.download, seed=seed, **base.dataset_options
                 )
-                bundles[seed] = _for_model(base, bundle)  # re-tokenised by an encoder's tokenizer (--encoder)
+                # re-tokenised by an encoder's tokenizer (--encoder); the frozen trunk runs on the runs' device
+                bundles[seed] = _for_model(base, bundle, resolve_device(base.device))
                 summaries[seed] = data_summary(bundles[seed])
                 if len(summaries) == 1:
                     for line in summary_lines(summaries[seed]):

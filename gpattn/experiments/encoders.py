@@ -141,13 +141,14 @@ def _layers(cfg):
 
 
 @torch.no_grad()
-def trunk_bundle(bundle, cfg, batch_size: int = 128) -> DatasetBundle:
+def trunk_bundle(bundle, cfg, batch_size: int = 128, device=None) -> DatasetBundle:
     """``bundle`` (re-tokenised: :func:`encoder_bundle`) with every split's token ids replaced by the
     frozen trunk's output ``(N, T, D)`` float32 for ``cfg`` (the pretrained encoder's embeddings and layers
     below the first of ``cfg.attention_layers``; eval mode), computed in batches sorted by length. The
     bundle's ``info["trunk"]`` records the trunk (its layer count) and the token ids' fingerprint, which
     stands for the hidden states in :func:`gpattn.experiments.data.summary.bundle_fingerprint`. A bundle
-    already holding this trunk's outputs is returned."""
+    already holding this trunk's outputs is returned. The trunk runs on ``device`` (a ``torch.device``;
+    default the CPU) and the outputs are kept on the CPU, as every split is."""
     from gpattn.experiments.data.summary import bundle_fingerprint
     from gpattn.integrations.huggingface import HFClassifier, _layer_indices
 
@@ -161,7 +162,8 @@ def trunk_bundle(bundle, cfg, batch_size: int = 128) -> DatasetBundle:
         return bundle
     trunk = HFClassifier.from_pretrained(
         path, bundle.num_classes, attention="softmax", attention_layers=_layers(cfg), frozen_trunk=True
-    ).eval()
+    ).eval().to(device or "cpu")
+    device = next(trunk.parameters()).device
     source = bundle_fingerprint(bundle)
     splits = {}
     for key, split in bundle.splits.items():
@@ -172,8 +174,8 @@ def trunk_bundle(bundle, cfg, batch_size: int = 128) -> DatasetBundle:
         for start in range(0, n, batch_size):
             rows = order[start : start + batch_size]
             longest = max(int(lengths[rows].max()), 1)
-            mask = None if split.mask is None else split.mask[rows, :longest]
-            out[rows, :longest] = trunk.trunk(split.inputs[rows, :longest], mask).float()
+            mask = None if split.mask is None else split.mask[rows, :longest].to(device)
+            out[rows, :longest] = trunk.trunk(split.inputs[rows, :longest].to(device), mask).float().cpu()
         splits[key] = Split(out, split.labels, split.mask, split.groups)
     info = {**bundle.info, "trunk": {**spec, "source_fingerprint": source}}
     return dataclasses.replace(bundle, splits=splits, info=info)

@@ -603,21 +603,22 @@ def load_run(path, device=None) -> tuple[TrainConfig, torch.nn.Module, object, d
     bundle = load_dataset(
         cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
     )
-    bundle = _for_model(cfg, bundle)
+    bundle = _for_model(cfg, bundle, device)
     model = build_model(cfg, bundle).to(device)
     model.load_state_dict(ckpt["model"])
     return cfg, model, bundle, ckpt
 
 
-def _for_model(cfg: TrainConfig, bundle):
+def _for_model(cfg: TrainConfig, bundle, device=None):
     """The data as the model reads it: re-tokenised by the encoder's tokenizer with ``cfg.encoder``, and
-    with the frozen-trunk recipe the trunk's outputs in place of the token ids."""
+    with the frozen-trunk recipe the trunk's outputs in place of the token ids (the trunk run on
+    ``device``, a ``torch.device``; default the CPU)."""
     if cfg.encoder is None:
         return bundle
     from gpattn.experiments.encoders import encoder_bundle, trunk_bundle
 
     bundle = encoder_bundle(bundle, cfg)
-    return trunk_bundle(bundle, cfg) if cfg.encoder_recipe == "frozen-trunk" else bundle
+    return trunk_bundle(bundle, cfg, device=device) if cfg.encoder_recipe == "frozen-trunk" else bundle
 
 
 def _as_device(device) -> torch.device:
@@ -668,7 +669,7 @@ def train(
         bundle = load_dataset(
             cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
         )
-    bundle = _for_model(cfg, bundle)
+    bundle = _for_model(cfg, bundle, resolve_device(cfg.device))
     from gpattn.experiments.data.summary import data_summary
     from gpattn.experiments.inference import bundle_meta
 

@@ -119,14 +119,17 @@ def key_padding_mask(attention_mask: torch.Tensor | None, shape) -> torch.Tensor
     if cached is not None and cached() is m:
         return result
     if m.dtype == torch.bool:
-        allowed, plain = m, True
+        allowed, plain = m, None
     elif m.is_floating_point():
         blocked = m <= torch.finfo(m.dtype).min / 2
-        allowed, plain = ~blocked, ((m == 0) | blocked).all()
+        allowed, plain = ~blocked, (m == 0) | blocked
     else:
         raise ValueError(f"attention_mask must be bool (True = attend) or floating (additive), got {m.dtype}")
     padding = ~allowed[:, 0, :1, :].expand(B, T, T)  # the first query's row, for every query
-    if not bool(plain) or not bool((~allowed[:, 0] == padding).all()):  # one host read per mask
+    pads_only = (~allowed[:, 0] == padding).all()
+    if plain is not None:
+        pads_only = pads_only & plain.all()
+    if not bool(pads_only):  # one host read per mask
         return _attention_matrix_mask(m, shape)
     result = padding[:, 0].contiguous()
     _mask_cache[:] = [weakref.ref(m), result]

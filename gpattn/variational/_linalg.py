@@ -90,7 +90,7 @@ def add_jitter(A: torch.Tensor, jitter: float | torch.Tensor) -> torch.Tensor:
     if not torch.is_tensor(jitter):
         if jitter == 0:
             return A
-        jitter = torch.tensor(jitter, dtype=A.dtype, device=A.device)
+        jitter = A.new_full((), jitter)  # made on A's device: no host-to-device copy, no synchronisation
     value = jitter.to(A.dtype)[..., None]  # shape: (..., 1), against the diagonal (..., n)
     batch = torch.broadcast_shapes(A.shape[:-2], value.shape[:-1])
     out = A.expand(*batch, *A.shape[-2:]).clone()
