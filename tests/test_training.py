@@ -361,3 +361,53 @@ def test_compare_checks_every_variant_before_training(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="variant 'kep-svgp' cannot be built with its options .*nothing was trained"):
         compare("sgpa,kep-svgp", [0], tmp_path, base, progress=False, log=lambda s: None)
     assert not (tmp_path / "runs").exists()
+
+
+def test_compare_variant_settings_apply_to_every_spec_of_that_variant(tmp_path):
+    """A preset's ``variant_settings`` ({name: {TrainConfig field: value}}): every run of that attention
+    (its +ts and +ensN too) takes them, the other variants the base; report.md says so; bad settings
+    fail before anything trains."""
+    from gpattn.experiments.compare import compare
+
+    base = TrainConfig(dataset="digits", **{**TINY, "epochs": 1})
+    results = compare(
+        "softmax,kernel,kernel+ts,kernel+ens2", [0], tmp_path, base, progress=False, log=lambda s: None,
+        variant_settings={"kernel": {"epochs": 2, "lr": 2e-3}},
+    )
+    assert set(results) == {"softmax", "kernel", "kernel+ts", "kernel+ens2"}
+    for run, epochs, lr in (("softmax", 1, base.lr), ("kernel", 2, 2e-3)):
+        cfg = json.loads((tmp_path / "runs" / run / "seed0" / "config.json").read_text())
+        assert (cfg["epochs"], cfg["lr"]) == (epochs, lr), run
+        assert len(json.loads((tmp_path / "runs" / run / "seed0" / "history.json").read_text())) == epochs
+    assert json.loads((tmp_path / "runs" / "kernel" / "seed1000" / "config.json").read_text())["epochs"] == 2
+    assert "`kernel` runs with its own settings (every spec of it): epochs = 2, lr = 0.002" in (
+        tmp_path / "report.md"
+    ).read_text()
+    for bad, words in (
+        ({"nope": {"epochs": 2}}, "nope"),
+        ({"kernel": {"epoch": 2}}, r"unknown TrainConfig fields \['epoch'\]"),
+        ({"kernel": {"seed": 3}}, "cannot differ between the variants"),
+        ({"kernel": {"epochs": 0}}, "epochs must be a positive int"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            compare("kernel", [0], tmp_path / "bad", base, progress=False, log=lambda s: None, variant_settings=bad)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_cli_variant_settings_yield_to_flags(monkeypatch):
+    """``train --preset P --attention NAME`` takes the preset's settings for NAME; an explicit flag wins,
+    in train and in compare."""
+    from gpattn.experiments import cli, presets
+
+    monkeypatch.setitem(
+        presets.PRESETS, "vs-test", dict(dataset="digits", epochs=3, seeds=[0], variants="softmax,kernel",
+                                         variant_settings={"kernel": {"epochs": 7, "lr": 0.5}})
+    )
+    parser = cli.build_parser()
+    args = parser.parse_args(["train", "--preset", "vs-test", "--attention", "kernel", "--out", "x"])
+    cfg, _ = cli._config(args, attention="kernel")
+    assert (cfg.epochs, cfg.lr) == (7, 0.5)
+    args = parser.parse_args(["train", "--preset", "vs-test", "--attention", "kernel", "--epochs", "2", "--out", "x"])
+    assert cli._config(args, attention="kernel")[0].epochs == 2
+    args = parser.parse_args(["compare", "--preset", "vs-test", "--epochs", "2", "--out", "x"])
+    assert cli._unflagged(args, presets.PRESETS["vs-test"]["variant_settings"]) == {"kernel": {"lr": 0.5}}

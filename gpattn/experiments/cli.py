@@ -128,6 +128,14 @@ def _validate_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+#: the TrainConfig fields that command-line flags set (given explicitly, they override a preset)
+_FLAG_FIELDS = (
+    "dataset", "data_dir", "download", "attention_layers", "encoder", "encoder_max_len", "encoder_recipe", "epochs",
+    "batch_size", "lr", "num_samples", "embed_dim", "num_heads", "num_layers", "dropout", "beta", "alpha",
+    "checkpoint_every", "kl_scaling", "device", "precision",
+)
+
+
 def _config(args, **extra):
     from gpattn.experiments.presets import PRESET_ONLY, get_preset
     from gpattn.experiments.training import TrainConfig
@@ -141,29 +149,8 @@ def _config(args, **extra):
         own = preset.get("variant_options", {}).get(extra.get("attention"))
         if own:
             values["attention_options"] = {**own, **values.get("attention_options", {})}
-    for f in (
-        "dataset",
-        "data_dir",
-        "download",
-        "attention_layers",
-        "encoder",
-        "encoder_max_len",
-        "encoder_recipe",
-        "epochs",
-        "batch_size",
-        "lr",
-        "num_samples",
-        "embed_dim",
-        "num_heads",
-        "num_layers",
-        "dropout",
-        "beta",
-        "alpha",
-        "checkpoint_every",
-        "kl_scaling",
-        "device",
-        "precision",
-    ):
+        values.update(preset.get("variant_settings", {}).get(extra.get("attention"), {}))  # flags still override
+    for f in _FLAG_FIELDS:
         val = getattr(args, f, None)
         if val is not None:
             values[f] = val
@@ -256,6 +243,14 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def _unflagged(args, variant_settings: dict | None) -> dict | None:
+    """A preset's per-variant settings less the fields the command line gives explicitly."""
+    if not variant_settings:
+        return variant_settings
+    given = {f for f in _FLAG_FIELDS if getattr(args, f, None) is not None}
+    return {name: {k: v for k, v in own.items() if k not in given} for name, own in variant_settings.items()}
+
+
 def cmd_compare(args) -> int:
     from gpattn.experiments.compare import compare
 
@@ -270,6 +265,7 @@ def cmd_compare(args) -> int:
         compare(
             variants, seeds, args.out, cfg, progress=cfg.progress, ood_scores=args.ood_score,
             variant_options=preset.get("variant_options"), budget_minutes=preset.get("budget_minutes"),
+            variant_settings=_unflagged(args, preset.get("variant_settings")),
         )
     print(f"wrote {Path(args.out) / 'report.md'}")
     return 0

@@ -222,7 +222,7 @@ def _log(message: str) -> None:
 
 def compare(
     variants, seeds, out, base: TrainConfig, progress: bool = True, log=_log, ood_scores=("msp",),
-    variant_options: dict | None = None, budget_minutes: float | None = None,
+    variant_options: dict | None = None, budget_minutes: float | None = None, variant_settings: dict | None = None,
 ) -> dict:
     """Train / evaluate every variant spec for every seed; write ``results.json``, ``data.json``,
     ``report.md`` and the plots under ``out``; return the results dict ``{spec: {seed: metrics}}``.
@@ -230,7 +230,9 @@ def compare(
     ``ood_scores``: the OOD scores (:data:`gpattn.experiments.metrics.OOD_SCORE_NAMES`) shown in report.md and the
     histograms (every score is in results.json). ``variant_options``: per-variant default options
     (a preset's), beneath the options a spec gives in brackets. ``budget_minutes``: the time a preset states
-    for itself (on 2 CPU cores), printed in report.md beside the measured wall time."""
+    for itself (on 2 CPU cores), printed in report.md beside the measured wall time. ``variant_settings``:
+    per-variant ``TrainConfig`` fields (a preset's, ``{name: {field: value}}``) for every run of that
+    attention, its post-hoc and ensemble modifiers included; report.md lists them."""
     from gpattn.experiments import metrics as M
     from gpattn.experiments.data import load_dataset
     from gpattn.experiments.data.summary import data_summary, summary_lines
@@ -245,7 +247,12 @@ def compare(
     for score in ood_scores:
         M.ood_score_key(score, "ood_auroc")  # ValueError listing the accepted names
     specs = expand_variants(variants, variant_options)
+    variant_settings = _check_variant_settings(variant_settings, base)
     notes = _option_notes(specs, base)
+    for name, own in variant_settings.items():
+        if own and any(s.attention == name for s in specs):
+            shown = ", ".join(f"{k} = {v!r}" for k, v in own.items())
+            notes.append(f"`{name}` runs with its own settings (every spec of it): {shown}; the others with the base.")
     _check_specs(specs, base)
     for note in notes:
         log(f"[compare] {note}")
@@ -284,8 +291,8 @@ def compare(
                 collapse = []
                 for j in range(spec.ensemble):
                     cfg, folder, member = _run(
-                        base, spec, seed + 1000 * j, out, bundle, progress, summaries[seed]["fingerprint"], log,
-                        trained,
+                        dataclasses.replace(base, **variant_settings.get(spec.attention, {})), spec, seed + 1000 * j,
+                        out, bundle, progress, summaries[seed]["fingerprint"], log, trained,
                     )
                     runs.add(folder)
                     members.append(_laplace_predictions(cfg, folder, bundle, member) if spec.laplace else member)
@@ -324,6 +331,34 @@ def compare(
         trained=(len(trained), len(runs)),
     )
     return results
+
+
+#: TrainConfig fields a variant's own settings may not set (compare sets them per spec and seed)
+_PER_SPEC_FIELDS = ("attention", "attention_options", "mc_dropout", "seed", "progress", "dataset", "dataset_options",
+                    "data_dir", "download", "encoder", "encoder_recipe", "encoder_max_len")
+
+
+def _check_variant_settings(variant_settings: dict | None, base: TrainConfig) -> dict:
+    """``{name: {TrainConfig field: value}}`` checked: registered names, fields that exist and may differ
+    between the variants of one comparison (not the data or the encoder: every variant reads the same
+    bundle), values that make a valid TrainConfig."""
+    settings = dict(variant_settings or {})
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for name, own in settings.items():
+        attention_class(name)  # ValueError listing the valid names
+        if not isinstance(own, dict):
+            raise ValueError(f"variant_settings[{name!r}] must be a dict of TrainConfig fields, got {own!r}")
+        bad = sorted(set(own) - fields)
+        if bad:
+            raise ValueError(f"variant_settings[{name!r}]: unknown TrainConfig fields {bad}")
+        fixed = sorted(set(own) & set(_PER_SPEC_FIELDS))
+        if fixed:
+            raise ValueError(
+                f"variant_settings[{name!r}]: {fixed} cannot differ between the variants of one comparison "
+                f"(set per spec and seed, or shared data); use the base configuration"
+            )
+        dataclasses.replace(base, **own)  # the TrainConfig's own checks
+    return settings
 
 
 def _spec_options(base: TrainConfig, spec: VariantSpec) -> dict:
