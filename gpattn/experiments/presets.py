@@ -56,7 +56,8 @@ _COLA_PAPER_OPTIONS = {"sto": dict(STO_PRESETS["cola"]), "h-sto": dict(H_STO_PRE
 # x 5 epochs overfits (MCC 0.211, NLL 0.740, ECE 0.157), at 2e-4 x 3 epochs it is calibrated already (MCC 0.216,
 # NLL 0.607, ECE 0.066) but sgpa stays near the majority class (MCC 0.059); 5e-4 x 3 epochs trains both (sgpa
 # 0.193, softmax 0.216). Cost: one BERT layer per step, ~0.2 s per batch of 32 on one core; one
-# `compare --preset cola-minilm` call on the 2 cores trained the 27 runs in 51 min (2026-11-25, docs/results.md).
+# `compare --preset cola-minilm` call on the 2 cores trained the 27 runs in 51 min (2026-11-25), 65 min with
+# kep-svgp at 5 epochs (2026-11-26, docs/results.md).
 _LR_MINILM = 5e-4
 # kep-svgp's rank on CoLA: 5, the released CoLA setting (10 is its CIFAR / IMDB one). On cola-minilm (3 seeds,
 # 2026-11-25) rank 10 gave in-domain MCC 0.128 ± 0.041, rank 5 0.176 ± 0.025 (MSP 0.203); no other rank was tried.
