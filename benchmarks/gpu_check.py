@@ -1380,16 +1380,13 @@ def check_hf(rec: Recorder, device: str, args) -> None:
     for attention in ("sgpa", "kep-svgp"):
         rec.item(f"BERT swap {attention} bf16 autocast step", lambda a=attention: bf16_step(a), need_s=3)
 
-    def tiny_encoder(transformers):
+    def tiny_encoder(transformers, vocab_size=50, max_position_embeddings=24, **dropouts):
+        """A tiny random BERT (width 16, 2 layers, 2 heads), seeded; ``dropouts``: the config's dropout
+        probabilities (default 0: deterministic forwards)."""
+        dropouts = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **dropouts}
         config = transformers.BertConfig(
-            vocab_size=50,
-            hidden_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=32,
-            max_position_embeddings=24,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
+            vocab_size=vocab_size, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            max_position_embeddings=max_position_embeddings, **dropouts,
         )
         torch.manual_seed(0)
         return transformers.BertModel(config, add_pooling_layer=False)
@@ -1498,16 +1495,9 @@ def check_hf(rec: Recorder, device: str, args) -> None:
             enc.mkdir(parents=True, exist_ok=True)
             (enc / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
             transformers.BertTokenizerFast(vocab_file=str(enc / "vocab.txt")).save_pretrained(enc)
-            config = transformers.BertConfig(
-                vocab_size=len(vocab),
-                hidden_size=16,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                intermediate_size=32,
-                max_position_embeddings=40,
-            )
-            torch.manual_seed(0)
-            transformers.BertModel(config, add_pooling_layer=False).save_pretrained(enc)
+            tiny_encoder(  # BERT's default dropouts: the runs train with them
+                transformers, len(vocab), 40, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1
+            ).save_pretrained(enc)
         folder = work / f"run-{recipe}"
         argv = [
             "train",
