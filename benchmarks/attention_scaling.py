@@ -275,14 +275,15 @@ def _local_plot(rows, path, title):
     fig.savefig(path, dpi=120)
 
 
-def to_markdown(result) -> str:
-    """Markdown tables (fwd+bwd and forward, ms and ratio to softmax per T; slopes) of a result dict."""
-    rows, meta = result["rows"], result["meta"]
-    ts = meta["ts"]
+def ratio_tables(rows, ts, modes) -> list[str]:
+    """Markdown lines: per mode, a table of median ms (× softmax in the same run) and peak extra MiB per T
+    for every variant of ``rows`` (a case that did not run shows its status and †)."""
     labels = list(dict.fromkeys(r["variant"] for r in rows))
     key = {(r["variant"], r["T"], r["mode"]): r for r in rows}
     out = []
-    for mode in reversed(MODES):
+    for mode in modes:
+        if not any(r["mode"] == mode for r in rows):
+            continue
         out.append(f"**{mode}** — median ms (× softmax in the same run); peak extra MiB")
         out.append("")
         out.append(
@@ -307,6 +308,15 @@ def to_markdown(result) -> str:
                     mems.append(f"{r['peak_mb']:.0f}")
             out.append(f"| {v} | " + " | ".join(cells) + " | " + " | ".join(mems) + " |")
         out.append("")
+    return out
+
+
+def to_markdown(result) -> str:
+    """Markdown tables (fwd+bwd and forward, ms and ratio to softmax per T; slopes) of a result dict."""
+    rows, meta = result["rows"], result["meta"]
+    ts = meta["ts"]
+    labels = list(dict.fromkeys(r["variant"] for r in rows))
+    out = ratio_tables(rows, ts, list(reversed(MODES)))
     skipped = [r for r in rows if r["status"] != "ok"]
     if skipped:
         out.append("† " + "; ".join(f"{r['variant']} T={r['T']} {r['mode']}: {r['reason']}" for r in skipped))

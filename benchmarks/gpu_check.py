@@ -1220,19 +1220,14 @@ def check_hf(rec: Recorder, device: str, args) -> None:
 
         return transformers
 
-    def tiny_config(transformers, impl, **kw):
-        return transformers.BertConfig(
-            vocab_size=100,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=32,
-            attn_implementation=impl,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            **kw,
+    def tiny_config(transformers, impl="sdpa", **kw):
+        """A tiny BERT config, 2 layers and 2 heads (default width 32, vocabulary 100, no dropout); ``kw``
+        overrides any field."""
+        fields = dict(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         )
+        return transformers.BertConfig(attn_implementation=impl, **{**fields, **kw})
 
     def batch(B=3, T=7):
         g = torch.Generator().manual_seed(0)
@@ -1383,9 +1378,8 @@ def check_hf(rec: Recorder, device: str, args) -> None:
     def tiny_encoder(transformers, vocab_size=50, max_position_embeddings=24, **dropouts):
         """A tiny random BERT (width 16, 2 layers, 2 heads), seeded; ``dropouts``: the config's dropout
         probabilities (default 0: deterministic forwards)."""
-        dropouts = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **dropouts}
-        config = transformers.BertConfig(
-            vocab_size=vocab_size, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        config = tiny_config(
+            transformers, vocab_size=vocab_size, hidden_size=16, intermediate_size=32,
             max_position_embeddings=max_position_embeddings, **dropouts,
         )
         torch.manual_seed(0)
@@ -1721,35 +1715,12 @@ def _measure_local(name, options, T, mode, batch, heads, head_dim, warmup, min_r
 
 
 def _timing_table(rows, ts) -> str:
-    out = []
-    for mode in ("fwd+bwd", "forward"):
-        sub = [r for r in rows if r["mode"] == mode]
-        if not sub:
-            continue
-        out += [
-            f"**{mode}** — median ms (× softmax); peak extra MiB",
-            "",
-            "| variant | " + " | ".join(f"T={t}" for t in ts) + " | " + " | ".join(f"MiB T={t}" for t in ts) + " |",
-            "|---|" + "---:|" * (2 * len(ts)),
-        ]
-        key = {(r["variant"], r["T"]): r for r in sub}
-        for v in dict.fromkeys(r["variant"] for r in sub):
-            cells, mems = [], []
-            for t in ts:
-                r = key.get((v, t))
-                if r is None:
-                    cells.append("")
-                    mems.append("")
-                elif r["status"] != "ok":
-                    cells.append(f"{r['status']}: {r.get('reason', '')[:40]}")
-                    mems.append("")
-                else:
-                    ratio = r.get("ratio_to_softmax")
-                    cells.append(f"{r['ms_median']:.2f} ({ratio:.2f}×)" if ratio else f"{r['ms_median']:.2f}")
-                    mems.append(_fmt(r.get("peak_mb"), ".0f"))
-            out.append(f"| {v} | " + " | ".join(cells) + " | " + " | ".join(mems) + " |")
-        out.append("")
-    return "\n".join(out)
+    """attention_scaling.py's tables (one per mode) of this run's timing rows."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import attention_scaling
+
+    return "\n".join(attention_scaling.ratio_tables(rows, ts, ("fwd+bwd", "forward")))
 
 
 # ============================================================================= child and parent
