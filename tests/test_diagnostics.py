@@ -47,7 +47,10 @@ def _history(summary, nll):
 
 def test_a_layer_whose_mean_is_under_its_noise_is_flagged():
     torch.manual_seed(0)
-    model = TransformerClassifier(2, vocab_size=50, embed_dim=16, num_heads=2, num_layers=2, attention="sgpa-decoupled")
+    model = TransformerClassifier(
+        2, vocab_size=50, embed_dim=16, num_heads=2, num_layers=2, attention="sgpa-decoupled",
+        attention_options={"prior_mean": "zero"},  # the paper's form: kl_seq and kl_global
+    )  # fmt: skip
     healthy = _model_stats(model)
     assert [row["layer"] for row in healthy["layers"]] == [0, 1]
     for row in healthy["layers"]:  # every GP layer: its KL terms and its scale against its input
@@ -120,9 +123,15 @@ def test_plain_train_on_a_users_table_does_not_collapse(tmp_path, attention):
         embed_dim=32, num_heads=2, num_layers=2, batch_size=32, num_samples=4, progress=False,
     )  # fmt: skip
     assert cfg.beta == 1.0 and cfg.alpha == DEFAULT_ALPHA
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", GPCollapseWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", GPCollapseWarning)
         metrics = train(cfg, tmp_path / "run")
+    messages = [str(w.message) for w in caught if issubclass(w.category, GPCollapseWarning)]
+    # this table is solvable word by word, and cgp's attention path is weak (docs/results.md, the attention
+    # suite): it may be flagged as not attending here (measured, seed 0: context effect 0.021 in layer 0), but
+    # never as collapsed or at the base rate
+    allowed = "does not attend" if attention == "cgp" else None
+    assert [m for m in messages if allowed is None or allowed not in m] == [], messages
     # balanced classes: majority rate 1/3. Measured (seed 0, 4 epochs): sgpa 0.73, sgpa-decoupled 0.85,
     # kep-svgp 0.77; at the previous initialisation 0.62, 0.63 and 0.40
     assert metrics["in_domain"]["accuracy"] >= 0.7, metrics["in_domain"]

@@ -41,7 +41,13 @@ from tqdm.auto import tqdm
 
 from gpattn._settings import is_validating
 from gpattn.experiments._io import load_file
-from gpattn.experiments.diagnostics import EpochStats, GPCollapseWarning, base_rate_entropy, collapse_warnings
+from gpattn.experiments.diagnostics import (
+    EpochStats,
+    GPCollapseWarning,
+    attention_use,
+    base_rate_entropy,
+    collapse_warnings,
+)
 from gpattn.kernels import require_kernel_spec
 from gpattn.models import TransformerClassifier, ViTClassifier
 from gpattn.objectives import DEFAULT_ALPHA, DeepGPELBO
@@ -59,6 +65,8 @@ __all__ = [
 
 CHECKPOINT = "checkpoint.pt"
 DIVERGED = "diverged.json"
+#: sequences of the validation split on which each epoch measures every attention layer's attention use
+ATTENTION_PROBE = 128
 #: the collapse checks of a finished run (gpattn.experiments.diagnostics): base-rate entropy and warnings
 COLLAPSE = "collapse.json"
 #: settings that change where and how a run executes, not what it computes: a run trained with other
@@ -706,6 +714,8 @@ def train(
         alpha_anneal_steps=cfg.alpha_anneal_steps,
         kl_scaling=cfg.kl_scaling,
     )
+    probe = bundle.splits["val"] if len(bundle.splits["val"]) else train_split  # the attention-use probe
+    probe_rows = torch.arange(min(ATTENTION_PROBE, len(probe)))
     step, history = 0, []
     stats = EpochStats()  # epoch means of the loss parts and of each GP layer's scale (gpattn.experiments.diagnostics)
     base_rate = base_rate_entropy(train_split.labels, bundle.num_classes)
@@ -785,6 +795,8 @@ def train(
                     entry = {"epoch": epoch + 1, "step": step, **dict(zip(keys, values.tolist()))}
                     # the epoch's means over its steps and ranks (the keys above are the last batch's)
                     entry.update(_reduced(stats, dist).summary(), base_rate_entropy=base_rate)
+                    # does each attention layer use the other tokens? (gpattn.experiments.diagnostics)
+                    entry["attention_use"] = attention_use(model, *_batch(probe, probe_rows, device)[:2])
                     history.append(entry)
                     bar.set_postfix(loss=f"{entry['train']['loss']:.3f}", refresh=False)  # read once an epoch
                     stats = EpochStats()
