@@ -22,6 +22,7 @@ COVARIANCES = ("full", "diag")
 
 def _layer(covariance="full", jitter=1e-3, dtype=F64, **options):
     torch.manual_seed(0)
+    options = {"prior_mean": "zero", **options}  # the paper's form (§11a); the attention mean: test_prior_mean.py
     layer = gpattn.build_attention("sgpa", D, H, covariance=covariance, jitter=jitter, **options).to(dtype)
     with torch.no_grad():  # amortised scales away from 1, so that the KL's trace terms are not 0
         layer.strategy.variational_distribution.weight.normal_(0, 0.5)

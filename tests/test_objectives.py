@@ -115,12 +115,14 @@ def test_errors():
 
 # ----------------------------------------------------------------------------- the MLL idiom on a model
 def _mixed_model(seed=0):
-    """Three GP layers whose terms cover every library kind: sgpa-decoupled (kl_seq, kl_global),
-    kep-svgp (kl_global, ksvd), cgp (cgp); float64, after one forward."""
+    """Three GP layers whose terms cover every library kind: sgpa-decoupled in the paper's form (kl_seq,
+    kl_global; the attention prior mean has no kl_seq), kep-svgp (kl_global, ksvd), cgp (cgp); float64,
+    after one forward."""
     torch.manual_seed(seed)
     model = TransformerClassifier(
-        3, vocab_size=30, embed_dim=16, num_heads=2, num_layers=3, attention="sgpa-decoupled", dropout=0.0
-    )
+        3, vocab_size=30, embed_dim=16, num_heads=2, num_layers=3, attention="sgpa-decoupled", dropout=0.0,
+        attention_options={"prior_mean": "zero"},
+    )  # fmt: skip
     model.encoder.blocks[1].attn = gpattn.build_attention("kep-svgp", 16, 2, rank=3, num_landmarks=5)
     model.encoder.blocks[2].attn = gpattn.build_attention("cgp", 16, 2)
     model = model.double()

@@ -29,6 +29,7 @@ def perturb(layer):
 class TestSGPA(GPAttentionTestCase):
     attention = "sgpa"
     invariants = ()  # at the default options: tests/test_attention_invariants.py
+    options = {"prior_mean": "zero"}  # the paper's form (§5a); the attention prior mean: test_prior_mean.py
     float64_options = {"jitter": 0.0}
     mean_tolerance = covariance_tolerance = {"rtol": 1e-10, "atol": 1e-10}
 
@@ -55,7 +56,7 @@ class TestSGPADiag(TestSGPA):
     """covariance="diag": the reference is the diagonal of the full one (independent tokens); every
     invariant runs in this mode."""
 
-    options = {"covariance": "diag"}
+    options = {"covariance": "diag", "prior_mean": "zero"}
     invariants = None
     covariance_tolerance = {"rtol": 1e-10, "atol": 1e-12}
     independent_tokens = True
@@ -152,7 +153,7 @@ def test_option_errors():
         gpattn.build_attention("sgpa", D, H, covariance="low-rank")
     with pytest.raises(ValueError, match="jitter"):
         gpattn.build_attention("sgpa", D, H, jitter=-1.0)
-    layer = gpattn.build_attention("sgpa", D, H)
+    layer = gpattn.build_attention("sgpa", D, H, prior_mean="zero")
     qk = torch.randn(2, H, 6, DH)
     with pytest.raises(ValueError, match="keys and values"):
         layer.strategy.condition(qk, torch.randn(2, H, 5, DH))

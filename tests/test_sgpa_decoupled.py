@@ -31,14 +31,14 @@ class TestSGPADecoupled(GPAttentionTestCase):
     """covariance="full" (exact joint samples); every invariant runs in this mode."""
 
     attention = "sgpa-decoupled"
-    options = {"covariance": "full"}
+    options = {"covariance": "full", "prior_mean": "zero"}  # the paper's form (§5b)
     float64_options = {"jitter": 0.0, "num_global": M}
     reference_seeds = (0, 1)
     reference_padding = {1: (1, 5)}
     mean_tolerance = covariance_tolerance = {"rtol": 1e-8, "atol": 1e-8}
     moment_padding = (0, 3)  # padding at the start: the full mode's real-first Cholesky
     long_padding = slice(0, 100)
-    exact_options = {"num_global": 8, "covariance": "full"}
+    exact_options = {"num_global": 8, "covariance": "full", "prior_mean": "zero"}
 
     def perturb(self, layer):
         q_u = layer.strategy.variational_distribution
@@ -60,7 +60,7 @@ class TestSGPADecoupled(GPAttentionTestCase):
 class TestSGPADecoupledDiag(TestSGPADecoupled):
     """covariance="diag", the registered default (its invariants: tests/test_attention_invariants.py)."""
 
-    options = {"covariance": "diag"}
+    options = {"covariance": "diag", "prior_mean": "zero"}
     invariants = ()
     independent_tokens = True
     exact_options = None  # the full mode's
@@ -127,7 +127,7 @@ def test_global_keys_at_sequence_keys_reduce_to_standard_sgpa():
     """Limiting case: global keys = the sequence's keys, v_g = v_a, S̃_d = diag(s_d²) gives exactly the
     standard SGPA posterior (mean K v, covariance L Σ̃_d Lᵀ)."""
     torch.manual_seed(0)
-    std = gpattn.build_attention("sgpa", D, H, jitter=0.0).double()
+    std = gpattn.build_attention("sgpa", D, H, jitter=0.0, prior_mean="zero").double()
     with torch.no_grad():
         std.strategy.variational_distribution.weight.normal_(0, 0.4)
     x = inputs(B=1)
@@ -139,7 +139,9 @@ def test_global_keys_at_sequence_keys_reduce_to_standard_sgpa():
     with torch.no_grad():
         q_u.inducing_values.copy_(p["v"][0])
         q_u.chol_variational_covar.copy_(torch.diag_embed(s.transpose(-1, -2)))
-    dec = DecoupledSGPAVariationalStrategy(std.kernel, q_u, torch.zeros(H, T, D), jitter=0.0, covariance="full")
+    dec = DecoupledSGPAVariationalStrategy(
+        std.kernel, q_u, torch.zeros(H, T, D), jitter=0.0, covariance="full", prior_mean="zero"
+    )
     post = dec(p["qk"], p["v"], p["qk"][0])
     ref_post = ref.posterior()
     torch.testing.assert_close(post.mean, ref_post.mean, rtol=1e-8, atol=1e-8)
@@ -163,7 +165,7 @@ def test_each_head_global_keys_use_that_heads_W_qk():
     """Perturbing head h's rows of W_qk changes head h's global keys only; each head's keys equal
     Z_g[h] projected like a token and sliced at head h (docs/derivations.md §5b Released code differs (i))."""
     torch.manual_seed(0)
-    layer = gpattn.build_attention("sgpa-decoupled", 12, 3, num_global=4)
+    layer = gpattn.build_attention("sgpa-decoupled", 12, 3, num_global=4, prior_mean="zero")
     Z = layer.strategy.inducing_inputs.detach()
     kg = layer.global_keys().detach()
     for h in range(3):
@@ -238,7 +240,9 @@ def _gpytorch_vs_ours(diag_scale=None):
     """(ours mean, GPyTorch mean, extra-term prediction, ours KL, GPyTorch KL, KL-extra prediction) for
     one (b, h, d), float64, T = 12, M = 5."""
     torch.manual_seed(0)
-    layer = gpattn.build_attention("sgpa-decoupled", 4, 1, num_global=5, jitter=0.0, covariance="full").double()
+    layer = gpattn.build_attention(
+        "sgpa-decoupled", 4, 1, num_global=5, jitter=0.0, covariance="full", prior_mean="zero"
+    ).double()
     q_u = layer.strategy.variational_distribution
     with torch.no_grad():
         q_u.inducing_values.normal_(0, 0.5)
@@ -296,7 +300,7 @@ def test_option_errors():
         gpattn.build_attention("sgpa-decoupled", D, H, covariance="low-rank")
     with pytest.raises(ValueError, match="jitter"):
         gpattn.build_attention("sgpa-decoupled", D, H, jitter=float("nan"))
-    layer = gpattn.build_attention("sgpa-decoupled", D, H, num_global=M)
+    layer = gpattn.build_attention("sgpa-decoupled", D, H, num_global=M, prior_mean="zero")
     p = layer.project(torch.randn(2, 6, D))
     with pytest.raises(ValueError, match="global_keys"):
         layer.strategy.condition(p["qk"], p["v"], torch.randn(H, M, DH + 1))

@@ -24,7 +24,9 @@ COVARIANCES = ("full", "diag")
 
 def _layer(covariance="full", jitter=1e-3, dtype=F64):
     torch.manual_seed(0)
-    layer = gpattn.build_attention("sgpa-decoupled", D, H, covariance=covariance, jitter=jitter, num_global=M)
+    layer = gpattn.build_attention(
+        "sgpa-decoupled", D, H, covariance=covariance, jitter=jitter, num_global=M, prior_mean="zero"
+    )
     with torch.no_grad():  # global coefficients and S̃ away from their initial values, so that β and A ũ count
         q_u = layer.strategy.variational_distribution
         q_u.variational_mean.normal_(0, 0.5)

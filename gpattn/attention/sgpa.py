@@ -9,14 +9,32 @@ from gpytorch.kernels import Kernel
 from gpattn.attention._gp import GPAttention
 from gpattn.attention.registry import register
 from gpattn.kernels import make_kernel
-from gpattn.variational._scale import PRIOR_VARIANCE
+from gpattn.variational._scale import PRIOR_VARIANCE, attention_lengthscale
+from gpattn.variational.means import check_prior_mean
 from gpattn.variational.sgpa import AmortisedDiagonalVariationalDistribution, SGPAVariationalStrategy
 from gpattn.variational.sgpa_decoupled import (
     DecoupledSGPAVariationalStrategy,
     WhitenedGlobalVariationalDistribution,
 )
 
-__all__ = ["DecoupledSGPAttention", "SGPAttention"]
+__all__ = ["DEFAULT_KERNEL", "DecoupledSGPAttention", "SGPAttention"]
+
+
+#: the kernel of ``kernel=None`` per prior mean: the stationary ARD-RBF with the attention mean (its rows are
+#: a similarity smoother and its prior variance does not grow with the sharpness of the attention), the
+#: exponential dot-product kernel of Chen & Li (2023) on text with the paper's zero mean (docs/derivations.md §5c)
+DEFAULT_KERNEL = {"attention": "ard-rbf", "zero": "exponential"}
+
+
+def _kernel(kernel, num_heads: int, head_dim: int, prior_mean: str):
+    """The kernel of a spec on the stream's scale; with the attention prior mean its lengthscale starts at
+    Dh^¼, so that the mean starts at softmax attention's temperature (docs/derivations.md §5c)."""
+    if kernel is None:
+        kernel = DEFAULT_KERNEL[check_prior_mean(prior_mean)]
+    lengthscale = attention_lengthscale(head_dim) if prior_mean == "attention" else None
+    return make_kernel(
+        kernel, num_heads, head_dim, prior_variance=PRIOR_VARIANCE, lengthscale=lengthscale, rbf="ard-rbf"
+    )
 
 
 @register("sgpa")
@@ -26,13 +44,18 @@ class SGPAttention(GPAttention):
     :math:`K_{qk} v` and the whitened amortised covariance gives :math:`\Sigma_d = L \tilde\Sigma_d L^\top`.
     Symmetric kernel (W_q = W_k: projections ("qk", "v")). Cost O(T³) per (B, H).
 
-    :param kernel: a kernel spec (:mod:`gpattn.kernels`, docs/kernels.md): ``"exponential"`` (default,
-        text), ``"ard-rbf"`` (images; the legacy ``"rbf"`` means it here), a composition such as
+    :param kernel: a kernel spec (:mod:`gpattn.kernels`, docs/kernels.md): ``"ard-rbf"`` (the default with
+        ``prior_mean="attention"``; the legacy ``"rbf"`` means it here), ``"exponential"`` (the default with
+        ``prior_mean="zero"``: Chen & Li's text kernel), a composition such as
         ``{"name": "sum", "kernels": ["exponential", "ard-rbf"]}``, or a gpytorch ``Kernel`` (batch_shape
         ``(H,)`` or ``()``, ``ard_num_dims`` = Dh; checked here).
     :param jitter: relative jitter of the Cholesky factor (1e-6 suits float32; 0 for float64 checks).
     :param covariance: ``"full"`` (default: exact joint samples; with L shared, as cheap as ``"diag"``)
         or ``"diag"`` (independent tokens).
+    :param prior_mean: ``"attention"`` (default: the GP's prior mean is normalised kernel attention, so the
+        posterior mean attends without a per-sequence KL on it and ``kl_seq`` pays only for the amortised
+        covariance; docs/derivations.md §5c) or ``"zero"`` (Chen & Li's form: mean :math:`K_{qk} v`, paid by
+        the per-sequence KL).
 
     Loss terms: ``kl_seq`` — the KL, summed over heads and Dv, averaged over the batch (docs/derivations.md §9).
 
@@ -53,17 +76,19 @@ class SGPAttention(GPAttention):
         embed_dim: int,
         num_heads: int,
         *,
-        kernel: str | dict | Kernel = "exponential",
+        kernel: str | dict | Kernel | None = None,
         jitter: float = 1e-6,
         covariance: str = "full",
+        prior_mean: str = "attention",
         **base,
     ):
         super().__init__(embed_dim, num_heads, **base)
         self.strategy = SGPAVariationalStrategy(
-            make_kernel(kernel, num_heads, self.head_dim, prior_variance=PRIOR_VARIANCE, rbf="ard-rbf"),
+            _kernel(kernel, num_heads, self.head_dim, prior_mean),
             AmortisedDiagonalVariationalDistribution(num_heads, self.head_dim, self.value_dim),
             jitter=jitter,
             covariance=covariance,
+            prior_mean=prior_mean,
         )
 
 
@@ -79,9 +104,13 @@ class DecoupledSGPAttention(GPAttention):
     :param covariance: ``"diag"`` (default, the released code's mode: independent tokens) or
         ``"full"`` (exact joint samples).
     :param jitter: relative jitter (1e-6 suits float32; 0 for float64 checks).
+    :param prior_mean: ``"attention"`` (default: the prior mean is normalised kernel attention over the
+        sequence, which replaces the amortised γ-basis; the posterior is m(q) + the global part, and the only
+        KL is the global ``kl_global``; docs/derivations.md §5c) or ``"zero"`` (Chen & Li's form, below).
 
-    Loss terms: ``kl_seq`` — the γ-part (input-dependent), summed over heads and Dv, averaged over the
-    batch; ``kl_global`` — the β-part (global parameters), summed (docs/derivations.md §9).
+    Loss terms (``prior_mean="zero"``): ``kl_seq`` — the γ-part (input-dependent), summed over heads and Dv,
+    averaged over the batch; ``kl_global`` — the β-part (global parameters), summed (docs/derivations.md §9).
+    With the attention prior mean: ``kl_global`` alone.
 
     Masks: any ``attn_mask`` (docs/derivations.md §11b). A mask that pads is ``key_padding_mask``; under any
     other (causal, per query, per head) query i's mean basis is the keys it may attend to, while the
@@ -98,21 +127,23 @@ class DecoupledSGPAttention(GPAttention):
         embed_dim: int,
         num_heads: int,
         *,
-        kernel: str | dict | Kernel = "exponential",
+        kernel: str | dict | Kernel | None = None,
         num_global: int = 16,
         covariance: str = "diag",
         jitter: float = 1e-6,
+        prior_mean: str = "attention",
         **base,
     ):
         super().__init__(embed_dim, num_heads, **base)
         if isinstance(num_global, bool) or not isinstance(num_global, int) or num_global < 1:
             raise ValueError(f"num_global must be a positive int, got {num_global!r}")
         self.strategy = DecoupledSGPAVariationalStrategy(
-            make_kernel(kernel, num_heads, self.head_dim, prior_variance=PRIOR_VARIANCE, rbf="ard-rbf"),
+            _kernel(kernel, num_heads, self.head_dim, prior_mean),
             WhitenedGlobalVariationalDistribution(num_heads, num_global, self.value_dim),
             torch.randn(num_heads, num_global, embed_dim),
             jitter=jitter,
             covariance=covariance,
+            prior_mean=prior_mean,
         )
         self._qk_offset = sum(self._proj_widths[: self.projections.index("qk")])
 

@@ -118,30 +118,31 @@ def _carries_scale(node) -> bool:
     return name in _SCALED
 
 
-def _build(node, num_heads: int, head_dim: int, variance: float | None) -> Kernel:
+def _build(node, num_heads: int, head_dim: int, variance: float | None, lengthscale: float | None = None) -> Kernel:
     r"""The kernel of a parsed spec. ``variance``: the prior variance κ(x, x) this node starts with (a
     sum splits it equally between its terms, a product gives it to its first factor with an
     outputscale and 1 to the others, ``scale`` keeps it and builds its base at 1); ``None`` keeps each
-    kernel's own initial values. Explicit options win over both."""
+    kernel's own initial values. ``lengthscale``: the initial ℓ of the exponential, ARD-RBF and Matérn
+    kernels (default √Dh). Explicit options win over both."""
     name, options, children = node
     batch = torch.Size([num_heads])
     if name == "exponential":
         kern = ExponentialKernel(ard_num_dims=head_dim, batch_shape=batch)
         scaled, shaped = kern, kern
-        if variance is not None:
-            kern.lengthscale = exponential_lengthscale(head_dim)
+        if variance is not None or lengthscale is not None:
+            kern.lengthscale = lengthscale or exponential_lengthscale(head_dim)
     elif name in ("ard-rbf", "matern"):
         shaped = (
             RBFKernel(ard_num_dims=head_dim, batch_shape=batch)
             if name == "ard-rbf"
             else MaternKernel(nu=options.get("nu", 2.5), ard_num_dims=head_dim, batch_shape=batch)
         )
-        shaped.lengthscale = float(head_dim) ** 0.5
+        shaped.lengthscale = lengthscale or float(head_dim) ** 0.5
         kern = scaled = ScaleKernel(shaped, batch_shape=batch) if name == "ard-rbf" else shaped
     elif name == "canonical-rbf":
         kern = scaled = shaped = CanonicalRBFKernel(batch_shape=batch)
     elif name == "scale":
-        base = _build(children[0], num_heads, head_dim, None if variance is None else 1.0)
+        base = _build(children[0], num_heads, head_dim, None if variance is None else 1.0, lengthscale)
         kern = scaled = ScaleKernel(base, batch_shape=batch)
         shaped = None
     else:  # sum, product
@@ -152,7 +153,7 @@ def _build(node, num_heads: int, head_dim: int, variance: float | None) -> Kerne
         else:
             first = next((i for i, c in enumerate(children) if _carries_scale(c)), None)
             shares = [variance if i == first else 1.0 for i in range(len(children))]
-        parts = [_build(c, num_heads, head_dim, v) for c, v in zip(children, shares)]
+        parts = [_build(c, num_heads, head_dim, v, lengthscale) for c, v in zip(children, shares)]
         return AdditiveKernel(*parts) if name == "sum" else ProductKernel(*parts)
     if variance is not None and name in _SCALED:
         scaled.outputscale = variance
@@ -248,6 +249,7 @@ def make_kernel(
     head_dim: int,
     *,
     prior_variance: float | None = None,
+    lengthscale: float | None = None,
     rbf: str | None = None,
     stationary: bool = False,
     name: str = "kernel",
@@ -260,6 +262,8 @@ def make_kernel(
         and ℓ = √Dh for the exponential kernel (the others always start at ℓ = √Dh). ``None`` keeps the
         kernels' own initial values (the kernel-attention baselines). Kernels without an outputscale
         (``"canonical-rbf"``, ``"matern"``) keep κ(x, x) = 1: wrap them in ``"scale"``.
+    :param lengthscale: the initial ℓ of the exponential, ARD-RBF and Matérn kernels of a spec, in place of
+        √Dh (a spec's own ``lengthscale`` option wins).
     :param rbf: what the legacy name ``"rbf"`` means for this layer; ``None``: it is an error.
     :param stationary: accept only stationary specs (:data:`STATIONARY` and their compositions).
     :param name: the argument's name in error messages.
@@ -267,7 +271,7 @@ def make_kernel(
     if isinstance(kernel, Kernel):
         check_kernel(kernel, num_heads, head_dim, name=name)
         return kernel
-    return _build(_parse(kernel, name, rbf, stationary), num_heads, head_dim, prior_variance)
+    return _build(_parse(kernel, name, rbf, stationary), num_heads, head_dim, prior_variance, lengthscale)
 
 
 def _uniform(value: torch.Tensor):

@@ -47,7 +47,8 @@ def _image_attention_options(attention, options: dict | None) -> dict:
     (``"exponential"``) and the caller chose none; a kernel given by the caller is kept."""
     options = dict(options or {})
     if isinstance(attention, str) and "kernel" not in options:
-        if attention_defaults(attention).get("kernel") == "exponential":
+        defaults = attention_defaults(attention)
+        if "kernel" in defaults and defaults["kernel"] in ("exponential", None):  # None: the variant's choice
             options["kernel"] = IMAGE_KERNEL
     return options
 

@@ -28,7 +28,13 @@ __all__ = [
     "scgp_dense_blocks",
     "scgp_dense_moments",
     "scgp_dense_posterior",
+    "attention_mean_dense",
+    "gram_dense",
+    "rbf_gram",
     "sgpa_amortised_std",
+    "sgpa_attention_dense_posterior",
+    "sgpa_attention_masked_dense_moments",
+    "sgpa_decoupled_attention_dense_posterior",
     "sgpa_decoupled_dense_posterior",
     "sgpa_decoupled_global_keys",
     "sgpa_decoupled_kl_parts",
@@ -242,6 +248,101 @@ def sgpa_decoupled_masked_dense_moments(layer, x: torch.Tensor, excluded: torch.
     covariance = _decoupled(layer, x, None)[1]
     kl_seq = _mean_over_real_queries(query_gamma, excluded)
     return {"mean": mean, "query_gamma": query_gamma, "covariance": covariance, "kl_seq": kl_seq}
+
+
+# ------------------------------------------------------------------------------ attention prior mean (§5c)
+def rbf_gram(kernel, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """σ² exp(−½ Σ_i (a_i − b_i)² / ℓ_i²) per head, pair by pair, from a ``ScaleKernel(RBFKernel)``.
+
+    # shape: a (..., H, n, Dh), b (..., H, m, Dh) -> (..., H, n, m)
+    """
+    ell = kernel.base_kernel.lengthscale.detach()  # shape: (H, 1, Dh)
+    s2 = kernel.outputscale.detach()  # shape: (H,)
+    diff = (a / ell)[..., :, None, :] - (b / ell)[..., None, :, :]  # shape: (..., H, n, m, Dh)
+    return s2[:, None, None] * torch.exp(-0.5 * diff.square().sum(-1))
+
+
+def gram_dense(kernel, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The Gram matrix of an ``ExponentialKernel`` or a ``ScaleKernel(RBFKernel)`` by its formula."""
+    from gpytorch.kernels import RBFKernel, ScaleKernel
+
+    if isinstance(kernel, ScaleKernel) and isinstance(kernel.base_kernel, RBFKernel):
+        return rbf_gram(kernel, a, b)
+    return exponential_gram(kernel, a, b)
+
+
+def attention_mean_dense(K: torch.Tensor, v: torch.Tensor, excluded: torch.Tensor | None = None) -> torch.Tensor:
+    """m(q_i) = Σ_{j∈A_i} K_ij v_j / Σ_{j∈A_i} K_ij by the formula (0 where A_i = ∅).
+
+    # shape: K (B, H, T, T), v (B, H, T, Dv), excluded (B, H, T, T) or None -> (B, H, T, Dv)
+    """
+    allowed = torch.ones_like(K, dtype=torch.bool) if excluded is None else ~excluded
+    w = torch.where(allowed, K, torch.zeros_like(K))
+    total = w.sum(-1, keepdim=True)
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    return torch.where(total > 0, (w @ v) / safe, torch.zeros_like(total))
+
+
+def sgpa_attention_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None) -> DenseReference:
+    """Standard SGPA with the attention prior mean (docs/derivations.md §5c): mean = the normalised kernel
+    attention m(q), covariance L diag(s_d²) Lᵀ (L = chol(K + jI), as §5a), KL ½ Σ_t (s² − 1 − log s²) per
+    (b, h, d); ``kl_seq`` its sum over heads and Dv, averaged over the batch. No padding."""
+    if mask is not None:
+        raise ValueError("sgpa_attention_dense_posterior takes no key_padding_mask: compare truncated sequences")
+    qk, v = sgpa_heads(layer, x)
+    K = gram_dense(layer.kernel, qk, qk)  # shape: (B, H, T, T)
+    L = torch.linalg.cholesky(_relative_jitter(K, layer.strategy.jitter))[:, :, None]  # shape: (B, H, 1, T, T)
+    s = sgpa_amortised_std(layer, qk).transpose(-1, -2)  # shape: (B, H, Dv, T)
+    root = L * s[..., None, :]
+    cov = root @ root.mT
+    if layer.strategy.covariance == "diag":
+        cov = torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
+    kl = 0.5 * (s.square() - 1 - s.square().log()).sum(-1)  # shape: (B, H, Dv)
+    mean = attention_mean_dense(K, v).transpose(-1, -2)
+    return DenseReference(mean, cov, {"kl_seq": kl.sum((1, 2)).mean(0)})
+
+
+def sgpa_attention_masked_dense_moments(layer, x: torch.Tensor, excluded: torch.Tensor) -> dict:
+    """Standard SGPA with the attention prior mean under a per-query mask (docs/derivations.md §5c, §11a),
+    one query at a time: mean_i = m over A_i, KL_i = ½ Σ_{j∈A_i} (s_j² − 1 − log s_j²) (the variance is
+    §11a's, unchanged by the mean: :func:`sgpa_masked_dense_moments`).
+
+    # shape: x (B, T, D), excluded (B, H, T, T) bool, padding joined -> mean, query_kl (B, H, T, Dv), kl_seq ()
+    """
+    qk, v = sgpa_heads(layer, x)
+    K = gram_dense(layer.kernel, qk, qk)
+    s2 = sgpa_amortised_std(layer, qk).square()
+    query_kl = torch.zeros_like(v)
+    for b, h, i, S in _query_sets(excluded):
+        query_kl[b, h, i] = 0.5 * (s2[b, h, S] - 1 - s2[b, h, S].log()).sum(0)
+    return {"mean": attention_mean_dense(K, v, excluded), "query_kl": query_kl,
+            "kl_seq": _mean_over_real_queries(query_kl, excluded)}
+
+
+def sgpa_decoupled_attention_dense_posterior(
+    layer, x: torch.Tensor, mask: torch.Tensor | None = None
+) -> DenseReference:
+    """Decoupled SGPA with the attention prior mean (docs/derivations.md §5c): mean m(q) + K_qg v_g (m over the
+    real keys), covariance as §5b, the only loss term ``kl_global`` (β summed)."""
+    qk, v = sgpa_heads(layer, x)
+    kg = sgpa_decoupled_global_keys(layer)
+    Kqq, Kqg = gram_dense(layer.kernel, qk, qk), gram_dense(layer.kernel, qk, kg)
+    Kgg = _relative_jitter(gram_dense(layer.kernel, kg, kg), layer.strategy.jitter)
+    q_u = layer.strategy.variational_distribution
+    vg = q_u.inducing_values.detach()  # shape: (H, M, Dv)
+    Lg = torch.linalg.cholesky(Kgg)
+    St = q_u.chol_variational_covar.detach().tril()
+    St = St @ St.mT  # S̃, shape: (H, Dv, M, M)
+    P = torch.linalg.solve(Kgg, Kqg.mT)[:, :, None]  # K_gg⁻¹ K_gq, shape: (B, H, 1, M, T)
+    cov = (Kqq - Kqg @ torch.linalg.solve(Kgg, Kqg.mT))[:, :, None] + P.mT @ (Lg[:, None] @ St @ Lg[:, None].mT) @ P
+    excluded = None
+    if mask is not None:
+        excluded = mask[:, None, None, :].expand(*Kqq.shape)
+    mean = attention_mean_dense(Kqq, v, excluded) + Kqg @ vg
+    u = Lg.mT @ vg
+    trace, logdet = St.diagonal(dim1=-2, dim2=-1).sum(-1), torch.linalg.slogdet(St)[1]
+    beta = 0.5 * (trace + u.square().sum(-2) - Kgg.shape[-1] - logdet)
+    return DenseReference(mean.transpose(-1, -2), cov, {"kl_global": beta.sum()})
 
 
 # ------------------------------------------------------------------------------ KEP-SVGP (docs/derivations.md §6)

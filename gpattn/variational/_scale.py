@@ -66,6 +66,7 @@ __all__ = [
     "KEP_MEAN_STD",
     "NATIVE_OUTPUT_GAIN",
     "PRIOR_VARIANCE",
+    "attention_lengthscale",
     "check_prior_factor",
     "exponential_lengthscale",
 ]
@@ -86,6 +87,12 @@ CGP_SIGMA = math.sqrt(0.1)
 def exponential_lengthscale(head_dim: int) -> float:
     """ℓ = √Dh: the exponent q·k/ℓ² of a projected LayerNorm-ed token pair stays ≲ 1/3."""
     return math.sqrt(head_dim)
+
+
+def attention_lengthscale(head_dim: int) -> float:
+    """ℓ = Dh^¼ for a kernel whose rows are the attention prior mean (docs/derivations.md §5c): the
+    normalised exponential kernel is then softmax(q·k/√Dh), softmax attention's temperature."""
+    return float(head_dim) ** 0.25
 
 
 #: variance gain of a freshly initialised ``nn.Linear(D, D)`` output map W_o (U(±1/√D) entries): the

@@ -65,6 +65,7 @@ from gpattn.variational._linalg import (
     with_policy,
 )
 from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy
+from gpattn.variational.means import AttentionMean, check_prior_mean
 
 __all__ = [
     "COVARIANCE_MODES",
@@ -193,13 +194,18 @@ class SGPAConditional(AmortisedConditional):
     :ivar std: whitened standard deviations s (1 at padded tokens).  # shape: (B, H, T, Dv)
     """
 
-    def __init__(self, chol, gram, values, std, jitter_abs, covariance):
+    def __init__(self, chol, gram, values, std, jitter_abs, covariance, prior_mean=None):
         self.chol = chol  # shape: (B, H, T, T)
         self.values = values  # shape: (B, H, T, Dv), 0 at padded tokens
         self.std = std  # shape: (B, H, T, Dv)
         self.covariance = covariance
         self._jitter_abs = jitter_abs  # shape: (B, H, 1, 1)
-        self.mean = gram @ values  # shape: (B, H, T, Dv); K̂ v̂ (padded columns of K are out of the basis)
+        #: m(q) of the prior (docs/derivations.md §5c), or None: the paper's zero mean
+        self.prior_mean = prior_mean  # shape: (B, H, T, Dv) or None
+        if prior_mean is None:
+            self.mean = gram @ values  # shape: (B, H, T, Dv); K̂ v̂ (padded columns of K are out of the basis)
+        else:
+            self.mean = prior_mean  # q(ũ) has mean 0: the posterior mean is the prior mean
 
     # -- GPyTorch vocabulary (whitened u-space: ũ = L⁻¹u at the T keys)
     @property
@@ -210,8 +216,9 @@ class SGPAConditional(AmortisedConditional):
 
     @property
     def variational_distribution(self) -> MultivariateNormal:
-        """q(ũ) = N(Lᵀ v, diag s²).  # shape: batch (B, H, Dv), event T"""
-        m_tilde = self.chol.mT @ self.values  # shape: (B, H, T, Dv)
+        """q(ũ) = N(Lᵀ v, diag s²) (zero prior mean), N(0, diag s²) (attention prior mean, ũ = L⁻¹(u − m(k))).
+        # shape: batch (B, H, Dv), event T"""
+        m_tilde = self.chol.mT @ self.values if self.prior_mean is None else torch.zeros_like(self.values)
         return MultivariateNormal(m_tilde.transpose(-1, -2), DiagLinearOperator(self.std.square().transpose(-1, -2)))
 
     def kl_divergence(self) -> torch.Tensor:
@@ -219,11 +226,15 @@ class SGPAConditional(AmortisedConditional):
 
         .. math:: \tfrac12\Big[\sum_t s_{dt}^2 + v_d^\top (K + jI) v_d - T - \sum_t \log s_{dt}^2\Big]
 
-        (padded tokens contribute 0). It depends on the sequence: a per-sequence term (``kl_seq``).
+        (padded tokens contribute 0). It depends on the sequence: a per-sequence term (``kl_seq``). With the
+        attention prior mean (docs/derivations.md §5c) q(ũ) has mean 0 and only the first, third and fourth
+        terms remain: ½ Σ_t (s² − 1 − log s²).
         # shape: -> (B, H, Dv)
         """
         s2 = self.std.square()
         trace_logdet = (s2 - 1 - s2.log()).sum(-2)  # shape: (B, H, Dv)
+        if self.prior_mean is not None:
+            return 0.5 * trace_logdet
         # ‖Lᵀv‖² = vᵀ(K + jI)v, reusing the mean K v
         mahalanobis = (self.values * self.mean).sum(-2) + self._jitter_abs[..., 0] * self.values.square().sum(-2)
         return 0.5 * (trace_logdet + mahalanobis)
@@ -352,12 +363,16 @@ class SGPAVariationalStrategy(_AmortisedVariationalStrategy):
         *,
         jitter: float = 1e-6,
         covariance: str = "full",
+        prior_mean: str = "attention",
     ):
         super().__init__()
         self.kernel = kernel
         self.variational_distribution = variational_distribution
         self.jitter = check_jitter(jitter)
         self.covariance = check_covariance(covariance)
+        self.prior_mean = check_prior_mean(prior_mean)
+        #: the prior mean function (GPyTorch's ``mean_module``): None is the paper's zero mean
+        self.mean_module = AttentionMean() if prior_mean == "attention" else None
 
     def condition(
         self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None
@@ -375,7 +390,8 @@ class SGPAVariationalStrategy(_AmortisedVariationalStrategy):
         check_sequence_inputs(keys, values, mask)
         with gp_algebra(keys.device.type):
             L, K, values, std, jit = self._factorise(keys, values, mask)
-            return SGPAConditional(L, K, values, std, jit, self.covariance)
+            m = None if self.mean_module is None else self.mean_module(K, values)  # K̂: padded keys isolated
+            return SGPAConditional(L, K, values, std, jit, self.covariance, prior_mean=m)
 
     def _factorise(self, keys, values, mask):
         """The padded factors: (L, K̂, v̂, s, jitter).  # shape: mask (B, T) or None"""
@@ -425,10 +441,13 @@ class SGPAVariationalStrategy(_AmortisedVariationalStrategy):
         mean = K.tril() @ values  # shape: (B, H, T, Dv); Σ_{j≤i} K_ij v_j
         s2 = std.square()
         variance = L.square() @ s2  # Σ_{j≤i} L_ij² s_j²: row i of L is row i of the prefix's factor
-        # v_{≤i}ᵀ K̂_{≤i} v_{≤i} as a prefix sum of v_j (2 Σ_{k<j} K_jk v_k + (K_jj + c_j) v_j)
-        diag = K.diagonal(dim1=-2, dim2=-1)[..., None]  # shape: (B, H, T, 1)
-        quad = (values * (2 * mean - (diag - jit[..., None]) * values)).cumsum(-2)
-        query_kl = 0.5 * ((s2 - 1 - s2.log()).cumsum(-2) + quad)  # shape: (B, H, T, Dv)
+        query_kl = 0.5 * (s2 - 1 - s2.log()).cumsum(-2)  # shape: (B, H, T, Dv)
+        if self.mean_module is not None:  # q_i(ũ_S) has mean 0 (docs/derivations.md §5c)
+            T = K.shape[-1]
+            mean = self.mean_module(K, values, torch.ones(T, T, dtype=torch.bool, device=K.device).triu(1))
+        else:  # + ½ v_{≤i}ᵀ K̂_{≤i} v_{≤i}, a prefix sum of v_j (2 Σ_{k<j} K_jk v_k + (K_jj + c_j) v_j)
+            diag = K.diagonal(dim1=-2, dim2=-1)[..., None]  # shape: (B, H, T, 1)
+            query_kl = query_kl + 0.5 * (values * (2 * mean - (diag - jit[..., None]) * values)).cumsum(-2)
         real = keys.new_ones(keys.shape[:3], dtype=torch.bool) if pad is None else ~pad[:, None, :].expand(
             keys.shape[:3]
         )
@@ -447,6 +466,8 @@ class SGPAVariationalStrategy(_AmortisedVariationalStrategy):
         eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
         L = cholesky(torch.where(both, Kj[:, :, None], eye), name="sgpa (K_SS per query)")  # shape: (B, H, T, T, T)
         mean = K.masked_fill(excluded, 0.0) @ values  # masked kernel attention
+        if self.mean_module is not None:  # the prior mean over A_i; q_i(ũ_S) has mean 0 (§5c)
+            mean = self.mean_module(K, values, excluded)
         # L_S⁻¹ K̂_{S,i} per query i (the jittered column: with i ∈ A_i it is row i of L_S)
         a = tri_solve(L, Kj.masked_fill(excluded, 0.0)[..., None])[..., 0]  # shape: (B, H, T, T)
         own = allowed.diagonal(dim1=-2, dim2=-1)  # shape: (B, H, T): i ∈ A_i
@@ -456,8 +477,9 @@ class SGPAVariationalStrategy(_AmortisedVariationalStrategy):
         std = self.variational_distribution(keys)  # shape: (B, H, T, Dv)
         s2 = std.square()
         variance = residual[..., None] + a.square() @ s2  # shape: (B, H, T, Dv)
-        w = allowed[..., None] * values[:, :, None]  # shape: (B, H, T, T, Dv): v_S per query, 0 elsewhere
-        quad = (L.mT @ w).square().sum(-2)  # ‖L_Sᵀ v_S‖² = v_Sᵀ K̂_SS v_S
-        query_kl = 0.5 * (allowed.to(s2.dtype) @ (s2 - 1 - s2.log()) + quad)  # shape: (B, H, T, Dv)
+        query_kl = 0.5 * (allowed.to(s2.dtype) @ (s2 - 1 - s2.log()))  # shape: (B, H, T, Dv)
+        if self.mean_module is None:
+            w = allowed[..., None] * values[:, :, None]  # shape: (B, H, T, T, Dv): v_S per query, 0 elsewhere
+            query_kl = query_kl + 0.5 * (L.mT @ w).square().sum(-2)  # ½‖L_Sᵀ v_S‖² = ½ v_Sᵀ K̂_SS v_S
         real = allowed.any(-1) & ~pad[:, None, :]  # shape: (B, H, T)
         return MaskedSGPAConditional(mean, variance, query_kl, real, self.covariance)

@@ -52,6 +52,7 @@ from gpattn.variational._linalg import (
     tri_solve,
 )
 from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy, sequence_mean
+from gpattn.variational.means import AttentionMean, check_prior_mean
 from gpattn.variational.sgpa import (
     check_covariance,
     check_jitter,
@@ -168,7 +169,16 @@ class DecoupledSGPAConditional(AmortisedConditional):
         """
         return self._gamma(), self._beta()
 
+    @property
+    def has_gamma(self) -> bool:
+        """Whether the posterior has the amortised γ-basis (the paper's zero prior mean) and so a
+        per-sequence KL; with the attention prior mean (docs/derivations.md §5c) it has neither."""
+        return self.gram_values is not None
+
     def _gamma(self) -> torch.Tensor:
+        if not self.has_gamma:  # attention prior mean: no γ-basis
+            return self.values.new_zeros(self.values.shape[0], *self.whitened_values.shape[:1],
+                                         self.values.shape[-1])
         quad_aa = (self.values * self.gram_values).sum(-2)  # shape: (B, H, Dv); v̂ᵀ K_aa v̂
         return 0.5 * (quad_aa - self.proj_values.square().sum(-2))
 
@@ -187,6 +197,8 @@ class DecoupledSGPAConditional(AmortisedConditional):
         """``kl_seq``: the γ-part, per sequence (docs/derivations.md §9); ``kl_global``: the β-part, summed
         over (h, d)."""
         gamma, beta = self.kl_divergence_parts()
+        if not self.has_gamma:
+            return (GlobalKL(beta.sum()),)
         return SequenceKL(sequence_mean(gamma, mask)), GlobalKL(beta.sum())
 
     # -- q(f)
@@ -295,13 +307,22 @@ class MaskedDecoupledSGPAConditional(DecoupledSGPAConditional):
         self.query_gamma = query_gamma
         self.real = real
 
+    @property
+    def has_gamma(self) -> bool:
+        return self.query_gamma is not None
+
     def query_kl_divergence(self) -> torch.Tensor:
-        """The γ-part of each query's KL (0 where A_i = ∅).  # shape: -> (B, H, T, Dv)"""
+        """The γ-part of each query's KL (0 where A_i = ∅; 0 everywhere with the attention prior mean).
+        # shape: -> (B, H, T, Dv)"""
+        if not self.has_gamma:
+            return torch.zeros_like(self.mean)
         return self.query_gamma
 
     def _gamma(self) -> torch.Tensor:
         """The mean of :meth:`query_kl_divergence` over the real queries (β is unchanged: global).
         # shape: -> (B, H, Dv)"""
+        if not self.has_gamma:
+            return super()._gamma()
         real = self.real.to(self.query_gamma.dtype)[..., None]  # shape: (B, H, T, 1)
         return (self.query_gamma * real).sum(-2) / real.sum(-2).clamp_min(1)
 
@@ -344,6 +365,7 @@ class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
         *,
         jitter: float = 1e-6,
         covariance: str = "diag",
+        prior_mean: str = "attention",
     ):
         super().__init__()
         if inducing_inputs.dim() != 3 or inducing_inputs.shape[1] != variational_distribution.num_global:
@@ -356,6 +378,10 @@ class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
         self.inducing_inputs = nn.Parameter(inducing_inputs.clone())  # shape: (H, M, D)
         self.jitter = check_jitter(jitter)
         self.covariance = check_covariance(covariance)
+        self.prior_mean = check_prior_mean(prior_mean)
+        #: the prior mean function (GPyTorch's ``mean_module``; docs/derivations.md §5c): with it the sequence's
+        #: keys and values leave the posterior (no γ-basis, no per-sequence KL); None is the paper's zero mean
+        self.mean_module = AttentionMean() if prior_mean == "attention" else None
 
     def global_keys(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """k_g[h] = Z_g[h] W_qk[h]ᵀ + b_qk[h]: each head's global inputs through *that head's* rows of
@@ -416,6 +442,14 @@ class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
                 jitter=self.jitter,
                 covariance=self.covariance,
             )
+            if self.mean_module is not None:
+                # q(f) = m(q) + A ũ: the β-part alone is variational (docs/derivations.md §5c)
+                pad = None if mask is None else mask[:, None, None, :]
+                not_allowed = pad if excluded is None else excluded
+                mean = self.mean_module(K, values, not_allowed) + A @ u_tilde
+                if excluded is not None:  # the masked conditional for its per-token jitter (causal draws)
+                    return MaskedDecoupledSGPAConditional(mean=mean, query_gamma=None, real=None, **factors)
+                return DecoupledSGPAConditional(mean=mean, gram_values=None, proj_values=None, **factors)
             if excluded is not None:
                 return self._condition_per_query(factors, excluded, causal)
             Kv = K @ values  # shape: (B, H, T, Dv); K_qa v_a (padded keys have v = 0)
