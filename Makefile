@@ -48,7 +48,7 @@ docs: $(STAMP)
 
 # wheel and sdist in dist/, their metadata checked
 dist: $(STAMP)
-	rm -rf dist
+	rm -rf dist build/lib build/bdist.* *.egg-info  # a stale egg-info's SOURCES.txt would add files to the sdist
 	$(BIN)/python -m build --no-isolation --outdir dist .
 	$(BIN)/python -m twine check --strict dist/*
 

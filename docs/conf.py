@@ -86,7 +86,7 @@ html_static_path = []
 html_extra_path = ["../LICENSE"]  # the licence beside the pages
 html_show_sourcelink = False
 
-# Files that another change is rewriting at the time of writing: their docstrings' warnings are listed at
+# Files that another change is rewriting at the time of writing: their warnings (docstrings, pages) are listed at
 # the end of the build, not counted. Empty this once those changes are in and their warnings fixed.
 gpattn_not_yet = (
     "gpattn/attention/",
@@ -94,4 +94,6 @@ gpattn_not_yet = (
     "gpattn/models/",
     "gpattn/objectives.py",
     "gpattn/experiments/diagnostics.py",
+    "docs/derivations.md",
+    "docs/results.md",
 )

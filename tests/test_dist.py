@@ -4,6 +4,7 @@ contract snippet and ``gpattn --help`` and reports its licence, project URLs and
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -39,11 +40,19 @@ def readme_contract() -> str:
     return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
 
 
+#: what a fresh clone does not have: environments, build outputs and setuptools' egg-info (whose stale
+#: SOURCES.txt an sdist build would add to what MANIFEST.in lists)
+NOT_IN_A_CLONE = (".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__", ".pytest_cache", ".ruff_cache")
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
-    """``make dist``'s commands into a fresh folder: (wheel, sdist)."""
+    """``make dist``'s commands, on a copy of the checkout as a fresh clone has it: (wheel, sdist)."""
     out = tmp_path_factory.mktemp("dist")
-    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)])
+    tree = out / "tree"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(*NOT_IN_A_CLONE))
+    shutil.rmtree(tree / "docs" / "api", ignore_errors=True)
+    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(tree)])
     wheels, sdists = sorted(out.glob("*.whl")), sorted(out.glob("*.tar.gz"))
     assert len(wheels) == len(sdists) == 1, sorted(out.iterdir())
     _run([sys.executable, "-m", "twine", "check", "--strict", str(wheels[0]), str(sdists[0])])

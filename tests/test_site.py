@@ -42,7 +42,8 @@ def site(tmp_path_factory):
 @pytest.mark.timeout(1600)
 def test_the_site_builds_with_warnings_as_errors(site):
     html, proc = site
-    log = proc.stdout[-6000:] + proc.stderr[-6000:]
+    warnings = [line for line in proc.stderr.splitlines() if re.search(r"(WARNING|ERROR): ", line)]
+    log = "\n".join(warnings) or proc.stdout[-6000:] + proc.stderr[-6000:]
     assert proc.returncode == 0, log
     # Sphinx's warnings ("file:line: WARNING: ..."); the kernels' own log lines ("[IPKernelApp] WARNING |") are not
     assert "build succeeded" in proc.stdout and not re.search(r"(WARNING|ERROR): ", proc.stderr), log

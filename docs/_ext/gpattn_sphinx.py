@@ -3,11 +3,18 @@
 
 - **API reference.** Every public module (a dotted name with no part starting with ``_``) gets a page
   under ``docs/api/`` (generated at each build, not committed): its docstring and every name in its
-  ``__all__``. A function or class is described once, on the page of the shallowest public module that
-  exports it (``gpattn.build_attention``, not ``gpattn.attention.registry.build_attention``); the
-  other modules that export it link there. A public name without a docstring (classes and functions:
-  their own ``__doc__``; constants: a ``#:`` comment above them), a name in ``__all__`` that the module
-  lacks, and a public module without ``__all__`` are build warnings, so ``-W`` fails on them.
+  ``__all__``. A function or class is described once, on the page of the module that defines it when
+  that module is public (``gpattn.attention.registry.build_attention``), else of the shallowest public
+  module that exports it (``gpattn.attention.GPAttention``, defined in ``gpattn.attention._gp``); the
+  other modules that export it link there, and a reference by any of its names (``gpattn.build_attention``)
+  resolves to that description. A public name without a docstring (classes and functions: their own
+  ``__doc__``; constants: a ``#:`` comment above them), a name in ``__all__`` that the module lacks, and a
+  public module without ``__all__`` are build warnings, so ``-W`` fails on them. The private modules get
+  pages too (internals: what they define that no public module exports), so that references into the
+  strategy protocol and the numerics resolve.
+- **References.** A Python reference that Sphinx cannot resolve by name is resolved by the object it
+  reaches in the code; one that reaches nothing stays a warning (an error under ``-W``); one that reaches
+  a private name that is not described is shown as code.
 - **Navigation.** The README is the home page, as it is on the repository; its toctrees are added to
   it when it is read, so the file stays the plain Markdown a repository shows.
 - **Notebook figures.** The notebooks are scripts that save their figures (``fig.savefig``) and close
