@@ -58,7 +58,7 @@ def test_the_site_builds_with_warnings_as_errors(site):
 def test_derivations_and_results_pages_with_their_figures(site):
     html, _ = site
     derivations = (html / "docs" / "derivations.html").read_text()
-    assert "5a. Standard SGPA" in derivations and "11c." in derivations
+    assert "5a." in derivations and "11c." in derivations  # the pinned section numbering (test_docs.py)
     results = (html / "docs" / "results.html").read_text() + (html / "docs" / "benchmarks.html").read_text()
     shown = set(re.findall(r'<img[^>]+src="[^"]*/([^"/]+\.png)"', results))
     assert set(FIGURES) <= shown, set(FIGURES) - shown
