@@ -16,7 +16,8 @@ import importlib
 from gpattn._settings import deterministic, is_deterministic, is_validating, set_validation, validation
 from gpattn.attention import attention_options, build_attention, list_attention
 
-__version__ = "0.1.0"
+#: gpattn's version (the package metadata reads it from here; CHANGELOG.md lists every version)
+__version__ = "0.2.0"
 
 _SUBMODULES = (
     "attention",

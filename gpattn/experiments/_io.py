@@ -8,16 +8,33 @@ fails with a ``ValueError`` naming the file instead of executing it.
 
 The same policy holds for any file format added later: tokenizers and pretrained weights are read as
 data (JSON, safetensors, ``weights_only=True``), never through full unpickling.
+
+A checkpoint carries the number of its format (``format_version``, :data:`CHECKPOINT_FORMAT`) and the
+gpattn version that wrote it (``gpattn_version``); :func:`check_checkpoint_format` refuses one of another
+format with an error naming both formats, before any of it is used.
 """
 
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 
 import torch
 
-__all__ = ["load_file"]
+from gpattn import __version__
+
+__all__ = ["CHECKPOINT_FORMAT", "check_checkpoint_format", "checkpoint_format", "load_file"]
+
+#: the checkpoint format this gpattn writes and reads. 1: before the GP strategy protocol (gpattn 0.1.0 up
+#: to 2026-11-25; KEP-SVGP's parameters under ``kep.``, CGP's and SCGP's under ``gp.``, decoupled SGPA's
+#: global q(u) as ``inducing_values`` / ``raw_scale_tril``); 2: every GP variant's parameters under
+#: ``strategy.``, q(u) as gpytorch's ``variational_mean`` / ``chol_variational_covar``. A change that an
+#: older gpattn cannot read, or a newer one would read differently, takes the next number (CHANGELOG.md).
+CHECKPOINT_FORMAT = 2
+
+#: state-dict keys that only format 1 has (read when a checkpoint predates the ``format_version`` field)
+_FORMAT_1_KEY = re.compile(r"(^|\.)(kep|gp)\.|(^|\.)(inducing_values|raw_scale_tril)$")
 
 _MARKER = "WeightsUnpickler error:"
 
@@ -43,3 +60,38 @@ def load_file(path, *, map_location="cpu", what: str = "checkpoint"):
         ) from None
     except Exception as err:  # truncated, empty or foreign files fail with EOFError, RuntimeError, ...
         raise ValueError(f"{path} is not a readable gpattn {what} ({type(err).__name__}: {err})") from err
+
+
+def checkpoint_format(ckpt: dict) -> object:
+    """The format of a loaded checkpoint: its ``format_version``, or, for a checkpoint written before
+    that field (gpattn 0.1.0), 1 or 2 read off its model's state-dict keys (:data:`CHECKPOINT_FORMAT`)."""
+    if "format_version" in ckpt:
+        return ckpt["format_version"]
+    model = ckpt.get("model")
+    keys = model.keys() if isinstance(model, dict) else ()
+    return 1 if any(_FORMAT_1_KEY.search(str(k)) for k in keys) else 2
+
+
+def check_checkpoint_format(ckpt: dict, path) -> None:
+    """A ``ValueError`` naming the file, the checkpoint's format and the format this gpattn reads, with
+    what to do, unless the checkpoint is of :data:`CHECKPOINT_FORMAT`."""
+    found = checkpoint_format(ckpt)
+    if found == CHECKPOINT_FORMAT and type(found) is int:
+        return
+    if type(found) is not int:
+        raise ValueError(
+            f"{path}: its format_version is {found!r}, not a format number; this gpattn ({__version__}) reads "
+            f"checkpoint format {CHECKPOINT_FORMAT}: the file was not written by gpattn or was altered"
+        )
+    writer = ckpt.get("gpattn_version")
+    writer = f"written by gpattn {writer}" if writer else "written before checkpoints named their gpattn version"
+    if found < CHECKPOINT_FORMAT:
+        raise ValueError(
+            f"{path} is a checkpoint of format {found} ({writer}); this gpattn ({__version__}) reads checkpoint "
+            f"format {CHECKPOINT_FORMAT} only: train the run again with this version, or load it with the gpattn "
+            f"that wrote it (CHANGELOG.md says what changed between the formats)"
+        )
+    raise ValueError(
+        f"{path} is a checkpoint of format {found} ({writer}), newer than this gpattn ({__version__}) reads "
+        f"(checkpoint format {CHECKPOINT_FORMAT}): upgrade gpattn to load it (pip install --upgrade gpattn)"
+    )

@@ -83,6 +83,8 @@ def _option_value(text: str):
 
 
 def parse_variant(spec: str) -> VariantSpec:
+    """One variant spec of ``compare`` (``name[key=value,...]+modifier...``, e.g. ``sto[tau=2.0]+ts``) as a
+    :class:`VariantSpec`; a ``ValueError`` naming the spec when it does not parse."""
     match = _SPEC.fullmatch(spec)
     if match is None:
         raise ValueError(

@@ -108,9 +108,9 @@ def encoder_bundle(bundle, cfg) -> DatasetBundle:
 
 
 def build_encoder_model(cfg, bundle) -> torch.nn.Module:
-    """:class:`HFClassifier` for ``cfg``: the pretrained weights from the encoder folder, or (a stub
-    bundle from a checkpoint's metadata, ``encoder_config``) a fresh encoder of the saved config whose
-    weights the checkpoint then loads."""
+    """:class:`gpattn.integrations.huggingface.HFClassifier` for ``cfg``: the pretrained weights from the
+    encoder folder, or (a stub bundle from a checkpoint's metadata, ``encoder_config``) a fresh encoder of
+    the saved config whose weights the checkpoint then loads."""
     from gpattn.integrations.huggingface import HFClassifier
 
     kwargs = dict(

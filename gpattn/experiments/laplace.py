@@ -70,6 +70,7 @@ __all__ = [
     "laplace_torch_available",
 ]
 
+#: the Hessian structures of ``fit_last_layer_laplace`` (laplace-torch's names)
 HESSIAN_STRUCTURES = ("kron", "full", "diag")
 BACKENDS = ("laplace-torch", "dense")
 _LOG10_GRID = (-4.0, 4.0, 81)  # evidence grid for the dense back end: 10^-4 .. 10^4, 10 points per decade
@@ -333,7 +334,8 @@ def fit_last_layer_laplace(
         the dense back end supports ``"full"`` only.
     :param prior_precision: ``"marglik"`` (maximise the Laplace evidence) or a positive float.
     :param backend: ``"laplace-torch"`` (needs the ``gpattn[laplace]`` extra) or ``"dense"``.
-    :param marglik_steps, marglik_lr: laplace-torch's evidence optimisation (Adam on log lambda).
+    :param marglik_steps: laplace-torch's evidence optimisation (Adam on log lambda): its steps ...
+    :param marglik_lr: ... and its learning rate.
     """
     head = _head_of(model)
     _check_split(train_split, "train_split")

@@ -15,7 +15,7 @@ Conventions, decided once here:
 - NLL clamps p̄(y) at ``NLL_EPS = 1e-12`` before the log, so one impossible label costs 27.6 nats.
 - ECE / MCE bins: ``n_bins`` equal-width, right-closed bins (lo, hi] with edges ``i / n_bins``; the
   first bin is [0, 1/n_bins] (it includes 0). A confidence exactly on an edge goes to the lower bin.
-  ECE = Σ_b (n_b / N) |acc_b − conf_b|, MCE = max over non-empty bins of |acc_b − conf_b|.
+  ECE = Σ_b (n_b / N) ``|acc_b − conf_b|``, MCE = max over non-empty bins of ``|acc_b − conf_b|``.
   ``mode="classwise"`` bins every class probability p̄_k against the indicator 1[y = k] and averages the
   per-class ECE over classes (Kull et al. 2019; the "static calibration error"); its MCE is the max over
   classes and bins.
@@ -77,6 +77,7 @@ __all__ = [
     "temperature_scale",
 ]
 
+#: the metrics of every split in ``metrics.json``, in order
 METRIC_KEYS = (
     "accuracy",
     "mcc",
@@ -91,8 +92,10 @@ METRIC_KEYS = (
     "aupr_error",
     "fpr95",
 )
+#: the metrics an OOD split adds (in-domain vs that split, score = max probability)
 OOD_KEYS = ("ood_auroc", "ood_aupr_in", "ood_aupr_out", "ood_fpr95")
 
+#: probabilities are clipped below at this value before the log of the NLL
 NLL_EPS = 1e-12
 _ROW_SUM_TOL = 1e-4
 _RANGE_TOL = 1e-6  # float32 round-off tolerated on [0, 1] before clipping
@@ -295,7 +298,7 @@ def _mce_of(b: CalibrationBins) -> float:
 
 
 def ece(probs, labels, n_bins: int = 15, mode: str = "top") -> float:
-    """Expected calibration error: Σ_b (n_b/N) |acc_b − conf_b| over right-closed equal-width bins.
+    """Expected calibration error: Σ_b (n_b/N) ``|acc_b − conf_b|`` over right-closed equal-width bins.
 
     ``mode="classwise"`` averages the per-class ECE over classes (see the module docstring).
     """
@@ -303,7 +306,7 @@ def ece(probs, labels, n_bins: int = 15, mode: str = "top") -> float:
 
 
 def mce(probs, labels, n_bins: int = 15, mode: str = "top") -> float:
-    """Maximum calibration error: max over non-empty bins (and classes, if classwise) of |acc_b − conf_b|."""
+    """Maximum calibration error: max over non-empty bins (and classes, if classwise) of ``|acc_b − conf_b|``."""
     return float(max(_mce_of(b) for b in _calibration_gaps(probs, labels, n_bins, mode)))
 
 
@@ -461,6 +464,7 @@ def ood_scores(probs, kind: str = "max_prob", logits=None, sample_probs=None) ->
       samples (needs ``sample_probs`` (N, P, C), the per-sample softmax outputs).
     - ``"mutual_information"``: −MI = −(H(p̄) − (1/P) Σ_s H(p_s)), the epistemic part of the predictive
       entropy (BALD; needs ``sample_probs``; p̄ is their mean).
+
     ``probs`` may be None for the last three.
     """
     if kind in ("max_prob", "entropy"):

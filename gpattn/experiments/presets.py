@@ -69,6 +69,7 @@ _KEP_RANK_COLA = 5
 _KEP_SETTINGS_COLA = {"epochs": 5}
 _BUDGET_MINILM = 80
 
+#: every preset of ``gpattn compare --preset NAME``: its TrainConfig settings, variants, seeds and stated cost
 PRESETS: dict[str, dict] = {
     # `make demo`: every registered variant and the baselines on the embedded digits, 2 seeds, minutes on 2 cores
     "demo": dict(
@@ -133,6 +134,8 @@ PRESETS: dict[str, dict] = {
 
 
 def get_preset(name: str) -> dict:
+    """A copy of the preset ``name`` of :data:`PRESETS` (safe to change); a ``ValueError`` listing the
+    valid names when there is none."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
     return {k: (dict(v) if isinstance(v, dict) else v) for k, v in PRESETS[name].items()}

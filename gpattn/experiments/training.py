@@ -39,8 +39,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from gpattn import __version__
 from gpattn._settings import is_validating
-from gpattn.experiments._io import load_file
+from gpattn.experiments._io import CHECKPOINT_FORMAT, check_checkpoint_format, load_file
 from gpattn.experiments.diagnostics import (
     EpochStats,
     GPCollapseWarning,
@@ -587,6 +588,7 @@ def _load_checkpoint(path: Path, map_location="cpu") -> dict:
     if not isinstance(ckpt, dict) or not {"config", "model"} <= set(ckpt):
         got = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
         raise ValueError(f"{path} is not a gpattn checkpoint: expected a dict with 'config' and 'model', got {got}")
+    check_checkpoint_format(ckpt, path)  # another format: an error naming both, before anything is read
     return ckpt
 
 
@@ -748,6 +750,8 @@ def train(
         if ckpt_path is not None and dist.main:
             atomic_save(
                 {
+                    "format_version": CHECKPOINT_FORMAT,
+                    "gpattn_version": __version__,
                     "config": cfg.to_dict(),
                     "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(),

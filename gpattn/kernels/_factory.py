@@ -49,6 +49,7 @@ KERNEL_OPTIONS = {
 #: the kernels a name builds (the other keys of :data:`KERNEL_OPTIONS` compose them)
 KERNEL_NAMES = ("ard-rbf", "canonical-rbf", "exponential", "matern")
 #: the stationary names (κ(x, x) does not depend on x); sums, products and scales of them are too
+#: the kernel names whose prior variance is a constant (``stationary=True`` accepts only these)
 STATIONARY = ("ard-rbf", "canonical-rbf", "matern")
 #: the name old configs used for both the ARD-RBF and the canonical RBF
 LEGACY_RBF = "rbf"
@@ -209,6 +210,7 @@ def scale_prior_variance(kernel: Kernel, factor: float, *, name: str = "kernel")
     a ``ScaleKernel`` or :class:`ExponentialKernel` scales its own, a sum every term's, a product its first
     factor's that has one (as ``make_kernel``'s ``prior_variance`` places it). The kernel's shape
     (lengthscales, correlations) is unchanged.
+
     :raises ValueError: ``factor`` is not a number > 0, or ``kernel`` has no outputscale where one is
         needed (wrap it in a ``ScaleKernel``)."""
     factor = check_prior_factor(factor)

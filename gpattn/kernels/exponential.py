@@ -20,6 +20,7 @@ class ExponentialKernel(Kernel):
 
     :param ard_num_dims: input width (one lengthscale per dimension), e.g. the head width Dh.
     :param batch_shape: e.g. ``torch.Size([H])`` for one set of hyper-parameters per head.
+
     The lengthscale is initialised to ``Dh ** 0.25`` so that the exponent is ``q·k / sqrt(Dh)`` as in
     softmax attention; the outputscale σ² to 1.
     """

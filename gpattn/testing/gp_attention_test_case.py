@@ -14,11 +14,11 @@ Tests (each a method; a class attribute set to ``None`` switches the shape off w
 not define it):
 
 - ``test_posterior_matches_dense_reference``: ``layer.posterior`` (mean, covariance) and the loss
-  terms against :meth:`dense_reference`, for each seed of ``reference_seeds``;
+  terms against :meth:`GPAttentionTestCase.dense_reference`, for each seed of ``reference_seeds``;
 - ``test_padding_equals_truncated_sequence``: padded tokens (with garbage in them) change nothing
   of the real tokens' posterior and deterministic output against the truncated sequence;
-- ``test_sample_moments``: ``moment_samples`` draws (:meth:`draw_samples`) against the posterior's
-  analytic mean and covariance (5 standard errors), tokens correlated unless ``independent_tokens``;
+- ``test_sample_moments``: ``moment_samples`` draws (:meth:`GPAttentionTestCase.draw_samples`) against
+  the posterior's analytic mean and covariance (5 standard errors), tokens correlated unless ``independent_tokens``;
 - ``test_deterministic_is_posterior_mean``: under ``gpattn.deterministic()`` the layer is
   W_o(posterior mean);
 - ``test_monte_carlo_average_is_deterministic_layer``: E[layer(x)] = the deterministic layer
@@ -28,9 +28,9 @@ not define it):
 - ``test_float32_forward_backward_at_T1024``: float32, T = 1024 with 100 padded tokens: finite
   output, loss terms and gradients.
 
-:meth:`make_layer` builds a float64 layer (``embed_dim``, ``num_heads``, ``options``) and calls
-:meth:`perturb` to move it away from its initialisation; :meth:`check_truncation_extras` adds a
-variant's own checks to the padding test.
+:meth:`GPAttentionTestCase.make_layer` builds a float64 layer (``embed_dim``, ``num_heads``,
+``options``) and calls :meth:`GPAttentionTestCase.perturb` to move it away from its initialisation;
+:meth:`GPAttentionTestCase.check_truncation_extras` adds a variant's own checks to the padding test.
 """
 
 from __future__ import annotations
@@ -77,13 +77,15 @@ def _heads_to_tokens(heads: torch.Tensor) -> torch.Tensor:
 class GPAttentionTestCase(BaseAttentionTestCase):
     """Mixin for GP variants: the invariants plus the GP shapes listed in the module docstring.
 
-    :cvar embed_dim, num_heads: the width D and H of the float64 test layer.
+    :cvar embed_dim: the width D of the float64 test layer.
+    :cvar num_heads: its H.
     :cvar float64_options: options added to ``options`` for the float64 test layer (e.g. ``jitter=0``
         for verification); the invariants and the T = 1024 test use ``options`` alone.
     :cvar reference_seeds: layer / input seeds of the dense-reference test.
     :cvar reference_padding: ``{row: padded positions}`` of the (2, 6) reference input, or ``None``.
-    :cvar mean_tolerance, covariance_tolerance, loss_term_tolerance: ``torch.testing.assert_close``
-        keywords of the reference test (``{}``: its float64 defaults).
+    :cvar mean_tolerance: ``torch.testing.assert_close`` keywords of the reference test's mean (``{}``:
+        its float64 defaults); ``covariance_tolerance`` and ``loss_term_tolerance`` the same for the
+        covariance and the loss terms.
     :cvar truncation_padding: padded positions of row 1 of a (2, ``truncation_length``) input
         (``None``: no padding test); ``truncation_garbage`` scales N(0, 1) garbage in them (0: none).
     :cvar moment_samples: P of the moments test (``None``: no moments test); ``moment_padding`` the
@@ -116,7 +118,7 @@ class GPAttentionTestCase(BaseAttentionTestCase):
 
     # ------------------------------------------------------------------ hooks
     def make_layer(self, seed: int = 0, **options):
-        """The float64 layer under test, seeded, moved off its initialisation by :meth:`perturb`."""
+        """The float64 layer under test, seeded, moved off its initialisation by :meth:`GPAttentionTestCase.perturb`."""
         torch.manual_seed(seed)
         options = {**self.options, **self.float64_options, **options}
         layer = build_attention(self.attention, self.embed_dim, self.num_heads, **options).double()

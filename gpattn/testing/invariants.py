@@ -222,6 +222,7 @@ def check_errors(name, **options):
     _expect_value_error(lambda: build_attention(name, 8, 3, **options), "divisible")
 
 
+#: every invariant check of :class:`gpattn.testing.BaseAttentionTestCase`, by name
 ATTENTION_INVARIANTS = {
     f.__name__.removeprefix("check_"): f
     for f in (

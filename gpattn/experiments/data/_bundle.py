@@ -57,12 +57,13 @@ def _describe(t: torch.Tensor | None) -> str:
 class Split:
     """One split of a data set: N examples.
 
-    inputs: text ``(N, T)`` int64 token ids (0 = ``<pad>``); images ``(N, C, Hpx, Wpx)`` float32 in [0, 1].
-    labels: ``(N,)`` int64; -1 marks an unknown label (OOD examples of held-out classes).
-    mask:   text ``(N, T)`` bool, True = padding (``key_padding_mask`` convention); images None. (A
-            frozen trunk's outputs, gpattn.experiments.encoders.trunk_bundle, are ``(N, T, D)`` float32
-            inputs with an ``(N, T)`` mask.)
-    groups: optional ``(N,)`` int64, e.g. corruption severity 1..5 of a shift split.
+    :ivar inputs: text ``(N, T)`` int64 token ids (0 = ``<pad>``); images ``(N, C, Hpx, Wpx)`` float32 in
+        [0, 1].
+    :ivar labels: ``(N,)`` int64; -1 marks an unknown label (OOD examples of held-out classes).
+    :ivar mask: text ``(N, T)`` bool, True = padding (``key_padding_mask`` convention); images None. (A
+        frozen trunk's outputs, gpattn.experiments.encoders.trunk_bundle, are ``(N, T, D)`` float32
+        inputs with an ``(N, T)`` mask.)
+    :ivar groups: optional ``(N,)`` int64, e.g. corruption severity 1..5 of a shift split.
     """
 
     inputs: torch.Tensor  # shape: (N, T) or (N, C, Hpx, Wpx)

@@ -45,19 +45,26 @@ __all__ = [
     "read_cifar10",
 ]
 
+#: where ``download=True`` fetches the CIFAR-10 python tarball
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+#: SHA-256 of that tarball (170,498,071 bytes), checked on every read
 CIFAR10_SHA256 = "6d958be074577803d12ecdefd02955f39262c83c16fe9348329d7fe0b5c001ce"  # 170498071 bytes
+#: the tarball's file name in the data folder
 CIFAR10_FILENAME = "cifar-10-python.tar.gz"
 _FOLDER = "cifar-10-batches-py"
+#: the tarball's members read per split (training batches, test batch, meta)
 CIFAR10_MEMBERS = {
     "train": tuple(f"{_FOLDER}/data_batch_{i}" for i in range(1, 6)),
     "test": (f"{_FOLDER}/test_batch",),
     "meta": (f"{_FOLDER}/batches.meta",),
 }
+#: the ten CIFAR-10 classes, in label order
 CLASS_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+#: where CIFAR-10-C is published (read as the ``shift`` split when its ``*.npy`` files are present)
 CIFAR10C_URL = "https://zenodo.org/records/2535967/files/CIFAR-10-C.tar"
+#: the folder of CIFAR-10-C's ``*.npy`` files in the data folder
 CIFAR10C_DIRNAME = "CIFAR-10-C"
-# The 15 corruptions of the benchmark, and the 4 extra ones the archive also holds.
+#: the 15 corruptions of the CIFAR-10-C benchmark (the ``shift`` split)
 CIFAR10C_CORRUPTIONS = (
     "gaussian_noise",
     "shot_noise",
@@ -75,6 +82,7 @@ CIFAR10C_CORRUPTIONS = (
     "pixelate",
     "jpeg_compression",
 )
+#: the 4 extra corruptions the CIFAR-10-C archive also holds (not in the benchmark)
 CIFAR10C_EXTRA_CORRUPTIONS = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
 SHIFT_SOURCES = ("auto", "cifar10c", "synthetic")
 
@@ -225,8 +233,9 @@ def load_cifar10(
     shift_corruptions: Sequence[str] | None = None,
     verify_checksum: bool = True,
 ) -> DatasetBundle:
-    """CIFAR-10 as images ``(3, 32, 32)`` in [0, 1] (splits as :func:`gpattn.experiments.data.fashion_mnist.
-    build_image_bundle`: val = 10 % of the official train set, test = the official test set).
+    """CIFAR-10 as images ``(3, 32, 32)`` in [0, 1] (splits as
+    :func:`gpattn.experiments.data.fashion_mnist.build_image_bundle`: val = 10 % of the official train
+    set, test = the official test set).
 
     - ``ood_classes``: classes held out of training and evaluated as the ``ood`` split (official test
       images of those classes, labels -1); none by default (the 10-class benchmark).

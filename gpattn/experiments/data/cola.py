@@ -18,14 +18,19 @@ from gpattn.experiments.data._text import build_text_bundle
 
 __all__ = ["CLASS_NAMES", "COLA_FILENAME", "COLA_MEMBERS", "COLA_SHA256", "COLA_URL", "load_cola", "read_cola"]
 
+#: where ``download=True`` fetches the official CoLA archive
 COLA_URL = "https://nyu-mll.github.io/CoLA/cola_public_1.1.zip"
+#: SHA-256 of ``cola_public_1.1.zip``, checked on every read
 COLA_SHA256 = "2cf856f46df11c143d38e0cf2f9f34ff2fdb088c521cd859f5c4b9581683278b"
+#: the archive's file name in the data folder
 COLA_FILENAME = "cola_public_1.1.zip"
+#: the archive's raw TSV member of each official split
 COLA_MEMBERS = {
     "in_domain_train": "cola_public/raw/in_domain_train.tsv",
     "in_domain_dev": "cola_public/raw/in_domain_dev.tsv",
     "out_of_domain_dev": "cola_public/raw/out_of_domain_dev.tsv",
 }
+#: CoLA's labels 0 and 1
 CLASS_NAMES = ("unacceptable", "acceptable")
 PRESETS = ("official", "pooled")
 

@@ -17,13 +17,15 @@ from gpattn.experiments.data._split import check_fraction, stratified_split
 
 __all__ = ["CORRUPTIONS", "SEVERITY_PARAMS", "corrupt", "load_digits"]
 
-# Corruption strength per severity 1..5. Noise: std of the additive Gaussian (ImageNet-C's levels);
-# blur: std in pixels of the Gaussian kernel; dropout: probability that a pixel is set to 0 (ink lost).
+#: corruption strength per severity 1..5 of the ``shift`` split: noise, the std of the additive Gaussian
+#: (ImageNet-C's levels); blur, the std in pixels of the Gaussian kernel; dropout, the probability that a
+#: pixel is set to 0 (ink lost)
 SEVERITY_PARAMS = {
     "gaussian_noise": (0.08, 0.12, 0.18, 0.26, 0.38),
     "gaussian_blur": (0.5, 0.75, 1.0, 1.25, 1.5),
     "pixel_dropout": (0.1, 0.2, 0.3, 0.4, 0.5),
 }
+#: the corruptions of the ``shift`` split, in order
 CORRUPTIONS = tuple(SEVERITY_PARAMS)
 
 

@@ -55,28 +55,32 @@ __all__ = [
     "synthetic_shift",
 ]
 
+#: the official mirror of the gzip idx files (``download=True``)
 URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
+#: where Debian's ``dataset-fashion-mnist`` package puts the idx files (read first)
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
+#: the idx file of each part (train/test images and labels)
 FILES = {
     "train_images": "train-images-idx3-ubyte.gz",
     "train_labels": "train-labels-idx1-ubyte.gz",
     "test_images": "t10k-images-idx3-ubyte.gz",
     "test_labels": "t10k-labels-idx1-ubyte.gz",
 }
-# SHA-256 of the decompressed idx files (identical for the official and the Debian files).
+#: SHA-256 of the decompressed idx files (identical for the official and the Debian files)
 PAYLOAD_SHA256 = {
     "train_images": "c59f468a2f672dc815687fe0f83887768d799fd8a3f3276145d20f83aa44d888",  # 47040016 bytes
     "train_labels": "bad3541b69d912435c50bb6ba87bec294ff4f6a2e1246121d8633921760443d9",  # 60008 bytes
     "test_images": "5b4141f0afbad91edebe8549f8fcffe087ea10ca49f1dbef5c9a5cd8815ce37b",  # 7840016 bytes
     "test_labels": "0402a96d92fd2663957122ceb108a494c5af83dab82d92729df917d7dec38c34",  # 10008 bytes
 }
-# SHA-256 of the official gzip files as served by the mirror (checked on download).
+#: SHA-256 of the official gzip files as served by the mirror (checked on download)
 GZ_SHA256 = {
     "train_images": "3aede38d61863908ad78613f6a32ed271626dd12800ba2636569512369268a84",  # 26421880 bytes
     "train_labels": "a04f17134ac03560a47e3764e11b92fc97de4d1bfaf8ba1a3aa29af54cc90845",  # 29515 bytes
     "test_images": "346e55b948d973a97e58d2351dde16a484bd415d4595297633bb08f03db6a073",  # 4422102 bytes
     "test_labels": "67da17c76eaffca5446c3361aaab5c3cd6d1c2608764d35dfb1850b086bf8dd5",  # 5148 bytes
 }
+#: the ten Fashion-MNIST classes, in label order
 CLASS_NAMES = (
     "T-shirt/top",
     "Trouser",

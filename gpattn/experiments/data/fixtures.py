@@ -43,7 +43,9 @@ _NOUNS = (
     "car",
     "table",
 )
+#: words that occur only in the synthetic CoLA fixture's dev split (out-of-vocabulary checks)
 DEV_ONLY_WORDS = ("platypus", "zeppelin", "harpsichord")
+#: words that occur only in the synthetic CoLA fixture's out-of-domain split
 OOD_ONLY_WORDS = ("quasar", "xylophone", "marmalade")
 _NAMES = ("John", "Mary", "Sandy", "Bill", "José")
 _ADJECTIVES = ("old", "happy", "red", "quiet", "tall", "clever", "small")

@@ -104,6 +104,7 @@ def make_fashion_mnist_idx(directory, n_train: int = 120, n_test: int = 60, seed
 _POSITIVE = ("wonderful", "brilliant", "moving", "superb", "delightful", "great", "touching")
 _NEGATIVE = ("awful", "boring", "dreadful", "tedious", "terrible", "bad", "clumsy")
 _NEUTRAL = ("film", "movie", "plot", "actors", "director", "story", "scene", "ending", "music", "script")
+#: words that occur only in the synthetic IMDB fixture's test split
 IMDB_TEST_ONLY_WORDS = ("zeitgeist", "quixotic", "marzipan")
 _IMDB_README = """Large Movie Review Dataset v1.0 (synthetic test fixture, gpattn.experiments.data.fixtures_more)
 

@@ -24,9 +24,13 @@ from gpattn.experiments.data.fashion_mnist import stratified_subsample
 
 __all__ = ["CLASS_NAMES", "IMDB_FILENAME", "IMDB_SHA256", "IMDB_URL", "load_imdb", "read_imdb"]
 
+#: where ``download=True`` fetches the IMDB archive
 IMDB_URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"
+#: SHA-256 of ``aclImdb_v1.tar.gz`` (84,125,825 bytes), checked on every read
 IMDB_SHA256 = "c40f74a18d3b61f90feba1e17730e0d38e8b97c05fde7008942e91923d1658fe"  # 84125825 bytes
+#: the archive's file name in the data folder
 IMDB_FILENAME = "aclImdb_v1.tar.gz"
+#: IMDB's labels 0 and 1
 CLASS_NAMES = ("negative", "positive")
 _MEMBER = re.compile(r"aclImdb/(train|test)/(neg|pos)/(\d+)_(\d+)\.txt")
 _BREAK = re.compile(r"<br\s*/?>", re.IGNORECASE)

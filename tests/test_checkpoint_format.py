@@ -1,0 +1,108 @@
+"""Checkpoints carry their format: a fresh run writes ``format_version`` (and the gpattn version), and a
+checkpoint of another format, older or newer, is refused by every reader (``load_run``, ``evaluate``,
+``--resume``) with an error naming the file, its format and the format this gpattn reads. Checkpoints of
+gpattn 0.1.0, written before the field, are read off their state-dict keys."""
+
+import shutil
+
+import pytest
+import torch
+from _cli_helpers import TINY_DIGITS
+
+import gpattn
+from gpattn.experiments._io import CHECKPOINT_FORMAT, checkpoint_format
+from gpattn.experiments.cli import main
+from gpattn.experiments.training import TrainConfig, load_run, train
+
+TINY = dict(embed_dim=16, num_heads=2, num_layers=1, epochs=1, batch_size=256, patch_size=4, num_samples=2,
+            eval_batch_size=512, progress=False)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished one-epoch softmax run on digits (each test edits a copy of it)."""
+    folder = tmp_path_factory.mktemp("fmt") / "run"
+    train(TrainConfig(dataset="digits", attention="softmax", **TINY), folder)
+    return folder
+
+
+@pytest.fixture
+def run(finished, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(finished, copy)
+    return copy
+
+
+def _rewrite(run, **changes):
+    """Set (value) or drop (None) top-level fields of the run's checkpoint."""
+    path = run / "checkpoint.pt"
+    ckpt = torch.load(path, weights_only=True)
+    for key, value in changes.items():
+        if value is None:
+            ckpt.pop(key, None)
+        else:
+            ckpt[key] = value
+    torch.save(ckpt, path)
+    return path
+
+
+def _format_1_keys(state: dict) -> dict:
+    """A KEP-SVGP layer's parameters as gpattn 0.1.0 named them before the strategy protocol (``kep.``)."""
+    layer = gpattn.build_attention("kep-svgp", embed_dim=16, num_heads=2)
+    old = {f"encoder.blocks.0.attn.{k.replace('strategy.', 'kep.')}": v for k, v in layer.state_dict().items()}
+    assert any(".kep." in k for k in old)
+    return {**state, **old}
+
+
+def test_a_fresh_checkpoint_names_its_format_and_gpattn_version(finished):
+    ckpt = torch.load(finished / "checkpoint.pt", weights_only=True)
+    assert ckpt["format_version"] == CHECKPOINT_FORMAT == 2
+    assert ckpt["gpattn_version"] == gpattn.__version__
+    _, _, _, loaded = load_run(finished)
+    assert loaded["format_version"] == CHECKPOINT_FORMAT
+
+
+@pytest.mark.parametrize("found, words", [(CHECKPOINT_FORMAT + 1, "newer than this gpattn"), (1, "reads checkpoint")])
+def test_load_run_refuses_another_format_naming_both(run, found, words):
+    path = _rewrite(run, format_version=found)
+    with pytest.raises(ValueError) as err:
+        load_run(run)
+    text = str(err.value)
+    assert str(path) in text and words in text, text
+    assert f"checkpoint of format {found} (written by gpattn {gpattn.__version__})" in text, text
+    assert f"checkpoint format {CHECKPOINT_FORMAT}" in text and f"this gpattn ({gpattn.__version__})" in text, text
+
+
+def test_evaluate_and_resume_refuse_a_newer_format(run, capsys):
+    path = _rewrite(run, format_version=CHECKPOINT_FORMAT + 1)
+    assert main(["evaluate", "--checkpoint", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint of format {CHECKPOINT_FORMAT + 1}" in err and f"format {CHECKPOINT_FORMAT})" in err, err
+    code = main(["train", *TINY_DIGITS, "--attention", "softmax", "--out", str(run), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"checkpoint of format {CHECKPOINT_FORMAT + 1}" in err, err
+
+
+def test_an_unversioned_checkpoint_of_the_current_layout_still_loads(run):
+    """gpattn 0.1.0 after the strategy protocol wrote format 2 without saying so."""
+    path = _rewrite(run, format_version=None, gpattn_version=None)
+    assert checkpoint_format(torch.load(path, weights_only=True)) == CHECKPOINT_FORMAT
+    load_run(run)
+
+
+def test_an_unversioned_checkpoint_with_the_old_keys_is_format_1(run):
+    path = run / "checkpoint.pt"
+    ckpt = torch.load(path, weights_only=True)
+    _rewrite(run, format_version=None, gpattn_version=None, model=_format_1_keys(ckpt["model"]))
+    with pytest.raises(ValueError) as err:
+        load_run(run)
+    text = str(err.value)
+    assert "checkpoint of format 1 (written before checkpoints named their gpattn version)" in text, text
+    assert f"reads checkpoint format {CHECKPOINT_FORMAT} only" in text, text
+
+
+@pytest.mark.parametrize("value", ["2", 2.0, True])
+def test_a_format_that_is_no_number_is_named(run, value):
+    _rewrite(run, format_version=value)
+    with pytest.raises(ValueError, match=f"its format_version is {value!r}, not a format number"):
+        load_run(run)
