@@ -59,13 +59,16 @@ def _run(job: dict) -> dict:
     torch.set_num_threads(1)
     from gpattn.experiments.attention_suite import SuiteConfig, run_task
 
-    name, options, objective = parse_variant(job.pop("variant"))
+    spec = job.pop("variant")
+    name, options, objective = parse_variant(spec)
     cfg = SuiteConfig(attention=name, attention_options=options or None, objective=objective or None, **job)
     try:
         out = run_task(cfg)
     except Exception as err:  # a failed run is a row of the table, not the end of the grid
         out = {"config": {**job, "attention": name}, "error": f"{type(err).__name__}: {err}"}
-    print(json.dumps({k: out.get(k) for k in ("accuracy", "nll", "seconds", "error")} | {"job": cfg.task + " " + name}),
+    ctx = [round(layer["context_effect"], 3) for layer in out.get("layers", [])]
+    keys = ("accuracy", "val_accuracy", "nll", "seconds", "error")
+    print(json.dumps({k: out.get(k) for k in keys} | {"job": f"{cfg.task} {spec} seed {cfg.seed}", "context": ctx}),
           flush=True)
     return out
 

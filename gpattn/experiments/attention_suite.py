@@ -106,7 +106,8 @@ def _evaluate(model, split, cfg: SuiteConfig, device) -> dict:
 
 
 def run_task(cfg: SuiteConfig) -> dict:
-    """Train and evaluate one (task, attention, seed); returns the config, test accuracy and NLL, the
+    """Train and evaluate one (task, attention, seed); returns the config, test accuracy and NLL (and the
+    validation split's, ``val_accuracy`` / ``val_nll``), the
     final training loss parts and every attention layer's attention use (on 256 test sequences)."""
     if cfg.task not in ATTENTION_TASKS:
         raise ValueError(f"task must be one of {list(ATTENTION_TASKS)}, got {cfg.task!r}")
@@ -134,6 +135,8 @@ def run_task(cfg: SuiteConfig) -> dict:
                 sums[k] = sums.get(k, 0.0) + float(v.detach()) / tail
     seconds = time.perf_counter() - start
     result = _evaluate(model, test, cfg, device)
+    val = _evaluate(model, bundle.splits["val"], cfg, device)  # for choices made on validation (α of cgp/scgp)
+    result.update(val_accuracy=val["accuracy"], val_nll=val["nll"])
     probe = test.subset(slice(0, 256))
     with deterministic():
         use = attention_use(model, probe.inputs.to(device), probe.mask.to(device), seed=cfg.seed)
