@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from gpattn.attention.h_sto import H_STO_PRESETS
 from gpattn.attention.sto import STO_PRESETS
-from gpattn.objectives import DEFAULT_ALPHA
 
-__all__ = ["PRESETS", "PRESET_ONLY", "get_preset"]
+__all__ = ["PRESETS", "PRESET_ALPHA", "PRESET_ONLY", "get_preset"]
 
 #: preset keys that are not TrainConfig fields
 PRESET_ONLY = ("variants", "seeds", "variant_options", "variant_settings", "budget_minutes")
@@ -35,10 +34,13 @@ _IMAGE_POOLING = dict(pooling="mean")
 # stream's scale (gpattn.variational._scale), the exact ELBO trains sgpa, sgpa-decoupled and kep-svgp on cola and
 # digits (docs/results.md "The exact objective", 3 seeds, 2026-11-24); before that initialisation every
 # all-layer GP model collapsed at beta = 1, and the presets used beta = 1e-4.
-# alpha is the CGP regulariser's weight, which is not part of an ELBO: the library default
-# gpattn.objectives.DEFAULT_ALPHA (1e-5, measured there; alpha >= 1e-3 keeps cgp at the base rate), the same
-# as plain `train`. It is printed in every report's header.
-_GP_WEIGHTS = dict(beta=1.0, alpha=DEFAULT_ALPHA)
+# alpha is the CGP regulariser's weight, which is not part of an ELBO but a hyperparameter chosen on validation
+# data (Bui et al. Remark 3): the presets keep PRESET_ALPHA = 1e-5, the value their results in docs/results.md
+# were measured with (digits: alpha >= 1e-3 keeps cgp at the base rate); plain `train` uses the library default
+# gpattn.objectives.DEFAULT_ALPHA (1e-6, chosen on the attention suite). It is printed in every report's header.
+#: the CGP regulariser weight α of every preset (their measured setting; the library default is DEFAULT_ALPHA)
+PRESET_ALPHA = 1e-5
+_GP_WEIGHTS = dict(beta=1.0, alpha=PRESET_ALPHA)
 
 # the GP-attention papers on CoLA: 2 layers, 4 heads, embedding 128, hidden (MLP) 256; batch 32; 50 epochs with ELMo.
 # Here 5 epochs with embeddings trained from scratch. Measured for softmax (seed 0, cosine over 12 epochs,
