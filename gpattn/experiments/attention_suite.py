@@ -105,6 +105,23 @@ def _evaluate(model, split, cfg: SuiteConfig, device) -> dict:
     }
 
 
+@torch.no_grad()
+def _layer_scale(model, split, cfg: SuiteConfig, device) -> dict[int, dict]:
+    """Per GP layer, ``mean_ratio`` and ``spread_ratio``: the norms of its posterior-mean output and of a
+    drawn sample's deviation from it, per real token, over the norm of its input (one training-mode
+    forward of 256 training sequences; ``layer_diagnostics``)."""
+    model.train()
+    model(split.inputs[:256].to(device), split.mask[:256].to(device), num_samples=1)
+    out = {}
+    for row in model.layer_diagnostics() if hasattr(model, "layer_diagnostics") else []:
+        inp = float(row["input_norm"])
+        out[int(row["layer"])] = {
+            "mean_ratio": float(row["mean_norm"]) / inp if inp > 0 else float("nan"),
+            "spread_ratio": float(row["spread_norm"]) / inp if inp > 0 else float("nan"),
+        }
+    return out
+
+
 def run_task(cfg: SuiteConfig) -> dict:
     """Train and evaluate one (task, attention, seed); returns the config, test accuracy and NLL (and the
     validation split's, ``val_accuracy`` / ``val_nll``), the
@@ -134,12 +151,15 @@ def run_task(cfg: SuiteConfig) -> dict:
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + float(v.detach()) / tail
     seconds = time.perf_counter() - start
+    scale = _layer_scale(model, train, cfg, device)
     result = _evaluate(model, test, cfg, device)
     val = _evaluate(model, bundle.splits["val"], cfg, device)  # for choices made on validation (α of cgp/scgp)
     result.update(val_accuracy=val["accuracy"], val_nll=val["nll"])
     probe = test.subset(slice(0, 256))
     with deterministic():
         use = attention_use(model, probe.inputs.to(device), probe.mask.to(device), seed=cfg.seed)
+    for row in use:  # each layer's posterior mean and spread against its input (training mode, one draw)
+        row.update(scale.get(row["layer"], {}))
     return {
         "config": asdict(cfg),
         **result,
