@@ -56,7 +56,7 @@ def _format_1_keys(state: dict) -> dict:
 
 def test_a_fresh_checkpoint_names_its_format_and_gpattn_version(finished):
     ckpt = torch.load(finished / "checkpoint.pt", weights_only=True)
-    assert ckpt["format_version"] == CHECKPOINT_FORMAT == 2
+    assert ckpt["format_version"] == CHECKPOINT_FORMAT == 3
     assert ckpt["gpattn_version"] == gpattn.__version__
     _, _, _, loaded = load_run(finished)
     assert loaded["format_version"] == CHECKPOINT_FORMAT
@@ -83,11 +83,13 @@ def test_evaluate_and_resume_refuse_a_newer_format(run, capsys):
     assert code == 2 and f"checkpoint of format {CHECKPOINT_FORMAT + 1}" in err, err
 
 
-def test_an_unversioned_checkpoint_of_the_current_layout_still_loads(run):
-    """gpattn 0.1.0 after the strategy protocol wrote format 2 without saying so."""
+def test_an_unversioned_checkpoint_of_the_strategy_layout_is_format_2_and_refused(run):
+    """gpattn 0.1.0 after the strategy protocol wrote format 2 without saying so; format 3 (0.2.0) changed
+    the SGPA variants' default model, so such a run is refused rather than read as another model."""
     path = _rewrite(run, format_version=None, gpattn_version=None)
-    assert checkpoint_format(torch.load(path, weights_only=True)) == CHECKPOINT_FORMAT
-    load_run(run)
+    assert checkpoint_format(torch.load(path, weights_only=True)) == 2 == CHECKPOINT_FORMAT - 1
+    with pytest.raises(ValueError, match="checkpoint of format 2"):
+        load_run(run)
 
 
 def test_an_unversioned_checkpoint_with_the_old_keys_is_format_1(run):
@@ -106,3 +108,24 @@ def test_a_format_that_is_no_number_is_named(run, value):
     _rewrite(run, format_version=value)
     with pytest.raises(ValueError, match=f"its format_version is {value!r}, not a format number"):
         load_run(run)
+
+
+def test_compare_retrains_a_cached_run_of_an_older_format(tmp_path):
+    """compare reuses a cached run only if its checkpoint is of this format: a run cached by an older gpattn
+    may be another model under the same configuration (0.2.0 changed the SGPA variants' default model)."""
+    import warnings
+
+    from gpattn.experiments.compare import compare
+
+    base = TrainConfig(dataset="digits", **TINY)
+    logs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compare("softmax", [0], tmp_path, base, progress=False, log=logs.append)
+        _rewrite(tmp_path / "runs" / "softmax" / "seed0", format_version=CHECKPOINT_FORMAT - 1)
+        compare("softmax", [0], tmp_path, base, progress=False, log=logs.append)
+        compare("softmax", [0], tmp_path, base, progress=False, log=logs.append)
+    runs = [line for line in logs if "softmax seed 0: trained" in line or "softmax seed 0: reused" in line]
+    assert "trained (no finished run)" in runs[0]
+    assert "trained (written by an older gpattn: another checkpoint format)" in runs[1], runs
+    assert "reused" in runs[2], runs

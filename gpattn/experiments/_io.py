@@ -29,9 +29,11 @@ __all__ = ["CHECKPOINT_FORMAT", "check_checkpoint_format", "checkpoint_format", 
 #: the checkpoint format this gpattn writes and reads. 1: before the GP strategy protocol (gpattn 0.1.0 up
 #: to 2026-11-25; KEP-SVGP's parameters under ``kep.``, CGP's and SCGP's under ``gp.``, decoupled SGPA's
 #: global q(u) as ``inducing_values`` / ``raw_scale_tril``); 2: every GP variant's parameters under
-#: ``strategy.``, q(u) as gpytorch's ``variational_mean`` / ``chol_variational_covar``. A change that an
-#: older gpattn cannot read, or a newer one would read differently, takes the next number (CHANGELOG.md).
-CHECKPOINT_FORMAT = 2
+#: ``strategy.``, q(u) as gpytorch's ``variational_mean`` / ``chol_variational_covar``; 3 (gpattn 0.2.0): the
+#: SGPA variants' default model is the attention prior mean (docs/derivations.md §5c), so a checkpoint and
+#: config of format ≤ 2 would be read as another model. A change that an older gpattn cannot read, or a newer
+#: one would read differently, takes the next number (CHANGELOG.md).
+CHECKPOINT_FORMAT = 3
 
 #: state-dict keys that only format 1 has (read when a checkpoint predates the ``format_version`` field)
 _FORMAT_1_KEY = re.compile(r"(^|\.)(kep|gp)\.|(^|\.)(inducing_values|raw_scale_tril)$")

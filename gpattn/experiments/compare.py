@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from gpattn.attention.registry import attention_class, attention_options, build_attention, list_attention
-from gpattn.experiments._io import load_file
+from gpattn.experiments._io import CHECKPOINT_FORMAT, checkpoint_format, load_file
 from gpattn.experiments.training import (
     COLLAPSE,
     DIVERGED,
@@ -182,11 +182,14 @@ def _run(
         record = json.loads(diverged.read_text())
         log(f"[compare]   {spec.run_name} seed {seed}: reused (diverged before with this configuration and data)")
         raise TrainingDivergedError(record["message"], record["step"])
-    if same_config and same_data and done.is_file():
+    ckpt_file = folder / "checkpoint.pt"
+    old_format = done.is_file() and ckpt_file.is_file() and not _current_format(ckpt_file)
+    if same_config and same_data and done.is_file() and not old_format:
         log(f"[compare]   {spec.run_name} seed {seed}: reused {folder} (same configuration and data)")
     else:
         why = (
             "no finished run" if not done.is_file() and not diverged.is_file()
+            else "written by an older gpattn: another checkpoint format" if old_format
             else "configuration changed" if not same_config
             else "data changed" if old_print is not None
             else "no data fingerprint recorded"
@@ -195,6 +198,12 @@ def _run(
         train(cfg, folder, bundle=bundle)
         trained.add(folder)
     return cfg, folder, load_file(done, what="predictions file")
+
+
+def _current_format(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` is of this gpattn's format (a run cached by an older gpattn may
+    be of another model under the same configuration: CHANGELOG.md)."""
+    return checkpoint_format(load_file(path)) == CHECKPOINT_FORMAT
 
 
 def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:
