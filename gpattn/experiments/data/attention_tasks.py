@@ -21,6 +21,9 @@ other than with probability ~ 1/V^length). Token ids: 0 = ``<pad>``, 1 = ``<unk>
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -128,77 +131,32 @@ def _bundle(name: str, *, seed: int, train_size: int, val_size: int, test_size: 
     )
 
 
-_SIZES_DOC = (
-    " Splits train / val / test of ``train_size`` / ``val_size`` / ``test_size`` sequences generated from "
-    "``seed``; ``data_dir`` and ``download`` are unused."
-)
+def _register(name: str, doc: str, **task_defaults) -> Callable[..., DatasetBundle]:
+    """Register the loader of task ``name``: its keyword-only options are the task's (with these defaults)
+    and the three split sizes, written into the loader's signature (which the registry reads)."""
+    sizes = {"train_size": 8000, "val_size": 1000, "test_size": 2000}
 
+    def load(*, data_dir, download: bool, seed: int, **options) -> DatasetBundle:
+        options = {**task_defaults, **sizes, **options}  # load_dataset has checked the names
+        split_sizes = {k: options.pop(k) for k in sizes}
+        return _bundle(name, seed=seed, **split_sizes, **options)
 
-@register_dataset("attn_match")
-def load_attn_match(
-    *,
-    data_dir,
-    download: bool,
-    seed: int,
-    length: int = 12,
-    vocab: int = 16,
-    train_size: int = 8000,
-    val_size: int = 1000,
-    test_size: int = 2000,
-) -> DatasetBundle:
-    return _bundle(
-        "attn-match",
-        seed=seed,
-        train_size=train_size,
-        val_size=val_size,
-        test_size=test_size,
-        length=length,
-        vocab=vocab,
+    kw = inspect.Parameter.KEYWORD_ONLY
+    common = [inspect.Parameter("data_dir", kw), inspect.Parameter("download", kw, annotation=bool),
+              inspect.Parameter("seed", kw, annotation=int)]  # fmt: skip
+    own = [inspect.Parameter(k, kw, default=v, annotation=int) for k, v in {**task_defaults, **sizes}.items()]
+    load.__signature__ = inspect.Signature(common + own, return_annotation=DatasetBundle)
+    load.__name__ = load.__qualname__ = f"load_{name.replace('-', '_')}"
+    load.__doc__ = (
+        f"{doc} Splits train / val / test of ``train_size`` / ``val_size`` / ``test_size`` sequences generated "
+        f"from ``seed``; ``data_dir`` and ``download`` are unused."
     )
+    return register_dataset(name.replace("-", "_"))(load)
 
 
-@register_dataset("attn_xor")
-def load_attn_xor(
-    *,
-    data_dir,
-    download: bool,
-    seed: int,
-    length: int = 12,
-    vocab: int = 16,
-    train_size: int = 8000,
-    val_size: int = 1000,
-    test_size: int = 2000,
-) -> DatasetBundle:
-    return _bundle(
-        "attn-xor", seed=seed, train_size=train_size, val_size=val_size, test_size=test_size, length=length, vocab=vocab
-    )
-
-
-@register_dataset("attn_repeat")
-def load_attn_repeat(
-    *,
-    data_dir,
-    download: bool,
-    seed: int,
-    length: int = 12,
-    vocab: int = 24,
-    min_length: int = 4,
-    train_size: int = 8000,
-    val_size: int = 1000,
-    test_size: int = 2000,
-) -> DatasetBundle:
-    return _bundle(
-        "attn-repeat",
-        seed=seed,
-        train_size=train_size,
-        val_size=val_size,
-        test_size=test_size,
-        length=length,
-        vocab=vocab,
-        min_length=min_length,
-    )
-
-
-load_attn_match.__doc__ = "Is the first token repeated later? (content, fixed length)." + _SIZES_DOC
-load_attn_xor.__doc__ = "Parity of the first symbol XOR that of the last (position, fixed length)." + _SIZES_DOC
-load_attn_repeat.__doc__ = "Does a symbol occur twice? (content, variable length, padding)." + _SIZES_DOC
+load_attn_match = _register("attn-match", "Is the first token repeated later? (content, fixed length).", length=12,
+                            vocab=16)  # fmt: skip
+load_attn_xor = _register("attn-xor", "Parity of the first symbol XOR that of the last (position, fixed length).",
+                          length=12, vocab=16)  # fmt: skip
+load_attn_repeat = _register("attn-repeat", "Does a symbol occur twice? (content, variable length, padding).",
+                             length=12, vocab=24, min_length=4)  # fmt: skip
