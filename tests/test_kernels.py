@@ -345,3 +345,30 @@ def test_correlated_gps_take_stationary_specs_only():
         assert torch.isfinite(layer(torch.randn(2, 5, 8))).all()
     with pytest.raises(ValueError, match=r"kernel\['kernels'\]\[1\]: kernel 'exponential' is not stationary"):
         gpattn.build_attention("cgp", 8, 2, kernel={"name": "sum", "kernels": ["ard-rbf", "exponential"]})
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_rbf_is_evaluated_without_gpytorchs_host_read(monkeypatch, scaled):
+    """evaluate_kernel gives gpytorch's (ARD) RBF values and gradients, blocks and diagonals, without
+    covar_dist's torch.equal (a host read per forward, a torch.compile graph break)."""
+    from gpytorch.kernels import RBFKernel, ScaleKernel
+    from linear_operator import to_dense
+
+    from gpattn.kernels import evaluate_kernel
+
+    torch.manual_seed(0)
+    k = RBFKernel(ard_num_dims=4, batch_shape=torch.Size([3]))
+    if scaled:
+        k = ScaleKernel(k, batch_shape=torch.Size([3]))
+        k.outputscale = torch.rand(3) + 0.3
+    k = k.double()
+    (k.base_kernel if scaled else k).lengthscale = torch.rand(3, 1, 4, dtype=torch.float64) + 0.5
+    a = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 3, 6, 4, dtype=torch.float64)
+    refs = [to_dense(k.forward(a, b)), to_dense(k.forward(a, a, diag=True))]
+    grads = torch.autograd.grad(sum(r.sum() for r in refs), a)
+    monkeypatch.setattr(torch, "equal", lambda *args: (_ for _ in ()).throw(AssertionError("torch.equal called")))
+    outs = [evaluate_kernel(k, a, b), evaluate_kernel(k, a, a, diag=True)]
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(sum(o.sum() for o in outs), a)[0], grads[0], rtol=1e-10, atol=1e-12)
