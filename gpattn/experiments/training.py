@@ -395,6 +395,12 @@ class _Dist:
         if self.world > 1 and not dist.is_initialized():
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
+            # torch.distributed.nn.functional binds ``group.WORLD`` as the default argument of ten functions when
+            # it is first imported, which DistributedDataParallel does: imported after init_process_group, it
+            # holds the default group — and gloo's threads — past destroy_process_group until the interpreter
+            # tears that module down, where rank 1 occasionally aborted ("terminate called without an active
+            # exception"). Imported before any group exists, the defaults are None.
+            import torch.distributed.nn  # noqa: F401
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
             self.owned = True
         if self.world > 1:
@@ -457,8 +463,9 @@ class _Dist:
 
     def close(self, barrier: bool = True) -> None:
         """End the process group this object started (``barrier``: wait for every rank first; off when
-        leaving on an exception, which every rank may not share). Left open, gloo's threads abort the
-        interpreter at exit ("terminate called without an active exception")."""
+        leaving on an exception, which every rank may not share). Left open, or kept alive by a reference
+        (see ``__init__``), gloo's threads run into interpreter teardown, which they occasionally abort
+        ("terminate called without an active exception")."""
         if self.owned and self.dist.is_initialized():
             if barrier:
                 self.dist.barrier()
