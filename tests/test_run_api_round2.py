@@ -130,3 +130,21 @@ def test_compare_interrupt_message_says_what_a_rerun_does(monkeypatch, tmp_path,
     err = capsys.readouterr().err
     assert "rerun the same command to continue" in err and "resumes from its checkpoint" in err
     assert "--resume" not in err
+
+
+def test_evaluation_shows_progress(capsys):
+    # before: cgp's evaluation in compare ran for minutes without a word
+    from gpattn.experiments.data import load_dataset
+
+    bundle = load_dataset("digits", seed=0)
+    torch.manual_seed(0)
+    cfg = TrainConfig(attention="softmax", embed_dim=8, num_heads=2, num_layers=1, epochs=1, num_samples=1,
+                      eval_batch_size=64, progress=True)
+    train(cfg, bundle=bundle)
+    err = capsys.readouterr().err
+    for split in ("val", "test", "shift", "ood"):
+        assert f"softmax seed 0: evaluating {split}" in err
+    cfg = TrainConfig(attention="softmax", embed_dim=8, num_heads=2, num_layers=1, epochs=1, num_samples=1,
+                      progress=False)
+    train(cfg, bundle=bundle)
+    assert "evaluating" not in capsys.readouterr().err

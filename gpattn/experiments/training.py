@@ -489,16 +489,20 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 
 @torch.no_grad()
 def predict(
-    model, split, num_samples: int, batch_size: int = 256, dist: _Dist | None = None, precision: str = "fp32"
+    model, split, num_samples: int, batch_size: int = 256, dist: _Dist | None = None, precision: str = "fp32",
+    progress: str | None = None,
 ) -> torch.Tensor:
     """Sample logits of a whole split in eval mode, on the model's device (sharded over ranks under
-    torchrun), returned on the CPU.  # shape: (N, P, C)"""
+    torchrun), returned on the CPU; ``progress``: a tqdm bar over the batches with that description (an
+    evaluation of cgp or sgpa at P samples can take minutes).  # shape: (N, P, C)"""
     model.eval()
     n = len(split.labels)
     rows = torch.arange(n) if dist is None else dist.shard(torch.arange(n))
     device = next(model.parameters()).device
     out = []
-    for start in range(0, len(rows), batch_size):
+    starts = range(0, len(rows), batch_size)
+    bar = tqdm(starts, desc=progress, disable=progress is None, leave=False, dynamic_ncols=True, unit="batch")
+    for start in bar:
         x, mask, _ = _batch(split, rows[start : start + batch_size], device)
         with _autocast(device, precision):
             out.append(model(x, mask, num_samples=num_samples).float())
@@ -872,7 +876,10 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps) -> dic
 
     preds = {
         key: {
-            "logits": predict(model, bundle.splits[key], cfg.num_samples, cfg.eval_batch_size, dist, cfg.precision),
+            "logits": predict(
+                model, bundle.splits[key], cfg.num_samples, cfg.eval_batch_size, dist, cfg.precision,
+                progress=f"{cfg.attention} seed {cfg.seed}: evaluating {key}" if cfg.progress and dist.main else None,
+            ),
             "labels": bundle.splits[key].labels,
         }
         for key in sorted({"val", *bundle.eval_splits.values()})
