@@ -111,3 +111,17 @@ def test_transformers_load_report_is_printed_at_most_once():
     finally:
         log.removeHandler(handler)
     assert len(seen) <= 1
+
+
+def test_an_encoder_run_from_before_the_defaults_is_not_reused():
+    from gpattn.experiments.training import _same_run
+
+    old = TrainConfig(dataset="cola", encoder="minilm").to_dict()
+    for key in ("encoder_lr", "encoder_weight_decay", "warmup"):
+        del old[key]
+    same, diff = _same_run(old, TrainConfig(dataset="cola", encoder="minilm"))
+    assert not same and diff == ["encoder_lr", "encoder_weight_decay", "warmup"]
+    plain = TrainConfig(dataset="cola").to_dict()
+    for key in ("encoder_lr", "encoder_weight_decay", "warmup"):
+        del plain[key]
+    assert _same_run(plain, TrainConfig(dataset="cola"))[0]  # models from scratch train as before

@@ -94,11 +94,21 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         ("--beta", float),
         ("--alpha", float),
         ("--checkpoint-every", int),
-        ("--encoder-lr", float),
-        ("--encoder-weight-decay", float),
-        ("--warmup", float),
     ):
         p.add_argument(flag, type=typ)
+    p.add_argument(
+        "--encoder-lr", type=float,
+        help="with --encoder: learning rate of the pretrained weights (--lr is the new parameters': head, GP "
+        "parameters); default per recipe, gpattn.experiments._optim.ENCODER_DEFAULTS (printed in the run's header)",
+    )
+    p.add_argument(
+        "--encoder-weight-decay", type=float,
+        help="with --encoder: AdamW's decoupled weight decay on the pretrained weight matrices (default 0.01)",
+    )
+    p.add_argument(
+        "--warmup", type=float,
+        help="fraction of the steps with a linear learning-rate warm-up (default 0.1 with --encoder, else 0)",
+    )
     p.add_argument("--kl-scaling", choices=["elbo", "peer"])
     p.add_argument(
         "--ood-score",

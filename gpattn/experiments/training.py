@@ -108,6 +108,8 @@ def _same_run(saved: dict, cfg: TrainConfig) -> tuple[bool, list]:
     """Whether a saved config.json describes the same run as ``cfg`` (up to :data:`RUN_SETTINGS`), and
     the keys that differ."""
     defaults = TrainConfig().to_dict()
+    if saved.get("encoder") is not None:  # trained before --encoder runs had their own optimizer settings
+        defaults.update({k: "absent (Adam, one lr, no warm-up)" for k in ("encoder_lr", "encoder_weight_decay", "warmup")})
     saved = {k: v for k, v in {**defaults, **saved}.items() if k not in RUN_SETTINGS}
     mine = {k: v for k, v in cfg.to_dict().items() if k not in RUN_SETTINGS}
     saved, mine = json.loads(json.dumps(saved)), json.loads(json.dumps(mine))
