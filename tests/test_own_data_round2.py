@@ -116,3 +116,10 @@ def test_a_headerless_file_read_with_defaults_suggests_header_false(tmp_path):
     plain = _table(tmp_path, header=False)
     with pytest.raises(ValueError, match=r"label_column='label' not found .*line 1.*pass header=false"):
         load_dataset("text_table", path=plain)
+
+
+def test_a_ragged_row_of_a_headerless_file_names_its_line(tmp_path):
+    path = _table(tmp_path, header=False)
+    _insert(path, 10, "one text\twith a tab\t0")
+    with pytest.raises(ValueError, match=r"other than the 2 of most rows \(line 10 has 3"):
+        load_dataset("text_table", path=path, header=False, text_column=0, label_column=1)

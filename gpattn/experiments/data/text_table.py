@@ -294,7 +294,7 @@ def _shown_lines(lines, limit: int = 5) -> str:
     return shown + (f" and {len(lines) - limit} more" if len(lines) > limit else "")
 
 
-def _bad_rows(path: Path, rows, width: int, text_idx: int, bad_rows: str, delim_name: str):
+def _bad_rows(path: Path, rows, width: int, text_idx: int, bad_rows: str, delim_name: str, basis: str = "the header"):
     """``rows`` less the ragged rows (a cell count other than ``width``) and the rows with an empty text:
     an error naming the lines (``bad_rows="error"``), or left out and returned as ``{"rows", "lines"}``."""
     ragged = [(line, len(row)) for line, row in rows if len(row) != width]
@@ -304,8 +304,8 @@ def _bad_rows(path: Path, rows, width: int, text_idx: int, bad_rows: str, delim_
         if ragged:
             line, got = ragged[0]
             parts.append(
-                f"{len(ragged)} row(s) with a number of cells other than the {width} of the "
-                f"{'header' if width else 'table'} (line {line} has {got}; lines {_shown_lines([r[0] for r in ragged])}) "
+                f"{len(ragged)} row(s) with a number of cells other than the {width} of "
+                f"{basis} (line {line} has {got}; lines {_shown_lines([r[0] for r in ragged])}) "
                 f"— a {delim_name} inside a text splits it into more cells: remove it from the text"
                 + ("" if delim_name == "TAB" else " or quote the text")
             )
@@ -339,7 +339,8 @@ def _read_labelled(path: Path, role: str, delimiter, header, encoding, text_colu
     text_idx, label_idx = _resolve_columns(text_column, label_column, names, width, path, need_label=need_label)
     delim = _delimiter_for(path, delimiter)
     delim_name = {"\t": "TAB", ",": "comma", ";": "semicolon"}.get(delim, repr(delim))
-    rows, skipped = _bad_rows(path, rows, width, text_idx, bad_rows, delim_name)
+    basis = "the header" if names is not None else "most rows"
+    rows, skipped = _bad_rows(path, rows, width, text_idx, bad_rows, delim_name, basis)
     if not rows:
         raise ValueError(f"{path} has no data rows left after bad_rows='skip' ({skipped['rows']} left out)")
     texts = _cells(rows, text_idx, path, "text")
