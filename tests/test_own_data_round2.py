@@ -24,8 +24,11 @@ def test_a_row_with_an_extra_tab_is_an_error_naming_the_line(tmp_path):
     # before: the fragment after the TAB became a third class ("0: 30, 1: 30, but the battery: 1")
     path = _table(tmp_path)
     _insert(path, 5, "great screen\tbut the battery\t1")
-    with pytest.raises(ValueError, match=r"t.tsv: 1 row\(s\) with a number of cells other than the 2 .*line 5 has 3.*"
-                                          r"TAB inside a text.*bad_rows='skip'"):
+    with pytest.raises(
+        ValueError,
+        match=r"t.tsv: 1 row\(s\) with a number of cells other than the 2 .*line 5 has 3.*"
+        r"TAB inside a text.*bad_rows='skip'",
+    ):
         load_dataset("text_table", path=path, text_column=0)
     bundle = load_dataset("text_table", path=path, text_column=0, bad_rows="skip")
     assert bundle.num_classes == 2 and sum(len(s) for s in bundle.splits.values()) == 60
@@ -54,8 +57,11 @@ def test_a_whitespace_only_text_is_an_error_or_skipped(tmp_path):
 def test_a_rare_label_is_an_error_naming_it_unless_allowed(tmp_path):
     path = _table(tmp_path)
     _insert(path, 3, "a sentence with a typo label\t11")
-    with pytest.raises(ValueError, match=r"fewer than min_class_count=3 rows .*'11' \(1 row\(s\): .*t.tsv line 3\)"
-                                          r".*min_class_count=1"):
+    with pytest.raises(
+        ValueError,
+        match=r"fewer than min_class_count=3 rows .*'11' \(1 row\(s\): .*t.tsv line 3\)"
+        r".*min_class_count=1",
+    ):
         load_dataset("text_table", path=path)
     bundle = load_dataset("text_table", path=path, min_class_count=1)
     assert bundle.info["class_names"] == ["0", "1", "11"]
@@ -65,8 +71,11 @@ def test_pooled_files_with_disjoint_label_sets_are_an_error_naming_files_and_lab
     # before: a 4-class model, class_names ['0', '1', 'neg', 'pos'], no warning
     a = _table(tmp_path, "a.txt", delimiter="\t")
     b = make_text_table(tmp_path / "b.txt", n=60, seed=1, class_names=("neg", "pos"), delimiter="\t")
-    with pytest.raises(ValueError, match=r"share no label .*a.txt: \['0', '1'\]; .*b.txt: \['neg', 'pos'\].*"
-                                          r"disjoint_labels='allow'"):
+    with pytest.raises(
+        ValueError,
+        match=r"share no label .*a.txt: \['0', '1'\]; .*b.txt: \['neg', 'pos'\].*"
+        r"disjoint_labels='allow'",
+    ):
         load_dataset("text_table", path=[a, b], delimiter="tab")
     bundle = load_dataset("text_table", path=[a, b], delimiter="tab", disjoint_labels="allow")
     assert bundle.info["class_names"] == ["0", "1", "neg", "pos"]
@@ -92,8 +101,11 @@ def test_a_file_that_is_not_utf8_names_the_file_line_and_encoding_option(tmp_pat
     lines[8] = "un caf\u00e9 tr\u00e8s bon\t1"
     bad.write_bytes(("\n".join(lines) + "\n").encode("latin-1"))
     options = {"path": train, role: bad} if role != "path" else {"path": bad}
-    with pytest.raises(ValueError, match=r"latin.tsv line 9, column 7: bytes b'\\xe9' are not valid utf-8 .*"
-                                          r"encoding='latin-1'"):
+    with pytest.raises(
+        ValueError,
+        match=r"latin.tsv line 9, column 7: bytes b'\\xe9' are not valid utf-8 .*"
+        r"encoding='latin-1'",
+    ):
         load_dataset("text_table", **options)
     if role == "path":
         bundle = load_dataset("text_table", path=bad, encoding="latin-1")

@@ -19,8 +19,21 @@ TINY = ["--embed-dim", "16", "--num-heads", "2", "--num-layers", "1", "--num-sam
 
 
 def _train_args(table, out, *extra):
-    return ["train", "--dataset", "text_table", "--dataset-option", f"path={table}", "--attention", "softmax",
-            "--epochs", "1", *TINY, "--out", str(out), *extra]
+    return [
+        "train",
+        "--dataset",
+        "text_table",
+        "--dataset-option",
+        f"path={table}",
+        "--attention",
+        "softmax",
+        "--epochs",
+        "1",
+        *TINY,
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +111,16 @@ def test_gpattn_data_prints_whole_lines_without_markup(capsys):
 def test_compare_resumes_an_interrupted_run_and_says_so(tmp_path, monkeypatch):
     # before: the interrupt said "rerun with --resume" (unknown to compare); the rerun retrained from scratch
     table = make_text_table(tmp_path / "t.tsv", n=60, class_names=("neg", "pos"))
-    base = TrainConfig(dataset="text_table", dataset_options={"path": str(table)}, embed_dim=16, num_heads=2,
-                       num_layers=1, epochs=2, num_samples=2, progress=False)
+    base = TrainConfig(
+        dataset="text_table",
+        dataset_options={"path": str(table)},
+        embed_dim=16,
+        num_heads=2,
+        num_layers=1,
+        epochs=2,
+        num_samples=2,
+        progress=False,
+    )
     real = compare_module.train
     calls = []
 
@@ -116,7 +137,8 @@ def test_compare_resumes_an_interrupted_run_and_says_so(tmp_path, monkeypatch):
     lines.clear()
     compare_module.compare("softmax", [0], tmp_path / "cmp", base, progress=False, log=lines.append)
     assert calls == [False, True], lines
-    assert any("softmax seed 0: resumed from its checkpoint at step 2 (1 of 2 epochs done; interrupted before" in line for line in lines), [x for x in lines if "seed 0:" in x]
+    want = "softmax seed 0: resumed from its checkpoint at step 2 (1 of 2 epochs done; interrupted before"
+    assert any(want in line for line in lines), [x for x in lines if "seed 0:" in x]
     history = json.loads((tmp_path / "cmp" / "runs" / "softmax" / "seed0" / "history.json").read_text())
     assert len(history) == 2
 
@@ -138,13 +160,22 @@ def test_evaluation_shows_progress(capsys):
 
     bundle = load_dataset("digits", seed=0)
     torch.manual_seed(0)
-    cfg = TrainConfig(attention="softmax", embed_dim=8, num_heads=2, num_layers=1, epochs=1, num_samples=1,
-                      eval_batch_size=64, progress=True)
+    cfg = TrainConfig(
+        attention="softmax",
+        embed_dim=8,
+        num_heads=2,
+        num_layers=1,
+        epochs=1,
+        num_samples=1,
+        eval_batch_size=64,
+        progress=True,
+    )
     train(cfg, bundle=bundle)
     err = capsys.readouterr().err
     for split in ("val", "test", "shift", "ood"):
         assert f"softmax seed 0: evaluating {split}" in err
-    cfg = TrainConfig(attention="softmax", embed_dim=8, num_heads=2, num_layers=1, epochs=1, num_samples=1,
-                      progress=False)
+    cfg = TrainConfig(
+        attention="softmax", embed_dim=8, num_heads=2, num_layers=1, epochs=1, num_samples=1, progress=False
+    )
     train(cfg, bundle=bundle)
     assert "evaluating" not in capsys.readouterr().err

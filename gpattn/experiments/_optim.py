@@ -45,7 +45,8 @@ def split_pretrained(model) -> tuple[list, list]:
         layer = adapter.attention
         for name, p in layer.named_parameters():
             top = name.split(".")[0]
-            if name in adapter.new or (top == "in_proj" and not any(k.startswith("in_proj") for k in adapter.transferred)):
+            transferred_in = any(k.startswith("in_proj") for k in adapter.transferred)
+            if name in adapter.new or (top == "in_proj" and not transferred_in):
                 new.add(id(p))
             elif top == "out_proj" and (
                 "out_proj" in adapter.new or adapter.transferred.get("out_proj", "").startswith("zero")

@@ -109,7 +109,8 @@ def _same_run(saved: dict, cfg: TrainConfig) -> tuple[bool, list]:
     the keys that differ."""
     defaults = TrainConfig().to_dict()
     if saved.get("encoder") is not None:  # trained before --encoder runs had their own optimizer settings
-        defaults.update({k: "absent (Adam, one lr, no warm-up)" for k in ("encoder_lr", "encoder_weight_decay", "warmup")})
+        absent = "absent (Adam, one lr, no warm-up)"
+        defaults.update({k: absent for k in ("encoder_lr", "encoder_weight_decay", "warmup")})
     saved = {k: v for k, v in {**defaults, **saved}.items() if k not in RUN_SETTINGS}
     mine = {k: v for k, v in cfg.to_dict().items() if k not in RUN_SETTINGS}
     saved, mine = json.loads(json.dumps(saved)), json.loads(json.dumps(mine))
@@ -402,7 +403,7 @@ class _Dist:
             # holds the default group — and gloo's threads — past destroy_process_group until the interpreter
             # tears that module down, where rank 1 occasionally aborted ("terminate called without an active
             # exception"). Imported before any group exists, the defaults are None.
-            import torch.distributed.nn  # noqa: F401
+            import torch.distributed.nn as _distributed_nn  # noqa: F401  (binds only this name, not torch)
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
             self.owned = True
         if self.world > 1:

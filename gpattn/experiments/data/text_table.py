@@ -364,7 +364,8 @@ def _check_pooled(tables: list[Path], records: list[dict]) -> None:
         key = record["sha256"]
         if key in seen:
             j = seen[key]
-            same = "is listed twice" if tables[j].resolve() == table.resolve() else f"has the same content as {tables[j]}"
+            twice = tables[j].resolve() == table.resolve()
+            same = "is listed twice" if twice else f"has the same content as {tables[j]}"
             raise ValueError(
                 f"path: {table} (entry {i}) {same} (entry {j}); pooling it would put each of its rows in training "
                 f"and in the test split at once. List each file once."
