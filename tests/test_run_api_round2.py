@@ -179,3 +179,11 @@ def test_evaluation_shows_progress(capsys):
     )
     train(cfg, bundle=bundle)
     assert "evaluating" not in capsys.readouterr().err
+
+
+def test_compare_accepts_resume(monkeypatch, tmp_path):
+    # before: `gpattn compare ... --resume` (what the interrupt message said) was "unrecognized arguments"
+    seen = []
+    monkeypatch.setattr(compare_module, "compare", lambda *a, **k: seen.append(a))
+    assert main(["compare", "--dataset", "digits", "--attention", "softmax", "--out", str(tmp_path), "--resume"]) == 0
+    assert len(seen) == 1

@@ -376,6 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seeds", type=_seeds, help="comma list, default 0,1,2")
     p.add_argument("--ensemble", type=int, default=0, help="add a deep ensemble of N softmax models")
+    p.add_argument(
+        "--resume", action="store_true",
+        help="the default, accepted as train takes it: finished runs are reused, an interrupted run (same "
+        "configuration and data) resumes from its checkpoint, and the log says which",
+    )
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_compare)
 
