@@ -574,24 +574,20 @@ def test_text_table_numeric_labels_header_off_and_empty_text(tmp_path):
         tmp_path / "n.csv", n=30, class_names=("10", "2", "1"), header=False, columns=("label", "text")
     )
     with open(path, "a", encoding="utf-8") as handle:
-        handle.write("2,\n")  # an empty text
-    bundle = load_dataset(
-        "text_table",
-        path=path,
-        header=False,
-        text_column=1,
-        label_column=0,
-        val_fraction=0.2,
-        test_fraction=0.2,
-        max_len=6,
-    )
+        handle.write("2,\n")  # an empty text: refused (issue #28), or left out and reported
+    options = dict(path=path, header=False, text_column=1, label_column=0, val_fraction=0.2, test_fraction=0.2,
+                   max_len=6)
+    with pytest.raises(ValueError, match=r"n.csv: 1 row\(s\) whose text is empty .*lines 31.*bad_rows='skip'"):
+        load_dataset("text_table", **options)
+    bundle = load_dataset("text_table", bad_rows="skip", **options)
     assert bundle.info["class_names"] == ["1", "2", "10"]  # numeric order
     for split in bundle.splits.values():
         assert_mask_convention(split, max_len=6)
-    # the empty text is the only row with a single real token, and that token is <unk>
-    singles = torch.cat([s.inputs[(~s.mask).sum(1) == 1, 0] for s in bundle.splits.values()])
-    assert singles.tolist() == [1]
-    assert sum(len(s) for s in bundle.splits.values()) == 31
+    assert sum(len(s) for s in bundle.splits.values()) == 30
+    assert bundle.info["files"][0]["skipped_rows"] == {"rows": 1, "lines": [31]}
+    # an empty text that reaches the encoder (predict) is one <unk> token
+    ids, mask = encode([[]], bundle.vocab, 6)
+    assert ids.tolist() == [[1]] and mask.tolist() == [[False]]
 
 
 def test_text_table_ood_file(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -95,6 +96,19 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         ("--checkpoint-every", int),
     ):
         p.add_argument(flag, type=typ)
+    p.add_argument(
+        "--encoder-lr", type=float,
+        help="with --encoder: learning rate of the pretrained weights (--lr is the new parameters': head, GP "
+        "parameters); default per recipe, gpattn.experiments._optim.ENCODER_DEFAULTS (printed in the run's header)",
+    )
+    p.add_argument(
+        "--encoder-weight-decay", type=float,
+        help="with --encoder: AdamW's decoupled weight decay on the pretrained weight matrices (default 0.01)",
+    )
+    p.add_argument(
+        "--warmup", type=float,
+        help="fraction of the steps with a linear learning-rate warm-up (default 0.1 with --encoder, else 0)",
+    )
     p.add_argument("--kl-scaling", choices=["elbo", "peer"])
     p.add_argument(
         "--ood-score",
@@ -132,7 +146,7 @@ def _validate_arg(p: argparse.ArgumentParser) -> None:
 _FLAG_FIELDS = (
     "dataset", "data_dir", "download", "attention_layers", "encoder", "encoder_max_len", "encoder_recipe", "epochs",
     "batch_size", "lr", "num_samples", "embed_dim", "num_heads", "num_layers", "dropout", "beta", "alpha",
-    "checkpoint_every", "kl_scaling", "device", "precision",
+    "checkpoint_every", "kl_scaling", "device", "precision", "encoder_lr", "encoder_weight_decay", "warmup",
 )
 
 
@@ -208,6 +222,7 @@ def cmd_train(args) -> int:
 
     cfg, _ = _config(args, attention=args.attention, seed=args.seed)
     out = Path(args.out)
+    _check_out(out, args)
     with _validation(args):
         metrics = train(cfg, out, resume=args.resume)
     _print_data(out)
@@ -216,6 +231,22 @@ def cmd_train(args) -> int:
     print(f"wrote {out / 'metrics.json'}")
     _print_metrics(metrics, args.ood_score)
     return 0
+
+
+def _check_out(out: Path, args) -> None:
+    """``--out`` holding a finished or interrupted run is not overwritten unless asked (``--overwrite``)."""
+    if args.resume or args.overwrite:
+        return
+    if (out / "metrics.json").is_file():
+        raise ValueError(
+            f"--out {out} holds a finished run (metrics.json, checkpoint.pt); pass --overwrite to train it again "
+            f"from scratch and replace its files, --resume to evaluate it again, or choose another --out"
+        )
+    if (out / "checkpoint.pt").is_file():
+        raise ValueError(
+            f"--out {out} holds an interrupted run (checkpoint.pt, no metrics.json); pass --resume to continue it, "
+            f"or --overwrite to start again from scratch"
+        )
 
 
 def cmd_evaluate(args) -> int:
@@ -278,6 +309,13 @@ def cmd_demo(args) -> int:
     return cmd_compare(args)
 
 
+def _plain(doc: str) -> str:
+    """Docstring text without Sphinx markup: ``:func:`a.b`` and ````x```` become a.b and x (a role's target
+    broken over two source lines is joined again)."""
+    doc = re.sub(r":\w+:`~?([^`]+)`", lambda m: "".join(m.group(1).split()), doc)
+    return re.sub(r"``([^`]+)``", r"\1", doc)
+
+
 def cmd_data(args) -> int:
     """``gpattn data [NAME]``: the data sets, or one data set's options with defaults and accepted values."""
     import inspect
@@ -287,9 +325,9 @@ def cmd_data(args) -> int:
 
     if not args.name:
         print("data sets (gpattn data NAME lists a data set's options):")
-        for name in list_datasets():
-            doc = (inspect.getdoc(_loader(name)) or "").split("\n")[0]
-            print(f"  {name:<14} {doc}")
+        for name in list_datasets():  # the docstring's first paragraph, whole (its first line may end mid-phrase)
+            doc = _plain(" ".join((inspect.getdoc(_loader(name)) or "").split("\n\n")[0].split()))
+            print(textwrap.fill(doc, width=100, initial_indent=f"  {name:<14} ", subsequent_indent=" " * 17))
         return 0
     loader = _loader(args.name)
     helps = getattr(inspect.getmodule(loader), "OPTION_HELP", {})
@@ -314,6 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="run folder")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="train from scratch into an --out that holds a finished or interrupted run (refused without it)",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("evaluate", help="evaluate a checkpoint; writes metrics.json")
@@ -334,6 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seeds", type=_seeds, help="comma list, default 0,1,2")
     p.add_argument("--ensemble", type=int, default=0, help="add a deep ensemble of N softmax models")
+    p.add_argument(
+        "--resume", action="store_true",
+        help="the default, accepted as train takes it: finished runs are reused, an interrupted run (same "
+        "configuration and data) resumes from its checkpoint, and the log says which",
+    )
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_compare)
 
@@ -382,8 +429,10 @@ def _run(argv) -> int:
         print(f"gpattn {args.command}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:
-        print(
-            f"gpattn {args.command}: interrupted ({err}); the last checkpoint is kept — rerun with --resume",
-            file=sys.stderr,
-        )
+        if args.command == "train":
+            then = "rerun the same command with --resume to continue from it (the same final metrics)"
+        else:
+            then = ("rerun the same command to continue: finished runs are reused, the interrupted run resumes "
+                    "from its checkpoint (the log says 'resumed'), the others train")
+        print(f"gpattn {args.command}: interrupted ({err}); the last checkpoint is kept — {then}", file=sys.stderr)
         return 130

@@ -31,6 +31,7 @@ import torch
 from gpattn.attention.registry import attention_class, attention_options, build_attention, list_attention
 from gpattn.experiments._io import CHECKPOINT_FORMAT, checkpoint_format, load_file
 from gpattn.experiments.training import (
+    CHECKPOINT,
     COLLAPSE,
     DIVERGED,
     TrainConfig,
@@ -186,6 +187,11 @@ def _run(
     old_format = done.is_file() and ckpt_file.is_file() and not _current_format(ckpt_file)
     if same_config and same_data and done.is_file() and not old_format:
         log(f"[compare]   {spec.run_name} seed {seed}: reused {folder} (same configuration and data)")
+    elif same_data and not done.is_file() and (step := _resumable(folder, cfg)) is not None:
+        log(f"[compare]   {spec.run_name} seed {seed}: resumed from its checkpoint at step {step[0]} ({step[1]} of "
+            f"{cfg.epochs} epochs done; interrupted before, same configuration and data) -> {folder}")
+        train(cfg, folder, bundle=bundle, resume=True)
+        trained.add(folder)
     else:
         why = (
             "no finished run" if not done.is_file() and not diverged.is_file()
@@ -194,6 +200,8 @@ def _run(
             else "data changed" if old_print is not None
             else "no data fingerprint recorded"
         )
+        if not done.is_file() and (folder / CHECKPOINT).is_file():
+            why += "; its checkpoint is from another configuration or data, so it starts from scratch"
         log(f"[compare]   {spec.run_name} seed {seed}: trained ({why}) -> {folder}")
         train(cfg, folder, bundle=bundle)
         trained.add(folder)
@@ -204,6 +212,23 @@ def _current_format(path: Path) -> bool:
     """Whether the checkpoint at ``path`` is of this gpattn's format (a run cached by an older gpattn may
     be of another model under the same configuration: CHANGELOG.md)."""
     return checkpoint_format(load_file(path)) == CHECKPOINT_FORMAT
+
+
+def _resumable(folder: Path, cfg: TrainConfig):
+    """(step, epochs done) of an interrupted run's checkpoint in ``folder`` written with ``cfg``'s
+    configuration, or None (no checkpoint, another configuration, an unreadable file)."""
+    from gpattn.experiments.training import _load_checkpoint
+
+    path = folder / CHECKPOINT
+    if not path.is_file():
+        return None
+    try:
+        ckpt = _load_checkpoint(path)
+    except ValueError:
+        return None
+    if not _same_run(ckpt["config"], cfg)[0]:
+        return None
+    return int(ckpt.get("step", 0)), len(ckpt.get("history", []))
 
 
 def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:

@@ -28,6 +28,7 @@ and tokenizer without the encoder folder, and its ``model`` entry holds every we
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tempfile
 
@@ -46,6 +47,27 @@ __all__ = [
 ]
 
 
+class _ReportOnce(logging.Filter):
+    """Let each distinct transformers "LOAD REPORT" (keys of the checkpoint the model does not use, e.g. the
+    pooler) through once per process: a run loads the same weights more than once (model, trunk)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "LOAD REPORT" not in message:
+            return True
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+_REPORT_ONCE = _ReportOnce()
+
+
 def _transformers():
     try:
         import transformers
@@ -53,6 +75,10 @@ def _transformers():
         raise ImportError(
             "encoder: a run on a pretrained encoder needs transformers 5 (pip install 'gpattn[huggingface]')"
         ) from err
+    for name in ("transformers.modeling_utils", "transformers.modeling_layers", "transformers.utils.loading_report"):
+        log = logging.getLogger(name)
+        if _REPORT_ONCE not in log.filters:
+            log.addFilter(_REPORT_ONCE)
     return transformers
 
 
@@ -113,6 +139,7 @@ def build_encoder_model(cfg, bundle) -> torch.nn.Module:
     the saved config whose weights the checkpoint then loads."""
     from gpattn.integrations.huggingface import HFClassifier
 
+    _transformers()  # its load report once per process (_ReportOnce)
     kwargs = dict(
         attention=cfg.attention,
         attention_layers=_layers(cfg),

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import types
+import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["Prediction", "Run", "bundle_meta", "load_run"]
+__all__ = ["EmptyTextWarning", "Prediction", "Run", "bundle_meta", "load_run"]
 
 
 def bundle_meta(bundle) -> dict:
@@ -79,6 +80,23 @@ class Prediction:
         return self.mutual_information
 
 
+class EmptyTextWarning(UserWarning):
+    """``Run.predict`` was given texts with no words: what it returns for them is the model's answer to an
+    empty input, not a judgement of any text."""
+
+
+def _warn_empty(texts) -> None:
+    empty = [i for i, t in enumerate(texts) if isinstance(t, str) and not t.strip()]
+    if empty:
+        shown = ", ".join(map(str, empty[:10])) + (" ..." if len(empty) > 10 else "")
+        warnings.warn(
+            f"predict: {len(empty)} of {len(texts)} texts are empty or only whitespace (positions {shown}); their "
+            f"predictions are the model's answer to an empty input, not to any text",
+            EmptyTextWarning,
+            stacklevel=3,
+        )
+
+
 class Run:
     """A trained run: its config, model (eval mode) and data metadata. Use :func:`load_run`."""
 
@@ -114,15 +132,18 @@ class Run:
 
     @torch.no_grad()
     def predict(self, inputs, num_samples: int | None = None, batch_size: int = 256) -> Prediction:
-        """Predictive probabilities and their entropy split for a list of texts (text runs) or an image
-        tensor (N, C, Hpx, Wpx) in [0, 1] (image runs); ``num_samples`` defaults to the run's."""
+        """Predictive probabilities and their entropy split for a list of texts (text runs; a single string
+        is one text, N = 1) or an image tensor (N, C, Hpx, Wpx) in [0, 1] (image runs); ``num_samples``
+        defaults to the run's. An empty or whitespace-only text is scored, with an :class:`EmptyTextWarning`."""
         from gpattn.experiments import metrics as M
 
         P = num_samples or self.cfg.num_samples
         if isinstance(P, bool) or not isinstance(P, int) or P < 1:
             raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
         if self.meta["kind"] == "text":
-            ids, mask = self.encode(list(inputs))
+            texts = [inputs] if isinstance(inputs, str) else list(inputs)  # a bare string is one text
+            _warn_empty(texts)
+            ids, mask = self.encode(texts)
         else:
             ids = torch.as_tensor(inputs, dtype=torch.float32)
             if ids.dim() != 4 or tuple(ids.shape[1:]) != tuple(self.meta["image_shape"]):

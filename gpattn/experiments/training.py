@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from gpattn import __version__
 from gpattn._settings import is_validating
 from gpattn.experiments._io import CHECKPOINT_FORMAT, check_checkpoint_format, load_file
+from gpattn.experiments._optim import build_optimizer
 from gpattn.experiments.diagnostics import (
     EpochStats,
     GPCollapseWarning,
@@ -116,6 +117,9 @@ def _same_run(saved: dict, cfg: TrainConfig) -> tuple[bool, list]:
     """Whether a saved config.json describes the same run as ``cfg`` (up to :data:`RUN_SETTINGS`), and
     the keys that differ."""
     defaults = TrainConfig().to_dict()
+    if saved.get("encoder") is not None:  # trained before --encoder runs had their own optimizer settings
+        absent = "absent (Adam, one lr, no warm-up)"
+        defaults.update({k: absent for k in ("encoder_lr", "encoder_weight_decay", "warmup")})
     saved = {k: v for k, v in {**defaults, **saved}.items() if k not in RUN_SETTINGS}
     mine = {k: v for k, v in cfg.to_dict().items() if k not in RUN_SETTINGS}
     saved, mine = json.loads(json.dumps(saved)), json.loads(json.dumps(mine))
@@ -145,6 +149,13 @@ class TrainConfig:
     #: with ``encoder``: ``"full"`` fine-tunes every weight; ``"frozen-trunk"`` freezes the layers below the
     #: first swapped one and trains on their outputs, computed once per data set (gpattn.experiments.encoders)
     encoder_recipe: str = "full"
+    #: with ``encoder``: learning rate of the pretrained weights (``lr`` is the new parameters'); None: the
+    #: recipe's default (gpattn.experiments._optim.ENCODER_DEFAULTS)
+    encoder_lr: float | None = None
+    #: with ``encoder``: AdamW's decoupled weight decay on the pretrained weight matrices; None: the default
+    encoder_weight_decay: float | None = None
+    #: fraction of the steps with a linear learning-rate warm-up; None: 0.1 with ``encoder``, else 0
+    warmup: float | None = None
     embed_dim: int = 64
     num_heads: int = 4
     num_layers: int = 2
@@ -204,6 +215,17 @@ class TrainConfig:
             raise bad("encoder_max_len", "None (the encoder's limit) or an int >= 2")
         if self.encoder_max_len is not None and self.encoder is None:
             raise bad("encoder_max_len", "None without an encoder (--max-len needs --encoder)")
+        for name in ("encoder_lr", "encoder_weight_decay", "warmup"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not number or v < 0 or (name == "encoder_lr" and v == 0) or (name == "warmup" and v >= 1):
+                want = {"encoder_lr": "a finite number > 0", "encoder_weight_decay": "a finite number >= 0",
+                        "warmup": "a fraction 0 <= x < 1 of the steps"}[name]
+                raise bad(name, f"None (the default) or {want}")
+            if name != "warmup" and self.encoder is None:
+                raise bad(name, f"None without an encoder (--{name.replace('_', '-')} needs --encoder)")
         if self.encoder_recipe not in ENCODER_RECIPES:
             raise bad("encoder_recipe", f"one of {', '.join(ENCODER_RECIPES)}")
         if self.encoder_recipe != "full" and self.encoder is None:
@@ -385,6 +407,12 @@ class _Dist:
         if self.world > 1 and not dist.is_initialized():
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
+            # torch.distributed.nn.functional binds ``group.WORLD`` as the default argument of ten functions when
+            # it is first imported, which DistributedDataParallel does: imported after init_process_group, it
+            # holds the default group — and gloo's threads — past destroy_process_group until the interpreter
+            # tears that module down, where rank 1 occasionally aborted ("terminate called without an active
+            # exception"). Imported before any group exists, the defaults are None.
+            import torch.distributed.nn as _distributed_nn  # noqa: F401  (binds only this name, not torch)
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
             self.owned = True
         if self.world > 1:
@@ -447,8 +475,9 @@ class _Dist:
 
     def close(self, barrier: bool = True) -> None:
         """End the process group this object started (``barrier``: wait for every rank first; off when
-        leaving on an exception, which every rank may not share). Left open, gloo's threads abort the
-        interpreter at exit ("terminate called without an active exception")."""
+        leaving on an exception, which every rank may not share). Left open, or kept alive by a reference
+        (see ``__init__``), gloo's threads run into interpreter teardown, which they occasionally abort
+        ("terminate called without an active exception")."""
         if self.owned and self.dist.is_initialized():
             if barrier:
                 self.dist.barrier()
@@ -472,16 +501,20 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 
 @torch.no_grad()
 def predict(
-    model, split, num_samples: int, batch_size: int = 256, dist: _Dist | None = None, precision: str = "fp32"
+    model, split, num_samples: int, batch_size: int = 256, dist: _Dist | None = None, precision: str = "fp32",
+    progress: str | None = None,
 ) -> torch.Tensor:
     """Sample logits of a whole split in eval mode, on the model's device (sharded over ranks under
-    torchrun), returned on the CPU.  # shape: (N, P, C)"""
+    torchrun), returned on the CPU; ``progress``: a tqdm bar over the batches with that description (an
+    evaluation of cgp or sgpa at P samples can take minutes).  # shape: (N, P, C)"""
     model.eval()
     n = len(split.labels)
     rows = torch.arange(n) if dist is None else dist.shard(torch.arange(n))
     device = next(model.parameters()).device
     out = []
-    for start in range(0, len(rows), batch_size):
+    starts = range(0, len(rows), batch_size)
+    bar = tqdm(starts, desc=progress, disable=progress is None, leave=False, dynamic_ncols=True, unit="batch")
+    for start in bar:
         x, mask, _ = _batch(split, rows[start : start + batch_size], device)
         with _autocast(device, precision):
             out.append(model(x, mask, num_samples=num_samples).float())
@@ -598,8 +631,18 @@ def _run_checkpoint(path, map_location="cpu") -> tuple[Path, dict]:
     if path.is_dir():
         path = path / CHECKPOINT
     if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
+        raise FileNotFoundError(f"no checkpoint at {path}{_run_folder_hint(path.parent)}")
     return path, _load_checkpoint(path, map_location=map_location)
+
+
+def _run_folder_hint(folder: Path) -> str:
+    """Where the runs are when ``folder`` is a ``gpattn compare`` output (``runs/<variant>/seed<N>``)."""
+    found = sorted(p.parent for p in folder.glob(f"runs/*/seed*/{CHECKPOINT}"))
+    if not found:
+        return ""
+    shown = ", ".join(str(p) for p in found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+    return (f": {folder} is a `gpattn compare` folder, which holds one run per variant and seed under "
+            f"{folder / 'runs' / '<variant>' / 'seed<N>'} — pass one of those: {shown}")
 
 
 def load_run(path, device=None) -> tuple[TrainConfig, torch.nn.Module, object, dict]:
@@ -665,8 +708,24 @@ def train(
     """Fit, checkpoint and evaluate one run; returns the metrics dict (also ``out/metrics.json``).
 
     ``stop_after_steps`` simulates an interruption (tests): the run checkpoints after that many
-    optimizer steps and raises ``KeyboardInterrupt``.
+    optimizer steps and raises ``KeyboardInterrupt``. A run that fails with an error leaves no
+    ``config.json`` or ``data.json`` of its own (an interrupted run keeps them beside its checkpoint, a
+    diverged one beside ``diverged.json``).
     """
+    written = [Path(out) / name for name in ("config.json", "data.json")] if out is not None else []
+    before = {p: p.stat().st_mtime_ns if p.is_file() else None for p in written}
+    try:
+        return _train(cfg, out, resume, bundle, stop_after_steps)
+    except TrainingDivergedError:
+        raise
+    except Exception:
+        for p in written:  # what this call wrote describes no run
+            if p.is_file() and before[p] != p.stat().st_mtime_ns and int(os.environ.get("RANK", "0")) == 0:
+                p.unlink()
+        raise
+
+
+def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps) -> dict:
     from gpattn.experiments.data import load_dataset
 
     resolve_device(cfg.device)  # CUDA asked for where there is none: refused before any file is written
@@ -701,10 +760,11 @@ def train(
     n = len(train_split.labels)
     steps_per_epoch = max(1, math.ceil(n / cfg.batch_size))
     total_steps = steps_per_epoch * cfg.epochs
-    # fused: one kernel per step, and it skips a step flagged by ``found_inf`` on the device (_DivergenceGuard)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # a frozen trunk is not optimised
-    optimizer = torch.optim.Adam(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps)) if cfg.cosine else None
+    # fused: one kernel per step, and it skips a step flagged by ``found_inf`` on the device (_DivergenceGuard);
+    # a pretrained encoder: AdamW, its own lr for the pretrained weights, warm-up (gpattn.experiments._optim)
+    optimizer, scheduler, optimizer_line = build_optimizer(cfg, model, total_steps)
+    if dist.main and cfg.encoder is not None:
+        print(f"[train] {cfg.attention} seed {cfg.seed}: {optimizer_line}", flush=True)
     objective = DeepGPELBO(  # the loss parts: every added loss term of the model, by name, and the loss
         model,
         n,
@@ -831,11 +891,14 @@ def train(
     warnings_ = collapse_warnings(history, base_rate)
     if dist.main:
         for msg in warnings_:
-            warnings.warn(f"{cfg.attention} seed {cfg.seed}: {msg}", GPCollapseWarning, stacklevel=2)
+            warnings.warn(f"{cfg.attention} seed {cfg.seed}: {msg}", GPCollapseWarning, stacklevel=3)
 
     preds = {
         key: {
-            "logits": predict(model, bundle.splits[key], cfg.num_samples, cfg.eval_batch_size, dist, cfg.precision),
+            "logits": predict(
+                model, bundle.splits[key], cfg.num_samples, cfg.eval_batch_size, dist, cfg.precision,
+                progress=f"{cfg.attention} seed {cfg.seed}: evaluating {key}" if cfg.progress and dist.main else None,
+            ),
             "labels": bundle.splits[key].labels,
         }
         for key in sorted({"val", *bundle.eval_splits.values()})

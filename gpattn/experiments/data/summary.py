@@ -68,6 +68,11 @@ def summary_lines(summary: dict) -> list[str]:
     lines = []
     for f in summary["files"]:
         lines.append(f"- file ({f['role']}): `{f['path']}`, {f['bytes']} bytes, {f['rows']} rows, sha256 {f['sha256']}")
+        skipped = f.get("skipped_rows")
+        if skipped:
+            shown = ", ".join(map(str, skipped["lines"][:10])) + (" ..." if len(skipped["lines"]) > 10 else "")
+            lines.append(f"  - {skipped['rows']} row(s) left out (bad_rows='skip': wrong number of cells or empty "
+                         f"text), lines {shown}")
     if not summary["files"] and summary.get("source"):
         lines.append(f"- source: {summary['source']}")
     for key, n in summary["sizes"].items():

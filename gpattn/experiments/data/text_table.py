@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
+import io
 import re
 from collections import Counter
 from pathlib import Path
@@ -29,6 +31,14 @@ _FALSE = ("false", "no", "n", "off", "0")
 UNKNOWN_LABELS = ("error", "drop", "unlabelled")
 #: a first row (header=False) whose label occurs once among at least this many rows is taken for a header
 _HEADER_MIN_ROWS = 20
+#: ``bad_rows``: what to do with a row whose number of cells differs from the header's (a TAB or delimiter
+#: inside a text) or whose text is empty or only whitespace
+BAD_ROWS = ("error", "skip")
+#: ``disjoint_labels``: pooled files (``path`` a list) whose label sets share no label
+DISJOINT_LABELS = ("error", "allow")
+#: default ``min_class_count``: a label with fewer examples than this is an error (a typo, a fragment of a
+#: text read as a label, or a class too small to reach every split)
+MIN_CLASS_COUNT = 3
 
 
 #: every option of ``text_table``: accepted values and meaning (``gpattn data text_table`` prints it)
@@ -58,7 +68,17 @@ OPTION_HELP = {
     "max_len": "tokens kept per text (the first max_len); default 256.",
     "min_freq": "a word enters the vocabulary if it occurs at least this often in train; default 1.",
     "max_vocab_size": "keep at most this many words (most frequent first); default None (all).",
-    "encoding": "text encoding of the files; default utf-8.",
+    "encoding": "text encoding of the files; default utf-8 (a leading byte-order mark is dropped). A file that "
+    "does not decode is an error naming its line; latin-1 or cp1252 read most Western European files.",
+    "bad_rows": "what to do with a row whose number of cells differs from the header's (a TAB or delimiter "
+    "inside a text, a missing cell) or whose text is empty or only whitespace: 'error' (default: stop, naming "
+    "the file and lines) or 'skip' (leave those rows out; the report lists how many and which lines).",
+    "min_class_count": f"a training label with fewer rows than this (summed over pooled files) is an error "
+    f"naming it and its lines (a typo, or a text fragment read as a label); default {MIN_CLASS_COUNT}. "
+    "Pass 1 to allow rare classes (a class may then be absent from the validation or test split).",
+    "disjoint_labels": "pooled files (path a list) whose label sets share no label (e.g. 0/1 in one file, "
+    "neg/pos in the other): 'error' (default, naming the files and their labels) or 'allow' (one file per "
+    "class, say).",
 }
 
 
@@ -115,14 +135,40 @@ def read_table(path, delimiter: str | None = None, header: bool = True, encoding
     header = parse_bool("header", header)
     delim = _delimiter_for(path, delimiter)
     quoting = csv.QUOTE_NONE if delim == "\t" else csv.QUOTE_MINIMAL
-    with open(path, newline="", encoding=encoding) as handle:
-        rows = list(_numbered(csv.reader(handle, delimiter=delim, quoting=quoting)))
+    text = decode_file(path, encoding)
+    rows = list(_numbered(csv.reader(io.StringIO(text, newline=""), delimiter=delim, quoting=quoting)))
     if header:
         if not rows:
             raise ValueError(f"{path} is empty; expected a header row")
         names = [name.strip() for name in rows[0][1]]
         return names, rows[1:]
     return None, rows
+
+
+def decode_file(path, encoding: str = "utf-8") -> str:
+    """The text of ``path`` in ``encoding``, without a leading byte-order mark; bytes that do not decode are
+    a ``ValueError`` naming the file, the line and the bytes, and suggesting ``encoding=``."""
+    path = Path(path)
+    try:
+        codecs.lookup(encoding)
+    except (LookupError, TypeError):
+        raise ValueError(f"encoding={encoding!r} is not a text encoding Python knows (e.g. 'utf-8', 'latin-1', "
+                         f"'cp1252', 'utf-16')") from None
+    data = path.read_bytes()
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        start = data.rfind(b"\n", 0, err.start) + 1
+        column = len(data[start : err.start].decode(encoding, errors="replace")) + 1
+        suggest = "encoding='latin-1' or encoding='cp1252'" if encoding.lower().replace("_", "-") in (
+            "utf-8", "utf8", "utf-8-sig") else "encoding='utf-8'"
+        raise ValueError(
+            f"{path} line {line}, column {column}: bytes {data[err.start:err.end]!r} are not valid {encoding} "
+            f"({err.reason}). Pass the file's encoding as a data set option, e.g. {suggest} "
+            f"(--dataset-option encoding=latin-1), or re-save the file as UTF-8."
+        ) from None
+    return text[1:] if text.startswith("\ufeff") else text
 
 
 def _numbered(reader):
@@ -140,7 +186,11 @@ def _column_index(column: Column, names: list[str] | None, width: int, role: str
             raise ValueError(f"{role}={column} is out of range for {path}; columns found: {found}")
         return column
     if names is None or column not in names:
-        raise ValueError(f"{role}={column!r} not found in {path}; columns found: {found}")
+        hint = ""
+        if names is not None:
+            hint = (f". If {path} has no header row (its line 1 {names} is data), pass header=false and name "
+                    f"the columns by index (text_column=0, label_column=1)")
+        raise ValueError(f"{role}={column!r} not found in {path}; columns found (line 1): {found}{hint}")
     return names.index(column)
 
 
@@ -156,9 +206,10 @@ def _resolve_columns(text_column: Column, label_column: Column, names, width, pa
         elif width == 2 and label_idx is not None:
             text_column = 1 - label_idx
         else:
-            found = names if names is not None else f"{width} unnamed columns"
+            found = f"{names} (line 1)" if names is not None else f"{width} unnamed columns"
             raise ValueError(
                 f"cannot tell which column of {path} holds the text; pass text_column= (columns found: {found})"
+                + ("; a row with a TAB or delimiter inside its text has more cells" if width > 2 else "")
             )
     text_idx = _column_index(text_column, names, width, "text_column", path)
     return text_idx, label_idx
@@ -238,19 +289,60 @@ def _check_header(path: Path, header: bool, header_line, names, rows, label_idx,
             )
 
 
-def _read_labelled(path: Path, role: str, delimiter, header, encoding, text_column, label_column, need_label):
-    """(texts, raw labels or None, line numbers, file record) of one table, with the header checks."""
+def _shown_lines(lines, limit: int = 5) -> str:
+    shown = ", ".join(map(str, lines[:limit]))
+    return shown + (f" and {len(lines) - limit} more" if len(lines) > limit else "")
+
+
+def _bad_rows(path: Path, rows, width: int, text_idx: int, bad_rows: str, delim_name: str, basis: str = "the header"):
+    """``rows`` less the ragged rows (a cell count other than ``width``) and the rows with an empty text:
+    an error naming the lines (``bad_rows="error"``), or left out and returned as ``{"rows", "lines"}``."""
+    ragged = [(line, len(row)) for line, row in rows if len(row) != width]
+    empty = [line for line, row in rows if len(row) == width and not row[text_idx].strip()]
+    if (ragged or empty) and bad_rows == "error":
+        parts = []
+        if ragged:
+            line, got = ragged[0]
+            parts.append(
+                f"{len(ragged)} row(s) with a number of cells other than the {width} of "
+                f"{basis} (line {line} has {got}; lines {_shown_lines([r[0] for r in ragged])}) "
+                f"— a {delim_name} inside a text splits it into more cells: remove it from the text"
+                + ("" if delim_name == "TAB" else " or quote the text")
+            )
+        if empty:
+            parts.append(f"{len(empty)} row(s) whose text is empty or only whitespace (lines {_shown_lines(empty)})")
+        raise ValueError(
+            f"{path}: {'; '.join(parts)}. Fix the file, or pass bad_rows='skip' to leave these rows out "
+            f"(the report lists them)."
+        )
+    drop = {line for line, _ in ragged} | set(empty)
+    kept = [(line, row) for line, row in rows if line not in drop]
+    return kept, {"rows": len(drop), "lines": sorted(drop)}
+
+
+def _read_labelled(path: Path, role: str, delimiter, header, encoding, text_column, label_column, need_label,
+                   bad_rows: str = "error"):
+    """(texts, raw labels or None, line numbers, file record) of one table, with the header and row checks."""
     names, rows = read_table(path, delimiter, header, encoding)
     if not rows:
         raise ValueError(f"{path} has no data rows")
     header_line = 1 if names is not None else None
-    width = len(names) if names is not None else max(len(r) for _, r in rows)
+    if names is not None:
+        width = len(names)
+    else:  # no header: the number of cells most rows have (the others are ragged rows)
+        width = Counter(len(r) for _, r in rows).most_common(1)[0][0]
     if role != "train":
         if isinstance(label_column, str):
             need_label = names is not None and label_column in names
         elif isinstance(label_column, int):
             need_label = label_column < width
     text_idx, label_idx = _resolve_columns(text_column, label_column, names, width, path, need_label=need_label)
+    delim = _delimiter_for(path, delimiter)
+    delim_name = {"\t": "TAB", ",": "comma", ";": "semicolon"}.get(delim, repr(delim))
+    basis = "the header" if names is not None else "most rows"
+    rows, skipped = _bad_rows(path, rows, width, text_idx, bad_rows, delim_name, basis)
+    if not rows:
+        raise ValueError(f"{path} has no data rows left after bad_rows='skip' ({skipped['rows']} left out)")
     texts = _cells(rows, text_idx, path, "text")
     raw = None
     if label_idx is not None:
@@ -259,7 +351,60 @@ def _read_labelled(path: Path, role: str, delimiter, header, encoding, text_colu
         for (line, _), value in zip(rows, raw):
             if not value:
                 raise ValueError(f"{path} line {line}: empty label")
-    return texts, raw, [line for line, _ in rows], file_record(path, role, len(rows)), (names, text_idx, label_idx)
+    record = file_record(path, role, len(rows))
+    if skipped["rows"]:
+        record["skipped_rows"] = skipped
+    return texts, raw, [line for line, _ in rows], record, (names, text_idx, label_idx)
+
+
+def _check_pooled(tables: list[Path], records: list[dict]) -> None:
+    """The same file twice in ``path`` (by path or by content) would put every row in two splits at once."""
+    seen = {}
+    for i, (table, record) in enumerate(zip(tables, records)):
+        key = record["sha256"]
+        if key in seen:
+            j = seen[key]
+            twice = tables[j].resolve() == table.resolve()
+            same = "is listed twice" if twice else f"has the same content as {tables[j]}"
+            raise ValueError(
+                f"path: {table} (entry {i}) {same} (entry {j}); pooling it would put each of its rows in training "
+                f"and in the test split at once. List each file once."
+            )
+        seen[key] = i
+
+
+def _check_labels(tables, file_labels, file_lines, min_class_count: int, disjoint_labels: str) -> None:
+    """Rare labels (fewer than ``min_class_count`` rows) and pooled files whose label sets are disjoint."""
+    if len(tables) > 1 and disjoint_labels == "error":
+        sets = [set(labels) for labels in file_labels]
+        for i, own in enumerate(sets):
+            others = set().union(*(sets[:i] + sets[i + 1 :]))
+            if not own & others:
+                listed = "; ".join(f"{t}: {_sort_labels(labels)}" for t, labels in zip(tables, sets))
+                raise ValueError(
+                    f"path: the pooled files' label sets share no label ({listed}): {tables[i]} labels its rows "
+                    f"with none of the other files' labels, which would make them classes of their own. Write "
+                    f"the labels the same way in every file (e.g. 0/1 or neg/pos throughout), or pass "
+                    f"disjoint_labels='allow' if each file holds other classes by design."
+                )
+    counts = Counter(v for labels in file_labels for v in labels)
+    rare = sorted((v for v, c in counts.items() if c < min_class_count), key=lambda v: (counts[v], v))
+    if rare:
+        where = []
+        for v in rare[:5]:
+            at = []
+            for t, labels, lines in zip(tables, file_labels, file_lines):
+                found = [line for label, line in zip(labels, lines) if label == v]
+                if found:
+                    at.append(f"{t} line{'s' if len(found) > 1 else ''} {_shown_lines(found, 3)}")
+            where.append(f"{v!r} ({counts[v]} row(s): {'; '.join(at)})")
+        more = f" and {len(rare) - 5} more" if len(rare) > 5 else ""
+        raise ValueError(
+            f"label(s) with fewer than min_class_count={min_class_count} rows in {', '.join(map(str, tables))}: "
+            f"{'; '.join(where)}{more}. A rare label is often a typo, another spelling of a label, or a piece of "
+            f"a text read as a label (a row with an extra delimiter). Fix the file, or pass min_class_count=1 "
+            f"(or a smaller number) to allow rare classes."
+        )
 
 
 @register_dataset("text_table")
@@ -282,6 +427,9 @@ def load_text_table(
     min_freq: int = 1,
     max_vocab_size: int | None = None,
     encoding: str = "utf-8",
+    bad_rows: str = "error",
+    min_class_count: int = MIN_CLASS_COUNT,
+    disjoint_labels: str = "error",
 ) -> DatasetBundle:
     """A (text, label) table split stratified and seeded into train / val / test.
 
@@ -294,7 +442,9 @@ def load_text_table(
     column optional) becomes split "ood". A label of an evaluation file that training never saw is an
     error unless ``unknown_labels`` says otherwise. Vocabulary from train only. ``info["files"]``
     records every file read (path, bytes, sha256, rows); ``info["unknown_labels"]`` what was done with
-    unknown labels per split.
+    unknown labels per split. Rows with a wrong number of cells or an empty text (``bad_rows``), labels
+    with fewer than ``min_class_count`` rows, pooled files with disjoint label sets (``disjoint_labels``), the
+    same file twice in ``path`` and bytes that are not ``encoding`` are errors naming the file and line.
     """
     val_fraction = check_fraction("val_fraction", val_fraction, allow_zero=False)
     test_fraction = check_fraction("test_fraction", test_fraction, allow_zero=False)
@@ -305,19 +455,30 @@ def load_text_table(
     if unknown_labels not in UNKNOWN_LABELS:
         accepted = ", ".join(map(repr, UNKNOWN_LABELS))
         raise ValueError(f"unknown_labels must be one of {accepted}, got {unknown_labels!r}")
+    for name, value, accepted in (("bad_rows", bad_rows, BAD_ROWS), ("disjoint_labels", disjoint_labels,
+                                                                     DISJOINT_LABELS)):
+        if value not in accepted:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, accepted))}, got {value!r}")
+    if isinstance(min_class_count, bool) or not isinstance(min_class_count, int) or min_class_count < 1:
+        raise ValueError(f"min_class_count must be an int >= 1 (1 allows any class size), got {min_class_count!r}")
     paths = list(path) if isinstance(path, (list, tuple)) else [path]
     if not paths:
         raise ValueError("path must name at least one file")
-    texts, raw_labels, files, sources = [], [], [], []
+    texts, raw_labels, files, sources, tables, file_labels, file_lines = [], [], [], [], [], [], []
     for one in paths:
         table = _find(one, data_dir)
-        t, raw, _, record, (names, text_idx, label_idx) = _read_labelled(
-            table, "train", delimiter, header, encoding, text_column, label_column, True
+        t, raw, lines, record, (names, text_idx, label_idx) = _read_labelled(
+            table, "train", delimiter, header, encoding, text_column, label_column, True, bad_rows
         )
         texts += t
         raw_labels += raw
         files.append(record)
         sources.append(str(table))
+        tables.append(table)
+        file_labels.append(raw)
+        file_lines.append(lines)
+    _check_pooled(tables, files)
+    _check_labels(tables, file_labels, file_lines, min_class_count, disjoint_labels)
     # later files use the first file's columns: by name with a header, else by index
     col_text = names[text_idx] if names is not None and not isinstance(text_column, int) else text_idx
     col_label = names[label_idx] if names is not None and not isinstance(label_column, int) else label_idx
@@ -339,7 +500,7 @@ def load_text_table(
             continue
         table = _find(extra, data_dir)
         e_texts, e_raw, lines, record, _ = _read_labelled(
-            table, split, delimiter, header, encoding, col_text, col_label, split == "shift"
+            table, split, delimiter, header, encoding, col_text, col_label, split == "shift", bad_rows
         )
         files.append(record)
         if e_raw is None and split == "shift":
