@@ -102,6 +102,7 @@ class SCGPAttention(_CorrelatedGPAttention):
     :param amortize: inducing inputs computed from the sequence by a learned token map (fixed T);
         default global learnable inducing inputs per head.
     :param seq_len: the fixed T of ``amortize=True``.
+
     Other options as ``cgp`` (no ``prior_samples``: the regulariser is in closed form, App. E).
     """
 

@@ -34,6 +34,7 @@ def list_attention() -> list[str]:
 
 
 def attention_class(name: str) -> type[nn.Module]:
+    """The class registered as ``name`` (``ValueError`` naming the valid names otherwise)."""
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown attention {name!r}; valid names: {', '.join(list_attention())}")
     return _REGISTRY[name]

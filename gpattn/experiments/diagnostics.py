@@ -17,7 +17,7 @@ table and are measured here instead (docs/derivations.md §9, ``gpattn.variation
   its steps) within :data:`BASE_RATE_MARGIN` nats of the entropy of the training labels' frequencies
   (0.611 nats on CoLA): whatever its ECE, such a model says nothing about the input.
 
-:class:`EpochStats` accumulates the loss parts and each GP layer's :meth:`layer_diagnostics` over an
+:class:`EpochStats` accumulates the loss parts and each GP layer's ``layer_diagnostics`` over an
 epoch's steps without host synchronisation (0-dim tensors; one conversion per epoch);
 :func:`collapse_warnings` reads a history and returns the messages that ``gpattn train`` issues as
 :class:`GPCollapseWarning` and that ``gpattn compare`` flags in its report.

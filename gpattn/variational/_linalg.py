@@ -214,10 +214,10 @@ def gp_algebra(device_type: str = "cpu"):
 def standard_normal(shape, like: torch.Tensor, num_samples: int | None, generator=None) -> torch.Tensor:
     """ε ~ N(0, I) with an optional leading sample axis P (gpytorch's ``rsample(num_samples)`` layout).
 
-    With ``num_samples`` the numbers are drawn batch-major — as ``(B, P, *rest)`` for ``shape = (B,
-    *rest)``, then viewed as ``(P, B, *rest)`` — so that P draws from one factorisation consume the
+    With ``num_samples`` the numbers are drawn batch-major — as ``(B, P, *rest)`` for
+    ``shape = (B, *rest)``, then viewed as ``(P, B, *rest)`` — so that P draws from one factorisation consume the
     random stream exactly as one draw for a batch repeated P times (B-major) would: the same seed gives
-    the same samples either way.  # shape: (P, *shape) or shape"""
+    the same samples either way.  # shape: ``(P, *shape)`` or ``shape``"""
     opts = {"dtype": like.dtype, "device": like.device, "generator": generator}
     if num_samples is None:
         return torch.randn(shape, **opts)

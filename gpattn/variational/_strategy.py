@@ -57,7 +57,7 @@ def sequence_mean(per_sequence: torch.Tensor, mask: torch.Tensor | None = None) 
 class AmortisedConditional:
     """The factors of one forward pass of a GP variant (returned by a strategy's ``condition``).
 
-    Subclasses set :attr:`mean` and implement :meth:`rsample`, :meth:`posterior` and, where the
+    Subclasses set ``mean`` and implement :meth:`rsample`, :meth:`posterior` and, where the
     variant is variational, :meth:`kl_divergence`, :attr:`prior_distribution` and
     :attr:`variational_distribution`. :meth:`added_loss_terms` defaults to one per-sequence KL
     (``kl_seq``) of :meth:`kl_divergence` per (b, h, d).
@@ -123,7 +123,7 @@ class _AmortisedVariationalStrategy(gpytorch.Module):
         shape is kept): by default through the kernel's outputscale(s)
         (:func:`gpattn.kernels.scale_prior_variance`). Used to put a layer on the scale of a residual
         stream other than the LayerNorm-ed one its initialisation assumes (gpattn.variational._scale).
-        Subclasses whose prior variance is not a kernel's outputscale override :meth:`_scale_prior`."""
+        Subclasses whose prior variance is not a kernel's outputscale override ``_scale_prior``."""
         self._scale_prior(check_prior_factor(factor))
 
     def _scale_prior(self, factor: float) -> None:

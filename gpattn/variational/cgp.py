@@ -195,7 +195,7 @@ class CorrelatedGPBase(_AmortisedVariationalStrategy):
         return valid, full_precision(*tensors)
 
     def condition(self, q, k, o, v, mask=None, **options) -> AmortisedConditional:
-        """Factorise once for a batch of sequences: the predictive mean :math:`\nu` now, the covariance
+        """Factorise once for a batch of sequences: the predictive mean ν now, the covariance
         factor and the regulariser on demand (samples: ``rsample(num_samples)``, P draws from the one
         factorisation on a leading axis; the layer's loss term: ``added_loss_terms(mask)``).
 
@@ -305,6 +305,7 @@ class CorrelatedGP(CorrelatedGPBase):
     Cost :math:`O(T^3)` per (B, H): Cholesky factorisations and triangular solves, no inverses.
 
     :param prior_samples: :math:`P_o` (default 10), or ``None`` for the exact expectation.
+
     Other parameters: :class:`CorrelatedGPBase`.
     """
 
@@ -404,7 +405,7 @@ class CorrelatedGP(CorrelatedGPBase):
 
 
 class CGPConditional(CorrelatedConditional):
-    """One forward pass of exact CGP (:meth:`CorrelatedGP.condition`): the blocks and ν; the second-order
+    """One forward pass of exact CGP (``CorrelatedGP.condition``): the blocks and ν; the second-order
     blocks, Σ's Cholesky factor (shared by the value columns and the draws) and R on first use."""
 
     def __init__(self, gp: CorrelatedGP, nu, valid, blocks, q, k, v):

@@ -102,6 +102,7 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         Default: global learnable inducing inputs per head (Remark 4).
     :param seq_len: T for ``amortize=True``; every input must have exactly this many tokens.
     :param inducing_std: standard deviation of the initial global inducing inputs.
+
     Other parameters: :class:`~gpattn.variational.cgp.CorrelatedGPBase`.
     """
 
@@ -245,7 +246,7 @@ class SparseCorrelatedGP(CorrelatedGPBase):
 
 
 class SCGPConditional(CorrelatedConditional):
-    """One forward pass of sparse CGP (:meth:`SparseCorrelatedGP.condition`): the DTC terms and ν; the
+    """One forward pass of sparse CGP (``SparseCorrelatedGP.condition``): the DTC terms and ν; the
     covariance root :math:`K_{qm}R` on first use (shared by samples and posterior)."""
 
     def __init__(self, gp: SparseCorrelatedGP, nu, valid, terms: DTCTerms, z):

@@ -96,6 +96,7 @@ def check_jitter(jitter) -> float:
 
 
 def check_covariance(covariance) -> str:
+    """``covariance`` must be one of :data:`COVARIANCE_MODES`."""
     if covariance not in COVARIANCE_MODES:
         raise ValueError(f"covariance must be one of {list(COVARIANCE_MODES)}, got {covariance!r}")
     return covariance

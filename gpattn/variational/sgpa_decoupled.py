@@ -293,7 +293,7 @@ class MaskedDecoupledSGPAConditional(DecoupledSGPAConditional):
 
     The γ-part is mean only, so the queries' GPs differ by a deterministic shift of the mean and share
     the random part (q(ũ_g) and the prior's conditional): the joint q(f) keeps the unmasked covariance
-    with the masked mean, and :meth:`rsample` draws jointly as the unmasked conditional does. The
+    with the masked mean, and ``rsample`` draws jointly as the unmasked conditional does. The
     residual's jitter (``"full"`` samples) is per token, ``jitter`` · K_ii, so that under the causal mask
     no draw depends on a later token. The γ-part of the KL is per query (:meth:`query_kl_divergence`);
     the layer's term is its mean over the real queries (not padding, A_i ≠ ∅), as for ``sgpa``.
