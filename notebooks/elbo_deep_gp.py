@@ -102,7 +102,9 @@ mixed = ViTClassifier(
     embed_dim=D,
     num_heads=H,
     attention="sgpa-decoupled",
-    attention_options={"num_global": 8},
+    # the paper's form (docs/derivations.md §5b), whose per-sequence γ-part this notebook checks; with the default
+    # attention prior mean (§5c) the layer has only kl_global
+    attention_options={"num_global": 8, "prior_mean": "zero"},
     dropout=0.0,
 )
 mixed.encoder.blocks[1].attn = gpattn.build_attention("kep-svgp", D, H, rank=4, num_landmarks=T)

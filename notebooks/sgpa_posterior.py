@@ -73,8 +73,12 @@ print(f"SIZE={SIZE}, T={T}, plots -> {OUT}")
 x = torch.cumsum(0.35 * torch.randn(1, T, D, dtype=torch.float64), dim=1)
 x = x - x.mean(1, keepdim=True)
 
-std_layer = gpattn.build_attention("sgpa", D, H, jitter=0.0).double()
-dec_layer = gpattn.build_attention("sgpa-decoupled", D, H, num_global=M, jitter=0.0, covariance="full").double()
+# the papers' forms (docs/derivations.md §5a/§5b, `prior_mean="zero"`), whose formulas this notebook checks; the
+# default attention prior mean (§5c) has its own dense references in tests/test_prior_mean.py
+std_layer = gpattn.build_attention("sgpa", D, H, jitter=0.0, prior_mean="zero").double()
+dec_layer = gpattn.build_attention(
+    "sgpa-decoupled", D, H, num_global=M, jitter=0.0, covariance="full", prior_mean="zero"
+).double()
 with torch.no_grad():
     for layer in (std_layer, dec_layer):
         layer.kernel.lengthscale = 2.0 + torch.rand(H, 1, DH, dtype=torch.float64)
@@ -270,7 +274,9 @@ class GPyTorchODVGP(gpytorch.models.ApproximateGP):
 
 
 torch.manual_seed(3)
-one = gpattn.build_attention("sgpa-decoupled", 4, 1, num_global=5, jitter=0.0, covariance="full").double()
+one = gpattn.build_attention(
+    "sgpa-decoupled", 4, 1, num_global=5, jitter=0.0, covariance="full", prior_mean="zero"
+).double()
 with torch.no_grad():
     one.strategy.variational_distribution.inducing_values.normal_(0, 0.5)
 x1 = torch.randn(1, 12, 4, dtype=torch.float64)

@@ -61,7 +61,8 @@ def test_softmax_classifier_pools_the_unchanged_encoder(pooling):
 
 def test_gp_classifier_samples_reports_kl_and_diagnostics_and_trains():
     encoder = tiny_encoder()
-    model = HFClassifier(encoder, 2, "sgpa", "last").train()
+    # the paper's form: its kl_seq is > 0 from the first step (the attention prior mean's starts at 0)
+    model = HFClassifier(encoder, 2, "sgpa", "last", attention_options={"prior_mean": "zero"}).train()
     ids, pad = batch()
     y = torch.tensor([0, 1, 1])
     objective = DeepGPELBO(model, num_data=30, combine_terms=False)
