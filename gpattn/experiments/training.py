@@ -880,7 +880,7 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps) -> dic
             diverged(err)
             raise
         finally:
-            dist.close(barrier=False)  # every rank stops here together (dist.any_rank, stop_after_steps)
+            dist.close(barrier=True)  # every rank stops here together (dist.any_rank, stop_after_steps)
         bar.close()
         raise
     except TrainingDivergedError as err:
