@@ -189,8 +189,8 @@ def _decoupled(layer, x, mask):
         v = v * (~mask)[:, None, :, None]  # padded keys leave the mean basis
     kg = sgpa_decoupled_global_keys(layer)
     gram = layer.kernel
-    Kqq, Kqg = exponential_gram(gram, qk, qk), exponential_gram(gram, qk, kg)
-    Kgg = _relative_jitter(exponential_gram(gram, kg, kg), layer.strategy.jitter)
+    Kqq, Kqg = gram_dense(gram, qk, qk), gram_dense(gram, qk, kg)
+    Kgg = _relative_jitter(gram_dense(gram, kg, kg), layer.strategy.jitter)
     q_u = layer.strategy.variational_distribution
     vg = q_u.inducing_values.detach()  # shape: (H, M, Dv)
     Lg = torch.linalg.cholesky(Kgg)
@@ -323,25 +323,15 @@ def sgpa_decoupled_attention_dense_posterior(
     layer, x: torch.Tensor, mask: torch.Tensor | None = None
 ) -> DenseReference:
     """Decoupled SGPA with the attention prior mean (docs/derivations.md §5c): mean m(q) + K_qg v_g (m over the
-    real keys), covariance as §5b, the only loss term ``kl_global`` (β summed)."""
+    real keys), covariance and β as §5b (:func:`sgpa_decoupled_dense_posterior`'s), the only loss term
+    ``kl_global`` (β summed)."""
+    _, cov, _, beta = _decoupled(layer, x, mask)
     qk, v = sgpa_heads(layer, x)
-    kg = sgpa_decoupled_global_keys(layer)
-    Kqq, Kqg = gram_dense(layer.kernel, qk, qk), gram_dense(layer.kernel, qk, kg)
-    Kgg = _relative_jitter(gram_dense(layer.kernel, kg, kg), layer.strategy.jitter)
-    q_u = layer.strategy.variational_distribution
-    vg = q_u.inducing_values.detach()  # shape: (H, M, Dv)
-    Lg = torch.linalg.cholesky(Kgg)
-    St = q_u.chol_variational_covar.detach().tril()
-    St = St @ St.mT  # S̃, shape: (H, Dv, M, M)
-    P = torch.linalg.solve(Kgg, Kqg.mT)[:, :, None]  # K_gg⁻¹ K_gq, shape: (B, H, 1, M, T)
-    cov = (Kqq - Kqg @ torch.linalg.solve(Kgg, Kqg.mT))[:, :, None] + P.mT @ (Lg[:, None] @ St @ Lg[:, None].mT) @ P
-    excluded = None
-    if mask is not None:
-        excluded = mask[:, None, None, :].expand(*Kqq.shape)
+    Kqq = gram_dense(layer.kernel, qk, qk)
+    Kqg = gram_dense(layer.kernel, qk, sgpa_decoupled_global_keys(layer))
+    excluded = None if mask is None else mask[:, None, None, :].expand(*Kqq.shape)
+    vg = layer.strategy.variational_distribution.inducing_values.detach()  # shape: (H, M, Dv)
     mean = attention_mean_dense(Kqq, v, excluded) + Kqg @ vg
-    u = Lg.mT @ vg
-    trace, logdet = St.diagonal(dim1=-2, dim2=-1).sum(-1), torch.linalg.slogdet(St)[1]
-    beta = 0.5 * (trace + u.square().sum(-2) - Kgg.shape[-1] - logdet)
     return DenseReference(mean.transpose(-1, -2), cov, {"kl_global": beta.sum()})
 
 
