@@ -60,7 +60,8 @@ __all__ = [
 #: 20 epochs; α = 1e-4 learns slowly (0.32 after 6 epochs) and α = 1e-5 learns there. On the attention suite
 #: (docs/results.md) α = 1e-5 kept scgp from attending (its mean pulled to 0 first): the default is the largest
 #: of {1e-5, 1e-6, 1e-7} at which cgp and scgp attended on the suite's validation split, 1e-6. It is printed in
-#: every report's header; the presets keep the α their results were measured with (``PRESET_ALPHA``).
+#: every report's header; ``compare`` chooses α on the validation split from a grid (``--alpha-grid``; the presets'
+#: ``PRESET_ALPHA_GRID`` = (1e-5, 1e-6)).
 DEFAULT_ALPHA = 1e-6
 
 #: keys of the loss parts that belong to the objective, never to a term

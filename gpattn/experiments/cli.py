@@ -42,6 +42,17 @@ def _seeds(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--seeds takes a comma list of ints such as 0,1,2; got {text!r}") from None
 
 
+def _alpha_grid(text: str) -> list[float]:
+    """``--alpha-grid 1e-5,1e-6``; a repeated or negative value is refused by ``compare`` itself."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        return [float(t) for t in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--alpha-grid takes a comma list of numbers such as 1e-5,1e-6; got {text!r}"
+        ) from None
+
+
 def _ood_scores(text: str) -> list[str]:
     from gpattn.experiments.metrics import OOD_SCORE_NAMES
 
@@ -292,11 +303,18 @@ def cmd_compare(args) -> int:
     if args.ensemble:
         variants = f"{variants},softmax+ens{args.ensemble}"
     seeds = args.seeds if args.seeds is not None else preset.get("seeds", [0, 1, 2])
+    grid = getattr(args, "alpha_grid", None)
+    if grid is not None and args.alpha is not None:
+        raise ValueError("give --alpha (one value) or --alpha-grid (values chosen on validation), not both")
+    if grid is None and args.alpha is None:
+        grid = preset.get("alpha_grid")
+    elif grid is None and preset.get("alpha_grid"):
+        print(f"[compare] --alpha {args.alpha:g} replaces the preset's α grid {list(preset['alpha_grid'])}", flush=True)
     with _validation(args):
         compare(
             variants, seeds, args.out, cfg, progress=cfg.progress, ood_scores=args.ood_score,
             variant_options=preset.get("variant_options"), budget_minutes=preset.get("budget_minutes"),
-            variant_settings=_unflagged(args, preset.get("variant_settings")),
+            variant_settings=_unflagged(args, preset.get("variant_settings")), alpha_grid=grid,
         )
     print(f"wrote {Path(args.out) / 'report.md'}")
     return 0
@@ -375,6 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
         "sto[tau=2]+ts; 'all', 'all+baselines' (default)",
     )
     p.add_argument("--seeds", type=_seeds, help="comma list, default 0,1,2")
+    p.add_argument(
+        "--alpha-grid", type=_alpha_grid,
+        help="comma list of CGP regulariser weights α (e.g. 1e-5,1e-6): cgp and scgp train once per value and "
+        "keep the run with the lowest validation NLL (the presets set one; --alpha fixes a single value)",
+    )
     p.add_argument("--ensemble", type=int, default=0, help="add a deep ensemble of N softmax models")
     p.add_argument(
         "--resume", action="store_true",

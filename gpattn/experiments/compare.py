@@ -13,6 +13,13 @@ note, for the others. Runs are cached under ``OUT/runs/<name>/seed<S>``: a finis
 if its configuration and its data (the content fingerprint in its ``data.json``, so an edited data file
 is noticed) are the same, and the log says "reused" or "trained" (and why) for every run, so ``+ts``
 and ensembles cost no retraining of the members they share.
+
+``alpha_grid`` (``--alpha-grid``, a preset's ``alpha_grid``) selects the CGP regulariser weight α on the
+validation split, as Bui et al. (Remark 3) choose it: every run of a variant whose objective has the
+regulariser (cgp, scgp: a layer that records a :class:`gpattn.objectives.CGPRegulariser`) is trained once per
+α of the grid, under ``OUT/runs/<name>/alpha=<α>/seed<S>``, and the one with the lowest validation NLL is that
+run (per seed and per ensemble member); results.json records the chosen ``alpha`` and every candidate's
+validation NLL (``alpha_selection``), report.md the chosen α per seed. The other variants train once.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from gpattn.experiments.training import (
     resolve_device,
     train,
 )
-from gpattn.objectives import DEFAULT_ALPHA
+from gpattn.objectives import DEFAULT_ALPHA, CGPRegulariser, named_added_loss_terms
 
 __all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "split_variants", "write_report"]
 
@@ -162,16 +169,23 @@ def expand_variants(variants, variant_options: dict | None = None) -> list[Varia
 
 
 def _run(
-    base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, progress: bool, fingerprint, log, trained: set
+    base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, progress: bool, fingerprint, log, trained: set,
+    alpha: float | None = None,
 ):
     """(config, folder, predictions) of one trained run: reused when its configuration and data are the
-    same as now, else trained (its folder added to ``trained``); the log line says which and why."""
+    same as now, else trained (its folder added to ``trained``); the log line says which and why. ``alpha``:
+    one candidate of an α grid (the run's own folder ``<name>/alpha=<α>``), else the base's α."""
     cfg = dataclasses.replace(
         base, attention=spec.attention, attention_options=_spec_options(base, spec), mc_dropout=spec.mcdropout,
         seed=seed,
         progress=progress,
+        **({} if alpha is None else {"alpha": alpha}),
     )
     folder = root / "runs" / spec.run_name / f"seed{seed}"
+    label = f"{spec.run_name} seed {seed}"
+    if alpha is not None:
+        folder = root / "runs" / spec.run_name / f"alpha={alpha:g}" / f"seed{seed}"
+        label = f"{spec.run_name} α={alpha:g} seed {seed}"
     done, diverged = folder / "predictions.pt", folder / DIVERGED
     # up to the settings that do not change the result (training.RUN_SETTINGS: e.g. the device)
     config_file = folder / "config.json"
@@ -181,14 +195,14 @@ def _run(
     same_data = old_print == fingerprint
     if same_config and same_data and diverged.is_file():  # a deterministic rerun would diverge again
         record = json.loads(diverged.read_text())
-        log(f"[compare]   {spec.run_name} seed {seed}: reused (diverged before with this configuration and data)")
+        log(f"[compare]   {label}: reused (diverged before with this configuration and data)")
         raise TrainingDivergedError(record["message"], record["step"])
     ckpt_file = folder / "checkpoint.pt"
     old_format = done.is_file() and ckpt_file.is_file() and not _current_format(ckpt_file)
     if same_config and same_data and done.is_file() and not old_format:
-        log(f"[compare]   {spec.run_name} seed {seed}: reused {folder} (same configuration and data)")
+        log(f"[compare]   {label}: reused {folder} (same configuration and data)")
     elif same_data and not done.is_file() and (step := _resumable(folder, cfg)) is not None:
-        log(f"[compare]   {spec.run_name} seed {seed}: resumed from its checkpoint at step {step[0]} ({step[1]} of "
+        log(f"[compare]   {label}: resumed from its checkpoint at step {step[0]} ({step[1]} of "
             f"{cfg.epochs} epochs done; interrupted before, same configuration and data) -> {folder}")
         train(cfg, folder, bundle=bundle, resume=True)
         trained.add(folder)
@@ -202,10 +216,41 @@ def _run(
         )
         if not done.is_file() and (folder / CHECKPOINT).is_file():
             why += "; its checkpoint is from another configuration or data, so it starts from scratch"
-        log(f"[compare]   {spec.run_name} seed {seed}: trained ({why}) -> {folder}")
+        log(f"[compare]   {label}: trained ({why}) -> {folder}")
         train(cfg, folder, bundle=bundle)
         trained.add(folder)
     return cfg, folder, load_file(done, what="predictions file")
+
+
+def _selected_run(
+    base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, progress: bool, fingerprint, log, trained: set,
+    grid: tuple[float, ...],
+):
+    """(config, folder, predictions, selection) of one run; with an α ``grid``, the candidate with the lowest
+    validation NLL (probabilities averaged over the samples, as evaluated) and ``selection`` = ``{"alpha":
+    chosen, "val_nll": {α: NLL or "diverged"}}``, else :func:`_run`'s run and ``None``. A candidate that
+    diverges is left out of the choice; a ``TrainingDivergedError`` only when every candidate diverged."""
+    from gpattn.experiments import metrics as M
+
+    if not grid:
+        return (*_run(base, spec, seed, root, bundle, progress, fingerprint, log, trained), None)
+    scores, runs, error = {}, {}, None
+    for alpha in grid:
+        try:
+            runs[alpha] = _run(base, spec, seed, root, bundle, progress, fingerprint, log, trained, alpha=alpha)
+        except TrainingDivergedError as err:
+            scores[f"{alpha:g}"], error = "diverged", err
+            continue
+        val = runs[alpha][2]["val"]
+        known = val["labels"] >= 0
+        probs = M.average_samples(val["logits"][known], average=base.average)
+        scores[f"{alpha:g}"] = M.nll(probs, val["labels"][known])
+    if not runs:
+        raise error
+    best = min(runs, key=lambda a: scores[f"{a:g}"])
+    shown = ", ".join(f"α={a}: {v if isinstance(v, str) else f'{v:.4f}'}" for a, v in scores.items())
+    log(f"[compare]   {spec.run_name} seed {seed}: α = {best:g} chosen on the validation NLL ({shown})")
+    return (*runs[best], {"alpha": best, "val_nll": scores})
 
 
 def _current_format(path: Path) -> bool:
@@ -259,6 +304,7 @@ def _log(message: str) -> None:
 def compare(
     variants, seeds, out, base: TrainConfig, progress: bool = True, log=_log, ood_scores=("msp",),
     variant_options: dict | None = None, budget_minutes: float | None = None, variant_settings: dict | None = None,
+    alpha_grid=None,
 ) -> dict:
     """Train / evaluate every variant spec for every seed; write ``results.json``, ``data.json``,
     ``report.md`` and the plots under ``out``; return the results dict ``{spec: {seed: metrics}}``.
@@ -268,7 +314,9 @@ def compare(
     (a preset's), beneath the options a spec gives in brackets. ``budget_minutes``: the time a preset states
     for itself (on 2 CPU cores), printed in report.md beside the measured wall time. ``variant_settings``:
     per-variant ``TrainConfig`` fields (a preset's, ``{name: {field: value}}``) for every run of that
-    attention, its post-hoc and ensemble modifiers included; report.md lists them."""
+    attention, its post-hoc and ensemble modifiers included; report.md lists them. ``alpha_grid``: candidate
+    values of the CGP regulariser weight α, chosen per run on the validation NLL for the variants whose
+    objective has the regulariser (the module docstring); None = ``base.alpha`` for every run."""
     from gpattn.experiments import metrics as M
     from gpattn.experiments.data import load_dataset
     from gpattn.experiments.data.summary import data_summary, summary_lines
@@ -289,7 +337,14 @@ def compare(
         if own and any(s.attention == name for s in specs):
             shown = ", ".join(f"{k} = {v!r}" for k, v in own.items())
             notes.append(f"`{name}` runs with its own settings (every spec of it): {shown}; the others with the base.")
-    _check_specs(specs, base)
+    takers = _check_specs(specs, base)
+    grid = _check_alpha_grid(alpha_grid, takers, variant_settings)
+    if grid and takers & {s.attention for s in specs}:
+        notes.append(
+            f"α (the CGP regulariser weight) of {sorted(takers & {s.attention for s in specs})} is chosen per run "
+            f"from {list(grid)} on the validation split's NLL (every candidate trained; the choice per seed is "
+            f"below); the other variants do not use α."
+        )
     for note in notes:
         log(f"[compare] {note}")
     if any(s.laplace for s in specs) and not laplace_torch_available():
@@ -324,12 +379,15 @@ def compare(
             log(f"[compare] {spec.spec} seed {seed}")
             members = []
             try:
-                collapse = []
+                collapse, chosen = [], []
                 for j in range(spec.ensemble):
-                    cfg, folder, member = _run(
+                    cfg, folder, member, selection = _selected_run(
                         dataclasses.replace(base, **variant_settings.get(spec.attention, {})), spec, seed + 1000 * j,
                         out, bundle, progress, summaries[seed]["fingerprint"], log, trained,
+                        grid if spec.attention in takers else (),
                     )
+                    if selection is not None:
+                        chosen.append(selection)
                     runs.add(folder)
                     members.append(_laplace_predictions(cfg, folder, bundle, member) if spec.laplace else member)
                     # gpattn.experiments.diagnostics: a collapsed layer or the base rate
@@ -352,6 +410,10 @@ def compare(
             metrics = evaluate_predictions(preds, bundle, base.average, temperature)
             if spec.ts:
                 metrics["temperature"] = temperature
+            if chosen:  # one selection per ensemble member
+                one = len(chosen) == 1
+                metrics["alpha"] = chosen[0]["alpha"] if one else [c["alpha"] for c in chosen]
+                metrics["alpha_selection"] = chosen[0]["val_nll"] if one else [c["val_nll"] for c in chosen]
             if collapse:
                 metrics["collapse"] = collapse
                 log(f"[compare] {spec.spec} seed {seed}: collapse: " + "; ".join(collapse))
@@ -404,22 +466,52 @@ def _spec_options(base: TrainConfig, spec: VariantSpec) -> dict:
     return options
 
 
-def _check_specs(specs, base: TrainConfig) -> None:
+def _check_specs(specs, base: TrainConfig) -> set[str]:
     """Build one layer of every variant with its options before anything trains, so that a bad option
     (e.g. a kernel a variant cannot take) fails at once instead of after the other variants' runs. With a
-    pretrained encoder the layer has the encoder's width and heads (read from its config, not its weights)."""
+    pretrained encoder the layer has the encoder's width and heads (read from its config, not its weights).
+    Returns the names of the variants whose objective weights a term by α: those whose layer records a
+    :class:`gpattn.objectives.CGPRegulariser` in one training-mode forward of three tokens."""
     width, heads = base.embed_dim, base.num_heads
     if base.encoder is not None:
         from gpattn.experiments.encoders import encoder_shape
 
         width, heads = encoder_shape(base)
+    takers = set()
     for spec in specs:
         try:
-            build_attention(spec.attention, width, heads, **_spec_options(base, spec))
+            layer = build_attention(spec.attention, width, heads, **_spec_options(base, spec))
         except (ValueError, TypeError) as err:
             raise ValueError(
                 f"variant {spec.spec!r} cannot be built with its options (nothing was trained): {err}"
             ) from err
+        with torch.no_grad():
+            layer.train()(torch.randn(1, 3, width, generator=torch.Generator().manual_seed(0)))
+        if any(isinstance(term, CGPRegulariser) for _, term in named_added_loss_terms(layer)):
+            takers.add(spec.attention)
+    return takers
+
+
+def _check_alpha_grid(alpha_grid, takers: set[str], variant_settings: dict) -> tuple[float, ...]:
+    """The α grid as a tuple of distinct finite floats ≥ 0 (empty for None); a ``ValueError`` naming
+    ``alpha_grid`` for anything else, and for a variant whose own settings fix α while the grid would choose it."""
+    if alpha_grid is None:
+        return ()
+    values = [alpha_grid] if isinstance(alpha_grid, (int, float)) else list(alpha_grid)
+    if (
+        not values
+        or any(isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a < 0 for a in values)
+        or len(set(values)) < len(values)
+    ):
+        raise ValueError(
+            f"alpha_grid must be a non-empty list of distinct finite numbers >= 0 (e.g. 1e-5,1e-6), got {alpha_grid!r}"
+        )
+    fixed = sorted(name for name in takers if "alpha" in variant_settings.get(name, {}))
+    if fixed:
+        raise ValueError(
+            f"alpha_grid chooses α for {fixed}, whose variant_settings set alpha too: keep one of the two"
+        )
+    return tuple(float(a) for a in values)
 
 
 def _option_notes(specs, base: TrainConfig) -> list[str]:
@@ -533,6 +625,28 @@ def _collapse_notes(results: dict, seeds) -> list:
         for msg in per_seed[str(s)]["collapse"]
     ]
     return ["## Collapse warnings", "", *notes, ""] if notes else []
+
+
+def _alpha_notes(results: dict, seeds) -> list:
+    """The α each seed's run chose from the grid, with every candidate's validation NLL (``alpha_grid``)."""
+    lines = []
+    for spec, per_seed in results.items():
+        for s in seeds:
+            row = per_seed[str(s)]
+            if "alpha" not in row:
+                continue
+            members = [row["alpha_selection"]] if isinstance(row["alpha_selection"], dict) else row["alpha_selection"]
+            chosen = row["alpha"] if isinstance(row["alpha"], list) else [row["alpha"]]
+            shown = "; ".join(
+                f"α = {a:g} (" + ", ".join(
+                    f"{k}: {v if isinstance(v, str) else f'{v:.4f}'}" for k, v in nlls.items()
+                ) + ")"
+                for a, nlls in zip(chosen, members)
+            )
+            lines.append(f"- {spec}, seed {s}: {shown}")
+    if not lines:
+        return []
+    return ["## α chosen on the validation split (validation NLL of each candidate)", "", *lines, ""]
 
 
 def _diverged_notes(results: dict, seeds) -> list:
@@ -679,6 +793,7 @@ def write_report(
             cells = [_fmt([per_seed[str(s)][split].get(c) for s in seeds]) for c in cols]
             lines.append(f"| {_label(spec, per_seed, seeds)} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += _alpha_notes(results, seeds)
     lines += _diverged_notes(results, seeds)
     lines += _collapse_notes(results, seeds)
     for reference in ("softmax", "softmax+ts"):  # MSP, and where MSP + temperature scaling stands
