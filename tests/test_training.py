@@ -411,3 +411,19 @@ def test_cli_variant_settings_yield_to_flags(monkeypatch):
     assert cli._config(args, attention="kernel")[0].epochs == 2
     args = parser.parse_args(["compare", "--preset", "vs-test", "--epochs", "2", "--out", "x"])
     assert cli._unflagged(args, presets.PRESETS["vs-test"]["variant_settings"]) == {"kernel": {"lr": 0.5}}
+
+
+def test_pooling_flag_overrides_a_preset_and_bad_pooling_is_refused():
+    """``--pooling cls`` runs an image preset with the ViT's CLS token (the head then sees only what
+    attention gathers); a pooling the models do not have, or one an encoder would ignore, is refused."""
+    from gpattn.experiments import cli
+
+    args = cli.build_parser().parse_args(["compare", "--preset", "digits", "--pooling", "cls", "--out", "x"])
+    assert cli._config(args)[0].pooling == "cls"
+    args = cli.build_parser().parse_args(["compare", "--preset", "digits", "--out", "x"])
+    assert cli._config(args)[0].pooling == "mean"
+    for bad in ("max", 3):
+        with pytest.raises(ValueError, match="pooling must be None .*'mean' or 'cls', got"):
+            TrainConfig(pooling=bad)
+    with pytest.raises(ValueError, match="pooling must be None with an encoder"):
+        TrainConfig(pooling="cls", encoder="minilm", dataset="cola")

@@ -120,6 +120,11 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         "--warmup", type=float,
         help="fraction of the steps with a linear learning-rate warm-up (default 0.1 with --encoder, else 0)",
     )
+    p.add_argument(
+        "--pooling", choices=["mean", "cls"],
+        help="what the head reads: the mean over the tokens, or a CLS token that sees the input only through "
+        "attention (default: mean for text, cls for images; the image presets pool the mean)",
+    )
     p.add_argument("--kl-scaling", choices=["elbo", "peer"])
     p.add_argument(
         "--ood-score",
@@ -157,7 +162,7 @@ def _validate_arg(p: argparse.ArgumentParser) -> None:
 _FLAG_FIELDS = (
     "dataset", "data_dir", "download", "attention_layers", "encoder", "encoder_max_len", "encoder_recipe", "epochs",
     "batch_size", "lr", "num_samples", "embed_dim", "num_heads", "num_layers", "dropout", "beta", "alpha",
-    "checkpoint_every", "kl_scaling", "device", "precision", "encoder_lr", "encoder_weight_decay", "warmup",
+    "checkpoint_every", "kl_scaling", "device", "precision", "encoder_lr", "encoder_weight_decay", "warmup", "pooling",
 )
 
 

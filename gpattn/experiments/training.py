@@ -215,6 +215,10 @@ class TrainConfig:
             raise bad("encoder_max_len", "None (the encoder's limit) or an int >= 2")
         if self.encoder_max_len is not None and self.encoder is None:
             raise bad("encoder_max_len", "None without an encoder (--max-len needs --encoder)")
+        if self.pooling not in (None, "mean", "cls"):
+            raise bad("pooling", "None (the model's default), 'mean' or 'cls'")
+        if self.pooling is not None and self.encoder is not None:
+            raise bad("pooling", "None with an encoder (its classification head pools as the encoder was trained to)")
         for name in ("encoder_lr", "encoder_weight_decay", "warmup"):
             v = getattr(self, name)
             if v is None:
