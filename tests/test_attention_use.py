@@ -20,8 +20,8 @@ class TokenWise(AttentionBase):
     projections = ("v",)
     is_gp = True  # treated as a GP layer by the checks
 
-    def _attend(self, x, mask, num_samples=None):
-        return self.project(x)["v"]
+    def _attend(self, call):
+        return self.project(call.x)["v"]
 
 
 def _model(attention, **options):

@@ -253,9 +253,9 @@ class ToySmoothness(GPLossTerm):
 
 
 class _ToyAttention(SoftmaxAttention):
-    def _attend(self, x, mask):
-        heads = super()._attend(x, mask)
-        self.set_loss_terms(ToySmoothness(self.batch_mean(heads.square().mean((1, 2, 3))), gamma=0.25))
+    def _attend(self, call):
+        heads = super()._attend(call)
+        self.set_loss_terms(ToySmoothness(call.batch_mean(heads.square().mean((1, 2, 3))), gamma=0.25))
         return heads
 
 

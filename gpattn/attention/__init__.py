@@ -7,7 +7,9 @@ Every public module of this package is imported here, so a variant registers its
 import importlib
 import pkgutil
 
+from gpattn.attention._call import Attended, AttentionCall
 from gpattn.attention._gp import GPAttention
+from gpattn.attention._masks import excluded_keys
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import (
     attention_class,
@@ -22,11 +24,14 @@ for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         importlib.import_module(f"{__name__}.{_info.name}")
 
 __all__ = [
+    "Attended",
     "AttentionBase",
+    "AttentionCall",
     "GPAttention",
     "attention_class",
     "attention_options",
     "build_attention",
+    "excluded_keys",
     "list_attention",
     "register",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from gpattn.attention._call import Attended
 from gpattn.attention.base import AttentionBase
 from gpattn.variational._strategy import AmortisedConditional
 
@@ -47,15 +48,15 @@ class GPAttention(AttentionBase):
     def _condition(self, x: torch.Tensor, mask: torch.Tensor | None) -> AmortisedConditional:
         return self.strategy.condition(*self.strategy_inputs(x), mask=mask)
 
-    def _attend(self, x, mask, num_samples=None):
-        cond = self._condition(x, mask)
-        out = self.draw(cond.rsample, num_samples) if self.sampling else cond.mean
+    def _attend(self, call):
+        cond = self._condition(call.x, call.mask)
+        out = self.draw(cond.rsample, call.num_samples) if call.sampling else cond.mean
         # after the draw: a loss term that samples (CGP's prior samples) takes the random numbers after it
-        self.set_loss_terms(*cond.added_loss_terms(self.loss_mask))
+        self.set_loss_terms(*cond.added_loss_terms(call.loss_mask))
         mean = cond.mean
         if cond.output_dtype is not None:
             out, mean = out.to(cond.output_dtype), mean.to(cond.output_dtype)
-        return out, mean
+        return Attended(out, mean)
 
     def _posterior(self, x, mask):
         return self._condition(x, mask).posterior()

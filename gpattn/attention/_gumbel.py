@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpattn.attention.base import excluded_keys
+from gpattn.attention._masks import excluded_keys
 
 __all__ = ["gumbel_attention", "gumbel_noise", "gumbel_softmax", "straight_through_one_hot"]
 

@@ -1,12 +1,16 @@
 """The attention contract: one base class every variant derives from.
 
-A variant implements ``_attend(x, mask)`` returning per-head outputs ``(B, H, T, Dv)``; the GP variants
-derive from :class:`gpattn.attention.GPAttention`, which implements it (and ``_posterior``, a gpytorch
-``MultivariateNormal`` with batch ``(B, H, Dv)`` and event ``T``) through their strategy's conditional
-and returns the pair ``(output, posterior mean)``, from which :meth:`AttentionBase.diagnostics`
-measures the layer's scale. The base class validates inputs, projects, merges heads, applies ``W_o``,
-handles all-padding rows and records the loss terms of the last forward (GPyTorch added loss terms,
-:meth:`AttentionBase.set_loss_terms`).
+A variant implements ``_attend(call)``: it reads one forward's inputs from an
+:class:`gpattn.attention.AttentionCall` (the input, the mask to attend under, P, whether to sample and to
+return weights) and returns its per-head outputs ``(B, H, T, Dv)`` — or ``num_samples`` draws per sequence
+— as a tensor or an :class:`gpattn.attention.Attended` (heads, a GP variant's posterior mean, attention
+weights). The GP variants derive from :class:`gpattn.attention.GPAttention`, which implements it (and
+``_posterior``, a gpytorch ``MultivariateNormal`` with batch ``(B, H, Dv)`` and event ``T``) through their
+strategy's conditional. The base class validates inputs and masks and settles the sample axis once per
+forward (:mod:`gpattn.attention._call`, :mod:`gpattn.attention._masks`), projects, merges heads, applies
+``W_o``, handles all-padding rows and keeps two records of the last forward, both updated in place: the
+loss terms (GPyTorch added loss terms, :meth:`AttentionBase.set_loss_terms`) and the diagnostics
+(:meth:`AttentionBase.diagnostics`). No other attribute is written by a forward.
 
 No host-device synchronisation in a forward: the checks that read tensor values (NaN/Inf inputs) run
 only with ``gpattn.validation()`` on, and all-padding rows are handled by masked arithmetic.
@@ -18,66 +22,13 @@ import gpytorch
 import torch
 import torch.nn as nn
 
-from gpattn._settings import is_deterministic, is_validating
+from gpattn._settings import is_deterministic
+from gpattn.attention._call import Attended, AttentionCall, finish_call, prepare_call
+from gpattn.attention._masks import attn_mask_excluded, check_inputs, excluded_keys, posterior_masks
+from gpattn.attention._mha import multihead_call
 from gpattn.objectives import GPLossTerm, summed_loss_terms
-from gpattn.variational._strategy import kept_mean
 
 __all__ = ["AttentionBase", "excluded_keys"]
-
-#: an additive float mask entry at or below this value excludes its key (−∞, or a large negative number
-#: as Hugging Face writes it): exp(−1e4) underflows to 0 in float32, so softmax gives such keys no weight
-_ADDITIVE_EXCLUDED = -1e4
-
-
-def excluded_keys(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The mask a variant's ``_attend`` receives, broadcastable against scores ``(B, H, T, T)``
-    (True = the key is excluded for that query): a key padding mask ``(B, T)`` becomes ``(B, 1, 1, T)``,
-    a per-query mask ``(B, H or 1, T, T)`` is returned as is."""
-    if mask is None or mask.dim() == 4:
-        return mask
-    return mask[:, None, None, :]
-
-
-def _as_excluded(mask: torch.Tensor, arg: str) -> torch.Tensor:
-    """A bool mask (True = excluded, nn.MultiheadAttention's polarity) or an additive float mask (0 =
-    allowed, −∞ or ≤ −1e4 = excluded) as bool, True = excluded."""
-    if mask.dtype == torch.bool:
-        return mask
-    if not mask.is_floating_point():
-        raise ValueError(
-            f"{arg} must be a bool tensor (True = not allowed) or an additive float tensor (0 or -inf), got "
-            f"dtype {mask.dtype}"
-        )
-    excluded = mask <= _ADDITIVE_EXCLUDED
-    if is_validating() and not bool((excluded | (mask == 0)).all()):  # reads the device: opt-in
-        raise ValueError(
-            f"{arg} is an additive float mask with values other than 0 and -inf (or <= {_ADDITIVE_EXCLUDED:g}): "
-            f"gpattn's layers take masks, not attention biases; pass a bool mask"
-        )
-    return excluded
-
-
-def _check_num_samples(num_samples) -> int:
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be a positive int or None, got {num_samples!r}")
-    return num_samples
-
-
-def _repeat_rows(P: int, *tensors):
-    """Each tensor (or None) repeated P times along the batch axis, B-major."""
-    return tuple(t if t is None or P == 1 else t.repeat_interleave(P, 0) for t in tensors)
-
-
-def _pads_only(excluded: torch.Tensor) -> bool:
-    """Whether an excluded mask (B or 1, H or 1, T, T) excludes the same keys for every query and head
-    (reads the device once)."""
-    return not bool((excluded != excluded[:, :1, :1, :]).any())
-
-
-def _per_query_variants() -> list[str]:
-    from gpattn.attention.registry import _REGISTRY
-
-    return sorted(n for n, c in _REGISTRY.items() if c.per_query_masks)
 
 
 class AttentionBase(nn.Module):
@@ -95,17 +46,17 @@ class AttentionBase(nn.Module):
     ``is_gp`` — whether ``posterior()`` is available; ``stochastic`` — whether it samples.
 
     All-padding rows (every key padded) are a defined result: the output is 0 for that sequence, and
-    the sequence is left out of the variant's loss terms (``kl_seq`` averages over the other
-    sequences, :meth:`batch_mean`) and diagnostics. Without reading the mask on the host, such a row
-    runs through the variant's math as if unpadded (finite values), and its output is then zeroed.
+    the sequence is left out of the variant's loss terms (``kl_seq`` averages over the other sequences,
+    :meth:`gpattn.attention.AttentionCall.batch_mean`) and diagnostics. Without reading the mask on the host,
+    such a row runs through the variant's math as if unpadded (finite values), and its output is then zeroed.
     """
 
     name: str = ""
     projections: tuple[str, ...] = ("q", "k", "v")
     is_gp: bool = False
     stochastic: bool = False
-    #: ``_attend(x, mask, num_samples=P)`` draws P samples from one factorisation (the GP variants);
-    #: otherwise a sampling forward with ``num_samples`` repeats the batch P times before ``_attend``
+    #: ``_attend`` draws ``call.num_samples`` samples from one factorisation (the GP variants); otherwise a
+    #: sampling forward with ``num_samples`` repeats the batch P times before ``_attend``
     native_samples: bool = False
     #: whether ``_attend`` takes a per-query mask ``(B, H or 1, T, T)`` from ``attn_mask`` (read it through
     #: :func:`excluded_keys`); otherwise it gets only key padding ``(B, T)``, and an ``attn_mask`` that does
@@ -149,6 +100,7 @@ class AttentionBase(nn.Module):
         self.in_proj = nn.Linear(embed_dim, sum(widths), bias=bias) if widths else None
         self.out_proj = nn.Linear(num_heads * self.value_dim, embed_dim, bias=bias)
         self._added_loss_terms: dict[str, GPLossTerm | None] = {}  # gpytorch's registry of added loss terms
+        self._diagnostics: dict[str, torch.Tensor] = {}  # the last training-mode forward's (diagnostics())
 
     @property
     def in_proj_bias(self) -> torch.Tensor | None:
@@ -157,12 +109,6 @@ class AttentionBase(nn.Module):
         return None if self.in_proj is None else self.in_proj.bias
 
     # ------------------------------------------------------------------ helpers for subclasses
-    @property
-    def weights_wanted(self) -> bool:
-        """Whether this forward should record its attention weights (``need_weights`` of :meth:`forward_mha`):
-        variants with weights set ``self._attn_weights`` (B, H, T, T) when it is True."""
-        return getattr(self, "_weights_wanted", False)
-
     @property
     def sampling(self) -> bool:
         """Whether this forward should sample (stochastic variant, outside ``gpattn.deterministic()``)."""
@@ -201,18 +147,6 @@ class AttentionBase(nn.Module):
                 self.register_added_loss_term(term.name)
             self.update_added_loss_term(term.name, term)
 
-    def batch_mean(self, t: torch.Tensor) -> torch.Tensor:
-        """Mean over the batch axis 0 of the sequences with at least one real key (all-padding rows of
-        this forward are left out, without a host read).  # shape: (B, ...) -> (...)"""
-        return kept_mean(t, getattr(self, "_keep", None))
-
-    @property
-    def loss_mask(self) -> torch.Tensor | None:
-        """The caller's key padding mask of this forward, all-padding rows included (True = padding): for
-        per-token loss terms, whose means must leave those rows out (the mask given to ``_attend`` has
-        them unpadded).  # shape: (B, T) or None"""
-        return getattr(self, "_loss_mask", None)
-
     @staticmethod
     def fold_samples(samples: torch.Tensor) -> torch.Tensor:
         """A leading sample axis folded B-major into the batch.  # shape: (P, B, ...) -> (B·P, ...)
@@ -231,10 +165,11 @@ class AttentionBase(nn.Module):
         return rsample() if num_samples is None else self.fold_samples(rsample(num_samples))
 
     # ------------------------------------------------------------------ to implement
-    def _attend(self, x: torch.Tensor, mask: torch.Tensor | None, num_samples: int | None = None) -> torch.Tensor:
-        """# shape: x (B, T, D), mask (B, T) bool or None -> (B, H, T, Dv); variants with
-        ``native_samples`` take ``num_samples=P`` and return ``(B·P, H, T, Dv)`` draws (B-major,
-        :meth:`fold_samples`) with the ``(B, H, T, Dv)`` posterior mean"""
+    def _attend(self, call: AttentionCall) -> torch.Tensor | Attended:
+        """The variant's attention of one forward (:class:`gpattn.attention.AttentionCall`): the per-head
+        outputs ``(B, H, T, Dv)`` as a tensor, or an :class:`gpattn.attention.Attended` with the posterior
+        mean (GP variants) and the weights (``call.need_weights``); variants with ``native_samples`` draw
+        ``call.num_samples`` samples (``(B·P, H, T, Dv)``, B-major, :meth:`fold_samples`) when it is set."""
         raise NotImplementedError
 
     def _posterior(self, x: torch.Tensor, mask: torch.Tensor | None):
@@ -248,85 +183,13 @@ class AttentionBase(nn.Module):
     # ------------------------------------------------------------------ the contract
     def check_inputs(self, x, key_padding_mask=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Validate ``x (B, T, D)`` and ``key_padding_mask (B, T)`` bool; return them."""
-        if not torch.is_tensor(x):
-            raise ValueError(f"x must be a torch.Tensor of shape (B, T, embed_dim={self.embed_dim}), got {type(x)}")
-        if x.dim() != 3:
-            raise ValueError(
-                f"x must have shape (B, T, embed_dim={self.embed_dim}) (rank 3), got rank {x.dim()} "
-                f"shape {tuple(x.shape)}"
-            )
-        if x.shape[-1] != self.embed_dim:
-            raise ValueError(
-                f"x has last dimension {x.shape[-1]} but the layer's embed_dim is {self.embed_dim} "
-                f"(x shape {tuple(x.shape)})"
-            )
-        if not x.is_floating_point():
-            raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-        if x.shape[1] == 0:
-            raise ValueError(f"x has no tokens (T=0): shape {tuple(x.shape)}")
-        if is_validating() and not bool(torch.isfinite(x).all()):  # reads the device: opt-in
-            raise ValueError(f"x contains NaN or Inf values (shape {tuple(x.shape)})")
-        if key_padding_mask is not None:
-            m = key_padding_mask
-            if not torch.is_tensor(m) or m.dtype != torch.bool:
-                raise ValueError(
-                    f"key_padding_mask must be a bool tensor (True = padding), got "
-                    f"{m.dtype if torch.is_tensor(m) else type(m)}"
-                )
-            if tuple(m.shape) != tuple(x.shape[:2]):
-                raise ValueError(
-                    f"key_padding_mask must have shape (B, T) = {tuple(x.shape[:2])} to match x "
-                    f"{tuple(x.shape)}, got {tuple(m.shape)}"
-                )
-            if m.device != x.device:
-                raise ValueError(f"key_padding_mask is on {m.device} but x is on {x.device}")
-        return x, key_padding_mask
-
-    @staticmethod
-    def _effective_mask(mask):
-        """The mask the variant sees, without a host read: (mask or None, keep (B,) bool or None), where
-        ``keep`` marks the sequences with at least one real key; an all-padding row is given unpadded
-        to the variant (its output is zeroed afterwards, its loss terms left out)."""
-        if mask is None:
-            return None, None
-        keep = ~mask.all(-1)  # shape: (B,)
-        return mask & keep[:, None], keep
+        return check_inputs(x, key_padding_mask, self.embed_dim)
 
     def attn_mask_excluded(self, attn_mask: torch.Tensor, B: int, T: int) -> torch.Tensor:
         """An ``attn_mask`` as nn.MultiheadAttention takes it — bool (True = not allowed) or additive float,
         of shape (T, T), (B·H, T, T), (B, T, T) or (B or 1, H or 1, T, T) — as a bool mask (True = excluded)
         of shape (B or 1, H or 1, T, T)."""
-        if not torch.is_tensor(attn_mask):
-            raise ValueError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask)}")
-        H, shape = self.num_heads, tuple(attn_mask.shape)
-        m = _as_excluded(attn_mask, "attn_mask")
-        if shape[-2:] == (T, T) and m.dim() == 2:
-            return m[None, None]
-        if shape[-2:] == (T, T) and m.dim() == 3 and shape[0] in (B * H, B, 1):
-            return m.view(B, H, T, T) if shape[0] == B * H else m[:, None]
-        if shape[-2:] == (T, T) and m.dim() == 4 and shape[0] in (B, 1) and shape[1] in (H, 1):
-            return m
-        raise ValueError(
-            f"attn_mask must have shape (T, T) = {(T, T)}, (B*H, T, T) = {(B * H, T, T)}, (B, T, T) or "
-            f"(B or 1, H or 1, T, T) with B={B}, H={H}, T={T}; got {shape}"
-        )
-
-    def _padding_part(self, excluded: torch.Tensor, B: int) -> torch.Tensor:
-        """The key padding mask (B, T) that ``excluded`` (B or 1, H or 1, T, T) amounts to; for the variants
-        without per-query masks a ``ValueError`` when it differs between queries or heads (reads the
-        device once: only when such a variant is given an ``attn_mask``)."""
-        if not self.per_query_masks and not _pads_only(excluded):
-            raise ValueError(
-                f"attn_mask: attention {self.name!r} takes only masks that pad (the same excluded keys for "
-                f"every query and head, i.e. a key_padding_mask); this mask excludes different keys for "
-                f"different queries (a causal mask, say). Its posterior conditions every query on one "
-                f"shared set of inducing inputs (or couples all keys), and a per-query conditioning set would "
-                f"make a different GP for every query, which this variant does not define "
-                f"(docs/derivations.md §11). Pass the padding as key_padding_mask, or use a variant with "
-                f"per-query masks: {', '.join(_per_query_variants())} (sgpa: one GP per query; sgpa-decoupled: one "
-                f"mean basis per query)"
-            )
-        return excluded[:, 0, 0, :].expand(B, -1)
+        return attn_mask_excluded(attn_mask, B, self.num_heads, T)
 
     def forward(self, *args, **kwargs):
         """Two call signatures, told apart by the second argument:
@@ -343,44 +206,9 @@ class AttentionBase(nn.Module):
             return self.forward_mha(*args, **kwargs)
         return self.forward_gp(*args, **kwargs)
 
-    def forward_mha(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_padding_mask: torch.Tensor | None = None,
-        need_weights: bool = True,
-        attn_mask: torch.Tensor | None = None,
-        average_attn_weights: bool = True,
-        is_causal: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """nn.MultiheadAttention's call, for self-attention: ``query``, ``key`` and ``value`` must be the same
-        tensor, (B, T, D) with ``batch_first`` (the default) or (T, B, D). ``key_padding_mask`` (B, T) and
-        ``attn_mask`` are bool (True = not allowed) or additive float (0 / −∞); ``is_causal=True`` without an
-        ``attn_mask`` means the causal mask. Returns ``(output, weights)``: the weights, with
-        ``need_weights``, where the variant has attention weights — (B, T, T) averaged over heads with
-        ``average_attn_weights``, else (B, H, T, T) — and None otherwise (the GP variants)."""
-        if key is not query or value is not query:
-            raise ValueError(
-                f"attention {self.name!r} is self-attention: pass the same tensor as query, key and value "
-                f"(got {'a different key' if key is not query else 'a different value'}); cross-attention is "
-                f"not supported by any gpattn variant"
-            )
-        x = query if self.batch_first else query.transpose(0, 1)
-        if key_padding_mask is not None and torch.is_tensor(key_padding_mask):
-            key_padding_mask = _as_excluded(key_padding_mask, "key_padding_mask")
-        if is_causal and attn_mask is None and torch.is_tensor(x) and x.dim() == 3:
-            T = x.shape[1]
-            attn_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-        self._weights_wanted, self._attn_weights = bool(need_weights), None
-        try:
-            y = self.forward_gp(x, key_padding_mask, attn_mask=attn_mask)
-            weights = self._attn_weights if need_weights else None
-        finally:
-            self._weights_wanted, self._attn_weights = False, None
-        if weights is not None and average_attn_weights:
-            weights = weights.mean(1)
-        return (y if self.batch_first else y.transpose(0, 1)), weights
+    #: nn.MultiheadAttention's call ``layer(query, key, value, ...)`` → ``(output, weights or None)``
+    #: (:func:`gpattn.attention._mha.multihead_call`, an adapter around :meth:`attend`)
+    forward_mha = multihead_call
 
     def forward_gp(
         self,
@@ -405,62 +233,21 @@ class AttentionBase(nn.Module):
         sample in this forward computes its output once and repeats it; the other stochastic variants
         (Gumbel attention) run on the batch repeated P times. The loss terms are those of the B
         sequences (each sequence's terms once, as with the repeated batch, whose rows share them)."""
-        x, key_padding_mask = self.check_inputs(x, key_padding_mask)
-        P = 1 if num_samples is None else _check_num_samples(num_samples)
-        excluded = empty = None
-        if attn_mask is not None:
-            excluded = self.attn_mask_excluded(attn_mask, *x.shape[:2])
-            if excluded.device != x.device:
-                raise ValueError(f"attn_mask is on {excluded.device} but x is on {x.device}")
-            if not self.per_query_masks or (self.is_gp and _pads_only(excluded)):  # padding: joins key_padding_mask
-                pad = self._padding_part(excluded, x.shape[0])
-                key_padding_mask, excluded = (pad if key_padding_mask is None else key_padding_mask | pad), None
-        if P > 1 and self.sampling and not self.native_samples:
-            x = x.repeat_interleave(P, 0)
-            key_padding_mask = None if key_padding_mask is None else key_padding_mask.repeat_interleave(P, 0)
-            if excluded is not None and excluded.shape[0] > 1:
-                excluded = excluded.repeat_interleave(P, 0)
-            P = 1
-        self._added_loss_terms, self._diagnostics = dict.fromkeys(self._added_loss_terms), {}  # registered, unset
-        if x.shape[0] == 0:  # empty batch: a defined zero result with a graph
-            return x.new_zeros(x.shape) + 0 * sum(p.sum() for p in self.parameters())
-        mask, keep = self._effective_mask(key_padding_mask)
-        if excluded is not None:  # per-query mask: padding joined in, queries with no allowed key opened
-            if mask is not None:
-                excluded = excluded | mask[:, None, None, :]
-            empty = excluded.all(-1, keepdim=True)  # shape: (B or 1, H or 1, T, 1)
-            mask = excluded if self.is_gp else excluded & ~empty
-        self._keep, self._loss_mask = keep, key_padding_mask
-        try:
-            if P > 1 and self.sampling:
-                heads = self._attend(x, mask, num_samples=P)  # shape: (B·P, H, T, Dv), mean (B, H, T, Dv)
-            else:
-                heads = self._attend(x, mask)  # shape: (B, H, T, Dv)
-        finally:
-            self._keep = self._loss_mask = None
-        mean = None
-        if isinstance(heads, tuple):  # GP variants: (sample or mean, posterior mean)
-            heads, mean = heads
-        drawn = heads.shape[0] // x.shape[0]  # P when the variant drew the samples, else 1
-        if empty is not None:  # only variants with per-query masks
-            if empty.shape[0] > 1:
-                empty = empty.repeat_interleave(drawn, 0)  # shape: (B·P, H or 1, T, 1)
-            heads = heads.masked_fill(empty, 0)
-            if getattr(self, "_attn_weights", None) is not None:
-                self._attn_weights = self._attn_weights.masked_fill(empty, 0)
-        BP, H, T, Dv = heads.shape
-        y = self.out_proj(heads.transpose(1, 2).reshape(BP, T, H * Dv))
-        if empty is not None:
-            y = y.masked_fill(empty.all(1), 0)  # a query with no allowed key in any head: output 0
-        if mean is not None and self.training:  # the trainer reads them; prediction skips the extra W_o
-            self._record_diagnostics(
-                *_repeat_rows(drawn, x, key_padding_mask), heads, mean.repeat_interleave(drawn, 0)
-            )
-        if keep is not None:  # all-padding sequences: output 0 (masked arithmetic, no host read)
-            y = y.masked_fill_(~keep.repeat_interleave(drawn, 0)[:, None, None], 0)  # y is W_o's fresh output
-        if P > drawn:  # this forward did not sample: every draw is the same
-            y = y.repeat_interleave(P, 0)
-        return y
+        return self.attend(x, key_padding_mask, num_samples, attn_mask=attn_mask)[0]
+
+    def attend(
+        self, x, key_padding_mask=None, num_samples=None, *, attn_mask=None, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward_gp`'s output and, with ``need_weights``, the variant's attention weights
+        ``(B, H, T, T)`` (None for the variants without weights): one explicit call, prepared once
+        (:func:`gpattn.attention._call.prepare_call`), attended by the variant, finished by the base."""
+        call = prepare_call(self, x, key_padding_mask, num_samples, attn_mask, need_weights)
+        for name in self._added_loss_terms:  # registered, unset until the variant records this forward's
+            self._added_loss_terms[name] = None
+        self._diagnostics.clear()
+        if call.x.shape[0] == 0:  # empty batch: a defined zero result with a graph
+            return call.x.new_zeros(call.x.shape) + 0 * sum(p.sum() for p in self.parameters()), None
+        return finish_call(self, call, Attended.of(self._attend(call)))
 
     def posterior(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, attn_mask=None):
         """Posterior over the per-head outputs (before W_o): ``MultivariateNormal`` with batch
@@ -469,14 +256,7 @@ class AttentionBase(nn.Module):
         (the unmasked covariance, the masked mean); ``sgpa``'s is each
         query's marginal (diagonal, docs/derivations.md §11)."""
         x, key_padding_mask = self.check_inputs(x, key_padding_mask)
-        mask = key_padding_mask
-        if attn_mask is not None:
-            excluded = self.attn_mask_excluded(attn_mask, *x.shape[:2])
-            if not self.per_query_masks or _pads_only(excluded):
-                pad = self._padding_part(excluded, x.shape[0])
-                mask = key_padding_mask = pad if key_padding_mask is None else key_padding_mask | pad
-            else:
-                mask = excluded if key_padding_mask is None else excluded | key_padding_mask[:, None, None, :]
+        key_padding_mask, mask = posterior_masks(self, x, key_padding_mask, attn_mask)
         if key_padding_mask is not None and bool(key_padding_mask.all(-1).any()):  # an analysis call: may read
             raise ValueError("posterior(): a sequence in the batch has every key padded (no posterior to give)")
         return self._posterior(x, mask)
@@ -486,32 +266,6 @@ class AttentionBase(nn.Module):
         (empty for deterministic baselines)."""
         return summed_loss_terms(self)
 
-    @torch.no_grad()
-    def _record_diagnostics(self, x, mask, heads, mean) -> None:
-        """The layer's output scale against its input (:meth:`diagnostics`): detached 0-dim tensors, no
-        host synchronisation.  # shape: x (B, T, D), heads, mean (B, H, T, Dv), mask (B, T) or None"""
-        B, H, T, Dv = heads.shape
-
-        def flat(h):
-            return h.transpose(1, 2).reshape(B, T, H * Dv)
-
-        mean_out = self.out_proj(flat(mean))  # shape: (B, T, D): E[layer output]
-        spread = torch.nn.functional.linear(flat(heads - mean), self.out_proj.weight)  # W_o (f − E f)
-        if mask is None:
-            real = x.new_ones(B, T)
-        else:
-            real = (~mask).to(x.dtype)
-        count = real.sum().clamp_min(1)
-
-        def per_token(t):
-            return (t.float().norm(dim=-1) * real).sum() / count
-
-        self._diagnostics = {
-            "input_norm": per_token(x),
-            "mean_norm": per_token(mean_out),
-            "spread_norm": per_token(spread),
-        }
-
     def diagnostics(self) -> dict[str, torch.Tensor]:
         """Output scale of the last training-mode forward of a GP variant, per real token (detached 0-dim
         tensors; empty after an eval-mode forward):
@@ -519,7 +273,7 @@ class AttentionBase(nn.Module):
         output and ``spread_norm`` ‖y − E[y]‖ of the drawn sample (0 when not sampling). Collapse shows
         as a mean far below the spread, or both far below the input (``gpattn.experiments.training`` logs them per
         epoch and warns). Empty for the other variants."""
-        return dict(getattr(self, "_diagnostics", {}))
+        return dict(self._diagnostics)
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, embed_dim={self.embed_dim}, num_heads={self.num_heads}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from gpattn.attention._call import Attended
 from gpattn.attention._gumbel import _check_tau, gumbel_attention, gumbel_softmax
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import register
@@ -126,7 +127,8 @@ class HierarchicalStochasticAttention(AttentionBase):
     ``centroids`` are initialised U(−½, ½) as in the released code. Attributes: ``store_weights``
     (default False) — when True every forward keeps ``last_weights`` (B, H, T, T), the detached
     value attention :math:`\hat a_v`, and ``last_centroid_weights`` (B, H, T, c), the detached
-    :math:`\hat a_c` (taking the explicit path); otherwise both are None.
+    :math:`\hat a_c` (taking the explicit path); otherwise both are None and a forward writes nothing on
+    the layer. ``layer.attend(x, need_weights=True)`` returns one forward's :math:`\hat a_v`.
     """
 
     projections = ("q", "k", "v")
@@ -173,20 +175,18 @@ class HierarchicalStochasticAttention(AttentionBase):
         self.last_weights: torch.Tensor | None = None
         self.last_centroid_weights: torch.Tensor | None = None
 
-    def _attend(self, x, mask):
-        p = self.project(x)  # each: (B, H, T, Dh)
+    def _attend(self, call):
+        p = self.project(call.x)  # each: (B, H, T, Dh)
         out, a_v, a_c = hierarchical_gumbel_attention(
-            p["q"], p["k"], p["v"], self.centroids.to(x.dtype),
-            tau1=self.tau1, tau2=self.tau2, mask=mask, hard_centroids=self.hard_centroids,
-            hard_values=self.hard_values, cluster=self.cluster, sample=self.sampling,
-            return_weights=self.store_weights or self.weights_wanted,
+            p["q"], p["k"], p["v"], self.centroids.to(call.x.dtype),
+            tau1=self.tau1, tau2=self.tau2, mask=call.mask, hard_centroids=self.hard_centroids,
+            hard_values=self.hard_values, cluster=self.cluster, sample=call.sampling,
+            return_weights=self.store_weights or call.need_weights,
         )
-        if self.weights_wanted:
-            self._attn_weights = a_v
-        store = self.store_weights
-        self.last_weights = a_v.detach() if store else None
-        self.last_centroid_weights = a_c.detach() if store else None
-        return out  # shape: (B, H, T, Dv)
+        if self.store_weights or self.last_weights is not None:  # opt-in record (a debugging aid)
+            stored = (a_v.detach(), a_c.detach()) if self.store_weights else (None, None)  # none of an older forward
+            self.last_weights, self.last_centroid_weights = stored
+        return Attended(out, weights=a_v if call.need_weights else None)  # shape: (B, H, T, Dv)
 
     def extra_repr(self) -> str:
         return (

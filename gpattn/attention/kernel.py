@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gpytorch.kernels import Kernel
 
+from gpattn.attention._call import Attended
 from gpattn.attention.base import AttentionBase, excluded_keys
 from gpattn.attention.registry import register
 from gpattn.kernels import evaluate_kernel, make_kernel
@@ -35,16 +36,14 @@ class KernelAttention(AttentionBase):
     def _queries_keys(self, p):
         return p["qk"], p["qk"]
 
-    def _attend(self, x, mask):
-        p = self.project(x)
+    def _attend(self, call):
+        p = self.project(call.x)
         q, k = self._queries_keys(p)
-        with gp_algebra(x.device.type):
+        with gp_algebra(call.x.device.type):
             K = evaluate_kernel(self.kernel, q, k)  # shape: (B, H, T, T)
-        if mask is not None:
-            K = K.masked_fill(excluded_keys(mask), 0.0)
-        if self.weights_wanted:
-            self._attn_weights = K
-        return K @ p["v"]
+        if call.mask is not None:
+            K = K.masked_fill(excluded_keys(call.mask), 0.0)
+        return Attended(K @ p["v"], weights=K if call.need_weights else None)
 
 
 @register("kernel-asym")

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from gpattn.attention._call import Attended
 from gpattn.attention.base import AttentionBase, excluded_keys
 from gpattn.attention.registry import register
 
@@ -30,16 +31,16 @@ class SoftmaxAttention(AttentionBase):
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.dropout = dropout
 
-    def _attend(self, x, mask):
-        p = self.project(x)
-        excluded = excluded_keys(mask)  # shape: (B, 1, 1, T) or (B or 1, H or 1, T, T)
+    def _attend(self, call):
+        p = self.project(call.x)
+        excluded = excluded_keys(call.mask)  # shape: (B, 1, 1, T) or (B or 1, H or 1, T, T)
         dropout = self.dropout if self.training else 0.0
-        if self.weights_wanted:  # the explicit path, which forms the weights
+        if call.need_weights:  # the explicit path, which forms the weights
             scores = p["q"] @ p["k"].transpose(-1, -2) / math.sqrt(self.head_dim)  # shape: (B, H, T, T)
             if excluded is not None:
                 scores = scores.masked_fill(excluded, float("-inf"))
-            self._attn_weights = torch.softmax(scores, dim=-1)
-            return F.dropout(self._attn_weights, dropout, self.training) @ p["v"]
+            weights = torch.softmax(scores, dim=-1)
+            return Attended(F.dropout(weights, dropout, self.training) @ p["v"], weights=weights)
         return F.scaled_dot_product_attention(
             p["q"], p["k"], p["v"], attn_mask=None if excluded is None else ~excluded, dropout_p=dropout
         )

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from gpattn.attention._call import Attended
 from gpattn.attention._gumbel import _check_tau, gumbel_attention
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import register
@@ -49,7 +50,8 @@ class StochasticAttention(AttentionBase):
     ``last_weights``, the detached attention weights :math:`\hat A` of shape (B, H, T, T) (rows of
     sequences whose keys are all padding are meaningless: their output is zeroed). Storing takes
     the explicit path, which forms :math:`\hat A`; otherwise the soft path runs fused in
-    ``scaled_dot_product_attention`` and ``last_weights`` is None.
+    ``scaled_dot_product_attention``, ``last_weights`` is None, and a forward writes nothing on the
+    layer. ``layer.attend(x, need_weights=True)`` also returns the weights of one forward.
     """
 
     projections = ("q", "k", "v")
@@ -66,16 +68,15 @@ class StochasticAttention(AttentionBase):
         self.store_weights = False
         self.last_weights: torch.Tensor | None = None
 
-    def _attend(self, x, mask):
-        p = self.project(x)  # each: (B, H, T, Dh)
+    def _attend(self, call):
+        p = self.project(call.x)  # each: (B, H, T, Dh)
         out, weights = gumbel_attention(
-            p["q"], p["k"], p["v"], self.tau, mask=mask, hard=self.hard, sample=self.sampling,
-            return_weights=self.store_weights or self.weights_wanted,
+            p["q"], p["k"], p["v"], self.tau, mask=call.mask, hard=self.hard, sample=call.sampling,
+            return_weights=self.store_weights or call.need_weights,
         )
-        if self.weights_wanted:
-            self._attn_weights = weights
-        self.last_weights = None if weights is None or not self.store_weights else weights.detach()
-        return out  # shape: (B, H, T, Dv)
+        if self.store_weights or self.last_weights is not None:  # opt-in record (a debugging aid)
+            self.last_weights = weights.detach() if self.store_weights else None  # no older forward's lingers
+        return Attended(out, weights=weights if call.need_weights else None)  # shape: (B, H, T, Dv)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, tau={self.tau:g}, hard={self.hard}"

@@ -42,6 +42,7 @@ import linear_operator
 import torch
 
 from gpattn._settings import deterministic
+from gpattn.attention._call import Attended, AttentionCall
 from gpattn.attention.registry import build_attention
 from gpattn.testing.assertions import assert_samples_match_moments, layer_loss_terms, spy_iterative_solvers
 from gpattn.testing.base_attention_test_case import BaseAttentionTestCase
@@ -146,7 +147,8 @@ class GPAttentionTestCase(BaseAttentionTestCase):
             return condition(x, mask).rsample(num_samples=num_samples).transpose(-1, -2)
         B, T, D = x.shape
         rep = x.repeat(num_samples, 1, 1)
-        heads, _ = layer._attend(rep, None if mask is None else mask.repeat(num_samples, 1))
+        call = AttentionCall(rep, None if mask is None else mask.repeat(num_samples, 1), sampling=layer.sampling)
+        heads = Attended.of(layer._attend(call)).heads
         return heads.view(num_samples, B, *heads.shape[1:]).transpose(-1, -2)
 
     def check_truncation_extras(self, layer, x, mask, real) -> None:

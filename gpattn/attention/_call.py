@@ -1,0 +1,166 @@
+"""One forward of an attention layer as explicit objects: what the layer prepares for its variant
+(:class:`AttentionCall`) and what the variant returns (:class:`Attended`). Nothing of a forward is kept
+on the layer but its records (GPyTorch's added loss terms and the diagnostics, updated in place).
+
+A forward runs :func:`prepare_call` (inputs and masks checked, masks joined, the all-padding rows and
+the sample axis settled), the variant's ``_attend(call)``, then :func:`finish_call` (rows with no allowed
+key zeroed, heads merged, ``W_o``, the all-padding rows zeroed, the output repeated where the forward did
+not sample).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from gpattn.attention._masks import (
+    attn_mask_excluded,
+    check_inputs,
+    check_num_samples,
+    effective_mask,
+    padding_part,
+    pads_only,
+)
+from gpattn.variational._strategy import kept_mean
+
+__all__ = ["Attended", "AttentionCall"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """One forward's inputs as a variant's ``_attend(call)`` reads them (prepared once by the layer).
+
+    :ivar x: the layer input.  # shape: (B, T, D)
+    :ivar mask: the mask to attend under (True = excluded), or None: key padding ``(B, T)`` with every
+        all-padding row unpadded (its output is zeroed afterwards), or, for a variant with
+        ``per_query_masks``, a per-query mask ``(B or 1, H or 1, T, T)``; read it through
+        :func:`gpattn.attention.excluded_keys`.
+    :ivar keep: the sequences with at least one real key, or None when nothing is padded.  # shape: (B,)
+    :ivar loss_mask: the caller's key padding, all-padding rows included, for per-token loss terms.  # (B, T)
+    :ivar num_samples: P when the variant is to draw P samples from one factorisation
+        (``native_samples`` variants while sampling), else None.
+    :ivar sampling: whether this forward samples (a stochastic variant outside ``gpattn.deterministic()``).
+    :ivar need_weights: whether the caller asked for the attention weights (return them in :class:`Attended`).
+    :ivar empty: per-query rows with no allowed key (their output is zeroed), or None.  # (B or 1, H or 1, T, 1)
+    :ivar repeat: how many output rows per input row the caller asked for (P, or 1).
+    """
+
+    x: torch.Tensor
+    mask: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+    num_samples: int | None = None
+    sampling: bool = False
+    need_weights: bool = False
+    empty: torch.Tensor | None = None
+    repeat: int = 1
+
+    def batch_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """Mean over the batch axis 0 of the sequences with at least one real key (all-padding rows left
+        out, without a host read): how a per-sequence loss term is reduced.  # shape: (B, ...) -> (...)"""
+        return kept_mean(t, self.keep)
+
+
+@dataclasses.dataclass(eq=False)
+class Attended:
+    """What a variant's ``_attend`` returns (a bare tensor is read as ``Attended(heads)``).
+
+    :ivar heads: the per-head outputs, one row per sequence, or ``num_samples`` draws per sequence B-major
+        (:meth:`gpattn.attention.AttentionBase.fold_samples`).  # shape: (B or B·P, H, T, Dv)
+    :ivar mean: a GP variant's posterior mean of the heads (its diagnostics read it), else None.  # (B, H, T, Dv)
+    :ivar weights: the attention weights when ``call.need_weights`` and the variant has them.  # (B, H, T, T)
+    """
+
+    heads: torch.Tensor
+    mean: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, result) -> Attended:
+        """``result`` of a variant's ``_attend``: an :class:`Attended`, a tensor of heads, or ``(heads, mean)``."""
+        if isinstance(result, Attended):
+            return result
+        if isinstance(result, tuple):
+            return cls(*result)
+        return cls(result)
+
+
+def prepare_call(
+    layer, x, key_padding_mask=None, num_samples=None, attn_mask=None, need_weights=False
+) -> AttentionCall:
+    """The :class:`AttentionCall` of one forward of ``layer`` (inputs checked; an ``attn_mask`` that pads
+    joins ``key_padding_mask``; the batch repeated P times for a stochastic variant that cannot draw P
+    samples itself)."""
+    x, key_padding_mask = check_inputs(x, key_padding_mask, layer.embed_dim)
+    P = 1 if num_samples is None else check_num_samples(num_samples)
+    excluded = empty = None
+    if attn_mask is not None:
+        excluded = attn_mask_excluded(attn_mask, x.shape[0], layer.num_heads, x.shape[1])
+        if excluded.device != x.device:
+            raise ValueError(f"attn_mask is on {excluded.device} but x is on {x.device}")
+        if not layer.per_query_masks or (layer.is_gp and pads_only(excluded)):  # padding: joins key_padding_mask
+            pad = padding_part(excluded, x.shape[0], layer.name, layer.per_query_masks)
+            key_padding_mask, excluded = (pad if key_padding_mask is None else key_padding_mask | pad), None
+    sampling = layer.sampling
+    if P > 1 and sampling and not layer.native_samples:
+        x = x.repeat_interleave(P, 0)
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask.repeat_interleave(P, 0)
+        if excluded is not None and excluded.shape[0] > 1:
+            excluded = excluded.repeat_interleave(P, 0)
+        P = 1
+    mask, keep = effective_mask(key_padding_mask)
+    if excluded is not None:  # per-query mask: padding joined in, queries with no allowed key opened
+        if mask is not None:
+            excluded = excluded | mask[:, None, None, :]
+        empty = excluded.all(-1, keepdim=True)  # shape: (B or 1, H or 1, T, 1)
+        mask = excluded if layer.is_gp else excluded & ~empty
+    return AttentionCall(
+        x, mask, keep, key_padding_mask, P if P > 1 and sampling else None, sampling, bool(need_weights), empty, P
+    )
+
+
+def finish_call(layer, call: AttentionCall, out: Attended) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(y, weights)`` of one forward from the variant's heads: rows with no allowed key zeroed, heads
+    merged, ``W_o``, the diagnostics of a GP variant in training, all-padding sequences zeroed, the output
+    repeated to ``call.repeat`` rows per input where the variant did not draw them.  # -> (B·P, T, D)"""
+    heads, weights, empty = out.heads, out.weights, call.empty
+    drawn = heads.shape[0] // call.x.shape[0]  # P when the variant drew the samples, else 1
+    if empty is not None:  # only variants with per-query masks
+        if empty.shape[0] > 1:
+            empty = empty.repeat_interleave(drawn, 0)  # shape: (B·P, H or 1, T, 1)
+        heads = heads.masked_fill(empty, 0)
+        weights = None if weights is None else weights.masked_fill(empty, 0)
+    BP, H, T, Dv = heads.shape
+    y = layer.out_proj(heads.transpose(1, 2).reshape(BP, T, H * Dv))
+    if empty is not None:
+        y = y.masked_fill(empty.all(1), 0)  # a query with no allowed key in any head: output 0
+    if out.mean is not None and layer.training:  # the trainer reads them; prediction skips the extra W_o
+        rows = [t if t is None or drawn == 1 else t.repeat_interleave(drawn, 0) for t in (call.x, call.loss_mask)]
+        layer._diagnostics.update(output_scale(layer.out_proj, *rows, heads, out.mean.repeat_interleave(drawn, 0)))
+    if call.keep is not None:  # all-padding sequences: output 0 (masked arithmetic, no host read)
+        y = y.masked_fill_(~call.keep.repeat_interleave(drawn, 0)[:, None, None], 0)  # y is W_o's fresh output
+    if call.repeat > drawn:  # this forward did not sample: every draw is the same
+        y = y.repeat_interleave(call.repeat, 0)
+    return y, (None if not call.need_weights else weights)
+
+
+@torch.no_grad()
+def output_scale(out_proj, x, mask, heads, mean) -> dict[str, torch.Tensor]:
+    """A GP layer's output scale against its input, per real token (:meth:`AttentionBase.diagnostics`):
+    detached 0-dim tensors, no host synchronisation.  # shape: x (B, T, D), heads, mean (B, H, T, Dv),
+    mask (B, T) or None"""
+    B, H, T, Dv = heads.shape
+
+    def flat(h):
+        return h.transpose(1, 2).reshape(B, T, H * Dv)
+
+    mean_out = out_proj(flat(mean))  # shape: (B, T, D): E[layer output]
+    spread = torch.nn.functional.linear(flat(heads - mean), out_proj.weight)  # W_o (f − E f)
+    real = x.new_ones(B, T) if mask is None else (~mask).to(x.dtype)
+    count = real.sum().clamp_min(1)
+
+    def per_token(t):
+        return (t.float().norm(dim=-1) * real).sum() / count
+
+    return {"input_norm": per_token(x), "mean_norm": per_token(mean_out), "spread_norm": per_token(spread)}
