@@ -429,7 +429,6 @@ class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
             L_g = cholesky(add_jitter(K_gg, jit[..., 0, 0]), name="sgpa-decoupled (K_gg)")  # shape: (H, M, M)
             K_qg = evaluate_kernel(self.kernel, queries, global_keys.expand(B, *global_keys.shape))  # (B, H, T, M)
             A = tri_solve(L_g.mT, K_qg, upper=True, left=False)  # shape: (B, H, T, M); A L_gᵀ = K_qg
-            c = A.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
             u_tilde = L_g.mT @ self.variational_distribution.inducing_values  # shape: (H, M, Dv)
             factors = dict(
                 gram=K,
@@ -443,18 +442,23 @@ class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
                 covariance=self.covariance,
             )
             if self.mean_module is not None:
-                # q(f) = m(q) + A ũ: the β-part alone is variational (docs/derivations.md §5c)
-                pad = None if mask is None else mask[:, None, None, :]
-                not_allowed = pad if excluded is None else excluded
-                mean = self.mean_module(K, values, not_allowed) + A @ u_tilde
-                if excluded is not None:  # the masked conditional for its per-token jitter (causal draws)
-                    return MaskedDecoupledSGPAConditional(mean=mean, query_gamma=None, real=None, **factors)
-                return DecoupledSGPAConditional(mean=mean, gram_values=None, proj_values=None, **factors)
+                return self._condition_attention_mean(factors, excluded)
             if excluded is not None:
                 return self._condition_per_query(factors, excluded, causal)
             Kv = K @ values  # shape: (B, H, T, Dv); K_qa v_a (padded keys have v = 0)
             c = A.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
             return DecoupledSGPAConditional(mean=Kv + A @ (u_tilde - c), gram_values=Kv, proj_values=c, **factors)
+
+    def _condition_attention_mean(self, factors: dict, excluded: torch.Tensor | None) -> DecoupledSGPAConditional:
+        """The conditional under the attention prior mean: q(f) = m(q) + A ũ, the β-part alone variational
+        (docs/derivations.md §5c); under a per-query mask the masked conditional, for its per-token jitter."""
+        mask = factors["mask"]
+        not_allowed = excluded if excluded is not None else None if mask is None else mask[:, None, None, :]
+        mean = self.mean_module(factors["gram"], factors["values"], not_allowed)
+        mean = mean + factors["interp"] @ factors["whitened_values"]
+        if excluded is not None:
+            return MaskedDecoupledSGPAConditional(mean=mean, query_gamma=None, real=None, **factors)
+        return DecoupledSGPAConditional(mean=mean, gram_values=None, proj_values=None, **factors)
 
     @staticmethod
     def _condition_per_query(factors: dict, excluded: torch.Tensor, causal: bool) -> MaskedDecoupledSGPAConditional:
