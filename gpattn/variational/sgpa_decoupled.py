@@ -431,15 +431,9 @@ class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
             A = tri_solve(L_g.mT, K_qg, upper=True, left=False)  # shape: (B, H, T, M); A L_gᵀ = K_qg
             u_tilde = L_g.mT @ self.variational_distribution.inducing_values  # shape: (H, M, Dv)
             factors = dict(
-                gram=K,
-                gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True),
-                interp=A,
-                values=values,
-                whitened_values=u_tilde,
-                scale_tril=self.variational_distribution.scale_tril(),
-                mask=mask,
-                jitter=self.jitter,
-                covariance=self.covariance,
+                gram=K, gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), interp=A, values=values,
+                whitened_values=u_tilde, scale_tril=self.variational_distribution.scale_tril(), mask=mask,
+                jitter=self.jitter, covariance=self.covariance,
             )
             if self.mean_module is not None:
                 return self._condition_attention_mean(factors, excluded)
