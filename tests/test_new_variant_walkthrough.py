@@ -2,8 +2,8 @@
 
 "Noisy kernel attention": per head and value column, GP regression of the values on the keys with
 an RBF kernel and observation noise σ², read at the queries (self-attention, q = k):
-mean K (K + σ²I)⁻¹ v, covariance K − K (K + σ²I)⁻¹ K. It is registered under a test-only name for
-the duration of its test class only, so it never shows in ``gpattn.list_attention()`` elsewhere.
+mean K (K + σ²I)⁻¹ v, covariance K − K (K + σ²I)⁻¹ K. It imports only public names and is never
+registered: the test mixins take its class, so it never shows in ``gpattn.list_attention()``.
 """
 
 import gpytorch
@@ -16,8 +16,15 @@ from linear_operator import to_linear_operator
 import gpattn
 from gpattn.attention import GPAttention
 from gpattn.testing import DenseReference, GPAttentionTestCase, registered_attention
-from gpattn.variational._linalg import cholesky, full_precision, gp_algebra, matmul_samples, standard_normal
-from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy
+from gpattn.variational import (
+    AmortisedConditional,
+    AmortisedVariationalStrategy,
+    cholesky,
+    full_precision,
+    gp_algebra,
+    matmul_samples,
+    standard_normal,
+)
 
 NAME = "test-noisy-kernel"
 
@@ -43,7 +50,7 @@ class NoisyKernelConditional(AmortisedConditional):
 
 
 # ------------------------------------------------------------------ 2. the strategy
-class NoisyKernelStrategy(_AmortisedVariationalStrategy):
+class NoisyKernelStrategy(AmortisedVariationalStrategy):
     """An ARD-RBF kernel per head (lengthscale √Dh at the start) and a learned noise σ² per head."""
 
     def __init__(self, num_heads, head_dim, noise=0.1):
@@ -105,17 +112,11 @@ def noisy_kernel_dense_posterior(layer, x, mask=None) -> DenseReference:
 
 
 # ------------------------------------------------------------------ 5. the test class
-@pytest.fixture(scope="class")
-def noisy_kernel_registered():
-    with registered_attention(NAME, NoisyKernelAttention):
-        yield
-
-
-@pytest.mark.usefixtures("noisy_kernel_registered")
 class TestNoisyKernelAttention(GPAttentionTestCase):
-    """Every invariant and every GP shape of gpattn.testing, at the default settings."""
+    """Every invariant and every GP shape of gpattn.testing, at the default settings: the mixins take the
+    layer class itself, so an unregistered variant needs no registry fixture."""
 
-    attention = NAME
+    attention = NoisyKernelAttention
     mean_tolerance = covariance_tolerance = {"rtol": 1e-10, "atol": 1e-10}
 
     def dense_reference(self, layer, x, mask):
@@ -123,7 +124,8 @@ class TestNoisyKernelAttention(GPAttentionTestCase):
 
 
 def test_the_test_only_name_does_not_leak():
-    """Outside its class the toy variant is not registered, and the scope removes it again."""
+    """A variant can also be registered for a scope only (``registered_attention``), for code that builds
+    layers by name; outside the scope it is not registered, and the scope removes it again."""
     assert NAME not in gpattn.list_attention()
     with registered_attention(NAME, NoisyKernelAttention):
         assert NAME in gpattn.list_attention()
@@ -132,3 +134,20 @@ def test_the_test_only_name_does_not_leak():
                 pass
         assert NAME in gpattn.list_attention()
     assert NAME not in gpattn.list_attention()
+
+
+def test_the_walkthrough_uses_public_names_only():
+    """docs/new_variant.md's toy variant is written against the public extension API: no private module
+    or name of gpattn is imported here."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(__file__).read_text())
+    private = [
+        f"{node.module}: {[a.name for a in node.names]}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpattn")
+        and (any(part.startswith("_") for part in node.module.split(".")) or any(a.name.startswith("_")
+                                                                                  for a in node.names))
+    ]
+    assert not private, private

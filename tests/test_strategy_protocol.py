@@ -11,7 +11,7 @@ import gpattn
 from gpattn.attention import GPAttention
 from gpattn.testing import layer_loss_terms
 from gpattn.variational._linalg import add_jitter
-from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy, sequence_mean
+from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, sequence_mean
 
 F64 = torch.float64
 B, T, D, H = 3, 5, 8, 2
@@ -45,7 +45,7 @@ def make(name, seed=0):
 def test_strategy_and_conditional(name):
     layer, x, mask = make(name)
     assert isinstance(layer, GPAttention)
-    assert isinstance(layer.strategy, _AmortisedVariationalStrategy) and isinstance(layer.strategy, gpytorch.Module)
+    assert isinstance(layer.strategy, AmortisedVariationalStrategy) and isinstance(layer.strategy, gpytorch.Module)
     effective = mask & ~mask.all(-1, keepdim=True)
     cond = layer._condition(x, effective)
     assert isinstance(cond, AmortisedConditional)

@@ -1,6 +1,6 @@
 """The one GP attention shim: every GP variant is a short declaration
 on top of :class:`GPAttention` — its projections, its strategy (``self.strategy``, a
-:class:`gpattn.variational._strategy._AmortisedVariationalStrategy`) and, where it needs more than the
+:class:`gpattn.variational._strategy.AmortisedVariationalStrategy`) and, where it needs more than the
 projections, :meth:`GPAttention.strategy_inputs`.
 
 A forward projects, conditions once (``strategy.condition(*inputs, mask)``), draws from the conditional

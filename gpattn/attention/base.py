@@ -177,7 +177,8 @@ class AttentionBase(nn.Module):
 
         gp = sorted(n for n, c in _REGISTRY.items() if c.is_gp)
         raise NotImplementedError(
-            f"attention {self.name!r} is not a GP variant and has no posterior(); GP variants: {', '.join(gp)}"
+            f"attention {self.name or type(self).__name__!r} is not a GP variant and has no posterior(); GP "
+            f"variants: {', '.join(gp)}"
         )
 
     # ------------------------------------------------------------------ the contract

@@ -33,8 +33,14 @@ def list_attention() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def attention_class(name: str) -> type[nn.Module]:
-    """The class registered as ``name`` (``ValueError`` naming the valid names otherwise)."""
+def attention_class(name) -> type[nn.Module]:
+    """The class registered as ``name`` (``ValueError`` naming the valid names otherwise). An attention
+    layer class (a subclass of :class:`gpattn.attention.AttentionBase`, registered or not) is returned as
+    is: every function here, and the test mixins of :mod:`gpattn.testing`, take one in place of a name."""
+    from gpattn.attention.base import AttentionBase
+
+    if isinstance(name, type) and issubclass(name, AttentionBase):
+        return name
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown attention {name!r}; valid names: {', '.join(list_attention())}")
     return _REGISTRY[name]
@@ -57,8 +63,9 @@ def attention_options(name: str) -> dict[str, object]:
     return options
 
 
-def build_attention(name: str, embed_dim: int, num_heads: int, **options) -> nn.Module:
-    """Build the attention layer ``name`` for inputs of width ``embed_dim`` with ``num_heads`` heads.
+def build_attention(name, embed_dim: int, num_heads: int, **options) -> nn.Module:
+    """Build the attention layer ``name`` (a registered name, or a layer class) for inputs of width
+    ``embed_dim`` with ``num_heads`` heads.
 
     An unknown name or option is a ``ValueError`` that lists the valid ones.
     """
@@ -66,7 +73,8 @@ def build_attention(name: str, embed_dim: int, num_heads: int, **options) -> nn.
     valid = attention_options(name)
     unknown = sorted(set(options) - set(valid))
     if unknown:
+        shown = name if isinstance(name, str) else cls.name or cls.__name__
         raise ValueError(
-            f"unknown option(s) {unknown} for attention {name!r}; valid options: {', '.join(sorted(valid))}"
+            f"unknown option(s) {unknown} for attention {shown!r}; valid options: {', '.join(sorted(valid))}"
         )
     return cls(embed_dim, num_heads, **options)

@@ -32,13 +32,14 @@ def _invariant_test(check: str):
 class BaseAttentionTestCase:
     """Mixin: the contract's invariants for ``attention`` built with ``options``.
 
-    :cvar attention: the registered name of the variant under test.
+    :cvar attention: the variant under test: its registered name, or its layer class (a subclass of
+        :class:`gpattn.attention.AttentionBase`; no registration needed).
     :cvar options: keyword options of ``build_attention``.
     :cvar invariants: the names of the invariants to run (``None``: all of ``ATTENTION_INVARIANTS``;
         ``()``: none, e.g. where tests/test_attention_invariants.py runs them at the default options).
     """
 
-    attention: str = ""
+    attention: str | type = ""
     options: dict = {}
     invariants: tuple[str, ...] | None = None
 

@@ -31,6 +31,11 @@ def make_inputs(B=2, T=6, D=8, *, pad=(0, 2), dtype=torch.float32, seed=0):
     return x, mask
 
 
+def _label(name) -> str:
+    """A variant's name in messages: the registered name, or a layer class's ``name`` (else its class name)."""
+    return name if isinstance(name, str) else attention_class(name).name or name.__name__
+
+
 def _build(name, D=8, H=2, **options):
     torch.manual_seed(0)
     return build_attention(name, D, H, **options)
@@ -181,7 +186,7 @@ def check_posterior(name, **options):
         try:
             layer.posterior(x, mask)
         except NotImplementedError as err:
-            assert name in str(err)
+            assert _label(name) in str(err)
             return
         raise AssertionError(f"{name}: posterior() of a non-GP variant did not raise")
     from gpytorch.distributions import MultivariateNormal
@@ -218,7 +223,7 @@ def check_errors(name, **options):
         bad[0, 0, 0] = value
         with validation():  # a value check: it reads the device, so it is opt-in
             _expect_value_error(lambda bad=bad: layer(bad), "NaN or Inf")
-    _expect_value_error(lambda: build_attention(name, 8, 2, no_such_option=1), "no_such_option", name)
+    _expect_value_error(lambda: build_attention(name, 8, 2, no_such_option=1), "no_such_option", _label(name))
     _expect_value_error(lambda: build_attention(name, 8, 3, **options), "divisible")
 
 
@@ -243,7 +248,8 @@ ATTENTION_INVARIANTS = {
 
 
 def run_attention_invariant(check: str, name: str, **options) -> None:
-    """Run the invariant ``check`` (a key of ``ATTENTION_INVARIANTS``) on variant ``name``."""
+    """Run the invariant ``check`` (a key of ``ATTENTION_INVARIANTS``) on variant ``name`` (a registered
+    name, or an attention layer class: :func:`gpattn.attention.build_attention` takes either)."""
     if check not in ATTENTION_INVARIANTS:
         raise ValueError(f"unknown check {check!r}; valid: {', '.join(ATTENTION_INVARIANTS)}")
     ATTENTION_INVARIANTS[check](name, **options)

@@ -5,7 +5,7 @@ GPyTorch keeps a variational distribution q(u) apart from the strategy that maps
 class — their inducing inputs are computed from each sequence (the keys, the KSVD features, the
 latent inputs), not fixed parameters — so they keep its vocabulary through two small classes:
 
-* :class:`_AmortisedVariationalStrategy` (a ``gpytorch.Module``: ``named_hyperparameters()``,
+* :class:`AmortisedVariationalStrategy` (a ``gpytorch.Module``: ``named_hyperparameters()``,
   ``variational_parameters()``, ``register_prior`` work on it) owns the kernel and the variational
   parameters; ``condition(*inputs, mask)`` factorises once for a batch of sequences and returns
 * an :class:`AmortisedConditional`, an explicit per-call object (no cache on the strategy) with
@@ -30,7 +30,7 @@ from gpytorch.distributions import MultivariateNormal
 from gpattn.objectives import GPLossTerm, SequenceKL
 from gpattn.variational._scale import check_prior_factor
 
-__all__ = ["AmortisedConditional", "_AmortisedVariationalStrategy", "kept_mean", "sequence_mean"]
+__all__ = ["AmortisedConditional", "AmortisedVariationalStrategy", "kept_mean", "sequence_mean"]
 
 
 def kept_mean(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -111,7 +111,7 @@ class AmortisedConditional:
         return (SequenceKL(sequence_mean(self.kl_divergence(), mask)),)
 
 
-class _AmortisedVariationalStrategy(gpytorch.Module):
+class AmortisedVariationalStrategy(gpytorch.Module):
     """Base of the GP variants' strategies: subclasses implement :meth:`condition`."""
 
     def condition(self, *inputs: torch.Tensor, mask: torch.Tensor | None = None) -> AmortisedConditional:

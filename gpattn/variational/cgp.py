@@ -38,7 +38,7 @@ from gpattn.variational._linalg import (
     with_policy,
 )
 from gpattn.variational._scale import CGP_SIGMA
-from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy, sequence_mean
+from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, sequence_mean
 
 #: lower bound of a learned σ: keeps the regulariser's bound 2T log σ² finite
 SIGMA_FLOOR = 1e-3
@@ -62,7 +62,7 @@ def logdet_from_cholesky(L: torch.Tensor, valid: torch.Tensor | None) -> torch.T
     return 2.0 * logdiag.sum(-1)
 
 
-class CorrelatedGPBase(_AmortisedVariationalStrategy):
+class CorrelatedGPBase(AmortisedVariationalStrategy):
     r"""Parameters and Gram blocks shared by :class:`CorrelatedGP` and
     :class:`~gpattn.variational.scgp.SparseCorrelatedGP`: the strategies of the protocol
     (:mod:`gpattn.variational._strategy`) whose :meth:`condition` returns a :class:`CorrelatedConditional`.
@@ -209,7 +209,7 @@ class CorrelatedGPBase(_AmortisedVariationalStrategy):
         return cond
 
     #: :math:`p(z_q \mid z_k)` per value column, batch ``(B, H, Dv)``, event ``T`` (= calling the module)
-    posterior = _AmortisedVariationalStrategy.forward
+    posterior = AmortisedVariationalStrategy.forward
 
     def conditional_mean(self, q, k, o, z, mask=None, **options) -> torch.Tensor:
         """:math:`E[z_q \\mid z_k = z]` for given observations ``z`` of the key process.

@@ -47,7 +47,7 @@ from gpattn.variational._linalg import (
     with_policy,
 )
 from gpattn.variational._scale import KEP_COVARIANCE_STD, KEP_MEAN_STD
-from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy
+from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy
 
 __all__ = [
     "KEPSVGP",
@@ -395,7 +395,7 @@ def residual_root(phi_q: torch.Tensor, phi_k: torch.Tensor, W: torch.Tensor, mas
 
 
 # ------------------------------------------------------------------------------------ the layer
-class KEPSVGP(_AmortisedVariationalStrategy):
+class KEPSVGP(AmortisedVariationalStrategy):
     r"""Kernel-eigen pair SVGP attention of one layer (Chen et al. (2024) §4, eqs. 16–21; docs/derivations.md §6).
 
     Per head, with the KSVD projections :math:`e = \phi(q) W_e`, :math:`r = \phi(k) W_r` and singular

@@ -64,7 +64,7 @@ from gpattn.variational._linalg import (
     tri_solve,
     with_policy,
 )
-from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy
+from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy
 from gpattn.variational.means import AttentionMean, check_prior_mean
 
 __all__ = [
@@ -335,7 +335,7 @@ class MaskedSGPAConditional(AmortisedConditional):
         return self.mean + safe_sqrt(self._variance) * eps
 
 
-class SGPAVariationalStrategy(_AmortisedVariationalStrategy):
+class SGPAVariationalStrategy(AmortisedVariationalStrategy):
     r"""Standard SGPA (Chen & Li (2023) §3.2; docs/derivations.md §5a) for every head and output dim d at once.
 
     Inducing inputs are the sequence's keys k (W_q = W_k, so the queries are the keys), inducing

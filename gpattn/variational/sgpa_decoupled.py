@@ -51,7 +51,7 @@ from gpattn.variational._linalg import (
     safe_sqrt,
     tri_solve,
 )
-from gpattn.variational._strategy import AmortisedConditional, _AmortisedVariationalStrategy, sequence_mean
+from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, sequence_mean
 from gpattn.variational.means import AttentionMean, check_prior_mean
 from gpattn.variational.sgpa import (
     check_covariance,
@@ -332,7 +332,7 @@ class MaskedDecoupledSGPAConditional(DecoupledSGPAConditional):
         return self.residual() + torch.diag_embed(self.jitter * self.gram_diag.detach())
 
 
-class DecoupledSGPAVariationalStrategy(_AmortisedVariationalStrategy):
+class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
     r"""Decoupled SGPA (Chen & Li (2023) §3.3; docs/derivations.md §5b) for every head and output dim d at once.
 
     Two bases per head: the amortised mean basis (the sequence's keys k_a with coefficients the
