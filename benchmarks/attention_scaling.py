@@ -1,8 +1,8 @@
 """Time and peak memory of one attention layer per registered variant against softmax.
 
-One layer ``gpattn.build_attention(name, D=128, H=4)`` (Dh = 32) on x of shape (B=8, T, D) for
-T in {64, 256, 1024, 4096} (``--quick``: T <= 1024), with the benchmark sizes M = m = l = 16, r = 10, c = 2
-passed to the variants whose options have them (the JSON says which options each variant got), and
+One layer ``gpattn.build_attention(name, D=128, H=4)`` (Dh = 32; ``--heads``, ``--head-dim``) on x of shape
+(B=8, T, D) for T in {64, 256, 1024, 4096} (``--quick``: T <= 1024), with the benchmark sizes M = m = l = 16,
+r = 10, c = 2 passed to the variants whose options have them (the JSON says which options each variant got), and
 every non-default value of ``covariance`` ("full"/"diag") as an extra configuration.
 
 Modes: ``forward`` — inference, ``eval()`` and ``torch.no_grad()`` (stochastic variants still
@@ -359,6 +359,8 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=2, help="torch threads per case (default 2)")
     p.add_argument("--ts", default=None, help="comma-separated T values (overrides the profile)")
     p.add_argument("--batch", type=int, default=None, help="B (default 8; 2 with --smoke)")
+    p.add_argument("--heads", type=int, default=4, help="H (default 4)")
+    p.add_argument("--head-dim", type=int, default=32, help="Dh (default 32); D = H·Dh")
     p.add_argument("--timeout", type=float, default=None, help="per-case wall-clock budget in seconds")
     p.add_argument(
         "--mem-limit-mb",
@@ -386,7 +388,7 @@ def main(argv=None) -> dict:
     if args.timeout:
         profile["timeout"] = args.timeout
     batch = args.batch or (2 if args.smoke else 8)
-    heads, head_dim = 4, 32
+    heads, head_dim = args.heads, args.head_dim
     mem_limit = default_mem_limit_mb(args.mem_limit_mb)
     configs = variant_configs(parse_variants(args.variants))
     device = str(resolve_device(args.device))

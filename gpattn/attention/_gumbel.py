@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gpattn.attention._blockwise import block_rows, block_seeds, blockwise
 from gpattn.attention._masks import excluded_keys
 
 __all__ = ["gumbel_attention", "gumbel_noise", "gumbel_softmax", "straight_through_one_hot"]
@@ -219,8 +220,25 @@ def gumbel_attention(
     """
     tau = _check_tau(tau)
     B, H, T = q.shape[:3]
-    S = k.shape[-2]
     key_mask = excluded_keys(mask)  # shape: (B, 1, 1, S) or a per-query (B or 1, H or 1, T, S)
+    rows = None if return_weights else block_rows(B, H, T, k.shape[-2])
+    if rows is None:
+        return _gumbel_attention(q, k, v, tau, key_mask, hard, sample, return_weights, generator)
+    # a long sequence: blocks of queries, each with its own noise seed (attention/_blockwise.py)
+    seeds = block_seeds(-(-T // rows), generator) if sample else None
+
+    def block(qb, k, v, excluded, seed=None):
+        g = None if seed is None else torch.Generator(device=qb.device).manual_seed(seed)
+        return _gumbel_attention(qb, k, v, tau, excluded, hard, sample, False, g)[0]
+
+    return blockwise(block, q, k, v, rows=rows, per_query=(key_mask,), seeds=seeds), None
+
+
+def _gumbel_attention(q, k, v, tau, key_mask, hard, sample, return_weights, generator):
+    """:func:`gumbel_attention` with the (B, H, T, S) matrix formed whole; ``key_mask`` as
+    :func:`excluded_keys` gives it."""
+    B, H, T = q.shape[:3]
+    S = k.shape[-2]
     if not return_weights and not (hard and sample):
         if sample:
             # softmax(q kᵀ/τ + G/τ): the noise enters as an additive mask, the 1/τ as SDPA's scale

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gpytorch.kernels import Kernel
 
+from gpattn.attention._blockwise import block_rows, blockwise
 from gpattn.attention._call import Attended
 from gpattn.attention.base import AttentionBase, excluded_keys
 from gpattn.attention.registry import register
@@ -39,11 +40,20 @@ class KernelAttention(AttentionBase):
     def _attend(self, call):
         p = self.project(call.x)
         q, k = self._queries_keys(p)
+        rows = None if call.need_weights else block_rows(*q.shape[:3], k.shape[-2])
+        if rows is not None:  # a long sequence: blocks of queries, memory linear in T (attention/_blockwise.py)
+            return blockwise(self._kernel_values, q, k, p["v"], rows=rows, per_query=(excluded_keys(call.mask),))
         with gp_algebra(call.x.device.type):
             K = evaluate_kernel(self.kernel, q, k)  # shape: (B, H, T, T)
         if call.mask is not None:
             K = K.masked_fill(excluded_keys(call.mask), 0.0)
         return Attended(K @ p["v"], weights=K if call.need_weights else None)
+
+    def _kernel_values(self, q, k, v, excluded=None):
+        """K(q, k) v for one block of queries, excluded keys at 0.  # shape: q (B, H, b, Dh) -> (B, H, b, Dv)"""
+        with gp_algebra(q.device.type):
+            K = evaluate_kernel(self.kernel, q, k)  # shape: (B, H, b, S)
+        return (K if excluded is None else K.masked_fill(excluded, 0.0)) @ v
 
 
 @register("kernel-asym")
