@@ -22,9 +22,9 @@ import math
 import torch
 from gpytorch.kernels import AdditiveKernel, Kernel, MaternKernel, ProductKernel, RBFKernel, ScaleKernel
 
+from gpattn.kernels._scale import check_prior_factor, exponential_lengthscale
 from gpattn.kernels.cross_covariance import CanonicalRBFKernel
 from gpattn.kernels.exponential import ExponentialKernel
-from gpattn.variational._scale import check_prior_factor, exponential_lengthscale
 
 __all__ = [
     "KERNEL_NAMES",

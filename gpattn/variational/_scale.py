@@ -60,6 +60,8 @@ from __future__ import annotations
 
 import math
 
+from gpattn.kernels._scale import attention_lengthscale, check_prior_factor, exponential_lengthscale
+
 __all__ = [
     "CGP_SIGMA",
     "KEP_COVARIANCE_STD",
@@ -84,24 +86,6 @@ KEP_COVARIANCE_STD = 0.1
 CGP_SIGMA = math.sqrt(0.1)
 
 
-def exponential_lengthscale(head_dim: int) -> float:
-    """ℓ = √Dh: the exponent q·k/ℓ² of a projected LayerNorm-ed token pair stays ≲ 1/3."""
-    return math.sqrt(head_dim)
-
-
-def attention_lengthscale(head_dim: int) -> float:
-    """ℓ = Dh^¼ for a kernel whose rows are the attention prior mean (docs/derivations.md §5c): the
-    normalised exponential kernel is then softmax(q·k/√Dh), softmax attention's temperature."""
-    return float(head_dim) ** 0.25
-
-
 #: variance gain of a freshly initialised ``nn.Linear(D, D)`` output map W_o (U(±1/√D) entries): the
 #: prior variances above reach the stream divided by 3
 NATIVE_OUTPUT_GAIN = 1.0 / 3.0
-
-
-def check_prior_factor(factor) -> float:
-    """``factor`` of a prior-variance scaling (``scale_prior``): a finite number > 0."""
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
-        raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
-    return float(factor)
