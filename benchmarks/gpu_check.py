@@ -22,8 +22,8 @@ error in one is recorded and the others still run; inside a check every item is 
     the device and (fp32) on the CPU, and with ``--validate`` on the device; metrics compared roughly; a run
     cut after 5 steps and resumed on the device against the uninterrupted one; ``gpattn evaluate`` of a device
     checkpoint on
-    the device and on the CPU; ``gpattn.load_run`` on both devices and ``predict`` (deterministic: the two must
-    agree); host-device synchronisations of one training step of the trainer; a world-size-1
+    the device and on the CPU; ``gpattn.experiments.load_run`` on both devices and ``predict`` (deterministic: the
+    two must agree); host-device synchronisations of one training step of the trainer; a world-size-1
     ``DistributedDataParallel`` (NCCL on CUDA) step against the plain model.
 ``hf``      the Hugging Face swap on a tiny random ``BertForSequenceClassification`` (sdpa and eager) moved to the
     device: a training step (logits, loss parts, gradients, parameters after an SGD step) and eval forwards against
@@ -1040,8 +1040,8 @@ def check_train(rec: Recorder, device: str, args) -> None:
             raise Skip("the sgpa run did not finish")
         images = load_dataset("digits", seed=0).splits["test"].inputs[:96]
         res, failures = {}, []
-        dev_run = gpattn.load_run(run["folder"], device=device)
-        cpu_run = gpattn.load_run(run["folder"], device="cpu")
+        dev_run = gpattn.experiments.load_run(run["folder"], device=device)
+        cpu_run = gpattn.experiments.load_run(run["folder"], device="cpu")
         res["placement"] = _placement(dev_run.model, device)
         if res["placement"]["params_off_device"] or res["placement"]["buffers_off_device"]:
             failures.append(f"load_run(device={device}) left tensors elsewhere: {res['placement']}")
@@ -1525,7 +1525,7 @@ def check_hf(rec: Recorder, device: str, args) -> None:
         if rc != 0:
             return {"rc": rc, "status": "fail", "summary": f"exit {rc}: {tail[-300:]}"}
         sub = _metrics_subset(folder / "metrics.json")
-        run = gpattn.load_run(folder, device=device)
+        run = gpattn.experiments.load_run(folder, device=device)
         pl = _placement(run.model, device)
         pred = run.predict(["a great film , really good", "terrible"], num_samples=3)
         fin = bool(torch.isfinite(pred.probs).all())

@@ -1,14 +1,14 @@
 """gpattn — Gaussian-process attention for transformers (PyTorch, GPyTorch, LinearOperator).
 
 Public API: :func:`build_attention`, :func:`list_attention`, :func:`attention_options`,
-:class:`deterministic`, :class:`validation` / :func:`set_validation` (opt-in value checks),
-:func:`load_run` (score new inputs with a saved run, :mod:`gpattn.experiments.inference`), and the
+:class:`deterministic`, :class:`validation` / :func:`set_validation` (opt-in value checks), and the
 subpackages (``kernels``, ``variational``, ``attention``, ``models``, ``objectives``, ``testing``),
 imported on first use. The library core needs torch, gpytorch, linear_operator and numpy only.
 
 ``experiments`` is the experiment application (data sets, training, compare, presets, Laplace,
-metrics, plots and the ``gpattn`` command): ``pip install 'gpattn[experiments]'``. The core never
-imports it. Importing gpattn changes no gpytorch / linear_operator / matplotlib global setting.
+metrics, plots, the ``gpattn`` command, and ``gpattn.experiments.load_run``, which scores new inputs
+with a saved run): ``pip install 'gpattn[experiments]'``. The core never imports it. Importing gpattn
+changes no gpytorch / linear_operator / matplotlib global setting.
 """
 
 import importlib
@@ -40,7 +40,6 @@ __all__ = [
     "is_validating",
     "kernels",
     "list_attention",
-    "load_run",
     "models",
     "objectives",
     "set_validation",
@@ -50,20 +49,23 @@ __all__ = [
 ]
 
 
-def load_run(path, device=None):
-    """A saved run ready to score new inputs: ``gpattn.load_run(run_dir).predict(["a sentence"], num_samples=10)``
-    (see :mod:`gpattn.experiments.inference`; needs no data file)."""
-    from gpattn.experiments.inference import load_run as _load_run
+#: names that left the package, with where they went (an AttributeError says so)
+_MOVED = {
+    "load_run": "gpattn.load_run moved to gpattn.experiments.load_run in 0.2.0 (the core never imports the "
+    "experiment application; pip install 'gpattn[experiments]'): "
+    "gpattn.experiments.load_run(run_dir).predict([...])",
+}
 
-    return _load_run(path, device)
 
-
-def _lazy_submodules(package: str, submodules, exported):
-    """A package's ``(__getattr__, __dir__)`` that import ``submodules`` on first attribute access."""
+def _lazy_submodules(package: str, submodules, exported, moved=None):
+    """A package's ``(__getattr__, __dir__)`` that import ``submodules`` on first attribute access;
+    ``moved`` maps a name that left the package to the message of its ``AttributeError``."""
 
     def __getattr__(name):
         if name in submodules:
             return importlib.import_module(f"{package}.{name}")
+        if moved and name in moved:
+            raise AttributeError(moved[name])
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__():
@@ -72,4 +74,4 @@ def _lazy_submodules(package: str, submodules, exported):
     return __getattr__, __dir__
 
 
-__getattr__, __dir__ = _lazy_submodules(__name__, _SUBMODULES, __all__)
+__getattr__, __dir__ = _lazy_submodules(__name__, _SUBMODULES, __all__, _MOVED)

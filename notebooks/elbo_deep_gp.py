@@ -57,7 +57,7 @@ import gpattn
 from gpattn.experiments import metrics as M
 from gpattn.experiments.data import load_dataset
 from gpattn.experiments.plots import reliability_diagram
-from gpattn.experiments.training import TrainConfig, load_run, train
+from gpattn.experiments.training import TrainConfig, load_run_with_data, train
 from gpattn.models import ViTClassifier
 from gpattn.objectives import DeepGPELBO, SequenceKL, expected_nll
 
@@ -315,7 +315,7 @@ for name, hist in histories.items():
 # trained 2-layer KEP-SVGP model.
 
 # %%
-_, gp_model, _, _ = load_run(OUT / "runs" / "kep-svgp")
+_, gp_model, _, _ = load_run_with_data(OUT / "runs" / "kep-svgp")
 gp_model.eval()
 B_MC = 16
 x_mc, y_mc = test_split.inputs[:B_MC], test_split.labels[:B_MC]

@@ -12,7 +12,7 @@ from _cli_helpers import TINY_DIGITS
 import gpattn
 from gpattn.experiments._io import CHECKPOINT_FORMAT, checkpoint_format
 from gpattn.experiments.cli import main
-from gpattn.experiments.training import TrainConfig, load_run, train
+from gpattn.experiments.training import TrainConfig, load_run_with_data, train
 
 TINY = dict(embed_dim=16, num_heads=2, num_layers=1, epochs=1, batch_size=256, patch_size=4, num_samples=2,
             eval_batch_size=512, progress=False)  # fmt: skip
@@ -58,7 +58,7 @@ def test_a_fresh_checkpoint_names_its_format_and_gpattn_version(finished):
     ckpt = torch.load(finished / "checkpoint.pt", weights_only=True)
     assert ckpt["format_version"] == CHECKPOINT_FORMAT == 3
     assert ckpt["gpattn_version"] == gpattn.__version__
-    _, _, _, loaded = load_run(finished)
+    _, _, _, loaded = load_run_with_data(finished)
     assert loaded["format_version"] == CHECKPOINT_FORMAT
 
 
@@ -66,7 +66,7 @@ def test_a_fresh_checkpoint_names_its_format_and_gpattn_version(finished):
 def test_load_run_refuses_another_format_naming_both(run, found, words):
     path = _rewrite(run, format_version=found)
     with pytest.raises(ValueError) as err:
-        load_run(run)
+        load_run_with_data(run)
     text = str(err.value)
     assert str(path) in text and words in text, text
     assert f"checkpoint of format {found} (written by gpattn {gpattn.__version__})" in text, text
@@ -89,7 +89,7 @@ def test_an_unversioned_checkpoint_of_the_strategy_layout_is_format_2_and_refuse
     path = _rewrite(run, format_version=None, gpattn_version=None)
     assert checkpoint_format(torch.load(path, weights_only=True)) == 2 == CHECKPOINT_FORMAT - 1
     with pytest.raises(ValueError, match="checkpoint of format 2"):
-        load_run(run)
+        load_run_with_data(run)
 
 
 def test_an_unversioned_checkpoint_with_the_old_keys_is_format_1(run):
@@ -97,7 +97,7 @@ def test_an_unversioned_checkpoint_with_the_old_keys_is_format_1(run):
     ckpt = torch.load(path, weights_only=True)
     _rewrite(run, format_version=None, gpattn_version=None, model=_format_1_keys(ckpt["model"]))
     with pytest.raises(ValueError) as err:
-        load_run(run)
+        load_run_with_data(run)
     text = str(err.value)
     assert "checkpoint of format 1 (written before checkpoints named their gpattn version)" in text, text
     assert f"reads checkpoint format {CHECKPOINT_FORMAT} only" in text, text
@@ -107,7 +107,7 @@ def test_an_unversioned_checkpoint_with_the_old_keys_is_format_1(run):
 def test_a_format_that_is_no_number_is_named(run, value):
     _rewrite(run, format_version=value)
     with pytest.raises(ValueError, match=f"its format_version is {value!r}, not a format number"):
-        load_run(run)
+        load_run_with_data(run)
 
 
 def test_compare_retrains_a_cached_run_of_an_older_format(tmp_path):

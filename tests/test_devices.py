@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpattn.experiments.cli import main
-from gpattn.experiments.training import TrainConfig, _same_run, load_run, resolve_device
+from gpattn.experiments.training import TrainConfig, _same_run, load_run_with_data, resolve_device
 
 COMMON = ["--dataset", "digits", "--no-progress", "--epochs", "1", "--embed-dim", "8", "--num-heads", "2",
           "--num-layers", "1", "--num-samples", "1", "--batch-size", "256"]  # fmt: skip
@@ -52,7 +52,7 @@ def test_cli_device_cpu_auto_and_bf16(tmp_path, capsys):
     a = json.loads((tmp_path / "cpu" / "metrics.json").read_text())
     b = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert a == b
-    _, model, _, _ = load_run(tmp_path / "cpu", device="cpu")
+    _, model, _, _ = load_run_with_data(tmp_path / "cpu", device="cpu")
     assert {p.device for p in model.parameters()} == {torch.device("cpu")}
     capsys.readouterr()
 

@@ -167,7 +167,7 @@ def test_train_with_encoder_then_load_run_predicts(tmp_path):
     for f in enc.iterdir():
         f.unlink()
     enc.rmdir()
-    run = gpattn.load_run(out)
+    run = gpattn.experiments.load_run(out)
     pred = run.predict(["a great film , really good", "terrible"], num_samples=3)
     assert pred.probs.shape == (2, 3) and pred.sample_probs.shape == (2, 3, 3)
     torch.testing.assert_close(pred.probs.sum(1), torch.ones(2))
@@ -347,7 +347,7 @@ def test_train_and_compare_with_a_frozen_trunk(tmp_path):
     for k, v in pretrained.items():
         if k.startswith(("embeddings.", "encoder.layer.0.")):
             torch.testing.assert_close(ckpt["model"]["encoder." + k], v, rtol=0, atol=0)
-    run = gpattn.load_run(out / "runs" / "sgpa" / "seed0")
+    run = gpattn.experiments.load_run(out / "runs" / "sgpa" / "seed0")
     pred = run.predict(["a great film , really good", "terrible"], num_samples=3)
     assert pred.probs.shape == (2, 3)
 

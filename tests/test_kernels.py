@@ -12,7 +12,7 @@ from gpytorch.test.base_kernel_test_case import BaseKernelTestCase
 import gpattn
 from gpattn.experiments.cli import _kv
 from gpattn.experiments.cli import main as cli_main
-from gpattn.experiments.training import TrainConfig, load_run, predict, train
+from gpattn.experiments.training import TrainConfig, load_run_with_data, predict, train
 from gpattn.kernels import (
     CanonicalRBFKernel,
     ExponentialKernel,
@@ -327,7 +327,7 @@ def test_a_composed_kernel_trains_checkpoints_resumes_and_reloads(tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     reloaded = []
     for folder in (full, cut):
-        _, model, bundle, _ = load_run(folder)
+        _, model, bundle, _ = load_run_with_data(folder)
         kern = model.encoder.blocks[0].attn.kernel
         assert isinstance(kern, AdditiveKernel) and kernel_spec(kern)["name"] == "sum"
         torch.manual_seed(0)

@@ -84,7 +84,7 @@ def test_readme_recipe_three_files_report_and_cache(tmp_path, capsys):
     # scoring new sentences from the saved run, without its data files
     for f in data.iterdir():
         f.unlink()
-    run = gpattn.load_run(out / "runs" / "softmax" / "seed0")
+    run = gpattn.experiments.load_run(out / "runs" / "softmax" / "seed0")
     pred = run.predict(["a wonderful , delightful film", "dull and tedious", "unseen words only"], num_samples=4)
     assert pred.probs.shape == (3, 3) and torch.allclose(pred.probs.sum(1), torch.ones(3), atol=1e-5)
     assert pred.sample_probs.shape == (3, 4, 3)

@@ -46,7 +46,7 @@ def text_run(tmp_path_factory):
 
 def test_predict_takes_a_bare_string_as_one_text(text_run):
     # before: predict("Great phone, love it.") gave 21 predictions, one per character
-    run = gpattn.load_run(text_run[0])
+    run = gpattn.experiments.load_run(text_run[0])
     torch.manual_seed(0)
     one = run.predict("great film , love it", num_samples=2)
     torch.manual_seed(0)
@@ -57,7 +57,7 @@ def test_predict_takes_a_bare_string_as_one_text(text_run):
 
 def test_predict_warns_on_empty_texts(text_run):
     # before: predict([""]) gave a confident answer without a word
-    run = gpattn.load_run(text_run[0])
+    run = gpattn.experiments.load_run(text_run[0])
     with pytest.warns(UserWarning, match=r"2 of 3 texts are empty or only whitespace \(positions 0, 2\)") as seen:
         pred = run.predict(["", "a good film", "   "], num_samples=2)
     assert pred.probs.shape == (3, 2)
@@ -69,7 +69,7 @@ def test_load_run_on_a_compare_folder_points_at_its_runs(text_run, tmp_path):
     shutil.copytree(text_run[0], cmp / "runs" / "softmax" / "seed0")
     want = r"no checkpoint at .*cmp/checkpoint.pt: .*is a `gpattn compare` folder.*cmp/runs/softmax/seed0"
     with pytest.raises(FileNotFoundError, match=want):
-        gpattn.load_run(cmp)
+        gpattn.experiments.load_run(cmp)
 
 
 def test_train_into_a_finished_out_is_refused_unless_overwrite(text_run, tmp_path, capsys):

@@ -12,7 +12,7 @@ from _cli_helpers import TINY_DIGITS
 from gpattn import list_attention
 from gpattn.experiments.cli import main
 from gpattn.experiments.compare import compare
-from gpattn.experiments.training import TrainConfig, load_run, resolve_device, train
+from gpattn.experiments.training import TrainConfig, load_run_with_data, resolve_device, train
 
 TINY = dict(embed_dim=16, num_heads=2, num_layers=1, epochs=1, batch_size=256, patch_size=4, num_samples=2,
             eval_batch_size=512, progress=False)  # fmt: skip
@@ -86,7 +86,7 @@ def test_resume_refuses_a_checkpoint_with_a_payload(poisoned, capsys):
 
 def test_load_run_refuses_a_checkpoint_with_a_payload(poisoned):
     run, marker = poisoned
-    _assert_refused(_error_of(lambda: load_run(run), marker), run / "checkpoint.pt", marker)
+    _assert_refused(_error_of(lambda: load_run_with_data(run), marker), run / "checkpoint.pt", marker)
 
 
 @pytest.mark.parametrize("spec, file", [("softmax", "predictions.pt"), ("softmax+laplace", "checkpoint.pt")])
@@ -125,7 +125,7 @@ def test_every_variant_round_trips_weights_only(tmp_path, capsys, loads, attenti
     cfg = TrainConfig(dataset="digits", attention=attention, **TINY)
     first = train(cfg, tmp_path)
     model = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]  # (recorded too)
-    _, loaded, _, ckpt = load_run(tmp_path)
+    _, loaded, _, ckpt = load_run_with_data(tmp_path)
     assert set(ckpt) == {"format_version", "gpattn_version", "config", "model", "optimizer", "scheduler", "step",
                          "history", "epoch_stats", "rng", "data", "rng_ranks"}  # fmt: skip
     assert ckpt["history"] and ckpt["rng"].dtype == torch.uint8

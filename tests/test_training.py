@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpattn.experiments.cli import main
-from gpattn.experiments.training import TrainConfig, load_run, train
+from gpattn.experiments.training import TrainConfig, load_run_with_data, train
 
 REAL_COLA = Path(__file__).resolve().parents[2] / "shared" / "data" / "cola_public_1.1.zip"
 
@@ -77,7 +77,7 @@ def test_unknown_config_key():
 def test_evaluate_checkpoint_reproduces_metrics(tmp_path):
     cfg = TrainConfig(dataset="digits", attention="softmax", **TINY)
     train(cfg, tmp_path / "run")
-    _, model, bundle, ckpt = load_run(tmp_path / "run" / "checkpoint.pt")
+    _, model, bundle, ckpt = load_run_with_data(tmp_path / "run" / "checkpoint.pt")
     assert ckpt["step"] > 0 and bundle.name == "digits"
     assert (
         main(["evaluate", "--checkpoint", str(tmp_path / "run" / "checkpoint.pt"), "--out", str(tmp_path / "ev")]) == 0

@@ -268,9 +268,9 @@ def _check_out(out: Path, args) -> None:
 def cmd_evaluate(args) -> int:
     import torch
 
-    from gpattn.experiments.training import evaluate_predictions, load_run, predict
+    from gpattn.experiments.training import evaluate_predictions, load_run_with_data, predict
 
-    cfg, model, bundle, _ = load_run(args.checkpoint, device=args.device or "auto")
+    cfg, model, bundle, _ = load_run_with_data(args.checkpoint, device=args.device or "auto")
     P = args.num_samples or cfg.num_samples
     torch.manual_seed(cfg.seed)
     with _validation(args):

@@ -37,8 +37,8 @@ import torch
 
 from gpattn.attention.registry import attention_class, attention_options, build_attention, list_attention
 from gpattn.experiments._io import CHECKPOINT_FORMAT, checkpoint_format, load_file
+from gpattn.experiments._runs import CHECKPOINT, load_checkpoint, resolve_device
 from gpattn.experiments.training import (
-    CHECKPOINT,
     COLLAPSE,
     DIVERGED,
     TrainConfig,
@@ -46,7 +46,6 @@ from gpattn.experiments.training import (
     _for_model,
     _same_run,
     evaluate_predictions,
-    resolve_device,
     train,
 )
 from gpattn.objectives import DEFAULT_ALPHA, CGPRegulariser, named_added_loss_terms
@@ -262,13 +261,11 @@ def _current_format(path: Path) -> bool:
 def _resumable(folder: Path, cfg: TrainConfig):
     """(step, epochs done) of an interrupted run's checkpoint in ``folder`` written with ``cfg``'s
     configuration, or None (no checkpoint, another configuration, an unreadable file)."""
-    from gpattn.experiments.training import _load_checkpoint
-
     path = folder / CHECKPOINT
     if not path.is_file():
         return None
     try:
-        ckpt = _load_checkpoint(path)
+        ckpt = load_checkpoint(path)
     except ValueError:
         return None
     if not _same_run(ckpt["config"], cfg)[0]:
@@ -279,11 +276,11 @@ def _resumable(folder: Path, cfg: TrainConfig):
 def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:
     """Sample logits of a last-layer Laplace fitted post hoc on the trained run in ``folder``."""
     from gpattn.experiments.laplace import fit_last_layer_laplace, laplace_torch_available
-    from gpattn.experiments.training import CHECKPOINT, _load_checkpoint, build_model, resolve_device
+    from gpattn.experiments.training import build_model
 
     device = resolve_device(cfg.device)
     model = build_model(cfg, bundle).to(device)
-    model.load_state_dict(_load_checkpoint(folder / CHECKPOINT, map_location=device)["model"])
+    model.load_state_dict(load_checkpoint(folder / CHECKPOINT, map_location=device)["model"])
     # the dense back end computes the full Hessian (laplace-torch's default is K-FAC "kron")
     backend, structure = ("laplace-torch", "kron") if laplace_torch_available() else ("dense", "full")
     la = fit_last_layer_laplace(model, bundle.splits["train"], backend=backend, hessian_structure=structure)

@@ -21,8 +21,8 @@ pretrained encoder is the standard cheap recipe for uncertainty baselines on top
 (as last-layer Laplace, Kristiadi et al. (2020)).
 
 A checkpoint is self-contained: its ``data`` entry holds the encoder's config (``encoder_config``) and
-the tokenizer's files (``tokenizer_files``, their text), so :func:`gpattn.load_run` rebuilds the model
-and tokenizer without the encoder folder, and its ``model`` entry holds every weight.
+the tokenizer's files (``tokenizer_files``, their text), so :func:`gpattn.experiments.load_run` rebuilds the
+model and tokenizer without the encoder folder, and its ``model`` entry holds every weight.
 """
 
 from __future__ import annotations

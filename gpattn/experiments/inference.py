@@ -1,4 +1,4 @@
-"""Score new inputs with a saved run: ``gpattn.load_run(run_dir).predict(["a sentence", ...], num_samples=P)``.
+"""Score new inputs with a saved run: ``gpattn.experiments.load_run(run_dir).predict(["a sentence"], num_samples=P)``.
 
 A run's checkpoint carries, as plain data (``checkpoint["data"]``, readable with ``weights_only=True``),
 everything needed to rebuild the model and encode new inputs: the data set's kind, the class names, the
@@ -19,30 +19,9 @@ from pathlib import Path
 
 import torch
 
+from gpattn.experiments._runs import as_device, bundle_meta, run_checkpoint
+
 __all__ = ["EmptyTextWarning", "Prediction", "Run", "bundle_meta", "load_run"]
-
-
-def bundle_meta(bundle) -> dict:
-    """Plain data (str, int, list, dict) of what rebuilding a model and encoding new inputs needs."""
-    meta = {
-        "dataset": bundle.name,
-        "kind": bundle.kind,
-        "num_classes": int(bundle.num_classes),
-        "class_names": [str(c) for c in bundle.info.get("class_names") or range(bundle.num_classes)],
-    }
-    if bundle.kind == "text":
-        meta["vocab"] = list(bundle.vocab)
-        meta["model_max_len"] = max(int(s.inputs.shape[1]) for s in bundle.splits.values())
-        max_len = bundle.info.get("max_len")
-        meta["max_len"] = int(max_len) if max_len is not None else None
-        meta["tokenizer"] = "gpattn.experiments.data._text.tokenize (lowercased words and punctuation)"
-    else:
-        meta["image_shape"] = [int(v) for v in bundle.image_shape]
-    if bundle.info.get("encoder") is not None:  # a pretrained encoder: its config and tokenizer files
-        from gpattn.experiments.encoders import encoder_meta
-
-        meta.update(encoder_meta(bundle))
-    return meta
 
 
 def _stub_bundle(meta: dict):
@@ -168,14 +147,14 @@ class Run:
 
 def load_run(path, device=None) -> Run:
     """A saved run (folder or ``checkpoint.pt``) ready to score new inputs, without its data files."""
-    from gpattn.experiments.training import TrainConfig, _as_device, _run_checkpoint, build_model
+    from gpattn.experiments.training import TrainConfig, build_model
 
-    target = torch.device("cpu") if device is None else _as_device(device)
-    path, ckpt = _run_checkpoint(path, map_location=target)
+    target = torch.device("cpu") if device is None else as_device(device)
+    path, ckpt = run_checkpoint(path, map_location=target)
     if "data" not in ckpt:
         raise ValueError(
-            f"{path} was written before checkpoints carried their vocabulary; use gpattn.experiments.training.load_run "
-            f"(which reloads the data set) or retrain"
+            f"{path} was written before checkpoints carried their vocabulary; use "
+            f"gpattn.experiments.training.load_run_with_data (which reloads the data set) or retrain"
         )
     cfg = TrainConfig.from_dict(ckpt["config"])
     model = build_model(cfg, _stub_bundle(ckpt["data"])).to(target)

@@ -41,8 +41,17 @@ from tqdm.auto import tqdm
 
 from gpattn import __version__
 from gpattn._settings import is_validating
-from gpattn.experiments._io import CHECKPOINT_FORMAT, check_checkpoint_format, load_file
+from gpattn.experiments._io import CHECKPOINT_FORMAT
 from gpattn.experiments._optim import build_optimizer
+from gpattn.experiments._runs import (
+    CHECKPOINT,
+    as_device,
+    bundle_meta,
+    load_checkpoint,
+    resolve_device,
+    run_checkpoint,
+    valid_device,
+)
 from gpattn.experiments.diagnostics import (
     EpochStats,
     GPCollapseWarning,
@@ -60,12 +69,11 @@ __all__ = [
     "atomic_save",
     "build_model",
     "evaluate_predictions",
-    "load_run",
+    "load_run_with_data",
     "predict",
     "train",
 ]
 
-CHECKPOINT = "checkpoint.pt"
 DIVERGED = "diverged.json"
 #: sequences of the validation split on which each epoch measures every attention layer's attention use
 ATTENTION_PROBE = 128
@@ -78,34 +86,6 @@ COLLAPSE = "collapse.json"
 RUN_SETTINGS = ("progress", "checkpoint_every", "device")
 #: ``--precision``: autocast dtype of the model outside the GP algebra (which stays in fp32/fp64)
 PRECISIONS = ("fp32", "bf16")
-
-
-def _valid_device(spec) -> bool:
-    if not isinstance(spec, str):
-        return False
-    if spec in ("auto", "cpu", "cuda"):
-        return True
-    kind, _, index = spec.partition(":")
-    return kind == "cuda" and index.isdigit()
-
-
-def resolve_device(spec: str = "auto") -> torch.device:
-    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N`` -> a ``torch.device``.
-
-    Under torchrun, ``auto`` and ``cuda`` mean this process's GPU (``cuda:LOCAL_RANK``). Asking for CUDA
-    where there is none is a ``ValueError`` naming ``--device``."""
-    if not _valid_device(spec):
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {spec!r}")
-    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {spec}: CUDA is not available here (torch.cuda.is_available() is False)")
-    if spec in ("auto", "cuda"):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    device = torch.device(spec)
-    if device.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {spec}: there are {torch.cuda.device_count()} CUDA devices")
-    return device
 
 
 def _autocast(device: torch.device, precision: str):
@@ -236,7 +216,7 @@ class TrainConfig:
             raise bad("encoder_recipe", "'full' without an encoder (--encoder-recipe needs --encoder)")
         if self.average not in ("probs", "logits"):
             raise bad("average", "'probs' or 'logits'")
-        if not _valid_device(self.device):
+        if not valid_device(self.device):
             raise ValueError(f"device (--device) must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision (--precision) must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
@@ -617,45 +597,14 @@ class _Interrupt:
         return False
 
 
-def _load_checkpoint(path: Path, map_location="cpu") -> dict:
-    """A checkpoint written by :func:`train`, or a ``ValueError`` naming the file: a truncated or
-    foreign file otherwise fails deep inside unpickling with a message about neither, and a file that
-    is not plain data is refused unread (:func:`gpattn.experiments._io.load_file`, ``weights_only=True``)."""
-    ckpt = load_file(path, map_location=map_location, what="checkpoint")
-    if not isinstance(ckpt, dict) or not {"config", "model"} <= set(ckpt):
-        got = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
-        raise ValueError(f"{path} is not a gpattn checkpoint: expected a dict with 'config' and 'model', got {got}")
-    check_checkpoint_format(ckpt, path)  # another format: an error naming both, before anything is read
-    return ckpt
-
-
-def _run_checkpoint(path, map_location="cpu") -> tuple[Path, dict]:
-    """A checkpoint file or a run folder -> (checkpoint path, its contents, loaded safely)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / CHECKPOINT
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}{_run_folder_hint(path.parent)}")
-    return path, _load_checkpoint(path, map_location=map_location)
-
-
-def _run_folder_hint(folder: Path) -> str:
-    """Where the runs are when ``folder`` is a ``gpattn compare`` output (``runs/<variant>/seed<N>``)."""
-    found = sorted(p.parent for p in folder.glob(f"runs/*/seed*/{CHECKPOINT}"))
-    if not found:
-        return ""
-    shown = ", ".join(str(p) for p in found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
-    return (f": {folder} is a `gpattn compare` folder, which holds one run per variant and seed under "
-            f"{folder / 'runs' / '<variant>' / 'seed<N>'} — pass one of those: {shown}")
-
-
-def load_run(path, device=None) -> tuple[TrainConfig, torch.nn.Module, object, dict]:
-    """Load a checkpoint file (or a run folder) -> (config, model, data bundle, checkpoint dict), the
-    model on ``device`` (``auto``/``cpu``/``cuda[:N]`` or a ``torch.device``; default: the CPU)."""
+def load_run_with_data(path, device=None) -> tuple[TrainConfig, torch.nn.Module, object, dict]:
+    """Load a checkpoint file (or a run folder) and reload its data set -> (config, model, data bundle,
+    checkpoint dict), the model on ``device`` (``auto``/``cpu``/``cuda[:N]`` or a ``torch.device``; default:
+    the CPU). To score new inputs without the data files: :func:`gpattn.experiments.inference.load_run`."""
     from gpattn.experiments.data import load_dataset
 
-    device = torch.device("cpu") if device is None else _as_device(device)
-    path, ckpt = _run_checkpoint(path, map_location=device)
+    device = torch.device("cpu") if device is None else as_device(device)
+    path, ckpt = run_checkpoint(path, map_location=device)
     cfg = TrainConfig.from_dict(ckpt["config"])
     bundle = load_dataset(
         cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
@@ -676,14 +625,6 @@ def _for_model(cfg: TrainConfig, bundle, device=None):
 
     bundle = encoder_bundle(bundle, cfg)
     return trunk_bundle(bundle, cfg, device=device) if cfg.encoder_recipe == "frozen-trunk" else bundle
-
-
-def _as_device(device) -> torch.device:
-    """A ``torch.device`` from one, from ``auto``/``cpu``/``cuda[:N]`` (checked, :func:`resolve_device`), or
-    from any other name torch knows (``mps``, ...)."""
-    if isinstance(device, torch.device):
-        return device
-    return resolve_device(device) if _valid_device(device) else torch.device(device)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -744,11 +685,10 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps) -> dic
         )
     bundle = _for_model(cfg, bundle, resolve_device(cfg.device))
     from gpattn.experiments.data.summary import data_summary
-    from gpattn.experiments.inference import bundle_meta
 
     if out is not None and int(os.environ.get("RANK", "0")) == 0:
         _write_json(data_summary(bundle), out / "data.json")  # files, sizes, class counts, fingerprint
-    meta = bundle_meta(bundle)  # plain data: what gpattn.load_run needs without the data files
+    meta = bundle_meta(bundle)  # plain data: what inference.load_run needs without the data files
     dist = _Dist(cfg.device)
     device = dist.device
     torch.manual_seed(cfg.seed)
@@ -789,7 +729,7 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps) -> dic
     if resume:
         if ckpt_path is None or not ckpt_path.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-        ckpt = _load_checkpoint(ckpt_path)  # on the CPU: RNG states must be host tensors
+        ckpt = load_checkpoint(ckpt_path)  # on the CPU: RNG states must be host tensors
         same, diff = _same_run(ckpt["config"], cfg)
         if not same:
             raise ValueError(f"--resume: the checkpoint was written with a different configuration ({diff})")
@@ -981,3 +921,13 @@ def _reduced(stats: EpochStats, dist: _Dist) -> EpochStats:
         else:
             out.layers.setdefault(i, {})[k] = v
     return out
+
+
+def __getattr__(name):
+    if name == "load_run":  # renamed in 0.2.0: two functions of that name returned different things
+        raise AttributeError(
+            "gpattn.experiments.training.load_run is now load_run_with_data (it reloads the data set and returns "
+            "(config, model, data bundle, checkpoint)); to score new inputs without the data files use "
+            "gpattn.experiments.load_run (a Run with .predict)"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,126 @@
+"""What the training loop and the readers of a run share: the checkpoint's file name, reading a run's
+checkpoint safely, the ``--device`` specification, and the data metadata a checkpoint carries.
+
+:mod:`gpattn.experiments.training` writes runs and :mod:`gpattn.experiments.inference` reads them; both
+import this module and neither imports the other's private names (inference imports training's public
+``TrainConfig`` and ``build_model``; training imports nothing of inference).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from gpattn.experiments._io import check_checkpoint_format, load_file
+
+__all__ = [
+    "CHECKPOINT",
+    "as_device",
+    "bundle_meta",
+    "load_checkpoint",
+    "resolve_device",
+    "run_checkpoint",
+    "valid_device",
+]
+
+#: a run folder's checkpoint file
+CHECKPOINT = "checkpoint.pt"
+
+
+# ----------------------------------------------------------------------------- devices
+def valid_device(spec) -> bool:
+    """Whether ``spec`` is an ``auto``/``cpu``/``cuda``/``cuda:N`` string (:func:`resolve_device`)."""
+    if not isinstance(spec, str):
+        return False
+    if spec in ("auto", "cpu", "cuda"):
+        return True
+    kind, _, index = spec.partition(":")
+    return kind == "cuda" and index.isdigit()
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N`` -> a ``torch.device``.
+
+    Under torchrun, ``auto`` and ``cuda`` mean this process's GPU (``cuda:LOCAL_RANK``). Asking for CUDA
+    where there is none is a ``ValueError`` naming ``--device``."""
+    if not valid_device(spec):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {spec!r}")
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {spec}: CUDA is not available here (torch.cuda.is_available() is False)")
+    if spec in ("auto", "cuda"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    device = torch.device(spec)
+    if device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {spec}: there are {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def as_device(device) -> torch.device:
+    """A ``torch.device`` from one, from ``auto``/``cpu``/``cuda[:N]`` (checked, :func:`resolve_device`), or
+    from any other name torch knows (``mps``, ...)."""
+    if isinstance(device, torch.device):
+        return device
+    return resolve_device(device) if valid_device(device) else torch.device(device)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def load_checkpoint(path: Path, map_location="cpu") -> dict:
+    """A checkpoint written by :func:`gpattn.experiments.training.train`, or a ``ValueError`` naming the
+    file: a truncated or foreign file otherwise fails deep inside unpickling with a message about neither,
+    and a file that is not plain data is refused unread (:func:`gpattn.experiments._io.load_file`,
+    ``weights_only=True``)."""
+    ckpt = load_file(path, map_location=map_location, what="checkpoint")
+    if not isinstance(ckpt, dict) or not {"config", "model"} <= set(ckpt):
+        got = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise ValueError(f"{path} is not a gpattn checkpoint: expected a dict with 'config' and 'model', got {got}")
+    check_checkpoint_format(ckpt, path)  # another format: an error naming both, before anything is read
+    return ckpt
+
+
+def run_checkpoint(path, map_location="cpu") -> tuple[Path, dict]:
+    """A checkpoint file or a run folder -> (checkpoint path, its contents, loaded safely)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CHECKPOINT
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}{_run_folder_hint(path.parent)}")
+    return path, load_checkpoint(path, map_location=map_location)
+
+
+def _run_folder_hint(folder: Path) -> str:
+    """Where the runs are when ``folder`` is a ``gpattn compare`` output (``runs/<variant>/seed<N>``)."""
+    found = sorted(p.parent for p in folder.glob(f"runs/*/seed*/{CHECKPOINT}"))
+    if not found:
+        return ""
+    shown = ", ".join(str(p) for p in found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+    return (f": {folder} is a `gpattn compare` folder, which holds one run per variant and seed under "
+            f"{folder / 'runs' / '<variant>' / 'seed<N>'} — pass one of those: {shown}")
+
+
+# ----------------------------------------------------------------------------- the data a checkpoint carries
+def bundle_meta(bundle) -> dict:
+    """Plain data (str, int, list, dict) of what rebuilding a model and encoding new inputs needs: written
+    into every checkpoint (``checkpoint["data"]``) and read by :func:`gpattn.experiments.inference.load_run`."""
+    meta = {
+        "dataset": bundle.name,
+        "kind": bundle.kind,
+        "num_classes": int(bundle.num_classes),
+        "class_names": [str(c) for c in bundle.info.get("class_names") or range(bundle.num_classes)],
+    }
+    if bundle.kind == "text":
+        meta["vocab"] = list(bundle.vocab)
+        meta["model_max_len"] = max(int(s.inputs.shape[1]) for s in bundle.splits.values())
+        max_len = bundle.info.get("max_len")
+        meta["max_len"] = int(max_len) if max_len is not None else None
+        meta["tokenizer"] = "gpattn.experiments.data._text.tokenize (lowercased words and punctuation)"
+    else:
+        meta["image_shape"] = [int(v) for v in bundle.image_shape]
+    if bundle.info.get("encoder") is not None:  # a pretrained encoder: its config and tokenizer files
+        from gpattn.experiments.encoders import encoder_meta
+
+        meta.update(encoder_meta(bundle))
+    return meta
