@@ -9,13 +9,16 @@ Chen et al. (2024) eq. 20, Chen & Li (2023) §3.4).
 Each GP layer registers the terms of its last forward as GPyTorch added loss terms
 (:class:`gpytorch.mlls.AddedLossTerm`, through ``register_added_loss_term`` / ``update_added_loss_term``).
 A :class:`GPLossTerm` knows its kind: its ``name`` (the key of the loss parts and of the trainer's
-history) and its weight rule :meth:`GPLossTerm.weight`. The library's kinds: :class:`SequenceKL` (already
-a batch mean, weight β), :class:`GlobalKL` (weight β / N), :class:`KSVDLoss` (weight η) and
-:class:`CGPRegulariser` (weight α). :class:`DeepGPELBO` is built like ``gpytorch.mlls.VariationalELBO``
-(``num_data``, ``beta``, ``combine_terms``) and sums the model's added loss terms with their weights,
-plus the log densities of the gpytorch priors registered anywhere in the model (``named_priors()``),
-divided by N as GPyTorch's MLLs divide them. A new regulariser is one :class:`GPLossTerm` subclass in its
-layer's file: the objective, the trainer's history and the CLI pick it up by its name.
+history) and its weight, a :class:`TermWeight` looked up by name in the objective's weights
+(:meth:`GPLossTerm.weight`). The library's kinds: :class:`SequenceKL` (already a batch mean, weight β),
+:class:`GlobalKL` (weight β / N), :class:`KSVDLoss` (weight η) and :class:`CGPRegulariser` (weight α).
+:class:`DeepGPELBO` is built like ``gpytorch.mlls.VariationalELBO`` (``num_data``, ``beta``,
+``combine_terms``) and sums the model's added loss terms with their weights, plus the log densities of the
+gpytorch priors registered anywhere in the model (``named_priors()``), divided by N as GPyTorch's MLLs
+divide them. A new regulariser is one :class:`GPLossTerm` subclass in its layer's file, with its own
+:class:`TermWeight` if it needs one: the objective (``DeepGPELBO(..., gamma=0.5)``), the trainer's history
+and config (``TrainConfig(loss_weights={"gamma": 0.5})``) and the CLI (``--loss-weight gamma=0.5``) take it
+by name.
 
 Signs: GPyTorch's MLLs return the ELBO to maximise; :class:`DeepGPELBO` returns the loss to minimise
 (its negative). With the deterministic baselines every term is absent and the loss is the NLL.
@@ -23,10 +26,9 @@ Signs: GPyTorch's MLLs return the ELBO to maximise; :class:`DeepGPELBO` returns 
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import ClassVar
 
 import gpytorch
@@ -37,18 +39,23 @@ from gpytorch.mlls import AddedLossTerm
 from gpattn._settings import is_validating
 
 __all__ = [
+    "ALPHA",
+    "BETA",
     "CGPRegulariser",
     "DEFAULT_ALPHA",
     "DeepGPELBO",
     "ELBOObjective",
+    "ETA",
     "GPLossTerm",
     "GlobalKL",
     "KSVDLoss",
     "LossWeights",
     "SequenceKL",
+    "TermWeight",
     "expected_nll",
     "named_added_loss_terms",
     "summed_loss_terms",
+    "term_weights",
 ]
 
 #: Default weight α of the CGP regulariser, everywhere (DeepGPELBO, TrainConfig, the CLI, the presets).
@@ -64,8 +71,9 @@ __all__ = [
 #: ``PRESET_ALPHA_GRID`` = (1e-5, 1e-6)).
 DEFAULT_ALPHA = 1e-6
 
-#: keys of the loss parts that belong to the objective, never to a term
-RESERVED_PARTS = ("nll", "log_prior", "beta", "alpha", "loss")
+#: keys of the loss parts that belong to the objective, never to a term or a weight (the weights in force
+#: that anneal are reported under their own names, which no term may take either)
+RESERVED_PARTS = ("nll", "log_prior", "loss")
 
 
 def expected_nll(logits: torch.Tensor, labels: torch.Tensor, likelihood: str = "expected") -> torch.Tensor:
@@ -100,37 +108,85 @@ def expected_nll(logits: torch.Tensor, labels: torch.Tensor, likelihood: str = "
 
 # ----------------------------------------------------------------------------- the terms
 @dataclasses.dataclass(frozen=True)
-class LossWeights:
-    """The objective's weights in force at one step, handed to every term's weight rule.
+class TermWeight:
+    """A weight of the objective, declared by the loss terms it multiplies (:attr:`GPLossTerm.weight_of`).
 
-    ``beta`` and ``alpha`` after annealing; ``kl_divisor`` is N under ``kl_scaling="elbo"`` and 1 under
-    ``"peer"``."""
+    ``name`` is the objective's keyword (``DeepGPELBO(model, N, beta=...)``), the key of :class:`LossWeights`
+    and of ``TrainConfig.loss_weights``; ``default`` its value where none is given; ``anneals``: it ramps
+    linearly 0 → value over ``<name>_anneal_steps`` optimizer steps, and the value in force is reported in
+    the loss parts. Kinds that share a weight declare the same one (:class:`SequenceKL` and :class:`GlobalKL`:
+    :data:`BETA`)."""
 
-    beta: float
-    eta: float
-    alpha: float
+    name: str
+    default: float
+    anneals: bool = False
+
+
+#: the KL weight β (:class:`SequenceKL`, :class:`GlobalKL`)
+BETA = TermWeight("beta", 1.0, anneals=True)
+#: the KSVD weight η (:class:`KSVDLoss`; 0.1, as in the authors' released code)
+ETA = TermWeight("eta", 0.1)
+#: the CGP regulariser weight α (:class:`CGPRegulariser`; Bui et al. anneal it)
+ALPHA = TermWeight("alpha", DEFAULT_ALPHA, anneals=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossWeights(Mapping):
+    """The objective's weights in force at one step, by name, handed to every term's weight rule:
+    ``weights["beta"]`` (also ``weights.beta``), after annealing. ``kl_divisor`` is N under
+    ``kl_scaling="elbo"`` and 1 under ``"peer"``."""
+
+    #: the weights in force, by name (every TermWeight of the registered kinds)
+    named: Mapping[str, float]
     num_data: int
     kl_divisor: int
+
+    def __getitem__(self, name: str) -> float:
+        if name not in self.named:
+            raise KeyError(f"no loss weight {name!r}; the objective's weights: {', '.join(self.named)}")
+        return self.named[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.named)
+
+    def __len__(self) -> int:
+        return len(self.named)
+
+    def __getattr__(self, name: str) -> float:
+        if name.startswith("_") or name == "named":  # not a weight (and no recursion while unpickling)
+            raise AttributeError(name)
+        try:
+            return self[name]
+        except KeyError as err:
+            raise AttributeError(err.args[0]) from None
 
 
 class GPLossTerm(AddedLossTerm):
     """A scalar loss term of one forward of a layer, which knows its kind (a GPyTorch added loss term).
 
     A subclass sets ``name`` (an identifier: the key of the loss parts, of the trainer's history and
-    of ``layer.loss_terms()``; one class per name) and implements :meth:`weight`, the factor the
-    objective multiplies :meth:`loss` by. The value is the layer's reduced term (docs/derivations.md §9: summed over
-    heads and Dv, averaged over the batch where it depends on the sequence), a 0-dim tensor."""
+    of ``layer.loss_terms()``; one class per name) and its weight: ``weight_of``, the objective's
+    :class:`TermWeight` it is multiplied by (a new one, with its own name and default, needs no edit
+    anywhere else: the objective, ``TrainConfig.loss_weights`` and ``gpattn train --loss-weight NAME=VALUE``
+    take it by name), or its own :meth:`weight` rule. The value is the layer's reduced term
+    (docs/derivations.md §9: summed over heads and Dv, averaged over the batch where it depends on the
+    sequence), a 0-dim tensor."""
 
     name: ClassVar[str] = ""
+    #: the objective's weight this term is multiplied by (None: the subclass implements :meth:`weight`)
+    weight_of: ClassVar[TermWeight | None] = None
     _kinds: ClassVar[dict[str, type[GPLossTerm]]] = {}
+    _weights: ClassVar[dict[str, TermWeight]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        name = cls.name
-        if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_PARTS:
+        name, weight = cls.name, cls.weight_of
+        weight_names = {*GPLossTerm._weights, *([getattr(weight, "name", None)] if weight is not None else [])}
+        if not isinstance(name, str) or not name.isidentifier() or name in (*RESERVED_PARTS, *weight_names):
             raise TypeError(
-                f"{cls.__qualname__}.name must be an identifier other than {', '.join(RESERVED_PARTS)} (the key "
-                f"of its loss part), got {name!r}: set the class attribute name = '...'"
+                f"{cls.__qualname__}.name must be an identifier other than {', '.join(RESERVED_PARTS)} and the "
+                f"objective's weights ({', '.join(GPLossTerm._weights)}) (the key of its loss part), got {name!r}: "
+                f"set the class attribute name = '...'"
             )
         known = GPLossTerm._kinds.get(name)
         if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
@@ -138,6 +194,13 @@ class GPLossTerm(AddedLossTerm):
                 f"loss term name {name!r} of {cls.__module__}.{cls.__qualname__} is taken by "
                 f"{known.__module__}.{known.__qualname__}: choose another name"
             )
+        if weight is None and cls.weight is GPLossTerm.weight:
+            raise TypeError(
+                f"{cls.__qualname__} needs a weight: set weight_of = TermWeight(name, default) (or an existing "
+                f"one: {', '.join(GPLossTerm._weights)}), or implement weight(self, weights)"
+            )
+        if weight is not None:
+            _declare_weight(weight, cls)
         GPLossTerm._kinds[name] = cls
 
     def __init__(self, value: torch.Tensor):
@@ -152,9 +215,10 @@ class GPLossTerm(AddedLossTerm):
         """The unweighted term (what the loss parts report)."""
         return self.value
 
-    @abc.abstractmethod
     def weight(self, weights: LossWeights) -> float:
-        """The factor of this term in the loss, from the objective's weights at this step."""
+        """The factor of this term in the loss, from the objective's weights at this step: its
+        ``weight_of`` by name."""
+        return weights[self.weight_of.name]
 
     @classmethod
     def kind(cls, name: str) -> type[GPLossTerm]:
@@ -167,14 +231,37 @@ class GPLossTerm(AddedLossTerm):
         return f"{type(self).__name__}({self.value!r})"
 
 
+def _declare_weight(weight: TermWeight, cls: type) -> None:
+    """Register the weight ``cls`` declares; another declaration under the same name is an error."""
+    if not isinstance(weight, TermWeight):
+        raise TypeError(f"{cls.__qualname__}.weight_of must be a TermWeight, got {type(weight).__name__}")
+    name = weight.name
+    if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_PARTS or name in GPLossTerm._kinds:
+        raise TypeError(
+            f"{cls.__qualname__}.weight_of.name must be an identifier other than {', '.join(RESERVED_PARTS)} and "
+            f"the loss terms' names, got {name!r}"
+        )
+    if not (isinstance(weight.default, (int, float)) and not isinstance(weight.default, bool) and weight.default >= 0):
+        raise TypeError(f"{cls.__qualname__}.weight_of.default must be a number >= 0, got {weight.default!r}")
+    known = GPLossTerm._weights.setdefault(name, weight)
+    if known != weight:
+        raise TypeError(
+            f"{cls.__qualname__} declares the loss weight {weight}, but {name!r} is declared as {known}: use that "
+            f"one (weight_of = the same TermWeight) or another name"
+        )
+
+
+def term_weights() -> dict[str, TermWeight]:
+    """Every weight the registered :class:`GPLossTerm` kinds declare, by name, in declaration order."""
+    return dict(GPLossTerm._weights)
+
+
 class SequenceKL(GPLossTerm):
     """KL terms that depend on the input sequence (SGPA; the γ-part of decoupled SGPA), already averaged
     over the batch: weight β, not divided by N."""
 
     name = "kl_seq"
-
-    def weight(self, weights: LossWeights) -> float:
-        return weights.beta
+    weight_of = BETA
 
 
 class GlobalKL(GPLossTerm):
@@ -182,27 +269,24 @@ class GlobalKL(GPLossTerm):
     (β under ``kl_scaling="peer"``), as ``gpytorch.mlls.VariationalELBO`` divides its KL."""
 
     name = "kl_global"
+    weight_of = BETA
 
     def weight(self, weights: LossWeights) -> float:
-        return weights.beta / weights.kl_divisor
+        return weights[BETA.name] / weights.kl_divisor
 
 
 class KSVDLoss(GPLossTerm):
     """KEP-SVGP's J² (docs/derivations.md §6): weight η."""
 
     name = "ksvd"
-
-    def weight(self, weights: LossWeights) -> float:
-        return weights.eta
+    weight_of = ETA
 
 
 class CGPRegulariser(GPLossTerm):
     """The CGP regulariser mean_b Σ_{h,d} R / 2 (docs/derivations.md §7–8): weight α (not an ELBO term)."""
 
     name = "cgp"
-
-    def weight(self, weights: LossWeights) -> float:
-        return weights.alpha
+    weight_of = ALPHA
 
 
 def named_added_loss_terms(module: torch.nn.Module) -> Iterator[tuple[str, AddedLossTerm]]:
@@ -234,34 +318,46 @@ def _part_weight(term: AddedLossTerm, weights: LossWeights) -> float:
 
 # ----------------------------------------------------------------------------- the objectives
 class _Objective:
-    """Settings, validation and weighting shared by :class:`DeepGPELBO` and :class:`ELBOObjective`."""
+    """Settings, validation and weighting of :class:`DeepGPELBO`: the weights by name (:func:`term_weights`)."""
 
-    def __init__(
-        self,
-        num_data: int,
-        *,
-        beta: float = 1.0,
-        beta_anneal_steps: int = 0,
-        eta: float = 0.1,
-        alpha: float = DEFAULT_ALPHA,
-        alpha_anneal_steps: int = 0,
-        kl_scaling: str = "elbo",
-        likelihood: str = "expected",
-    ):
+    def __init__(self, num_data: int, *, kl_scaling: str = "elbo", likelihood: str = "expected", **weights):
         if isinstance(num_data, bool) or not isinstance(num_data, int) or num_data < 1:
             raise ValueError(f"num_data must be a positive int (the training-set size N), got {num_data!r}")
         if kl_scaling not in ("elbo", "peer"):
             raise ValueError(f"kl_scaling must be 'elbo' or 'peer', got {kl_scaling!r}")
-        for name, val in (("beta", beta), ("eta", eta), ("alpha", alpha)):
-            if not val >= 0:
-                raise ValueError(f"{name} must be >= 0, got {val!r}")
-        for name, val in (("beta_anneal_steps", beta_anneal_steps), ("alpha_anneal_steps", alpha_anneal_steps)):
+        declared = term_weights()
+        ramps = {f"{name}_anneal_steps": name for name, w in declared.items() if w.anneals}
+        unknown = sorted(set(weights) - set(declared) - set(ramps))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unknown settings {unknown}: its weights are {', '.join(declared)} (those "
+                f"the registered GPLossTerm kinds declare, TermWeight), annealed by {', '.join(ramps)}"
+            )
+        for name in declared:
+            if name in weights and not weights[name] >= 0:
+                raise ValueError(f"{name} must be >= 0, got {weights[name]!r}")
+        for key in ramps:
+            val = weights.get(key, 0)
             if isinstance(val, bool) or not isinstance(val, int) or val < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {val!r}")
+                raise ValueError(f"{key} must be an int >= 0, got {val!r}")
         expected_nll(torch.zeros(1, 1, 2), torch.zeros(1, dtype=torch.long), likelihood)  # validates likelihood
-        self.num_data, self.beta, self.eta, self.alpha = num_data, beta, eta, alpha
-        self.beta_anneal_steps, self.alpha_anneal_steps = beta_anneal_steps, alpha_anneal_steps
-        self.kl_scaling, self.likelihood = kl_scaling, likelihood
+        self.num_data, self.kl_scaling, self.likelihood = num_data, kl_scaling, likelihood
+        #: the weights given by name (the others take their TermWeight's default) and the annealing steps
+        self.loss_weights = {name: weights[name] for name in declared if name in weights}
+        self.anneal_steps = {ramps[key]: weights[key] for key in ramps if key in weights}
+
+    def __getattr__(self, name: str):
+        """``objective.beta`` and every other weight by name (its default where none was given), and
+        ``objective.beta_anneal_steps``."""
+        if name.startswith("_") or name in ("loss_weights", "anneal_steps"):
+            raise AttributeError(name)
+        declared = term_weights()
+        if name in declared:
+            return self.loss_weights.get(name, declared[name].default)
+        weight, _, suffix = name.rpartition("_anneal_")
+        if suffix == "steps" and weight in declared and declared[weight].anneals:
+            return self.anneal_steps.get(weight, 0)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @staticmethod
     def _ramp(value: float, steps: int, step: int | None) -> float:
@@ -270,18 +366,16 @@ class _Objective:
         return value * min(1.0, max(0, step) / steps)
 
     def weights(self, step: int | None = None) -> LossWeights:
-        """The weights in force at optimizer step ``step`` (``None``: after annealing)."""
-        return LossWeights(
-            beta=self._ramp(self.beta, self.beta_anneal_steps, step),
-            eta=self.eta,
-            alpha=self._ramp(self.alpha, self.alpha_anneal_steps, step),
-            num_data=self.num_data,
-            kl_divisor=self.num_data if self.kl_scaling == "elbo" else 1,
-        )
+        """The weights in force at optimizer step ``step`` (``None``: after annealing), by name."""
+        values = {
+            name: self._ramp(self.loss_weights.get(name, w.default), self.anneal_steps.get(name, 0), step)
+            for name, w in term_weights().items()
+        }
+        return LossWeights(values, num_data=self.num_data, kl_divisor=self.num_data if self.kl_scaling == "elbo" else 1)
 
     def _parts(self, logits, labels, terms: Iterable[tuple[str, AddedLossTerm]], log_prior, step) -> dict:
-        """``{"nll", one entry per term name (unweighted, summed over layers), ["log_prior"], "beta",
-        "alpha", "loss"}``; ``loss`` = nll + Σ weight · term − log_prior / N."""
+        """``{"nll", one entry per term name (unweighted, summed over layers), ["log_prior"], every annealed
+        weight in force ("beta", "alpha"), "loss"}``; ``loss`` = nll + Σ weight · term − log_prior / N."""
         nll = expected_nll(logits, labels, self.likelihood)
         weights = self.weights(step)
         parts, loss = {"nll": nll}, nll
@@ -293,7 +387,8 @@ class _Objective:
             parts["log_prior"] = log_prior
             loss = loss - log_prior / self.num_data
         # new_full fills on the device; new_tensor would copy a host scalar and synchronise every step
-        parts.update(beta=nll.new_full((), weights.beta), alpha=nll.new_full((), weights.alpha), loss=loss)
+        parts.update({name: nll.new_full((), weights[name]) for name, w in term_weights().items() if w.anneals})
+        parts["loss"] = loss
         return parts
 
 
@@ -303,7 +398,11 @@ class DeepGPELBO(_Objective):
     ``objective(logits, labels, step=None)`` after a forward of ``model``: ``combine_terms=True`` returns
     the loss (a 0-dim tensor); ``combine_terms=False`` the parts, unweighted and separate (``nll``, one
     entry per added-loss-term name, summed over layers, ``log_prior`` when the model has priors), the
-    weights ``beta``/``alpha`` in force and ``loss``.
+    annealed weights in force (``beta``, ``alpha``) and ``loss``.
+
+    The weights are keywords by name: those below, and any other :class:`TermWeight` a registered
+    :class:`GPLossTerm` kind declares (:func:`term_weights`; its default where not given, annealed by
+    ``<name>_anneal_steps`` when it ``anneals``).
 
     :param model: any ``torch.nn.Module``; its added loss terms (of its last forward) and gpytorch priors
         are collected over the whole module tree.

@@ -24,7 +24,9 @@ from gpattn.objectives import (
     GPLossTerm,
     KSVDLoss,
     SequenceKL,
+    TermWeight,
     expected_nll,
+    term_weights,
 )
 
 
@@ -317,3 +319,90 @@ def test_term_kinds_and_objective_errors():
         DeepGPELBO(layer, 10, combine_terms="no")
     with pytest.raises(ValueError, match="num_data"):
         DeepGPELBO(layer, 0)
+
+
+# ----------------------------------------------------------------------------- a new weight: by name, no edit elsewhere
+class _Terms(gpytorch.Module):
+    """A module whose last forward recorded ``terms`` (name -> value, each built as its kind), as a layer does."""
+
+    def __init__(self, terms):
+        super().__init__()
+        for name, value in terms.items():
+            self.register_added_loss_term(name)
+            self.update_added_loss_term(name, GPLossTerm.kind(name)(value))
+
+
+@pytest.fixture
+def toy_weighted():
+    """A term with its own annealed weight ``toy_gamma`` (default 0.5), declared here only; unregistered after
+    the test (an annealed weight is reported in every objective's parts while it is registered)."""
+    gamma = TermWeight("toy_gamma", 0.5, anneals=True)
+    kind = type("ToyWeighted", (GPLossTerm,), {"name": "toy_weighted", "weight_of": gamma, "__module__": __name__})
+    yield kind
+    del GPLossTerm._kinds["toy_weighted"], GPLossTerm._weights["toy_gamma"]
+
+
+def test_the_library_weights_are_declared_by_their_terms():
+    assert {name: (w.default, w.anneals) for name, w in term_weights().items()} == {
+        "beta": (1.0, True), "eta": (0.1, False), "alpha": (gpattn.objectives.DEFAULT_ALPHA, True),
+    }  # fmt: skip
+    weights = DeepGPELBO(torch.nn.Linear(1, 1), 10, beta=0.5).weights(step=None)
+    assert dict(weights) == {"beta": 0.5, "eta": 0.1, "alpha": gpattn.objectives.DEFAULT_ALPHA}
+    assert weights.beta == weights["beta"] == 0.5 and weights.kl_divisor == 10
+
+
+def test_a_new_weight_is_taken_by_name(toy_weighted):
+    logits, y = _logits()
+    module = _Terms({"toy_weighted": torch.tensor(2.0, dtype=torch.float64)})
+    nll = expected_nll(logits, y)
+    parts = DeepGPELBO(module, 10, combine_terms=False)(logits, y)
+    assert list(parts) == ["nll", "toy_weighted", "beta", "alpha", "toy_gamma", "loss"]
+    torch.testing.assert_close(parts["loss"], nll + 0.5 * 2.0)  # its default
+    objective = DeepGPELBO(module, 10, toy_gamma=3.0, toy_gamma_anneal_steps=4)
+    assert objective.toy_gamma == 3.0 and objective.toy_gamma_anneal_steps == 4
+    torch.testing.assert_close(objective(logits, y, step=2), nll + 1.5 * 2.0)  # annealed like beta and alpha
+    torch.testing.assert_close(objective(logits, y), nll + 3.0 * 2.0)
+    with pytest.raises(TypeError, match=r"unknown settings \['gama'\].*toy_gamma"):
+        DeepGPELBO(module, 10, gama=1.0)
+    with pytest.raises(ValueError, match="toy_gamma must be >= 0"):
+        DeepGPELBO(module, 10, toy_gamma=-1.0)
+    with pytest.raises(TypeError, match="'toy_gamma' is declared as"):  # one declaration per weight name
+        type("Other", (GPLossTerm,), {"name": "toy_other", "weight_of": TermWeight("toy_gamma", 1.0)})
+    with pytest.raises(TypeError, match="needs a weight"):
+        type("Unweighted", (GPLossTerm,), {"name": "toy_unweighted"})
+    with pytest.raises(TypeError, match="must be an identifier other than"):  # a term may not take a weight's name
+        type("Clash", (GPLossTerm,), {"name": "toy_gamma", "weight_of": TermWeight("toy_gamma", 0.5, anneals=True)})
+
+
+def test_a_new_weight_reaches_the_config_and_the_cli(toy_weighted, tmp_path, monkeypatch):
+    from gpattn.experiments import training
+    from gpattn.experiments.cli import main
+
+    class _Weighted(SoftmaxAttention):
+        def _attend(self, call):
+            heads = super()._attend(call)
+            self.set_loss_terms(toy_weighted(call.batch_mean(heads.square().mean((1, 2, 3)))))
+            return heads
+
+    def build(cfg, bundle, _build=training.build_model):
+        model = _build(cfg, bundle)
+        block = model.encoder.blocks[0]
+        block.attn = _Weighted(block.attn.embed_dim, block.attn.num_heads)
+        return model
+
+    monkeypatch.setattr(training, "build_model", build)
+    argv = ["train", "--dataset", "digits", "--attention", "softmax", "--epochs", "1", "--embed-dim", "16",
+            "--num-heads", "2", "--num-layers", "1", "--batch-size", "256", "--num-samples", "1", "--no-progress",
+            "--loss-weight", "toy_gamma=0.25", "--out", str(tmp_path)]  # fmt: skip
+    with warnings.catch_warnings():  # one epoch of a tiny model may sit at the base rate: not the point here
+        warnings.simplefilter("ignore", GPCollapseWarning)
+        assert main(argv) == 0
+    assert json.loads((tmp_path / "config.json").read_text())["loss_weights"] == {"toy_gamma": 0.25}
+    last = json.loads((tmp_path / "history.json").read_text())[-1]["train"]
+    assert last["toy_gamma"] == 0.25 and last["toy_weighted"] > 0
+    assert math.isclose(last["loss"], last["nll"] + 0.25 * last["toy_weighted"], rel_tol=1e-5)
+    with pytest.raises(ValueError, match="free of beta, which have their own settings"):
+        training.TrainConfig(loss_weights={"beta": 2.0})
+    with pytest.raises(ValueError, match=r"loss_weights\['toy_gamma'\] \(--loss-weight\) must be a finite number"):
+        training.TrainConfig(loss_weights={"toy_gamma": -1.0})
+

@@ -125,6 +125,11 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         help="what the head reads: the mean over the tokens, or a CLS token that sees the input only through "
         "attention (default: mean for text, cls for images; the image presets pool the mean)",
     )
+    p.add_argument(
+        "--loss-weight", type=_kv, action="append", default=[], metavar="NAME=VALUE",
+        help="the weight of a loss term other than --beta/--alpha (and eta), by the name its GPLossTerm declares "
+        "(gpattn.objectives.term_weights() lists them; NAME_anneal_steps=N ramps an annealed one), repeatable",
+    )
     p.add_argument("--kl-scaling", choices=["elbo", "peer"])
     p.add_argument(
         "--ood-score",
@@ -188,6 +193,8 @@ def _config(args, **extra):
         values["dataset_options"] = {**values.get("dataset_options", {}), **dict(args.dataset_option)}
     if args.attention_option:
         values["attention_options"] = {**values.get("attention_options", {}), **dict(args.attention_option)}
+    if getattr(args, "loss_weight", None):
+        values["loss_weights"] = {**values.get("loss_weights", {}), **dict(args.loss_weight)}
     values["progress"] = not args.no_progress
     values.update(extra)
     return TrainConfig.from_dict(values), preset
@@ -242,7 +249,8 @@ def cmd_train(args) -> int:
     with _validation(args):
         metrics = train(cfg, out, resume=args.resume)
     _print_data(out)
-    print(f"objective: beta {cfg.beta}, alpha {cfg.alpha}, eta {cfg.eta} (kl_scaling {cfg.kl_scaling!r})")
+    others = "".join(f", {name} {value}" for name, value in cfg.loss_weights.items())
+    print(f"objective: beta {cfg.beta}, alpha {cfg.alpha}, eta {cfg.eta}{others} (kl_scaling {cfg.kl_scaling!r})")
     _print_loss_parts(out)
     print(f"wrote {out / 'metrics.json'}")
     _print_metrics(metrics, args.ood_score)

@@ -84,6 +84,8 @@ COLLAPSE = "collapse.json"
 #: CPU and GPU kernels differ only in float round-off, and a run trained on a GPU must stay usable on a
 #: CPU-only machine. ``precision`` is not: bf16 autocast changes the results.
 RUN_SETTINGS = ("progress", "checkpoint_every", "device")
+#: the objective's settings that are TrainConfig fields of their own (``loss_weights`` holds the others)
+_OWN_WEIGHTS = ("beta", "beta_anneal_steps", "eta", "alpha", "alpha_anneal_steps")
 #: ``--precision``: autocast dtype of the model outside the GP algebra (which stays in fp32/fp64)
 PRECISIONS = ("fp32", "bf16")
 
@@ -159,6 +161,9 @@ class TrainConfig:
     eta: float = 0.1
     alpha: float = DEFAULT_ALPHA
     alpha_anneal_steps: int = 0
+    #: the weights of other loss terms, by the name of their gpattn.objectives.TermWeight (and
+    #: ``NAME_anneal_steps``), given to the objective as they are (``--loss-weight NAME=VALUE``)
+    loss_weights: dict = dataclasses.field(default_factory=dict)
     kl_scaling: str = "elbo"
     checkpoint_every: int = 0
     eval_batch_size: int = 256
@@ -184,6 +189,15 @@ class TrainConfig:
                 raise bad(name, "an int >= 0 (0 = off)")
         if not is_int(self.seed):
             raise bad("seed", "an int")
+        weights = self.loss_weights
+        if not isinstance(weights, dict) or not all(isinstance(k, str) and k.isidentifier() for k in weights):
+            raise bad("loss_weights", "a dict of loss-weight names to numbers (gpattn.objectives.term_weights())")
+        own = sorted(set(weights) & set(_OWN_WEIGHTS))
+        if own:
+            raise bad("loss_weights", f"free of {', '.join(own)}, which have their own settings (--beta, --alpha, ...)")
+        for name, v in weights.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"loss_weights[{name!r}] (--loss-weight) must be a finite number >= 0, got {v!r}")
         for name, positive in (("lr", True), ("weight_decay", False), ("grad_clip", False)):
             v = getattr(self, name)
             number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -719,6 +733,7 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps) -> dic
         alpha=cfg.alpha,
         alpha_anneal_steps=cfg.alpha_anneal_steps,
         kl_scaling=cfg.kl_scaling,
+        **cfg.loss_weights,  # any other term's weight, by name
     )
     probe = bundle.splits["val"] if len(bundle.splits["val"]) else train_split  # the attention-use probe
     probe_rows = torch.arange(min(ATTENTION_PROBE, len(probe)))
