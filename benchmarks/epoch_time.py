@@ -10,7 +10,7 @@ layer is the variant except KEP-SVGP, which replaces only the last layer as in C
 (``--data-dir``), preset "official": train = ``in_domain_train`` minus a seeded 10 % validation split.
 
 A step is exactly the step of ``gpattn.experiments.training.train``: forward with ``num_samples=train_samples``,
-``ELBOObjective`` with every layer's ``loss_terms()``, backward, gradient clipping, Adam, cosine
+``DeepGPELBO`` over every layer's added loss terms, backward, gradient clipping, Adam, cosine
 schedule; batches visit the training set in a seeded random order and are cut to their longest
 sentence. One warm-up step is not timed. ``--max-steps N`` times the first N steps only and
 extrapolates: epoch time = mean step time x steps per epoch (the row says ``extrapolated``). Each
@@ -46,7 +46,7 @@ from _common import (
 )
 
 from gpattn.experiments.training import TrainConfig, build_model, resolve_device
-from gpattn.objectives import ELBOObjective
+from gpattn.objectives import DeepGPELBO
 
 #: Chen et al. (2024) App. D.1 CoLA model ("2-layer Transformer, embedding dimension 128, hidden dimension 256,
 #: 4 heads", batch size 32), as TrainConfig fields
@@ -73,8 +73,8 @@ def time_epoch(cfg: dict, bundle, max_steps: int | None, warmup_steps: int = 1) 
     steps = steps_per_epoch if max_steps is None else min(max_steps, steps_per_epoch)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps_per_epoch * cfg.epochs)
-    objective = ELBOObjective(
-        n, beta=cfg.beta, eta=cfg.eta, alpha=cfg.alpha, kl_scaling=cfg.kl_scaling, likelihood="expected"
+    objective = DeepGPELBO(
+        model, n, beta=cfg.beta, eta=cfg.eta, alpha=cfg.alpha, kl_scaling=cfg.kl_scaling, likelihood="expected"
     )
     order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 1000003))
     model.train()
@@ -84,7 +84,7 @@ def time_epoch(cfg: dict, bundle, max_steps: int | None, warmup_steps: int = 1) 
         synchronize(device)
         start = time.perf_counter()
         logits = model(x, mask, num_samples=cfg.train_samples)  # shape: (B, P, C)
-        loss, _ = objective(logits, y, model.loss_terms(), step=i)
+        loss = objective(logits, y, step=i)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip:

@@ -27,7 +27,7 @@ import gpattn
 from gpattn.experiments.data import load_dataset
 from gpattn.experiments.presets import get_preset
 from gpattn.experiments.training import TrainConfig, _batch, _epoch_order, build_model
-from gpattn.objectives import ELBOObjective
+from gpattn.objectives import DeepGPELBO
 from gpattn.variational import _linalg
 
 _COLA = get_preset("cola")
@@ -53,7 +53,7 @@ def run_variant(name: str, bundle, args) -> dict:
     model = build_model(cfg, bundle)
     train = bundle.splits["train"]
     n = len(train.labels)
-    objective = ELBOObjective(n, beta=args.beta, alpha=args.alpha)
+    objective = DeepGPELBO(model, n, beta=args.beta, alpha=args.alpha)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     _linalg.reset_stats()
     bad_steps, not_psd, other_errors, losses = 0, 0, [], []
@@ -67,7 +67,7 @@ def run_variant(name: str, bundle, args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         try:
             logits = model(x, mask)
-            loss, _ = objective(logits, y, model.loss_terms(), step=step)
+            loss = objective(logits, y, step=step)
             if not torch.isfinite(loss):
                 bad_steps += 1
                 continue
@@ -94,7 +94,7 @@ def run_variant(name: str, bundle, args) -> dict:
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(x, mask)
-            loss, _ = objective(logits.float(), y, model.loss_terms())
+            loss = objective(logits.float(), y)
         loss.backward()
         bf16_ok = bool(torch.isfinite(loss)) and _finite_grads(model)
     except Exception as err:  # noqa: BLE001 - reported as a failure of this variant

@@ -44,7 +44,6 @@ __all__ = [
     "CGPRegulariser",
     "DEFAULT_ALPHA",
     "DeepGPELBO",
-    "ELBOObjective",
     "ETA",
     "GPLossTerm",
     "GlobalKL",
@@ -442,28 +441,3 @@ class DeepGPELBO(_Objective):
         """# shape: logits (B, P, C), labels (B,) -> the loss (combine_terms) or the parts"""
         parts = self._parts(logits, labels, self.named_loss_terms(), self.log_prior(), step)
         return parts["loss"] if self.combine_terms else parts
-
-
-class ELBOObjective(_Objective):
-    """The same objective on a dict of terms: ``objective(logits, labels, terms, step=None) -> (loss,
-    parts)`` with ``terms = model.loss_terms()`` (names of :class:`GPLossTerm` kinds, each kind built
-    from its value alone), without priors.
-
-    ``parts`` holds ``nll``, every library term (0 where absent), the weights ``beta``/``alpha`` in
-    force and ``loss``. :class:`DeepGPELBO` is the objective in GPyTorch's idiom; this form stays for
-    callers holding a dict."""
-
-    #: the library's kinds, reported (as 0) when absent
-    TERMS: ClassVar[tuple[type[GPLossTerm], ...]] = (SequenceKL, GlobalKL, KSVDLoss, CGPRegulariser)
-
-    def __call__(self, logits, labels, terms: dict | None = None, step: int | None = None):
-        terms = dict(terms or {})
-        unknown = sorted(set(terms) - set(GPLossTerm._kinds))
-        if unknown:
-            raise ValueError(f"unknown loss terms {unknown}; known: {sorted(GPLossTerm._kinds)}")
-        named = [(name, GPLossTerm.kind(name)(value)) for name, value in terms.items()]
-        parts = self._parts(logits, labels, named, None, step)
-        zero = parts["nll"].new_zeros(())
-        for kind in self.TERMS:
-            parts.setdefault(kind.name, zero)
-        return parts["loss"], parts

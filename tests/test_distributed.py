@@ -91,14 +91,14 @@ def test_every_parameter_takes_part_in_a_training_step():
     import gpattn
     from gpattn.experiments.data import load_dataset
     from gpattn.experiments.training import TrainConfig, _batch, build_model
-    from gpattn.objectives import ELBOObjective
+    from gpattn.objectives import DeepGPELBO
 
     bundle = load_dataset("digits", seed=0)
     x, mask, y = _batch(bundle.splits["train"], torch.arange(4))
     for name in gpattn.list_attention():
         torch.manual_seed(0)
         model = build_model(TrainConfig(attention=name, embed_dim=8, num_heads=2, num_layers=1), bundle).train()
-        loss, _ = ELBOObjective(100)(model(x, mask, num_samples=1), y, model.loss_terms())
+        loss = DeepGPELBO(model, 100)(model(x, mask, num_samples=1), y)
         loss.backward()
         assert [n for n, p in model.named_parameters() if p.grad is None] == [], name
 

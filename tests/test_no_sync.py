@@ -16,7 +16,7 @@ import gpattn
 from gpattn.experiments.data import load_dataset
 from gpattn.experiments.training import EpochStats, TrainConfig, _Dist, _DivergenceGuard, _train_step, build_model
 from gpattn.models import TransformerClassifier
-from gpattn.objectives import DeepGPELBO, ELBOObjective
+from gpattn.objectives import DeepGPELBO
 
 READS = ("item", "__bool__", "__int__", "__float__", "tolist", "nonzero", "cpu")
 #: host values copied to the device (``new_tensor``, ``torch.tensor``: a synchronising copy on CUDA) and a
@@ -93,7 +93,7 @@ def test_model_forward_and_objective_read_nothing_back(host_reads):
     labels = torch.tensor([0, 1, 2, 0])
     host_reads.clear()
     logits = model(ids, mask, num_samples=2)
-    loss, _ = ELBOObjective(100)(logits, labels, model.loss_terms())
+    loss = DeepGPELBO(model, 100)(logits, labels)
     loss.backward()
     assert dict(host_reads) == {}
 

@@ -19,7 +19,6 @@ from gpattn.models import TransformerClassifier
 from gpattn.objectives import (
     CGPRegulariser,
     DeepGPELBO,
-    ELBOObjective,
     GlobalKL,
     GPLossTerm,
     KSVDLoss,
@@ -33,6 +32,16 @@ from gpattn.objectives import (
 def _logits(B=4, P=3, C=5, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(B, P, C, generator=g, dtype=torch.float64), torch.randint(0, C, (B,), generator=g)
+
+
+class _Terms(gpytorch.Module):
+    """A module whose last forward recorded ``terms`` (name -> value, each built as its kind), as a layer does."""
+
+    def __init__(self, terms):
+        super().__init__()
+        for name, value in terms.items():
+            self.register_added_loss_term(name)
+            self.update_added_loss_term(name, GPLossTerm.kind(name)(value))
 
 
 def test_expected_nll_is_mean_cross_entropy_over_samples():
@@ -55,31 +64,34 @@ def test_terms_weighted_as_math_9():
     terms = {
         k: torch.tensor(v, dtype=torch.float64) for k, v in dict(kl_seq=2.0, kl_global=300.0, ksvd=0.5, cgp=4.0).items()
     }
-    obj = ELBOObjective(100, beta=0.5, eta=0.1, alpha=0.7)
-    loss, parts = obj(logits, y, terms)
+    obj = DeepGPELBO(_Terms(terms), 100, beta=0.5, eta=0.1, alpha=0.7, combine_terms=False)
+    parts = obj(logits, y)
+    loss = parts["loss"]
     nll = expected_nll(logits, y)
     expected = nll + 0.5 * (2.0 + 300.0 / 100) + 0.1 * 0.5 + 0.7 * 4.0
     torch.testing.assert_close(loss, expected)
     assert set(parts) == {"nll", "kl_seq", "kl_global", "ksvd", "cgp", "beta", "alpha", "loss"}
     # the peer scaling adds every KL undivided
-    loss_peer, _ = ELBOObjective(100, beta=0.5, eta=0.1, alpha=0.7, kl_scaling="peer")(logits, y, terms)
+    loss_peer = DeepGPELBO(_Terms(terms), 100, beta=0.5, eta=0.1, alpha=0.7, kl_scaling="peer")(logits, y)
     torch.testing.assert_close(loss_peer - loss, torch.tensor(0.5 * 300.0 * (1 - 1 / 100), dtype=torch.float64))
 
 
 def test_baselines_have_zero_extra_terms():
     logits, y = _logits()
-    loss, parts = ELBOObjective(10)(logits, y, {})
-    torch.testing.assert_close(loss, parts["nll"])
-    assert all(float(parts[k]) == 0 for k in ("kl_seq", "kl_global", "ksvd", "cgp"))
+    parts = DeepGPELBO(_Terms({}), 10, combine_terms=False)(logits, y)
+    torch.testing.assert_close(parts["loss"], parts["nll"])
+    assert not {"kl_seq", "kl_global", "ksvd", "cgp"} & set(parts)  # absent, not reported as 0
 
 
 def test_annealing_ramps_linearly():
     logits, y = _logits()
-    obj = ELBOObjective(1, beta=2.0, beta_anneal_steps=10, alpha=1.0, alpha_anneal_steps=4)
     terms = {"kl_seq": torch.tensor(1.0, dtype=torch.float64), "cgp": torch.tensor(1.0, dtype=torch.float64)}
+    ramps = dict(beta=2.0, beta_anneal_steps=10, alpha=1.0, alpha_anneal_steps=4)
+    obj = DeepGPELBO(_Terms(terms), 1, combine_terms=False, **ramps)
     nll = expected_nll(logits, y)
     for step, beta, alpha in ((0, 0.0, 0.0), (5, 1.0, 1.0), (2, 0.4, 0.5), (20, 2.0, 1.0)):
-        loss, parts = obj(logits, y, terms, step=step)
+        parts = obj(logits, y, step=step)
+        loss = parts["loss"]
         assert math.isclose(float(parts["beta"]), beta) and math.isclose(float(parts["alpha"]), alpha)
         torch.testing.assert_close(loss, nll + beta + alpha)
 
@@ -87,7 +99,7 @@ def test_annealing_ramps_linearly():
 def test_gradient_reaches_terms():
     logits, y = _logits()
     kl = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
-    loss, _ = ELBOObjective(50, beta=1.0)(logits, y, {"kl_global": kl})
+    loss = DeepGPELBO(_Terms({"kl_global": kl}), 50, beta=1.0)(logits, y)
     loss.backward()
     assert math.isclose(float(kl.grad), 1 / 50)
 
@@ -95,13 +107,13 @@ def test_gradient_reaches_terms():
 def test_errors():
     logits, y = _logits()
     with pytest.raises(ValueError, match="num_data"):
-        ELBOObjective(0)
+        DeepGPELBO(_Terms({}), 0)
     with pytest.raises(ValueError, match="kl_scaling"):
-        ELBOObjective(5, kl_scaling="sum")
+        DeepGPELBO(_Terms({}), 5, kl_scaling="sum")
     with pytest.raises(ValueError, match="likelihood"):
-        ELBOObjective(5, likelihood="mode")
+        DeepGPELBO(_Terms({}), 5, likelihood="mode")
     with pytest.raises(ValueError, match="unknown loss terms"):
-        ELBOObjective(5)(logits, y, {"kl": torch.tensor(1.0)})
+        DeepGPELBO(_Terms({"kl": torch.tensor(1.0)}), 5)(logits, y)
     with pytest.raises(ValueError, match=r"\(B, P, C\)"):
         expected_nll(logits[:, 0], y)
     C = logits.shape[-1]
@@ -178,9 +190,6 @@ def test_mll_objective_is_math_9_on_the_models_terms():
     for key in t:  # each term separately, unweighted, summed over layers
         torch.testing.assert_close(parts[key], t[key])
     torch.testing.assert_close(parts["loss"], expected)
-    # the dict form gives the same numbers
-    loss_dict, parts_dict = ELBOObjective(N, beta=beta, eta=eta, alpha=alpha)(logits, y, t)
-    torch.testing.assert_close(loss_dict, loss)
     # peer scaling, annealing and the default alpha go through the same weights
     peer = DeepGPELBO(model, N, beta=beta, eta=eta, alpha=alpha, kl_scaling="peer")(logits, y)
     torch.testing.assert_close(peer - loss, beta * t["kl_global"] * (1 - 1 / N))
@@ -277,8 +286,8 @@ def test_a_new_regulariser_reaches_the_loss_parts():
     assert set(parts) == {"nll", "toy_smoothness", "beta", "alpha", "loss"} and float(toy.detach()) > 0
     torch.testing.assert_close(parts["toy_smoothness"], toy)
     torch.testing.assert_close(parts["loss"], parts["nll"] + 0.25 * toy)
-    # the dict form knows it by name too
-    torch.testing.assert_close(ELBOObjective(10)(logits, y, {"toy_smoothness": toy})[0], parts["loss"])
+    # a module holding the term by name gives the same loss
+    torch.testing.assert_close(DeepGPELBO(_Terms({"toy_smoothness": toy}), 10)(logits, y), parts["loss"])
 
 
 def test_a_new_regulariser_reaches_the_trainers_history_and_the_cli(tmp_path, monkeypatch, capsys):
@@ -322,16 +331,6 @@ def test_term_kinds_and_objective_errors():
 
 
 # ----------------------------------------------------------------------------- a new weight: by name, no edit elsewhere
-class _Terms(gpytorch.Module):
-    """A module whose last forward recorded ``terms`` (name -> value, each built as its kind), as a layer does."""
-
-    def __init__(self, terms):
-        super().__init__()
-        for name, value in terms.items():
-            self.register_added_loss_term(name)
-            self.update_added_loss_term(name, GPLossTerm.kind(name)(value))
-
-
 @pytest.fixture
 def toy_weighted():
     """A term with its own annealed weight ``toy_gamma`` (default 0.5), declared here only; unregistered after
