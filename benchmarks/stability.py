@@ -27,7 +27,7 @@ import gpattn
 from gpattn.experiments.data import load_dataset
 from gpattn.experiments.presets import get_preset
 from gpattn.experiments.training import TrainConfig, _batch, _epoch_order, build_model
-from gpattn.objectives import DeepGPELBO
+from gpattn.objectives import DEFAULT_ALPHA, DeepGPELBO
 from gpattn.variational import _linalg
 
 _COLA = get_preset("cola")
@@ -145,7 +145,10 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--beta", type=float, default=_COLA["beta"], help="KL weight (default: the cola preset's)")
-    p.add_argument("--alpha", type=float, default=_COLA["alpha"], help="SCGP/KSVD weight (default: the cola preset's)")
+    p.add_argument(
+        "--alpha", type=float, default=DEFAULT_ALPHA,
+        help="CGP regulariser weight (default: the library's DEFAULT_ALPHA; the presets choose it on validation)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved --json run and exit")
