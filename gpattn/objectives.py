@@ -48,6 +48,7 @@ __all__ = [
     "GPLossTerm",
     "GlobalKL",
     "KSVDLoss",
+    "LossTermWalkers",
     "LossWeights",
     "SequenceKL",
     "TermWeight",
@@ -286,6 +287,17 @@ class CGPRegulariser(GPLossTerm):
 
     name = "cgp"
     weight_of = ALPHA
+
+
+class LossTermWalkers:
+    """GPyTorch's walkers over a module tree's added loss terms and priors (``gpytorch.Module``'s own
+    functions, which need only ``nn.Module``), for plain ``nn.Module`` models: mixed into gpattn's
+    classifiers, the Hugging Face wrapper and the attention layers, it gives them the objective's view
+    (:class:`DeepGPELBO`) without ``gpytorch.Module.__call__``, which skips forward hooks."""
+
+    named_added_loss_terms = gpytorch.Module.named_added_loss_terms
+    added_loss_terms = gpytorch.Module.added_loss_terms
+    named_priors = gpytorch.Module.named_priors
 
 
 def named_added_loss_terms(module: torch.nn.Module) -> Iterator[tuple[str, AddedLossTerm]]:

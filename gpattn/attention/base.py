@@ -26,12 +26,12 @@ from gpattn._settings import is_deterministic
 from gpattn.attention._call import Attended, AttentionCall, finish_call, prepare_call
 from gpattn.attention._masks import attn_mask_excluded, check_inputs, excluded_keys, posterior_masks
 from gpattn.attention._mha import multihead_call
-from gpattn.objectives import GPLossTerm, summed_loss_terms
+from gpattn.objectives import GPLossTerm, LossTermWalkers, summed_loss_terms
 
 __all__ = ["AttentionBase", "excluded_keys"]
 
 
-class AttentionBase(nn.Module):
+class AttentionBase(LossTermWalkers, nn.Module):
     """Multi-head self-attention with ``x (B, T, D) -> y (B, T, D)``.
 
     :param embed_dim: model width D (divisible by ``num_heads``).
@@ -128,8 +128,6 @@ class AttentionBase(nn.Module):
     # nn.Module, since gpytorch.Module.__call__ bypasses nn.Module's hooks and admits only tensor outputs
     register_added_loss_term = gpytorch.Module.register_added_loss_term
     update_added_loss_term = gpytorch.Module.update_added_loss_term
-    named_added_loss_terms = gpytorch.Module.named_added_loss_terms
-    added_loss_terms = gpytorch.Module.added_loss_terms
 
     def set_loss_terms(self, *terms: GPLossTerm, **values: torch.Tensor) -> None:
         """Record this forward's loss terms as GPyTorch added loss terms, each under its kind's name

@@ -49,12 +49,12 @@ from __future__ import annotations
 import os
 import weakref
 
-import gpytorch
 import torch
 import torch.nn as nn
 
 from gpattn.attention import build_attention
 from gpattn.models._blocks import pool_tokens
+from gpattn.objectives import LossTermWalkers
 
 __all__ = [
     "HFAttentionAdapter",
@@ -332,7 +332,7 @@ class _TrunkDone(Exception):
     """Raised by :meth:`HFClassifier.trunk`'s hook once the trunk's output is captured."""
 
 
-class HFClassifier(nn.Module):
+class HFClassifier(LossTermWalkers, nn.Module):
     """A Hugging Face encoder (``transformers.AutoModel``) with gpattn attention in chosen layers, mean or
     CLS pooling and a linear head, behind gpattn's classifier contract:
     ``forward(input_ids, key_padding_mask=None, num_samples=P) -> logits (B, P, C)``.
@@ -593,10 +593,6 @@ class HFClassifier(nn.Module):
         logits = self.head(pool_tokens(h, mask, cls=self.pooling == "cls")).view(B, P, self.num_classes)
         return logits.expand(B, num_samples, self.num_classes)
 
-    # gpytorch's walkers over the module tree (they need only nn.Module): the objective's view, DeepGPELBO
-    named_added_loss_terms = gpytorch.Module.named_added_loss_terms
-    added_loss_terms = gpytorch.Module.added_loss_terms
-    named_priors = gpytorch.Module.named_priors
 
     def loss_terms(self) -> dict[str, torch.Tensor]:
         """The swapped layers' loss terms of the last forward, summed over layers."""

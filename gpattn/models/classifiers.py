@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import gpytorch
 import torch
 import torch.nn as nn
 
 from gpattn._settings import is_validating
 from gpattn.attention.registry import attention_options as attention_defaults
 from gpattn.models._blocks import Encoder, MCDropout, pool_tokens, repeat_samples
+from gpattn.objectives import LossTermWalkers
 
 __all__ = ["TransformerClassifier", "ViTClassifier"]
 
@@ -53,7 +53,7 @@ def _image_attention_options(attention, options: dict | None) -> dict:
     return options
 
 
-class _SequenceClassifier(nn.Module):
+class _SequenceClassifier(LossTermWalkers, nn.Module):
     def __init__(
         self,
         num_classes: int,
@@ -122,12 +122,6 @@ class _SequenceClassifier(nn.Module):
     def loss_terms(self) -> dict[str, torch.Tensor]:
         """Loss terms of every attention layer in the last forward, summed over layers."""
         return self.encoder.loss_terms()
-
-    # GPyTorch's walkers over the module tree (gpytorch.Module's own functions, which need only
-    # nn.Module): the objective's view of the model, gpattn.objectives.DeepGPELBO
-    named_added_loss_terms = gpytorch.Module.named_added_loss_terms
-    added_loss_terms = gpytorch.Module.added_loss_terms
-    named_priors = gpytorch.Module.named_priors
 
     def layer_diagnostics(self) -> list[dict]:
         """Per GP attention layer of the last forward: loss terms and output scale (``Encoder``)."""
