@@ -414,14 +414,14 @@ def test_cli_variant_settings_yield_to_flags(monkeypatch):
 
 
 def test_pooling_flag_overrides_a_preset_and_bad_pooling_is_refused():
-    """``--pooling cls`` runs an image preset with the ViT's CLS token (the head then sees only what
-    attention gathers); a pooling the models do not have, or one an encoder would ignore, is refused."""
+    """``--pooling mean`` runs an image preset (CLS pooling: the head sees only what attention gathers) with
+    the mean over the patch tokens; a pooling the models do not have, or one an encoder would ignore, is refused."""
     from gpattn.experiments import cli
 
-    args = cli.build_parser().parse_args(["compare", "--preset", "digits", "--pooling", "cls", "--out", "x"])
-    assert cli._config(args)[0].pooling == "cls"
-    args = cli.build_parser().parse_args(["compare", "--preset", "digits", "--out", "x"])
+    args = cli.build_parser().parse_args(["compare", "--preset", "digits", "--pooling", "mean", "--out", "x"])
     assert cli._config(args)[0].pooling == "mean"
+    args = cli.build_parser().parse_args(["compare", "--preset", "digits", "--out", "x"])
+    assert cli._config(args)[0].pooling == "cls"
     for bad in ("max", 3):
         with pytest.raises(ValueError, match="pooling must be None .*'mean' or 'cls', got"):
             TrainConfig(pooling=bad)
