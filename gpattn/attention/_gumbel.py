@@ -42,8 +42,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpattn.attention._blockwise import block_rows, block_seeds, blockwise
 from gpattn.attention._masks import excluded_keys
+from gpattn.variational._blockwise import block_rows, block_seeds, blockwise
 
 __all__ = ["gumbel_attention", "gumbel_noise", "gumbel_softmax", "straight_through_one_hot"]
 
@@ -224,7 +224,7 @@ def gumbel_attention(
     rows = None if return_weights else block_rows(B, H, T, k.shape[-2])
     if rows is None:
         return _gumbel_attention(q, k, v, tau, key_mask, hard, sample, return_weights, generator)
-    # a long sequence: blocks of queries, each with its own noise seed (attention/_blockwise.py)
+    # a long sequence: blocks of queries, each with its own noise seed (variational/_blockwise.py)
     seeds = block_seeds(-(-T // rows), generator) if sample else None
 
     def block(qb, k, v, excluded, seed=None):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from gpytorch.kernels import Kernel
 
-from gpattn.attention._blockwise import block_rows, blockwise
 from gpattn.attention._call import Attended
 from gpattn.attention.base import AttentionBase, excluded_keys
 from gpattn.attention.registry import register
 from gpattn.kernels import evaluate_kernel, make_kernel
+from gpattn.variational._blockwise import block_rows, blockwise
 from gpattn.variational._linalg import gp_algebra
 
 __all__ = ["AsymmetricKernelAttention", "KernelAttention"]
@@ -41,7 +41,7 @@ class KernelAttention(AttentionBase):
         p = self.project(call.x)
         q, k = self._queries_keys(p)
         rows = None if call.need_weights else block_rows(*q.shape[:3], k.shape[-2])
-        if rows is not None:  # a long sequence: blocks of queries, memory linear in T (attention/_blockwise.py)
+        if rows is not None:  # a long sequence: blocks of queries, memory linear in T (variational/_blockwise.py)
             return blockwise(self._kernel_values, q, k, p["v"], rows=rows, per_query=(excluded_keys(call.mask),))
         with gp_algebra(call.x.device.type):
             K = evaluate_kernel(self.kernel, q, k)  # shape: (B, H, T, T)

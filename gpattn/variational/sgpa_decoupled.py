@@ -42,6 +42,7 @@ from linear_operator.operators import (
 
 from gpattn.kernels import evaluate_kernel
 from gpattn.objectives import GlobalKL, SequenceKL
+from gpattn.variational._blockwise import block_rows, blockwise
 from gpattn.variational._linalg import (
     add_jitter,
     cholesky,
@@ -423,7 +424,10 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             queries, values = full_precision(queries, values)
             if mask is not None:
                 values = values.masked_fill(mask[:, None, :, None], 0.0)  # padded keys leave the mean basis
-            K = evaluate_kernel(self.kernel, queries, queries)  # shape: (B, H, T, T)
+            # a long sequence under the attention mean with the diagonal covariance needs no (T, T) matrix:
+            # its mean is computed in blocks of queries (docs/derivations.md §12)
+            rows = block_rows(B, H, T, T) if self._blockwise_mean(excluded) else None
+            K = None if rows is not None else evaluate_kernel(self.kernel, queries, queries)  # shape: (B, H, T, T)
             K_gg = evaluate_kernel(self.kernel, global_keys, global_keys)  # shape: (H, M, M)
             jit = relative_jitter(K_gg.diagonal(dim1=-2, dim2=-1), self.jitter)  # shape: (H, 1, 1)
             L_g = cholesky(add_jitter(K_gg, jit[..., 0, 0]), name="sgpa-decoupled (K_gg)")  # shape: (H, M, M)
@@ -435,6 +439,12 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
                 whitened_values=u_tilde, scale_tril=self.variational_distribution.scale_tril(), mask=mask,
                 jitter=self.jitter, covariance=self.covariance,
             )
+            if rows is not None:
+                pad = None if mask is None else mask[:, None, None, :]
+                mean = blockwise(self._attention_mean_rows, queries, queries, values, rows=rows, per_query=(pad,))
+                return DecoupledSGPAConditional(
+                    mean=mean + A @ u_tilde, gram_values=None, proj_values=None, **factors
+                )
             if self.mean_module is not None:
                 return self._condition_attention_mean(factors, excluded)
             if excluded is not None:
@@ -442,6 +452,16 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             Kv = K @ values  # shape: (B, H, T, Dv); K_qa v_a (padded keys have v = 0)
             c = A.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
             return DecoupledSGPAConditional(mean=Kv + A @ (u_tilde - c), gram_values=Kv, proj_values=c, **factors)
+
+    def _blockwise_mean(self, excluded) -> bool:
+        """Whether this strategy can condition without the (T, T) Gram: the attention mean, the diagonal
+        covariance, key padding only."""
+        return self.mean_module is not None and self.covariance == "diag" and excluded is None
+
+    def _attention_mean_rows(self, queries, keys, values, pad=None) -> torch.Tensor:
+        """The attention prior mean m(q) of one block of queries.  # shape: queries (B, H, b, Dh) -> (B, H, b, Dv)"""
+        with gp_algebra(queries.device.type):
+            return self.mean_module(evaluate_kernel(self.kernel, queries, keys), values, pad)
 
     def _condition_attention_mean(self, factors: dict, excluded: torch.Tensor | None) -> DecoupledSGPAConditional:
         """The conditional under the attention prior mean: q(f) = m(q) + A ũ, the β-part alone variational
