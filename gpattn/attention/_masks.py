@@ -44,6 +44,7 @@ def as_excluded(mask: torch.Tensor, arg: str) -> torch.Tensor:
 
 
 def check_num_samples(num_samples) -> int:
+    """``num_samples`` of a forward: a positive int (a ``ValueError`` naming the argument otherwise)."""
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive int or None, got {num_samples!r}")
     return num_samples
@@ -56,6 +57,7 @@ def pads_only(excluded: torch.Tensor) -> bool:
 
 
 def per_query_variants() -> list[str]:
+    """The registered variants that take per-query masks (for the error that names them)."""
     from gpattn.attention.registry import _REGISTRY
 
     return sorted(n for n, c in _REGISTRY.items() if c.per_query_masks)

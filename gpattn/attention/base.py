@@ -134,7 +134,7 @@ class AttentionBase(LossTermWalkers, nn.Module):
         (registered on first use): ``set_loss_terms(SequenceKL(kl))``, or by name,
         ``set_loss_terms(kl_seq=kl)`` (the kind registered under that name, gpattn.objectives). The values
         are the layer's reduced terms (docs/derivations.md §9: ``kl_seq`` already averaged over the batch,
-        :meth:`batch_mean`; ``kl_global`` the total over global parameters)."""
+        :meth:`gpattn.attention.AttentionCall.batch_mean`; ``kl_global`` the total over global parameters)."""
         for term in (*terms, *(GPLossTerm.kind(name)(value) for name, value in values.items())):
             if not isinstance(term, GPLossTerm):
                 raise ValueError(
