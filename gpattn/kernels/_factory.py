@@ -4,7 +4,10 @@ A spec is plain JSON (it goes into ``config.json``, the CLI's ``--attention-opti
 checkpoints; docs/kernels.md):
 
 * a name: ``"exponential"``, ``"ard-rbf"``, ``"canonical-rbf"`` or ``"matern"`` (:data:`KERNEL_NAMES`);
-* a name with options: ``{"name": "ard-rbf", "lengthscale": 2.0}`` (:data:`KERNEL_OPTIONS`);
+* a name with options: ``{"name": "ard-rbf", "lengthscale": 2.0}`` (:data:`KERNEL_OPTIONS`), among them
+  gpytorch priors on the hyper-parameters, each a spec of :data:`PRIOR_OPTIONS`:
+  ``{"name": "ard-rbf", "lengthscale_prior": {"name": "gamma", "concentration": 3.0, "rate": 6.0}}`` (their
+  log density enters the objective as ``log_prior``, gpattn.objectives.DeepGPELBO);
 * a composition: ``{"name": "sum" | "product", "kernels": [spec, spec, ...]}`` (gpytorch's
   ``AdditiveKernel`` / ``ProductKernel``) or ``{"name": "scale", "base": spec, "outputscale": 0.1}``
   (``ScaleKernel``).
@@ -21,6 +24,7 @@ import math
 
 import torch
 from gpytorch.kernels import AdditiveKernel, Kernel, MaternKernel, ProductKernel, RBFKernel, ScaleKernel
+from gpytorch.priors import GammaPrior, HalfCauchyPrior, LogNormalPrior, NormalPrior, Prior
 
 from gpattn.kernels._scale import check_prior_factor, exponential_lengthscale
 from gpattn.kernels.cross_covariance import CanonicalRBFKernel
@@ -29,6 +33,7 @@ from gpattn.kernels.exponential import ExponentialKernel
 __all__ = [
     "KERNEL_NAMES",
     "KERNEL_OPTIONS",
+    "PRIOR_OPTIONS",
     "check_kernel",
     "kernel_spec",
     "make_kernel",
@@ -38,14 +43,24 @@ __all__ = [
 
 #: options of each kernel name (every value a number > 0; ``nu`` one of :data:`MATERN_NU`)
 KERNEL_OPTIONS = {
-    "ard-rbf": ("lengthscale", "outputscale"),
+    "ard-rbf": ("lengthscale", "outputscale", "lengthscale_prior", "outputscale_prior"),
     "canonical-rbf": (),
-    "exponential": ("lengthscale", "outputscale"),
-    "matern": ("lengthscale", "nu"),
+    "exponential": ("lengthscale", "outputscale", "lengthscale_prior", "outputscale_prior"),
+    "matern": ("lengthscale", "nu", "lengthscale_prior"),
     "product": ("kernels",),
-    "scale": ("base", "outputscale"),
+    "scale": ("base", "outputscale", "outputscale_prior"),
     "sum": ("kernels",),
 }
+#: the gpytorch priors a kernel spec can put on a hyper-parameter, with their parameters (numbers; all but
+#: ``loc`` > 0): ``{"name": "gamma", "concentration": 3.0, "rate": 6.0}``
+PRIOR_OPTIONS = {
+    "gamma": ("concentration", "rate"),
+    "halfcauchy": ("scale",),
+    "lognormal": ("loc", "scale"),
+    "normal": ("loc", "scale"),
+}
+_PRIOR_CLASSES = {"gamma": GammaPrior, "halfcauchy": HalfCauchyPrior, "lognormal": LogNormalPrior,
+                  "normal": NormalPrior}
 #: the kernels a name builds (the other keys of :data:`KERNEL_OPTIONS` compose them)
 KERNEL_NAMES = ("ard-rbf", "canonical-rbf", "exponential", "matern")
 #: the stationary names (κ(x, x) does not depend on x); sums, products and scales of them are too
@@ -103,11 +118,40 @@ def _parse(spec, where: str, rbf: str | None, stationary: bool = False) -> tuple
             raise ValueError(f"{where}['kernels'] must be a list of at least two kernel specs, got {parts!r}")
         children = [_parse(p, f"{where}['kernels'][{i}]", rbf, stationary) for i, p in enumerate(parts)]
     for key, val in options.items():
+        if key.endswith("_prior"):
+            options[key] = _parse_prior(val, f"{where}[{key!r}]")
+            continue
         if key == "nu" and val not in MATERN_NU:
             raise ValueError(f"{where}['nu'] must be one of {list(MATERN_NU)}, got {val!r}")
         if key != "nu" and not (_is_number(val) and val > 0):
             raise ValueError(f"{where}[{key!r}] must be a number > 0, got {val!r}")
     return name, options, children
+
+
+def _parse_prior(spec, where: str) -> dict:
+    """A prior spec (:data:`PRIOR_OPTIONS`) checked: its name, every parameter given, numbers in range."""
+    if not isinstance(spec, dict) or spec.get("name") not in PRIOR_OPTIONS:
+        raise ValueError(
+            f"{where} must be a prior spec {{'name': one of {sorted(PRIOR_OPTIONS)}, parameter: number, ...}}, e.g. "
+            f"{{'name': 'gamma', 'concentration': 3.0, 'rate': 6.0}}; got {spec!r}"
+        )
+    name, params = spec["name"], {k: v for k, v in spec.items() if k != "name"}
+    wanted = PRIOR_OPTIONS[name]
+    if set(params) != set(wanted):
+        raise ValueError(f"{where}: the {name!r} prior takes exactly {list(wanted)}, got {sorted(params)}")
+    for key, val in params.items():
+        if not _is_number(val) or (key != "loc" and val <= 0):
+            want = "finite number" if key == "loc" else "number > 0"
+            raise ValueError(f"{where}[{key!r}] must be a {want}, got {val!r}")
+    return {"name": name, **params}
+
+
+def _prior(options: dict, key: str) -> Prior | None:
+    """The gpytorch prior of a parsed spec's option ``key`` (None when the spec sets none)."""
+    spec = options.get(key)
+    if spec is None:
+        return None
+    return _PRIOR_CLASSES[spec["name"]](**{k: float(v) for k, v in spec.items() if k != "name"})
 
 
 def _carries_scale(node) -> bool:
@@ -127,24 +171,27 @@ def _build(node, num_heads: int, head_dim: int, variance: float | None, lengthsc
     kernels (default √Dh). Explicit options win over both."""
     name, options, children = node
     batch = torch.Size([num_heads])
+    priors = {k: _prior(options, k) for k in ("lengthscale_prior", "outputscale_prior") if options.get(k)}
     if name == "exponential":
-        kern = ExponentialKernel(ard_num_dims=head_dim, batch_shape=batch)
+        kern = ExponentialKernel(ard_num_dims=head_dim, batch_shape=batch, **priors)
         scaled, shaped = kern, kern
         if variance is not None or lengthscale is not None:
             kern.lengthscale = lengthscale or exponential_lengthscale(head_dim)
     elif name in ("ard-rbf", "matern"):
+        shape_prior = {k: v for k, v in priors.items() if k == "lengthscale_prior"}
         shaped = (
-            RBFKernel(ard_num_dims=head_dim, batch_shape=batch)
+            RBFKernel(ard_num_dims=head_dim, batch_shape=batch, **shape_prior)
             if name == "ard-rbf"
-            else MaternKernel(nu=options.get("nu", 2.5), ard_num_dims=head_dim, batch_shape=batch)
+            else MaternKernel(nu=options.get("nu", 2.5), ard_num_dims=head_dim, batch_shape=batch, **shape_prior)
         )
         shaped.lengthscale = lengthscale or float(head_dim) ** 0.5
-        kern = scaled = ScaleKernel(shaped, batch_shape=batch) if name == "ard-rbf" else shaped
+        scale_prior = {k: v for k, v in priors.items() if k == "outputscale_prior"}
+        kern = scaled = ScaleKernel(shaped, batch_shape=batch, **scale_prior) if name == "ard-rbf" else shaped
     elif name == "canonical-rbf":
         kern = scaled = shaped = CanonicalRBFKernel(batch_shape=batch)
     elif name == "scale":
         base = _build(children[0], num_heads, head_dim, None if variance is None else 1.0, lengthscale)
-        kern = scaled = ScaleKernel(base, batch_shape=batch)
+        kern = scaled = ScaleKernel(base, batch_shape=batch, **priors)
         shaped = None
     else:  # sum, product
         if variance is None:
@@ -267,11 +314,18 @@ def make_kernel(
     :param lengthscale: the initial ℓ of the exponential, ARD-RBF and Matérn kernels of a spec, in place of
         √Dh (a spec's own ``lengthscale`` option wins).
     :param rbf: what the legacy name ``"rbf"`` means for this layer; ``None``: it is an error.
-    :param stationary: accept only stationary specs (:data:`STATIONARY` and their compositions).
+    :param stationary: accept only stationary specs (:data:`STATIONARY` and their compositions) and
+        kernel instances whose ``is_stationary`` is True.
     :param name: the argument's name in error messages.
     """
     if isinstance(kernel, Kernel):
         check_kernel(kernel, num_heads, head_dim, name=name)
+        if stationary and not kernel.is_stationary:
+            raise ValueError(
+                f"{name}: {type(kernel).__name__} is not stationary (gpytorch's is_stationary), and this layer needs a "
+                f"stationary kernel (kappa(x, x) constant, so that the layer's own scales set the prior variances); "
+                f"use an RBF or Matern kernel, CanonicalRBFKernel, or their sum, product or ScaleKernel"
+            )
         return kernel
     return _build(_parse(kernel, name, rbf, stationary), num_heads, head_dim, prior_variance, lengthscale)
 
@@ -282,6 +336,22 @@ def _uniform(value: torch.Tensor):
     if flat.numel() == 0 or not bool((flat == flat[0]).all()):
         return None
     return float(f"{float(flat[0]):.6g}")
+
+
+def _prior_specs(kernel: Kernel, *keys: str) -> dict:
+    """The specs of ``kernel``'s own priors among ``keys`` (a ``ValueError`` for one no spec builds)."""
+    out = {}
+    for key in keys:
+        entry = kernel._priors.get(key)
+        if entry is None:
+            continue
+        prior = entry[0]
+        name = next((n for n, c in _PRIOR_CLASSES.items() if type(prior) is c), None)
+        values = {k: _uniform(getattr(prior, k)) for k in PRIOR_OPTIONS.get(name, ())}
+        if name is None or any(v is None for v in values.values()):
+            raise ValueError(f"{type(kernel).__name__}'s {key} ({type(prior).__name__}) has no prior spec")
+        out[key] = {"name": name, **values}
+    return out
 
 
 def kernel_spec(kernel: Kernel):
@@ -299,19 +369,25 @@ def kernel_spec(kernel: Kernel):
         return {
             "name": "exponential",
             **options(lengthscale=_uniform(kernel.lengthscale), outputscale=_uniform(kernel.outputscale)),
+            **_prior_specs(kernel, "lengthscale_prior", "outputscale_prior"),
         }
     if kind is CanonicalRBFKernel:
         return "canonical-rbf"
     if kind is MaternKernel:
-        return {"name": "matern", "nu": kernel.nu, **options(lengthscale=_uniform(kernel.lengthscale))}
+        return {
+            "name": "matern", "nu": kernel.nu, **options(lengthscale=_uniform(kernel.lengthscale)),
+            **_prior_specs(kernel, "lengthscale_prior"),
+        }
     if kind is ScaleKernel:
         scale = _uniform(kernel.outputscale)
+        own = _prior_specs(kernel, "outputscale_prior")
         if type(kernel.base_kernel) is RBFKernel and kernel.base_kernel.active_dims is None:
             return {
                 "name": "ard-rbf",
                 **options(lengthscale=_uniform(kernel.base_kernel.lengthscale), outputscale=scale),
+                **_prior_specs(kernel.base_kernel, "lengthscale_prior"), **own,
             }
-        return {"name": "scale", "base": kernel_spec(kernel.base_kernel), **options(outputscale=scale)}
+        return {"name": "scale", "base": kernel_spec(kernel.base_kernel), **options(outputscale=scale), **own}
     if kind in (AdditiveKernel, ProductKernel):
         return {
             "name": "sum" if kind is AdditiveKernel else "product",

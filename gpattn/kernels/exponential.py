@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from gpytorch.constraints import Positive
 from gpytorch.kernels import Kernel
+from gpytorch.priors import Prior
 
 __all__ = ["ExponentialKernel"]
 
@@ -20,6 +21,7 @@ class ExponentialKernel(Kernel):
 
     :param ard_num_dims: input width (one lengthscale per dimension), e.g. the head width Dh.
     :param batch_shape: e.g. ``torch.Size([H])`` for one set of hyper-parameters per head.
+    :param outputscale_prior: a gpytorch ``Prior`` on σ² (``lengthscale_prior`` on ℓ is gpytorch's own keyword).
 
     The lengthscale is initialised to ``Dh ** 0.25`` so that the exponent is ``q·k / sqrt(Dh)`` as in
     softmax attention; the outputscale σ² to 1.
@@ -27,10 +29,27 @@ class ExponentialKernel(Kernel):
 
     has_lengthscale = True
 
-    def __init__(self, ard_num_dims: int | None = None, batch_shape: torch.Size = torch.Size([]), **kwargs):
+    @property
+    def is_stationary(self) -> bool:
+        """False: κ(x, x) = σ² exp(‖x/ℓ‖²) depends on x (gpytorch's default reads ``has_lengthscale``)."""
+        return False
+
+    def __init__(
+        self,
+        ard_num_dims: int | None = None,
+        batch_shape: torch.Size = torch.Size([]),
+        outputscale_prior: Prior | None = None,
+        **kwargs,
+    ):
         super().__init__(ard_num_dims=ard_num_dims, batch_shape=batch_shape, **kwargs)
         self.register_parameter("raw_outputscale", torch.nn.Parameter(torch.zeros(self.batch_shape)))
         self.register_constraint("raw_outputscale", Positive())
+        if outputscale_prior is not None:  # as gpytorch's ScaleKernel registers its own
+            if not isinstance(outputscale_prior, Prior):
+                raise TypeError(f"outputscale_prior must be a gpytorch Prior, got {type(outputscale_prior).__name__}")
+            self.register_prior(
+                "outputscale_prior", outputscale_prior, lambda m: m.outputscale, lambda m, v: m._set_outputscale(v)
+            )
         self.outputscale = 1.0
         if ard_num_dims is not None:
             self.lengthscale = float(ard_num_dims) ** 0.25
@@ -41,6 +60,9 @@ class ExponentialKernel(Kernel):
 
     @outputscale.setter
     def outputscale(self, value) -> None:
+        self._set_outputscale(value)
+
+    def _set_outputscale(self, value) -> None:
         if not torch.is_tensor(value):
             value = torch.as_tensor(value, dtype=self.raw_outputscale.dtype)
         value = value.to(self.raw_outputscale).expand_as(self.raw_outputscale)
