@@ -684,12 +684,61 @@ def train(
         raise
 
 
+@dataclasses.dataclass(eq=False)
+class _Run:
+    """One training run's state, shared by the stages of :func:`_train` (set up, restore, fit, evaluate)."""
+
+    cfg: TrainConfig
+    out: Path | None
+    bundle: object
+    meta: dict
+    dist: _Dist
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    objective: DeepGPELBO
+    steps_per_epoch: int
+    total_steps: int
+    base_rate: float
+    step: int = 0
+    history: list = dataclasses.field(default_factory=list)
+    stats: EpochStats = dataclasses.field(default_factory=EpochStats)
+    net: torch.nn.Module | None = None
+    guard: _DivergenceGuard | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+    @property
+    def main(self) -> bool:
+        """Whether this process writes the run's files (rank 0)."""
+        return self.out is not None and self.dist.main
+
+    @property
+    def checkpoint(self) -> Path | None:
+        return None if self.out is None else self.out / CHECKPOINT
+
+
 def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps) -> dict:
+    run = _setup(cfg, out, resume, bundle)
+    if resume:
+        _restore(run)
+    run.net = run.dist.wrap(run.model)  # DistributedDataParallel under torchrun
+    run.guard = _DivergenceGuard(run.model, run.device)
+    _fit(run, stop_after_steps)
+    return _evaluate(run)
+
+
+def _setup(cfg: TrainConfig, out, resume: bool, bundle) -> _Run:
+    """The run's files, data (an encoder's recipe applied), model, optimizer and objective."""
     from gpattn.experiments.data import load_dataset
+    from gpattn.experiments.data.summary import data_summary
 
     resolve_device(cfg.device)  # CUDA asked for where there is none: refused before any file is written
     out = Path(out) if out is not None else None
-    if out is not None and int(os.environ.get("RANK", "0")) == 0:
+    writes = out is not None and int(os.environ.get("RANK", "0")) == 0
+    if writes:
         out.mkdir(parents=True, exist_ok=True)
         _write_json(cfg.to_dict(), out / "config.json")
         (out / DIVERGED).unlink(missing_ok=True)  # a record of an earlier attempt in this folder
@@ -698,164 +747,173 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps) -> dic
             cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
         )
     bundle = _for_model(cfg, bundle, resolve_device(cfg.device))
-    from gpattn.experiments.data.summary import data_summary
-
-    if out is not None and int(os.environ.get("RANK", "0")) == 0:
+    if writes:
         _write_json(data_summary(bundle), out / "data.json")  # files, sizes, class counts, fingerprint
-    meta = bundle_meta(bundle)  # plain data: what inference.load_run needs without the data files
     dist = _Dist(cfg.device)
-    device = dist.device
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
-    model = build_model(cfg, bundle).to(device)
+    model = build_model(cfg, bundle).to(dist.device)
     if hasattr(model, "match_prior_to_stream") and not resume:  # a pretrained encoder's swapped GP layers
-        scaled = _match_prior_to_stream(model, bundle.splits["train"], device)
-        if scaled and out is not None and int(os.environ.get("RANK", "0")) == 0:
+        scaled = _match_prior_to_stream(model, bundle.splits["train"], dist.device)
+        if scaled and writes:
             _write_json(scaled, out / PRIOR_SCALE)
     if dist.rank > 0:  # identical initial weights, independent Monte-Carlo noise per rank
         torch.manual_seed(cfg.seed * 1000003 + dist.rank)
-    train_split = bundle.splits["train"]
-    n = len(train_split.labels)
-    steps_per_epoch = max(1, math.ceil(n / cfg.batch_size))
-    total_steps = steps_per_epoch * cfg.epochs
+    labels = bundle.splits["train"].labels
+    steps_per_epoch = max(1, math.ceil(len(labels) / cfg.batch_size))
     # fused: one kernel per step, and it skips a step flagged by ``found_inf`` on the device (_DivergenceGuard);
     # a pretrained encoder: AdamW, its own lr for the pretrained weights, warm-up (gpattn.experiments._optim)
-    optimizer, scheduler, optimizer_line = build_optimizer(cfg, model, total_steps)
+    optimizer, scheduler, optimizer_line = build_optimizer(cfg, model, steps_per_epoch * cfg.epochs)
     if dist.main and cfg.encoder is not None:
         print(f"[train] {cfg.attention} seed {cfg.seed}: {optimizer_line}", flush=True)
     objective = DeepGPELBO(  # the loss parts: every added loss term of the model, by name, and the loss
-        model,
-        n,
-        combine_terms=False,
-        beta=cfg.beta,
-        beta_anneal_steps=cfg.beta_anneal_steps,
-        eta=cfg.eta,
-        alpha=cfg.alpha,
-        alpha_anneal_steps=cfg.alpha_anneal_steps,
-        kl_scaling=cfg.kl_scaling,
+        model, len(labels), combine_terms=False, beta=cfg.beta, beta_anneal_steps=cfg.beta_anneal_steps,
+        eta=cfg.eta, alpha=cfg.alpha, alpha_anneal_steps=cfg.alpha_anneal_steps, kl_scaling=cfg.kl_scaling,
         **cfg.loss_weights,  # any other term's weight, by name
     )
-    probe = bundle.splits["val"] if len(bundle.splits["val"]) else train_split  # the attention-use probe
-    probe_rows = torch.arange(min(ATTENTION_PROBE, len(probe)))
-    step, history = 0, []
-    stats = EpochStats()  # epoch means of the loss parts and of each GP layer's scale (gpattn.experiments.diagnostics)
-    base_rate = base_rate_entropy(train_split.labels, bundle.num_classes)
-    ckpt_path = out / CHECKPOINT if out is not None else None
-    if resume:
-        if ckpt_path is None or not ckpt_path.is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-        ckpt = load_checkpoint(ckpt_path)  # on the CPU: RNG states must be host tensors
-        same, diff = _same_run(ckpt["config"], cfg)
-        if not same:
-            raise ValueError(f"--resume: the checkpoint was written with a different configuration ({diff})")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if scheduler is not None:
-            scheduler.load_state_dict(ckpt["scheduler"])
-        step, history = ckpt["step"], ckpt["history"]
-        if "epoch_stats" in ckpt:
-            stats.load_state_dict(_to_device(ckpt["epoch_stats"], device))
-        ranks = ckpt.get("rng_ranks")
-        if ranks is not None and len(ranks) == dist.world:
-            _set_rng_state(ranks[dist.rank], device)  # each rank's own generators
-        else:  # a checkpoint from before per-rank states, or from another number of processes
-            torch.set_rng_state(ckpt["rng"])
-    net = dist.wrap(model)  # DistributedDataParallel under torchrun
-    guard = _DivergenceGuard(model, device)
+    return _Run(
+        cfg, out, bundle, bundle_meta(bundle), dist, model, optimizer, scheduler, objective, steps_per_epoch,
+        steps_per_epoch * cfg.epochs, base_rate_entropy(labels, bundle.num_classes),
+    )
 
-    def save():
-        guard.check()  # never save parameters or statistics of a diverged run
-        states = dist.gather_objects(_rng_state(device))  # collective: every rank calls save()
-        if ckpt_path is not None and dist.main:
-            atomic_save(
-                {
-                    "format_version": CHECKPOINT_FORMAT,
-                    "gpattn_version": __version__,
-                    "config": cfg.to_dict(),
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "step": step,
-                    "history": history,
-                    "epoch_stats": _to_device(stats.state_dict(), "cpu"),
-                    "rng": states[0]["cpu"],
-                    "rng_ranks": states,
-                    "data": meta,
-                },
-                ckpt_path,
-            )
+
+def _restore(run: _Run) -> None:
+    """``--resume``: the model, optimizer, scheduler, step, history, epoch statistics and random states of
+    the checkpoint, which must be of this configuration."""
+    if run.checkpoint is None or not run.checkpoint.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint at {run.checkpoint}")
+    ckpt = load_checkpoint(run.checkpoint)  # on the CPU: RNG states must be host tensors
+    same, diff = _same_run(ckpt["config"], run.cfg)
+    if not same:
+        raise ValueError(f"--resume: the checkpoint was written with a different configuration ({diff})")
+    run.model.load_state_dict(ckpt["model"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    if run.scheduler is not None:
+        run.scheduler.load_state_dict(ckpt["scheduler"])
+    run.step, run.history = ckpt["step"], ckpt["history"]
+    if "epoch_stats" in ckpt:
+        run.stats.load_state_dict(_to_device(ckpt["epoch_stats"], run.device))
+    ranks = ckpt.get("rng_ranks")
+    if ranks is not None and len(ranks) == run.dist.world:
+        _set_rng_state(ranks[run.dist.rank], run.device)  # each rank's own generators
+    else:  # a checkpoint from before per-rank states, or from another number of processes
+        torch.set_rng_state(ckpt["rng"])
+
+
+def _save(run: _Run) -> None:
+    """The checkpoint of the run as it stands (collective: every rank calls it; rank 0 writes)."""
+    run.guard.check()  # never save parameters or statistics of a diverged run
+    states = run.dist.gather_objects(_rng_state(run.device))
+    if run.checkpoint is None or not run.dist.main:
+        return
+    atomic_save(
+        {
+            "format_version": CHECKPOINT_FORMAT,
+            "gpattn_version": __version__,
+            "config": run.cfg.to_dict(),
+            "model": run.model.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
+            "step": run.step,
+            "history": run.history,
+            "epoch_stats": _to_device(run.stats.state_dict(), "cpu"),
+            "rng": states[0]["cpu"],
+            "rng_ranks": states,
+            "data": run.meta,
+        },
+        run.checkpoint,
+    )
+
+
+def _fit(run: _Run, stop_after_steps) -> None:
+    """The optimisation loop, checkpointed once an epoch (and every ``checkpoint_every`` steps); an
+    interruption saves and re-raises, a divergence is recorded in ``diverged.json``."""
+    cfg = run.cfg
+    bar = tqdm(
+        total=run.total_steps, initial=run.step, disable=not cfg.progress or not run.dist.main,
+        desc=f"{cfg.attention} seed {cfg.seed}", leave=False, dynamic_ncols=True,
+    )
 
     def diverged(err: TrainingDivergedError) -> None:
         bar.close()
-        if out is not None and dist.main:
-            _write_json({"step": err.step, "message": str(err), "config": cfg.to_dict()}, out / DIVERGED)
+        if run.main:
+            _write_json({"step": err.step, "message": str(err), "config": cfg.to_dict()}, run.out / DIVERGED)
 
-    bar = tqdm(
-        total=total_steps,
-        initial=step,
-        disable=not cfg.progress or not dist.main,
-        desc=f"{cfg.attention} seed {cfg.seed}",
-        leave=False,
-        dynamic_ncols=True,
-    )
     try:
         with _Interrupt() as interrupt:
-            while step < total_steps:
-                epoch, offset = divmod(step, steps_per_epoch)
-                order = _epoch_order(n, cfg.seed, epoch)
-                idx = order[offset * cfg.batch_size : (offset + 1) * cfg.batch_size]
-                parts = _train_step(
-                    net, model, objective, optimizer, guard, stats, train_split, idx, step, cfg, dist
-                )
-                if scheduler is not None:
-                    scheduler.step()
-                step += 1
-                bar.update(1)
-                if offset + 1 == steps_per_epoch:
-                    guard.check()
-                    keys = sorted(parts)
-                    values = dist.allreduce_sum(torch.stack([parts[k].detach().double() for k in keys]))
-                    entry = {"epoch": epoch + 1, "step": step, **dict(zip(keys, values.tolist()))}
-                    # the epoch's means over its steps and ranks (the keys above are the last batch's)
-                    entry.update(_reduced(stats, dist).summary(), base_rate_entropy=base_rate)
-                    # does each attention layer use the other tokens? (gpattn.experiments.diagnostics)
-                    entry["attention_use"] = attention_use(model, *_batch(probe, probe_rows, device)[:2])
-                    history.append(entry)
-                    bar.set_postfix(loss=f"{entry['train']['loss']:.3f}", refresh=False)  # read once an epoch
-                    stats = EpochStats()
-                    save()
-                elif cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    save()
-                if stop_after_steps is not None and step >= stop_after_steps and step < total_steps:
-                    save()
-                    raise KeyboardInterrupt(f"stopped after {step} steps")
-                if dist.any_rank(interrupt.requested is not None):  # every rank stops at the same step
-                    raise KeyboardInterrupt(f"signal {interrupt.requested or 'on another rank'} at step {step}")
-        guard.check()
+            while run.step < run.total_steps:
+                _one_step(run, bar)
+                if stop_after_steps is not None and stop_after_steps <= run.step < run.total_steps:
+                    _save(run)
+                    raise KeyboardInterrupt(f"stopped after {run.step} steps")
+                if run.dist.any_rank(interrupt.requested is not None):  # every rank stops at the same step
+                    raise KeyboardInterrupt(f"signal {interrupt.requested or 'on another rank'} at step {run.step}")
+        run.guard.check()
     except KeyboardInterrupt:
         try:
-            save()
+            _save(run)
         except TrainingDivergedError as err:
             diverged(err)
             raise
         finally:
-            dist.close(barrier=True)  # every rank stops here together (dist.any_rank, stop_after_steps)
+            run.dist.close(barrier=True)  # every rank stops here together (dist.any_rank, stop_after_steps)
         bar.close()
         raise
     except TrainingDivergedError as err:
         diverged(err)
-        dist.close(barrier=False)  # the divergence record is the same on every rank
+        run.dist.close(barrier=False)  # the divergence record is the same on every rank
         raise
     bar.close()
-    warnings_ = collapse_warnings(history, base_rate)
+
+
+def _one_step(run: _Run, bar) -> None:
+    """One optimizer step; at the end of an epoch its history entry and a checkpoint."""
+    cfg, split = run.cfg, run.bundle.splits["train"]
+    epoch, offset = divmod(run.step, run.steps_per_epoch)
+    order = _epoch_order(len(split.labels), cfg.seed, epoch)
+    idx = order[offset * cfg.batch_size : (offset + 1) * cfg.batch_size]
+    parts = _train_step(
+        run.net, run.model, run.objective, run.optimizer, run.guard, run.stats, split, idx, run.step, cfg, run.dist
+    )
+    if run.scheduler is not None:
+        run.scheduler.step()
+    run.step += 1
+    bar.update(1)
+    if offset + 1 == run.steps_per_epoch:
+        entry = _epoch_entry(run, parts, epoch)
+        run.history.append(entry)
+        bar.set_postfix(loss=f"{entry['train']['loss']:.3f}", refresh=False)  # read once an epoch
+        run.stats = EpochStats()
+        _save(run)
+    elif cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
+        _save(run)
+
+
+def _epoch_entry(run: _Run, parts: dict, epoch: int) -> dict:
+    """history.json's entry of an epoch: its last batch's parts, the epoch's means over its steps and ranks,
+    and whether each attention layer uses the other tokens (:func:`gpattn.experiments.diagnostics.attention_use`)."""
+    run.guard.check()
+    keys = sorted(parts)
+    values = run.dist.allreduce_sum(torch.stack([parts[k].detach().double() for k in keys]))
+    entry = {"epoch": epoch + 1, "step": run.step, **dict(zip(keys, values.tolist()))}
+    entry.update(_reduced(run.stats, run.dist).summary(), base_rate_entropy=run.base_rate)
+    probe = run.bundle.splits["val"] if len(run.bundle.splits["val"]) else run.bundle.splits["train"]
+    rows = torch.arange(min(ATTENTION_PROBE, len(probe)))
+    entry["attention_use"] = attention_use(run.model, *_batch(probe, rows, run.device)[:2])
+    return entry
+
+
+def _evaluate(run: _Run) -> dict:
+    """Collapse warnings, predictions of every evaluation split (and ``val``), metrics; the run's files."""
+    cfg, bundle, dist = run.cfg, run.bundle, run.dist
+    warnings_ = collapse_warnings(run.history, run.base_rate)
     if dist.main:
         for msg in warnings_:
-            warnings.warn(f"{cfg.attention} seed {cfg.seed}: {msg}", GPCollapseWarning, stacklevel=3)
-
+            warnings.warn(f"{cfg.attention} seed {cfg.seed}: {msg}", GPCollapseWarning, stacklevel=4)
     preds = {
         key: {
             "logits": predict(
-                model, bundle.splits[key], cfg.num_samples, cfg.eval_batch_size, dist, cfg.precision,
+                run.model, bundle.splits[key], cfg.num_samples, cfg.eval_batch_size, dist, cfg.precision,
                 progress=f"{cfg.attention} seed {cfg.seed}: evaluating {key}" if cfg.progress and dist.main else None,
             ),
             "labels": bundle.splits[key].labels,
@@ -864,11 +922,11 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps) -> dic
     }
     result = evaluate_predictions(preds, bundle, cfg.average)
     dist.close()
-    if out is not None and dist.main:
-        torch.save(preds, out / "predictions.pt")
-        _write_json(result, out / "metrics.json")
-        _write_json(history, out / "history.json")
-        _write_json({"base_rate_entropy": base_rate, "warnings": warnings_}, out / COLLAPSE)
+    if run.main:
+        torch.save(preds, run.out / "predictions.pt")
+        _write_json(result, run.out / "metrics.json")
+        _write_json(run.history, run.out / "history.json")
+        _write_json({"base_rate_entropy": run.base_rate, "warnings": warnings_}, run.out / COLLAPSE)
     return result
 
 
