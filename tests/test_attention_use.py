@@ -120,3 +120,30 @@ def test_layers_of_a_swapped_encoder_are_found():
 def test_a_batch_of_one_gives_nan(B):
     rows = attention_use(_model("softmax"), torch.randint(3, 30, (B, 5)))
     assert all(math.isnan(r["context_effect"]) for r in rows)
+
+
+class CLSOnly(AttentionBase):
+    """Attends at the first token only (its output: the mean of the values); every other token keeps its value."""
+
+    name = "cls-only"
+    projections = ("v",)
+    is_gp = True
+
+    def _attend(self, call):
+        v = self.project(call.x)["v"]
+        return torch.cat([v.mean(-2, keepdim=True), v[..., 1:, :]], dim=-2)
+
+
+def test_a_cls_pooled_model_is_measured_at_its_cls_token():
+    """With CLS pooling the head reads token 0 only, and a layer may gather into it alone: the measured
+    positions always include it (else such a layer reads as inert at the other positions)."""
+    from gpattn.experiments.diagnostics import attention_use
+
+    ids, mask = _ids()
+    seed = next(s for s in range(10) if int(torch.randperm(10, generator=torch.Generator().manual_seed(s))[0]) != 0)
+    for pooling, attends in (("cls", True), ("mean", False)):
+        torch.manual_seed(0)
+        model = TransformerClassifier(2, vocab_size=30, embed_dim=16, num_heads=2, num_layers=1, attention=CLSOnly,
+                                      dropout=0.0, pooling=pooling)
+        (row,) = attention_use(model, ids, mask, positions=1, seed=seed)
+        assert (row["context_effect"] > 0.05) == attends, (pooling, row)
