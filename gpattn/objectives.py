@@ -58,17 +58,10 @@ __all__ = [
     "term_weights",
 ]
 
-#: Default weight α of the CGP regulariser, everywhere (DeepGPELBO, TrainConfig, the CLI, the presets).
-#: R (Bui et al. eqs. 28, 44) is not a term of an ELBO but −log p(z_q = ν, z_k): a density over the T·Dv
-#: attention outputs of every head with noise σ = 0.1, and α is a hyperparameter "chosen on a validation
-#: set" (Bui et al. Remark 3). Measured on digits (seed 0, 6 epochs, the preset's model): with α ≥ 1e-3 cgp
-#: stays at the base rate (R falls from −6.2e3 to −8.8e3 per sequence, against a cross-entropy of 2.1),
-#: also with σ_q, σ_k frozen, without gradient clipping, and with the paper's linear 0 → 1 annealing over
-#: 20 epochs; α = 1e-4 learns slowly (0.32 after 6 epochs) and α = 1e-5 learns there. On the attention suite
-#: (docs/results.md) α = 1e-5 kept scgp from attending (its mean pulled to 0 first): the default is the largest
-#: of {1e-5, 1e-6, 1e-7} at which cgp and scgp attended on the suite's validation split, 1e-6. It is printed in
-#: every report's header; ``compare`` chooses α on the validation split from a grid (``--alpha-grid``; the presets'
-#: ``PRESET_ALPHA_GRID`` = (1e-5, 1e-6)).
+#: Default weight α of the CGP regulariser, everywhere (DeepGPELBO, TrainConfig, the CLI). R (Bui et al. eqs.
+#: 28, 44) is not an ELBO term and α is a hyperparameter chosen on validation data (Bui et al. Remark 3):
+#: ``compare`` chooses it from a grid (``--alpha-grid``; the presets' ``PRESET_ALPHA_GRID``). How this default
+#: was measured: docs/derivations.md §9 and docs/results.md ("cgp and scgp: the regulariser weight α").
 DEFAULT_ALPHA = 1e-6
 
 #: keys of the loss parts that belong to the objective, never to a term or a weight (the weights in force
