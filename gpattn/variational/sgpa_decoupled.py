@@ -428,30 +428,29 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             # its mean is computed in blocks of queries (docs/derivations.md §12)
             rows = block_rows(B, H, T, T) if self._blockwise_mean(excluded) else None
             K = None if rows is not None else evaluate_kernel(self.kernel, queries, queries)  # shape: (B, H, T, T)
-            K_gg = evaluate_kernel(self.kernel, global_keys, global_keys)  # shape: (H, M, M)
-            jit = relative_jitter(K_gg.diagonal(dim1=-2, dim2=-1), self.jitter)  # shape: (H, 1, 1)
-            L_g = cholesky(add_jitter(K_gg, jit[..., 0, 0]), name="sgpa-decoupled (K_gg)")  # shape: (H, M, M)
-            K_qg = evaluate_kernel(self.kernel, queries, global_keys.expand(B, *global_keys.shape))  # (B, H, T, M)
-            A = tri_solve(L_g.mT, K_qg, upper=True, left=False)  # shape: (B, H, T, M); A L_gᵀ = K_qg
-            u_tilde = L_g.mT @ self.variational_distribution.inducing_values  # shape: (H, M, Dv)
+            A, u_tilde = self._global_basis(queries, global_keys)
             factors = dict(
                 gram=K, gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), interp=A, values=values,
                 whitened_values=u_tilde, scale_tril=self.variational_distribution.scale_tril(), mask=mask,
                 jitter=self.jitter, covariance=self.covariance,
             )
-            if rows is not None:
-                pad = None if mask is None else mask[:, None, None, :]
-                mean = blockwise(self._attention_mean_rows, queries, queries, values, rows=rows, per_query=(pad,))
-                return DecoupledSGPAConditional(
-                    mean=mean + A @ u_tilde, gram_values=None, proj_values=None, **factors
-                )
             if self.mean_module is not None:
-                return self._condition_attention_mean(factors, excluded)
+                return self._condition_attention_mean(factors, excluded, queries, rows)
             if excluded is not None:
                 return self._condition_per_query(factors, excluded, causal)
             Kv = K @ values  # shape: (B, H, T, Dv); K_qa v_a (padded keys have v = 0)
             c = A.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
             return DecoupledSGPAConditional(mean=Kv + A @ (u_tilde - c), gram_values=Kv, proj_values=c, **factors)
+
+    def _global_basis(self, queries: torch.Tensor, global_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A, ũ)``: A = K_qg L_g⁻ᵀ (L_g = chol(K_gg + jitter)) and ũ = L_gᵀ u, the whitened global basis.
+        # shape: queries (B, H, T, Dh), global_keys (H, M, Dh) -> A (B, H, T, M), ũ (H, M, Dv)"""
+        K_gg = evaluate_kernel(self.kernel, global_keys, global_keys)  # shape: (H, M, M)
+        jit = relative_jitter(K_gg.diagonal(dim1=-2, dim2=-1), self.jitter)  # shape: (H, 1, 1)
+        L_g = cholesky(add_jitter(K_gg, jit[..., 0, 0]), name="sgpa-decoupled (K_gg)")  # shape: (H, M, M)
+        K_qg = evaluate_kernel(self.kernel, queries, global_keys.expand(queries.shape[0], *global_keys.shape))
+        A = tri_solve(L_g.mT, K_qg, upper=True, left=False)  # shape: (B, H, T, M); A L_gᵀ = K_qg
+        return A, L_g.mT @ self.variational_distribution.inducing_values
 
     def _blockwise_mean(self, excluded) -> bool:
         """Whether this strategy can condition without the (T, T) Gram: the attention mean, the diagonal
@@ -463,12 +462,20 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         with gp_algebra(queries.device.type):
             return self.mean_module(evaluate_kernel(self.kernel, queries, keys), values, pad)
 
-    def _condition_attention_mean(self, factors: dict, excluded: torch.Tensor | None) -> DecoupledSGPAConditional:
+    def _condition_attention_mean(
+        self, factors: dict, excluded: torch.Tensor | None, queries: torch.Tensor, rows: int | None
+    ) -> DecoupledSGPAConditional:
         """The conditional under the attention prior mean: q(f) = m(q) + A ũ, the β-part alone variational
-        (docs/derivations.md §5c); under a per-query mask the masked conditional, for its per-token jitter."""
+        (docs/derivations.md §5c); under a per-query mask the masked conditional, for its per-token jitter.
+        ``rows``: m(q) in blocks of that many queries, without the Gram (docs/derivations.md §12)."""
         mask = factors["mask"]
         not_allowed = excluded if excluded is not None else None if mask is None else mask[:, None, None, :]
-        mean = self.mean_module(factors["gram"], factors["values"], not_allowed)
+        if rows is None:
+            mean = self.mean_module(factors["gram"], factors["values"], not_allowed)
+        else:
+            mean = blockwise(
+                self._attention_mean_rows, queries, queries, factors["values"], rows=rows, per_query=(not_allowed,)
+            )
         mean = mean + factors["interp"] @ factors["whitened_values"]
         if excluded is not None:
             return MaskedDecoupledSGPAConditional(mean=mean, query_gamma=None, real=None, **factors)
