@@ -128,3 +128,18 @@ def test_no_tensor_of_T_by_T_entries_per_head(name, monkeypatch):
     # the largest: a block's piece, the input projection (T × 3D) or sgpa-decoupled's T·M² variance terms; the
     # dense path forms H·T² = 8.4M entries
     assert Largest.numel <= H * T * T // 8, (Largest.numel, H * T * T)
+
+
+def test_sgpa_decoupled_diag_variance_in_blocks(monkeypatch):
+    """sgpa-decoupled's diagonal variance (its T·M² products) in blocks of tokens equals the whole computation,
+    values and gradients (float64)."""
+    layer = build_attention("sgpa-decoupled", 16, 2, covariance="diag").double()
+    x, mask = _inputs(torch.float64)
+    out = []
+    for block_elements in (1 << 21, 64):
+        monkeypatch.setattr(bw, "BLOCK_ELEMENTS", block_elements)
+        var = layer.posterior(x, mask).variance
+        (g,) = torch.autograd.grad(var.sum(), x)
+        out.append((var.detach(), g))
+    for a, b in zip(*out):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10 * float(a.abs().max()))

@@ -42,6 +42,7 @@ from linear_operator.operators import (
 
 from gpattn.kernels import evaluate_kernel
 from gpattn.objectives import GlobalKL, SequenceKL
+from gpattn.variational import _blockwise
 from gpattn.variational._blockwise import block_rows, blockwise
 from gpattn.variational._linalg import (
     add_jitter,
@@ -217,12 +218,12 @@ class DecoupledSGPAConditional(AmortisedConditional):
         """
         A = self.interp
         B, H, T, M = A.shape
-        resid = self.gram_diag - A.square().sum(-1)  # shape: (B, H, T)
         S = self.scale_tril @ self.scale_tril.mT  # shape: (H, Dv, M, M)
-        rows = A.transpose(0, 1).reshape(H, B * T, M)  # shape: (H, B·T, M)
-        outer = (rows[..., :, None] * rows[..., None, :]).reshape(H, B * T, M * M)  # shape: (H, B·T, M²)
-        quad = (outer @ S.reshape(H, -1, M * M).mT).view(H, B, T, -1)  # shape: (H, B, T, Dv)
-        return resid[..., None] + quad.transpose(0, 1)
+        # a long sequence: the (H, B·T, M²) products in blocks of tokens (docs/derivations.md §12)
+        rows = block_rows(B, H, T, M * M, block_elements=_blockwise.BLOCK_ELEMENTS // 4)
+        if rows is None:
+            return _diag_variance(A, S, self.gram_diag[..., None])
+        return blockwise(_diag_variance, A, S, rows=rows, per_query=(self.gram_diag[..., None],))
 
     def posterior(self) -> MultivariateNormal:
         """q(f): ``"full"``: Σ_d = (K_qq − Q_qq) + (A L_s,d)(A L_s,d)ᵀ as a sum of a dense and a root
@@ -286,6 +287,18 @@ class DecoupledSGPAConditional(AmortisedConditional):
             low = self.scale_tril @ cols  # shape: (H, Dv, M, N)
             low_rank = low.permute(3, 0, 2, 1).reshape(*lead, H, M, Dv)  # shape: (..., B, H, M, Dv)
             return self.mean + self._residual_sample(eps) + matmul_samples(self.interp, low_rank)
+
+
+def _diag_variance(A: torch.Tensor, S: torch.Tensor, gram_diag: torch.Tensor) -> torch.Tensor:
+    """diag K_qq − ‖A_t‖² + A_t S̃_d A_tᵀ for the rows of ``A``: one matmul per head over every (b, t) row,
+    (H, B·T, M²) @ (H, M², Dv), with S̃ never broadcast (copied) over the batch.
+    # shape: A (B, H, T, M), S (H, Dv, M, M), gram_diag (B, H, T, 1) -> (B, H, T, Dv)"""
+    B, H, T, M = A.shape
+    resid = gram_diag[..., 0] - A.square().sum(-1)  # shape: (B, H, T)
+    rows = A.transpose(0, 1).reshape(H, B * T, M)  # shape: (H, B·T, M)
+    outer = (rows[..., :, None] * rows[..., None, :]).reshape(H, B * T, M * M)  # shape: (H, B·T, M²)
+    quad = (outer @ S.reshape(H, -1, M * M).mT).view(H, B, T, -1)  # shape: (H, B, T, Dv)
+    return resid[..., None] + quad.transpose(0, 1)
 
 
 class MaskedDecoupledSGPAConditional(DecoupledSGPAConditional):
@@ -427,6 +440,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             # a long sequence under the attention mean with the diagonal covariance needs no (T, T) matrix:
             # its mean is computed in blocks of queries (docs/derivations.md §12)
             rows = block_rows(B, H, T, T) if self._blockwise_mean(excluded) else None
+            rows = None if rows is None else max(1, rows // 4)  # the mean forms several block-sized temporaries
             K = None if rows is not None else evaluate_kernel(self.kernel, queries, queries)  # shape: (B, H, T, T)
             A, u_tilde = self._global_basis(queries, global_keys)
             factors = dict(
