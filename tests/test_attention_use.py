@@ -147,3 +147,20 @@ def test_a_cls_pooled_model_is_measured_at_its_cls_token():
                                       dropout=0.0, pooling=pooling)
         (row,) = attention_use(model, ids, mask, positions=1, seed=seed)
         assert (row["context_effect"] > 0.05) == attends, (pooling, row)
+
+
+def test_a_swapped_hugging_face_layer_keeps_its_encoder_layer_index():
+    """HFClassifier's swapped layers are named by their encoder layer, as in ``layer_diagnostics`` (a swap of
+    the last of 2 layers is layer 1 in both, not layer 0 in one and 1 in the other)."""
+    pytest.importorskip("transformers")
+    from test_hf_classifier import batch, tiny_encoder
+
+    from gpattn.integrations.huggingface import HFClassifier
+
+    model = HFClassifier(tiny_encoder(), 2, attention="sgpa", attention_layers="last")
+    ids, pad = batch()
+    model(ids, pad, num_samples=2)  # a sampling forward records the layers' diagnostics
+    diagnosed = [row["layer"] for row in model.layer_diagnostics()]
+    rows = attention_use(model, ids, pad)
+    assert [row["layer"] for row in rows] == diagnosed == [1]
+    assert rows[0]["is_gp"] and math.isfinite(rows[0]["context_effect"])

@@ -26,6 +26,7 @@ epoch's steps without host synchronisation (0-dim tensors; one conversion per ep
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -149,10 +150,15 @@ def collapse_warnings(history: list[dict], base_rate: float | None = None) -> li
 
 
 def _attention_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
-    """``(index, layer)`` of every gpattn attention layer: the block index for gpattn's classifiers (the
-    index ``layer_diagnostics`` uses), else the order of ``model.modules()``."""
+    """``(index, layer)`` of every gpattn attention layer, indexed as the model's ``layer_diagnostics`` indexes
+    them: the block index for gpattn's classifiers, the encoder layer of each swapped adapter for a Hugging Face
+    model with ``adapters`` (``HFClassifier``: {layer index: adapter}), else the order of ``model.modules()``."""
     from gpattn.attention.base import AttentionBase
 
+    adapters = getattr(model, "adapters", None)
+    if isinstance(adapters, Mapping):
+        found = [(i, getattr(a, "attention", None)) for i, a in sorted(adapters.items())]
+        return [(i, m) for i, m in found if isinstance(m, AttentionBase)]
     encoder = getattr(model, "encoder", None)
     if encoder is not None and hasattr(encoder, "attention_modules"):
         return [(i, m) for i, m in enumerate(encoder.attention_modules()) if isinstance(m, AttentionBase)]
