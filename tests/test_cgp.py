@@ -344,3 +344,28 @@ def test_learned_sigma_has_a_floor():
     assert (layer.gp.sigma >= SIGMA_FLOOR).all()
     with pytest.raises(ValueError, match="SIGMA_FLOOR"):
         gpattn.build_attention("cgp", 8, 2, learn_sigma=True, sigma=SIGMA_FLOOR / 2)
+
+
+@pytest.mark.parametrize("name", ["cgp", "scgp"])
+def test_rescale_inputs_is_a_layer_built_with_that_input_scale(name):
+    """``rescale_inputs(r)`` (q, k, o rows of in_proj and scgp's inducing inputs × r) computes, in float64,
+    what the same parameters compute with ``input_scale`` × r and the inducing inputs × r — the
+    reparametrisation W ← cW of the canonical space — and keeps the value rows."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 6, 16, dtype=torch.float64)
+    mask = torch.zeros(3, 6, dtype=torch.bool)
+    mask[1, 4:] = True
+    a = gpattn.build_attention(name, 16, 2).double()
+    b = gpattn.build_attention(name, 16, 2, input_scale=a.input_scale * 0.37).double()
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():  # inducing inputs live in the canonical space: the same points, scaled with it
+        for inducing in (getattr(b.strategy, n, None) for n in ("inducing_latent", "inducing_keys")):
+            if inducing is not None:
+                inducing *= 0.37
+    v_rows = a.in_proj.weight[-16:].detach().clone()
+    a.rescale_inputs(0.37)
+    assert torch.equal(a.in_proj.weight[-16:], v_rows)
+    with gpattn.deterministic():
+        torch.testing.assert_close(a(x, key_padding_mask=mask), b(x, key_padding_mask=mask), rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="factor"):
+        a.rescale_inputs(0.0)

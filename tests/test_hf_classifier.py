@@ -431,7 +431,8 @@ def test_match_prior_to_stream_scales_each_gp_layer_to_its_input(make):
     rows = models[0].match_prior_to_stream(ids, pad)
     assert rows == [
         {"layer": i, "stream_variance": pytest.approx(v), "out_gain": pytest.approx(gain),
-         "factor": pytest.approx(v / 3 / gain)}
+         "factor": pytest.approx(v / 3 / gain), "key_distance": rows[0]["key_distance"],
+         "input_factor": pytest.approx(rows[0]["key_distance"] ** -0.5)}
     ]  # fmt: skip
     torch.testing.assert_close(layer.strategy.covar.sigma_q.detach() ** 2, before**2 * rows[0]["factor"])
     assert models[1].match_prior_to_stream(h, pad)[0]["factor"] == pytest.approx(rows[0]["factor"])
@@ -457,3 +458,32 @@ def test_match_prior_to_stream_in_every_layer_and_leaves_non_gp_layers():
         state = {k: v.clone() for k, v in other.state_dict().items()}
         assert other.match_prior_to_stream(ids, pad) == []
         assert all(torch.equal(state[k], v) for k, v in other.state_dict().items())
+
+
+@pytest.mark.parametrize("name", ["cgp", "scgp"])
+def test_match_prior_to_stream_puts_the_median_key_distance_of_cgp_at_one(name):
+    """cgp and scgp (κ_o without a lengthscale): the canonical inputs are rescaled so that the median of
+    ‖k_i − k_j‖² over pairs of real tokens of one sequence (and the heads) is 1 afterwards, measured here
+    by brute force over the pairs; ``key_distance`` is that median before."""
+    ids, pad = batch()
+    model = HFClassifier(_uneven(tiny_encoder()), 2, name, "last")
+    (i,) = model.adapters
+    layer = model.adapters[i].attention
+    with torch.no_grad(), gpattn.deterministic():
+        (x,) = model._layer_inputs([i], lambda: model(ids, pad)).values()
+
+    def median_distance():
+        with torch.no_grad():
+            k = layer.strategy_inputs(x)[1].double()
+        d = [
+            float((k[b, h, s] - k[b, h, t]).pow(2).sum())
+            for b in range(k.shape[0]) for h in range(k.shape[1])
+            for s in range(k.shape[2]) for t in range(k.shape[2])
+            if s != t and not pad[b, s] and not pad[b, t]
+        ]  # fmt: skip
+        return float(torch.tensor(d).median())
+
+    before = median_distance()
+    (row,) = model.match_prior_to_stream(ids, pad)
+    assert row["key_distance"] == pytest.approx(before)
+    assert median_distance() == pytest.approx(1.0, rel=1e-6)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import torch
 from gpytorch.kernels import Kernel
 
 from gpattn.attention._gp import GPAttention
@@ -49,6 +50,27 @@ class _CorrelatedGPAttention(GPAttention):
         q, k, o, v = super().strategy_inputs(x)
         c = self.input_scale
         return q * c, k * c, o * c, v
+
+    @torch.no_grad()
+    def rescale_inputs(self, factor: float) -> None:
+        """Multiply the canonical inputs by ``factor``, in place: the q, k and o rows of ``in_proj`` (weights
+        and biases) and scgp's global inducing inputs. The layer then computes what one built with
+        ``input_scale`` × ``factor`` from the same parameters computes, and the change lives in the state
+        dict (``input_scale`` is a constant, not saved). For a stream other than the one ``input_scale``
+        assumes (:meth:`gpattn.integrations.huggingface.HFClassifier.match_prior_to_stream`, docs/derivations.md §7)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+            raise ValueError(f"factor must be a finite float > 0, got {factor!r}")
+        offset = 0
+        for name, width in zip(self.projections, self._proj_widths):
+            if name in ("q", "k", "o"):
+                self.in_proj.weight[offset : offset + width] *= factor
+                if self.in_proj.bias is not None:
+                    self.in_proj.bias[offset : offset + width] *= factor
+            offset += width
+        for name in ("inducing_latent", "inducing_keys"):  # scgp's global inducing inputs (amortised ones follow)
+            inducing = getattr(self.strategy, name, None)
+            if inducing is not None:
+                inducing *= factor
 
 
 @register("cgp")

@@ -136,6 +136,21 @@ def key_padding_mask(attention_mask: torch.Tensor | None, shape) -> torch.Tensor
     return result
 
 
+def _median_key_distance(layer: nn.Module, x: torch.Tensor, key_padding_mask) -> float:
+    """The median of ‖k_i − k_j‖² over the heads and the pairs of distinct real tokens of one sequence, k the
+    canonical keys of a correlated-GP layer (``strategy_inputs``, input scale applied).  # shape: x (B, T, D)"""
+    k = layer.strategy_inputs(x)[1].double()  # (B, H, T, Dh)
+    B, T = k.shape[0], k.shape[2]
+    real = torch.ones(B, T, dtype=torch.bool, device=k.device)
+    if key_padding_mask is not None:
+        real = ~key_padding_mask.to(k.device)
+    pairs = real[:, :, None] & real[:, None, :] & ~torch.eye(T, dtype=torch.bool, device=k.device)
+    if not bool(pairs.any()):
+        raise ValueError("inputs: no sequence with two real tokens to set cgp/scgp's input scale on")
+    distances = torch.cdist(k, k).pow(2).transpose(0, 1)[:, pairs]  # (H, pairs)
+    return float(distances.median())
+
+
 # ----------------------------------------------------------------------------- the adapter
 class HFAttentionAdapter(nn.Module):
     """A gpattn layer (``self.attention``) behind transformers' self-attention contract.
@@ -476,7 +491,12 @@ class HFClassifier(LossTermWalkers, nn.Module):
         .. math:: c = \frac{v_s \cdot 1/3}{g_o},\qquad v_s = \text{mean square of the layer's input per
             coordinate over real tokens},\quad g_o = \lVert W_{out}\rVert_F^2 / D,
 
-        so that the noise it adds, relative to its input, is what the native design gives. Every layer's
+        so that the noise it adds, relative to its input, is what the native design gives. cgp and scgp,
+        whose canonical kernel κ_o has no lengthscale of its own (their ``input_scale`` assumes fresh
+        projections of a unit-variance stream), also get the median heuristic: their canonical inputs
+        (q, k, o, scgp's inducing inputs) are multiplied by :math:`1/\sqrt{m}`, m = the median of
+        :math:`\lVert k_i - k_j\rVert^2` over pairs of real tokens of one sequence and the heads, so that
+        the median is 1 (docs/derivations.md §7, "input scale on a pretrained stream"). Every layer's
         v_s comes from one forward in eval mode and :func:`gpattn.deterministic`, before any is scaled (in
         the post-LN BERT family a layer's input is a LayerNorm output, whose scale the layers below do not
         set). Layers that are not GP layers, and those whose ``out_proj`` starts at
@@ -488,7 +508,8 @@ class HFClassifier(LossTermWalkers, nn.Module):
         :param inputs: token ids ``(B, T)`` or, with ``frozen_trunk``, the trunk's output ``(B, T, D)`` —
             a few hundred training sequences.
         :param key_padding_mask: ``(B, T)`` bool, True = padding.
-        :returns: one row per scaled layer: ``layer``, ``stream_variance`` (v_s), ``out_gain`` (g_o), ``factor`` (c).
+        :returns: one row per scaled layer: ``layer``, ``stream_variance`` (v_s), ``out_gain`` (g_o), ``factor`` (c);
+            for cgp and scgp also ``key_distance`` (m, before) and ``input_factor`` (1/√m).
         """
         from gpattn._settings import deterministic
         from gpattn.variational._scale import NATIVE_OUTPUT_GAIN
@@ -510,8 +531,14 @@ class HFClassifier(LossTermWalkers, nn.Module):
             real = x if key_padding_mask is None else x[~key_padding_mask.to(x.device)]
             variance = float(real.double().pow(2).mean())
             factor = variance * NATIVE_OUTPUT_GAIN / gain
-            self.adapters[i].attention.scale_prior(factor)
+            layer = self.adapters[i].attention
+            layer.scale_prior(factor)
             rows.append({"layer": i, "stream_variance": variance, "out_gain": gain, "factor": factor})
+            if hasattr(layer, "rescale_inputs"):  # cgp, scgp: their canonical kernel has no lengthscale
+                with torch.no_grad():
+                    median = _median_key_distance(layer, x, key_padding_mask)
+                rows[-1].update(key_distance=median, input_factor=median**-0.5)
+                layer.rescale_inputs(median**-0.5)
         self.prior_scale = rows
         return rows
 
