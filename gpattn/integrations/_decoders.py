@@ -1,5 +1,5 @@
 """gpattn attention inside Hugging Face decoders: the GPT-2 family and Llama (docs/huggingface.md,
-docs/derivations.md §13).
+docs/derivations.md §11d).
 
 What :func:`gpattn.integrations.huggingface.swap_attention` needs to swap a causal self-attention
 (:data:`DECODERS`: where the layers are, the pretrained maps as (weight, bias) pairs, whether the queries
@@ -83,6 +83,7 @@ def _llama_sources(old: nn.Module) -> dict[str, tuple[Pair, str]]:
 
 
 def _llama_heads(old: nn.Module) -> int:
+    """LlamaAttention's query heads; its head width must be hidden_size / heads, as gpattn's layers have it."""
     config = old.config
     if old.head_dim * config.num_attention_heads != config.hidden_size:
         raise ValueError(
@@ -191,7 +192,7 @@ class RotaryProjection:
     ``k``, ``qk``) of every head by the rotary position embedding of the current
     :class:`HFDecoderAdapter` call, as LlamaAttention rotates its queries and keys (transformers'
     ``rotate_half`` convention: dimension d pairs with d + Dh/2); values are not rotated. The GP's inputs
-    are then the rotated features (docs/derivations.md §13)."""
+    are then the rotated features (docs/derivations.md §11d)."""
 
     def __init__(self, layer: nn.Module):
         self.widths = list(layer._proj_widths)
@@ -269,7 +270,7 @@ class CausalLMELBO:
     n the number of predicted tokens in the batch, B the sequences, N the training sequences: the
     per-sequence bound of docs/derivations.md §9 (:class:`gpattn.objectives.DeepGPELBO`, whose weights and
     terms are used as they are) divided by the mean number of predicted tokens per sequence, so that the data
-    term is transformers' own LM loss (docs/derivations.md §13).
+    term is transformers' own LM loss (docs/derivations.md §11d).
 
     ``objective(logits, labels, step=None)``: ``logits (B, T, V)`` of the last forward, ``labels (B, T)``
     as transformers takes them (the input ids; −100 = not predicted; shifted here: position t predicts
@@ -307,7 +308,7 @@ class CausalLMELBO:
 # ----------------------------------------------------------------------------- uncertainty per token
 @dataclasses.dataclass
 class TokenUncertainty:
-    """Per-token predictive uncertainty over P Monte-Carlo samples (docs/derivations.md §13), each ``(B, T)``
+    """Per-token predictive uncertainty over P Monte-Carlo samples (docs/derivations.md §11d), each ``(B, T)``
     in nats: ``entropy`` H[p̄] of the predictive p̄ = mean_p p_p (total), ``expected_entropy`` mean_p H[p_p]
     (aleatoric) and ``mutual_information`` H[p̄] − mean_p H[p_p] (epistemic, ≥ 0), and ``probs`` p̄ ``(B, T, V)``."""
 

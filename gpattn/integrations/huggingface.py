@@ -1,9 +1,16 @@
-"""gpattn attention inside Hugging Face encoders (``transformers`` 5, the ``huggingface`` extra).
+"""gpattn attention inside Hugging Face encoders and decoders (``transformers`` 5, the ``huggingface`` extra).
 
 ``swap_attention(model, "sgpa", layers="last")`` replaces the self-attention of chosen layers of a
 BERT-family encoder by :class:`HFAttentionAdapter`, which wraps a gpattn layer
 (``gpattn.build_attention(name, hidden, heads, **options)``) and speaks transformers' self-attention
 contract: ``forward(hidden_states, attention_mask=None, **kwargs) -> (output, None)``.
+
+**Decoders** (GPT-2 family, Llama): the same call swaps their causal self-attention for
+:class:`HFDecoderAdapter` with a variant that takes causal masks (:func:`decoder_variants`); rotary
+embeddings, grouped-query heads, the recompute cache policy, the LM objective (:class:`CausalLMELBO`) and
+per-token uncertainty (:func:`token_uncertainty`, :func:`generate_with_uncertainty`) are in
+:mod:`gpattn.integrations._decoders`, docs/huggingface.md and docs/derivations.md §11d. What follows
+describes encoders.
 
 **What is transferred** (per swapped layer, also returned by :func:`swap_attention`): the pretrained
 query / key / value weights and biases go into the gpattn layer's fused input projection ``in_proj``
@@ -330,19 +337,20 @@ def _module_at(layer: nn.Module, attr: str, cls: str, i: int) -> tuple[nn.Module
 
 def decoder_variants(rotary: bool = False) -> list[str]:
     """The variants :func:`swap_attention` puts into a decoder: those that take a causal mask (per-query
-    masks, docs/derivations.md §11), without ``h-sto`` in a rotary model (§13: its centroid step drops the
+    masks, docs/derivations.md §11), without ``h-sto`` in a rotary model (§11d: its centroid step drops the
     keys' positions)."""
     return [n for n in list_attention() if attention_class(n).per_query_masks and not (rotary and n == "h-sto")]
 
 
 def _check_decoder_variant(attention, cls: str, rotary: bool) -> None:
+    """A ValueError naming the variant, why it cannot replace ``cls`` and the variants that can."""
     name = attention if isinstance(attention, str) else getattr(attention, "name", None) or attention.__name__
     if name in decoder_variants(rotary):
         return
     attention_class(attention)  # an unknown name: the registry's error
     why = (
         "its centroid step assigns the rotated keys to position-free centroids, so the keys' positions do not reach "
-        "the scores (docs/derivations.md §13)"
+        "the scores (docs/derivations.md §11d)"
         if name == "h-sto"
         else "it takes only masks that pad, not the causal mask (docs/derivations.md §11c)"
     )
