@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from gpattn.objectives import DeepGPELBO
 
 __all__ = [
-    "DECODERS",
     "CausalLMELBO",
+    "DECODERS",
     "DecoderSpec",
     "HFDecoderAdapter",
     "RotaryProjection",

@@ -98,7 +98,7 @@ _ARCHITECTURES: dict[str, tuple[str, tuple[str, str, str, str | None]]] = {
     "RobertaSelfAttention": ("attention.self", ("query", "key", "value", None)),
     "DistilBertSelfAttention": ("attention", ("q_lin", "k_lin", "v_lin", "out_lin")),
 }
-#: the pretrained map each gpattn projection takes (index into the names above); others stay new
+#: the pretrained map (by role: q, k, v) each gpattn projection takes; others stay new
 _SOURCES = {"q": "q", "k": "k", "v": "v", "qk": "k"}
 
 
