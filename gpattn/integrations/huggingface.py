@@ -1,9 +1,16 @@
-"""gpattn attention inside Hugging Face encoders (``transformers`` 5, the ``huggingface`` extra).
+"""gpattn attention inside Hugging Face encoders and decoders (``transformers`` 5, the ``huggingface`` extra).
 
 ``swap_attention(model, "sgpa", layers="last")`` replaces the self-attention of chosen layers of a
 BERT-family encoder by :class:`HFAttentionAdapter`, which wraps a gpattn layer
 (``gpattn.build_attention(name, hidden, heads, **options)``) and speaks transformers' self-attention
 contract: ``forward(hidden_states, attention_mask=None, **kwargs) -> (output, None)``.
+
+**Decoders** (GPT-2 family, Llama): the same call swaps their causal self-attention for
+:class:`HFDecoderAdapter` with a variant that takes causal masks (:func:`decoder_variants`); rotary
+embeddings, grouped-query heads, the recompute cache policy, the LM objective (:class:`CausalLMELBO`) and
+per-token uncertainty (:func:`token_uncertainty`, :func:`generate_with_uncertainty`) are in
+:mod:`gpattn.integrations._decoders`, docs/huggingface.md and docs/derivations.md §11d. What follows
+describes encoders.
 
 **What is transferred** (per swapped layer, also returned by :func:`swap_attention`): the pretrained
 query / key / value weights and biases go into the gpattn layer's fused input projection ``in_proj``
@@ -52,18 +59,36 @@ import weakref
 import torch
 import torch.nn as nn
 
-from gpattn.attention import build_attention
+from gpattn.attention import attention_class, attention_options, build_attention, list_attention
+from gpattn.integrations._decoders import (
+    DECODERS,
+    CausalLMELBO,
+    HFDecoderAdapter,
+    RotaryProjection,
+    TokenUncertainty,
+    decoder_layers,
+    generate_with_uncertainty,
+    predictive_uncertainty,
+    token_uncertainty,
+)
 from gpattn.models._blocks import pool_tokens
 from gpattn.objectives import LossTermWalkers
 
 __all__ = [
+    "CausalLMELBO",
     "HFAttentionAdapter",
     "HFClassifier",
+    "HFDecoderAdapter",
+    "TokenUncertainty",
+    "decoder_variants",
+    "generate_with_uncertainty",
     "key_padding_mask",
     "load_swapped",
+    "predictive_uncertainty",
     "resolve_encoder",
     "supported_architectures",
     "swap_attention",
+    "token_uncertainty",
 ]
 
 #: self-attention classes by name -> (attribute of the encoder layer holding it, names of its query /
@@ -73,13 +98,13 @@ _ARCHITECTURES: dict[str, tuple[str, tuple[str, str, str, str | None]]] = {
     "RobertaSelfAttention": ("attention.self", ("query", "key", "value", None)),
     "DistilBertSelfAttention": ("attention", ("q_lin", "k_lin", "v_lin", "out_lin")),
 }
-#: the pretrained map each gpattn projection takes (index into the names above); others stay new
-_SOURCES = {"q": 0, "k": 1, "v": 2, "qk": 1}
+#: the pretrained map (by role: q, k, v) each gpattn projection takes; others stay new
+_SOURCES = {"q": "q", "k": "k", "v": "v", "qk": "k"}
 
 
 def supported_architectures() -> list[str]:
-    """The transformers self-attention classes :func:`swap_attention` can replace."""
-    return sorted(_ARCHITECTURES)
+    """The transformers self-attention classes :func:`swap_attention` can replace (encoders and decoders)."""
+    return sorted([*_ARCHITECTURES, *DECODERS])
 
 
 # ----------------------------------------------------------------------------- masks
@@ -191,9 +216,9 @@ def _encoder_layers(model: nn.Module) -> tuple[nn.ModuleList, str]:
                 if type(module).__name__ == cls:
                     return layers, cls
     raise ValueError(
-        f"model: swap_attention supports encoders whose self-attention is one of "
-        f"{', '.join(supported_architectures())} (BERT, RoBERTa, DistilBERT, MiniLM in transformers 5); "
-        f"got {type(model).__name__}"
+        f"model: swap_attention supports encoders whose self-attention is one of {', '.join(sorted(_ARCHITECTURES))} "
+        f"(BERT, RoBERTa, DistilBERT, MiniLM in transformers 5) and decoders whose self-attention is one of "
+        f"{', '.join(sorted(DECODERS))} (the GPT-2 family, Llama); got {type(model).__name__}"
     )
 
 
@@ -222,36 +247,49 @@ def _layer_indices(layers, n: int) -> list[int]:
     raise ValueError(f"layers must be 'last', 'all' or a non-empty list of layer indices, got {layers!r}")
 
 
+def _encoder_sources(old: nn.Module, names) -> dict[str, tuple | None]:
+    """An encoder module's maps by gpattn role: ((weight, bias), label); ``o`` None when the block applies
+    the output map after the module (BERT's ``attention.output.dense``)."""
+    sources = {role: ((getattr(old, n).weight, getattr(old, n).bias), n) for role, n in zip("qkv", names)}
+    out = names[3]
+    sources["o"] = None if out is None else ((getattr(old, out).weight, getattr(old, out).bias), out)
+    return sources
+
+
 @torch.no_grad()
-def _transfer(layer: nn.Module, old: nn.Module, names) -> tuple[dict[str, str], list[str]]:
-    """Copy the pretrained projections into ``layer``; return (transferred, new)."""
+def _copy(linear: nn.Linear, rows: slice, pair) -> None:
+    """``linear``'s rows ← a pretrained (weight, bias); its bias 0 where the pretrained map has none."""
+    weight, bias = pair
+    linear.weight[rows].copy_(weight)
+    if linear.bias is not None and bias is not None:
+        linear.bias[rows].copy_(bias)
+    elif linear.bias is not None:
+        linear.bias[rows].zero_()
+
+
+@torch.no_grad()
+def _transfer(layer: nn.Module, sources: dict) -> tuple[dict[str, str], list[str]]:
+    """Copy the pretrained maps (``sources``: role -> ((weight, bias), label), q / k / v / o) into ``layer``;
+    return (transferred, new)."""
     transferred, new = {}, []
     offset = 0
     for proj, width in zip(layer.projections, layer._proj_widths):
-        source = getattr(old, names[_SOURCES[proj]]) if proj in _SOURCES else None
-        if source is not None and source.weight.shape == (width, layer.embed_dim):
-            layer.in_proj.weight[offset : offset + width].copy_(source.weight)
-            if layer.in_proj.bias is not None and source.bias is not None:
-                layer.in_proj.bias[offset : offset + width].copy_(source.bias)
-            transferred[f"in_proj[{proj}]"] = names[_SOURCES[proj]]
+        source = sources.get(_SOURCES[proj]) if proj in _SOURCES else None
+        if source is not None and source[0][0].shape == (width, layer.embed_dim):
+            _copy(layer.in_proj, slice(offset, offset + width), source[0])
+            transferred[f"in_proj[{proj}]"] = source[1]
         else:
             new.append(f"in_proj[{proj}]")
         offset += width
-    out, W = layer.out_proj, layer.out_proj.weight
+    out, W, rows = layer.out_proj, layer.out_proj.weight, slice(None)
     if "v" not in layer.projections:  # no values (kep-svgp): its output is not the pretrained attention's
-        W.zero_()
-        if out.bias is not None:
-            out.bias.zero_()
+        _copy(out, rows, (torch.zeros_like(W), None))
         transferred["out_proj"] = "zero (no value projection: the block starts as the pretrained one without attention)"
-    elif names[3] is not None and getattr(old, names[3]).weight.shape == W.shape:
-        W.copy_(getattr(old, names[3]).weight)
-        if out.bias is not None:
-            out.bias.copy_(getattr(old, names[3]).bias)
-        transferred["out_proj"] = names[3]
-    elif names[3] is None and W.shape[0] == W.shape[1]:
-        W.copy_(torch.eye(W.shape[0], dtype=W.dtype))
-        if out.bias is not None:
-            out.bias.zero_()
+    elif sources["o"] is not None and sources["o"][0][0].shape == W.shape:
+        _copy(out, rows, sources["o"][0])
+        transferred["out_proj"] = sources["o"][1]
+    elif sources["o"] is None and W.shape[0] == W.shape[1]:
+        _copy(out, rows, (torch.eye(W.shape[0], dtype=W.dtype), None))
         transferred["out_proj"] = "identity (the block's attention.output.dense follows)"
     else:
         new.append("out_proj")
@@ -262,36 +300,104 @@ def _transfer(layer: nn.Module, old: nn.Module, names) -> tuple[dict[str, str], 
 
 def swap_attention(
     model: nn.Module, attention: str = "sgpa", layers="last", **options
-) -> dict[int, HFAttentionAdapter]:
-    """Replace the self-attention of ``layers`` of a BERT-family encoder by gpattn's ``attention``, in place.
+) -> dict[int, HFAttentionAdapter | HFDecoderAdapter]:
+    """Replace the self-attention of ``layers`` of a BERT-family encoder or a GPT-2 / Llama decoder by
+    gpattn's ``attention``, in place.
 
-    :param model: a transformers model (``BertModel``, ``BertForSequenceClassification``, RoBERTa,
-        DistilBERT, ...; encoder-only: ``config.is_decoder`` must be False).
-    :param attention: a gpattn variant name (``gpattn.list_attention()``).
+    :param model: a transformers model: an encoder (``BertModel``, ``BertForSequenceClassification``,
+        RoBERTa, DistilBERT, ...; ``config.is_decoder`` must be False) or a decoder (``GPT2LMHeadModel``,
+        ``GPT2Model``, ``LlamaForCausalLM``, ``LlamaModel``, ...: :data:`gpattn.integrations._decoders.DECODERS`).
+    :param attention: a gpattn variant name (``gpattn.list_attention()``); in a decoder one that takes
+        causal masks (:func:`decoder_variants`).
     :param layers: ``"last"``, ``"all"`` or a list of layer indices.
     :param options: the variant's options (``gpattn.attention_options(attention)``).
     :returns: the adapters by layer index; each says what was transferred (``.transferred``) and what
         is new (``.new``). Each adapter takes the training mode, device and dtype of the module it replaces.
+        A decoder's ``config.use_cache`` and ``generation_config.use_cache`` are set to False (the swapped
+        layers recompute the prefix: docs/huggingface.md).
     """
+    decoder = decoder_layers(model)
+    if decoder is not None:
+        return _swap_decoder(model, *decoder, attention, layers, options)
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "is_decoder", False):
-        raise ValueError("model: config.is_decoder is True (causal masks); swap_attention supports encoders only")
+        raise ValueError(
+            "model: config.is_decoder is True (causal masks); swap_attention supports encoders and the decoders "
+            f"{', '.join(DECODERS)} (set config.is_decoder=False for a BERT-family encoder)"
+        )
     encoder_layers, cls = _encoder_layers(model)
     attr, names = _ARCHITECTURES[cls]
     swapped = {}
     for i in _layer_indices(layers, len(encoder_layers)):
-        parent_path, _, child = attr.rpartition(".")
-        parent = encoder_layers[i].get_submodule(parent_path) if parent_path else encoder_layers[i]
-        old = getattr(parent, child)
-        if not isinstance(old, nn.Module) or type(old).__name__ != cls:
-            raise ValueError(f"layers: layer {i}'s {attr} is {type(old).__name__}, not {cls} (already swapped?)")
+        parent, child, old = _module_at(encoder_layers[i], attr, cls, i)
         q = getattr(old, names[0]).weight
         heads = getattr(old, "num_attention_heads", None) or old.n_heads
         layer = build_attention(attention, q.shape[1], heads, **options).to(device=q.device, dtype=q.dtype)
-        transferred, new = _transfer(layer, old, names)
+        transferred, new = _transfer(layer, _encoder_sources(old, names))
         adapter = HFAttentionAdapter(layer, transferred, new).train(old.training)
         setattr(parent, child, adapter)
         swapped[i] = adapter
+    return swapped
+
+
+def _module_at(layer: nn.Module, attr: str, cls: str, i: int) -> tuple[nn.Module, str, nn.Module]:
+    """(parent, attribute, module) of the attention module ``attr`` of layer ``i``, which must be a ``cls``."""
+    parent_path, _, child = attr.rpartition(".")
+    parent = layer.get_submodule(parent_path) if parent_path else layer
+    old = getattr(parent, child)
+    if not isinstance(old, nn.Module) or type(old).__name__ != cls:
+        raise ValueError(f"layers: layer {i}'s {attr} is {type(old).__name__}, not {cls} (already swapped?)")
+    return parent, child, old
+
+
+def decoder_variants(rotary: bool = False) -> list[str]:
+    """The variants :func:`swap_attention` puts into a decoder: those that take a causal mask (per-query
+    masks, docs/derivations.md §11), without ``h-sto`` in a rotary model (§11d: its centroid step drops the
+    keys' positions)."""
+    return [n for n in list_attention() if attention_class(n).per_query_masks and not (rotary and n == "h-sto")]
+
+
+def _check_decoder_variant(attention, cls: str, rotary: bool) -> None:
+    """A ValueError naming the variant, why it cannot replace ``cls`` and the variants that can."""
+    name = attention if isinstance(attention, str) else getattr(attention, "name", None) or attention.__name__
+    if name in decoder_variants(rotary):
+        return
+    attention_class(attention)  # an unknown name: the registry's error
+    why = (
+        "its centroid step assigns the rotated keys to position-free centroids, so the keys' positions do not reach "
+        "the scores (docs/derivations.md §11d)"
+        if name == "h-sto"
+        else "it takes only masks that pad, not the causal mask (docs/derivations.md §11c)"
+    )
+    raise ValueError(
+        f"attention {name!r} cannot replace {cls} (causal self-attention{', rotary' if rotary else ''}): {why}; "
+        f"use one of {', '.join(decoder_variants(rotary))}"
+    )
+
+
+def _swap_decoder(model, decoder_layers_, cls, attention, layers, options) -> dict[int, HFDecoderAdapter]:
+    """:func:`swap_attention` on a decoder (:data:`gpattn.integrations._decoders.DECODERS`)."""
+    spec = DECODERS[cls]
+    _check_decoder_variant(attention, cls, spec.rotary)
+    swapped = {}
+    for i in _layer_indices(layers, len(decoder_layers_)):
+        parent, child, old = _module_at(decoder_layers_[i], spec.attr, cls, i)
+        sources = spec.sources(old)
+        q = sources["q"][0][0]
+        given = dict(options)
+        if "dropout" in attention_options(attention) and "dropout" not in given:
+            given["dropout"] = spec.dropout(old)  # softmax: the module's attention dropout, as in the original
+        layer = build_attention(attention, q.shape[1], spec.heads(old), **given).to(device=q.device, dtype=q.dtype)
+        transferred, new = _transfer(layer, sources)
+        if spec.rotary:
+            layer.in_proj.register_forward_hook(RotaryProjection(layer))
+        dropout = getattr(old, "resid_dropout", None)
+        adapter = HFDecoderAdapter(layer, transferred, new, rotary=spec.rotary, resid_dropout=dropout)
+        setattr(parent, child, adapter.train(old.training))
+        swapped[i] = adapter
+    for config in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        if config is not None:
+            config.use_cache = False  # the recompute policy (docs/huggingface.md)
     return swapped
 
 
