@@ -26,6 +26,7 @@ class _CorrelatedGPAttention(GPAttention):
     """
 
     projections = ("q", "k", "o", "v")
+    query_projection = "q"
 
     def _init_scale(self, input_scale):
         if input_scale is None:
@@ -49,6 +50,10 @@ class _CorrelatedGPAttention(GPAttention):
         q, k, o, v = super().strategy_inputs(x)
         c = self.input_scale
         return q * c, k * c, o * c, v
+
+    def query_inputs(self, x):
+        """Cross-attention's queries, scaled by ``input_scale``.  # shape: (B, H, T, Dh)"""
+        return super().query_inputs(x) * self.input_scale
 
 
 @register("cgp")

@@ -69,9 +69,9 @@ class StochasticAttention(AttentionBase):
         self.last_weights: torch.Tensor | None = None
 
     def _attend(self, call):
-        p = self.project(call.x)  # each: (B, H, T, Dh)
+        pq, pk = self.project_call(call)  # each: (B, H, T or S, Dh)
         out, weights = gumbel_attention(
-            p["q"], p["k"], p["v"], self.tau, mask=call.mask, hard=self.hard, sample=call.sampling,
+            pq["q"], pk["k"], pk["v"], self.tau, mask=call.mask, hard=self.hard, sample=call.sampling,
             return_weights=self.store_weights or call.need_weights,
         )
         if self.store_weights or self.last_weights is not None:  # opt-in record (a debugging aid)
