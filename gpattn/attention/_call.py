@@ -143,10 +143,11 @@ def check_call_inputs(layer, x, key_padding_mask, context):
     if context is None:
         x, key_padding_mask = check_inputs(x, key_padding_mask, layer.embed_dim)
         return x, None, key_padding_mask
-    if layer.no_cross_attention:
+    if not layer.cross_attention:
+        why = layer.no_cross_attention or "its _attend does not read call.context (opt in: cross_attention = True)"
         raise ValueError(
             f"attention {layer.name or type(layer).__name__!r} does not take cross-attention (a context other "
-            f"than x): {layer.no_cross_attention}"
+            f"than x): {why}"
         )
     return check_cross_inputs(x, context, key_padding_mask, layer.embed_dim)
 

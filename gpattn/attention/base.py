@@ -65,8 +65,9 @@ class AttentionBase(LossTermWalkers, nn.Module):
     #: exactly), and other masks as they are: a query with no allowed key is its own concern (no inducing
     #: input); the other variants get such rows opened to every key (their output is zeroed afterwards).
     per_query_masks: bool = False
-    #: why the variant refuses cross-attention (a ``context`` other than x), or "" when it takes it
-    #: (docs/derivations.md §13): queries from x, keys and values from ``context``
+    #: whether ``_attend`` takes cross-attention (opt-in; docs/derivations.md §13): queries of ``call.x``, keys and
+    #: values of ``call.context`` (:meth:`project_call`); ``no_cross_attention``: why a variant refuses it
+    cross_attention: bool = False
     no_cross_attention: str = ""
     #: read by torch's transformer layers (an nn.MultiheadAttention attribute): False keeps
     #: nn.TransformerEncoderLayer's eval-mode fast path, which runs MHA's own fused kernel, off this layer

@@ -27,6 +27,7 @@ class _CorrelatedGPAttention(GPAttention):
 
     projections = ("q", "k", "o", "v")
     query_projection = "q"
+    cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
 
     def _init_scale(self, input_scale):
         if input_scale is None:

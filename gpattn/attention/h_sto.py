@@ -134,6 +134,7 @@ class HierarchicalStochasticAttention(AttentionBase):
     projections = ("q", "k", "v")
     is_gp = False
     per_query_masks = True  # any attn_mask: excluded keys leave the row (docs/derivations.md §11)
+    cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
     stochastic = True
 
     def __init__(

@@ -24,6 +24,7 @@ class SoftmaxAttention(AttentionBase):
 
     projections = ("q", "k", "v")
     per_query_masks = True  # any attn_mask: excluded keys leave the row (docs/derivations.md §11)
+    cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
 
     def __init__(self, embed_dim: int, num_heads: int, *, dropout: float = 0.0, **base):
         super().__init__(embed_dim, num_heads, **base)

@@ -427,11 +427,9 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         ``mask`` is a key padding mask (B, T) (True = padding) or a per-query mask (B or 1, H or 1, T, T)
         (True = query i may not attend to key j: query i's mean basis is the keys in A_i, a
         :class:`MaskedDecoupledSGPAConditional`; docs/derivations.md §11b). ``query_inputs`` (B, H, T', Dh):
-        cross-attention, ``queries`` are then the keys k_a of the mean basis and q(f) is evaluated at
-        ``query_inputs`` (docs/derivations.md §13; key padding only).
+        cross-attention (§13): ``queries`` are the mean basis' keys, q(f) is at ``query_inputs``.
 
-        # shape: queries (B, H, T, Dh), values (B, H, T, Dv), global_keys (H, M, Dh),
-        #        mask (B, T) or (B or 1, H or 1, T, T) bool or None
+        # shape: queries (B, H, T, Dh), values (B, H, T, Dv), global_keys (H, M, Dh), mask (B, T), (B|1, H|1, T, T)
         """
         if query_inputs is not None:
             return self._condition_cross(query_inputs, queries, values, global_keys, mask)
