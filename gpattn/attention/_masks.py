@@ -141,10 +141,10 @@ def attn_mask_excluded(attn_mask: torch.Tensor, B: int, H: int, T: int, S: int |
         return m.view(B, H, T, S) if shape[0] == B * H else m[:, None]
     if shape[-2:] == (T, S) and m.dim() == 4 and shape[0] in (B, 1) and shape[1] in (H, 1):
         return m
-    n = "T, T" if S == T else "T, S"  # S keys: cross-attention
+    n, keys = ("T, T", "") if S == T else ("T, S", f" queries, S={S} keys")  # S keys: cross-attention
     raise ValueError(
         f"attn_mask must have shape ({n}) = {(T, S)}, (B*H, {n}) = {(B * H, T, S)}, (B, {n}) or "
-        f"(B or 1, H or 1, {n}) with B={B}, H={H}, T={T}" + ("" if S == T else f" queries, S={S} keys") + f"; got {shape}"
+        f"(B or 1, H or 1, {n}) with B={B}, H={H}, T={T}{keys}; got {shape}"
     )
 
 
