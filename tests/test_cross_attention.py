@@ -121,7 +121,7 @@ GP_CASES = {
     "decoupled-attention-diag": (
         "sgpa-decoupled", {"jitter": 0.0, "num_global": 3}, sgpa_decoupled_cross_dense_posterior,
     ),
-    "cgp": ("cgp", {}, cgp_cross_dense_posterior),
+    "cgp": ("cgp", {"prior_samples": None}, cgp_cross_dense_posterior),
     "scgp": ("scgp", {"jitter": 0.0, "num_inducing": 3, "num_inducing_keys": 4}, scgp_cross_dense_posterior),
 }
 
@@ -153,10 +153,17 @@ def test_gp_posterior_matches_the_dense_reference(case):
         torch.testing.assert_close(post.covariance_matrix, cov, rtol=1e-8, atol=1e-10)
     with gpattn.deterministic():
         layer(x, mask, context=context)
-    terms = layer_loss_terms(layer)
+        terms = layer_loss_terms(layer)
+        truncated = []  # the regulariser (cgp, scgp) has no dense reference: the truncated contexts' terms
+        for b in range(2):
+            layer(x[b : b + 1], context=context[b : b + 1, : int((~mask[b]).sum())])
+            truncated.append(layer_loss_terms(layer))
     for key in refs[0].loss_terms:
         expected = refs[0].loss_terms[key] if key == "kl_global" else sum(r.loss_terms[key] for r in refs) / 2
         torch.testing.assert_close(terms[key], expected, rtol=1e-9, atol=1e-10)
+    for key in terms:
+        expected = truncated[0][key] if key == "kl_global" else (truncated[0][key] + truncated[1][key]) / 2
+        torch.testing.assert_close(terms[key], expected, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("case", ["sgpa-zero-full", "sgpa-attention-diag", "decoupled-zero-full", "cgp", "scgp"])

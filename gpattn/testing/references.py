@@ -587,10 +587,23 @@ def _cross_correlated_inputs(layer, x, context):
 def cgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) -> DenseReference:
     """``cgp`` in cross-attention: z_q at x's queries given z_k at the context's keys through z_o at the
     context's latent inputs (App. B's covariance with the μ_o μ_oᵀ term kept, S ≠ T), plus the jitter its
-    posterior carries. No padding."""
-    nu, cov, _, _ = cgp_dense_moments(*_cross_correlated_inputs(layer, x, context), *_sigmas(layer.gp))
+    posterior carries; with ``prior_samples=None`` also the regulariser (eqs. 42–44 in expectation over z_o,
+    T queries and S keys) as the loss term ``cgp`` (mean over the batch of Σ_{h,d} R / 2). No padding."""
+    sigmas = _sigmas(layer.gp)
+    nu, cov, z, K = cgp_dense_moments(*_cross_correlated_inputs(layer, x, context), *sigmas)
     jitter = layer.gp.jitter * torch.eye(x.shape[1], dtype=x.dtype)
-    return DenseReference(nu.transpose(-1, -2), cov + jitter, {})
+    if layer.gp.prior_samples is not None:
+        return DenseReference(nu.transpose(-1, -2), cov + jitter, {})
+    s2 = sigmas[2] ** 2
+    A = K["K_o"] + s2 * torch.eye(K["K_o"].shape[-1], dtype=x.dtype)
+    R = 0
+    for f, K_fo, K_f in ((nu, K["K_qo"], K["K_q"]), (z, K["K_ok"].mT, K["K_k"])):
+        H_f = torch.linalg.solve(A, K_fo.mT).mT  # K_fo A⁻¹: m_f = H_f z_o
+        Sig = K_f - H_f @ K_fo.mT + s2 * torch.eye(K_f.shape[-1], dtype=x.dtype)  # Σ_f + σ²I
+        # E_{z_o ~ N(0, K_o)} (f − H_f z_o)ᵀ Σ⁻¹ (f − H_f z_o) = fᵀ Σ⁻¹ f + tr(Σ⁻¹ H_f K_o H_fᵀ)
+        trace = torch.linalg.solve(Sig, H_f @ K["K_o"] @ H_f.mT).diagonal(dim1=-2, dim2=-1).sum(-1)
+        R = R + (f * torch.linalg.solve(Sig, f)).sum(-2) + (trace + torch.linalg.slogdet(Sig)[1])[..., None]
+    return DenseReference(nu.transpose(-1, -2), cov + jitter, {"cgp": R.sum((1, 2)).mean(0) / 2})
 
 
 def scgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) -> DenseReference:
@@ -598,5 +611,16 @@ def scgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) ->
     context's keys, latent inputs and z = v. No padding."""
     gp = layer.gp
     s, s_keys = gp.inducing_latent.detach()[None], gp.inducing_keys.detach()[None]
-    nu, cov, _ = scgp_dense_moments(*_cross_correlated_inputs(layer, x, context), s, s_keys, *_sigmas(gp))
-    return DenseReference(nu.transpose(-1, -2), cov, {})
+    inputs = _cross_correlated_inputs(layer, x, context)
+    nu, cov, K = scgp_dense_moments(*inputs, s, s_keys, *_sigmas(gp))
+    s2, z = _sigmas(gp)[2] ** 2, inputs[3]
+    R = 0  # App. E: (1/σ²)[‖f‖² + tr(C⁻¹ S K⁻¹ S C⁻¹ G) + σ² tr(C⁻¹ G)] + n log σ², per part (class docstring)
+    for f, K_fi, K_oi, K_ii in ((nu, K["K_qm"], K["K_om"], K["K_mm"]), (z, K["K_kl"], K["K_ol"], K["K_ll"])):
+        S_i, G = K_oi.mT @ K_oi, K_fi.mT @ K_fi
+        C = s2 * K_ii + S_i
+        CS = torch.linalg.solve(C, S_i)
+        trace = (CS @ torch.linalg.solve(K_ii, S_i) @ torch.linalg.solve(C, G)).diagonal(dim1=-2, dim2=-1).sum(-1)
+        s2_hd = torch.as_tensor(s2).reshape(-1, 1)  # shape: (H or 1, 1), against (B, H, ·)
+        trace = trace[..., None] + s2_hd * torch.linalg.solve(C, G).diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True)
+        R = R + (f.square().sum(-2) + trace) / s2_hd + f.shape[-2] * s2_hd.log()
+    return DenseReference(nu.transpose(-1, -2), cov, {"cgp": R.sum((1, 2)).mean(0) / 2})
