@@ -282,6 +282,27 @@ def test_variants_that_refuse_say_why():
     _raises(lambda: SelfOnly(D, H).to(F64)(x, context=context), "does not take cross-attention", "cross_attention")
 
 
+def test_a_user_variant_opts_in():
+    """A variant that declares ``cross_attention`` reads the keys' input as ``call.kv_input`` (the context,
+    or x in self-attention) and gets the keys' padding."""
+
+    class MeanOfValues(gpattn.attention.AttentionBase):
+        projections = ("v",)
+        cross_attention = True
+
+        def _attend(self, call):
+            v = self.project(call.kv_input)["v"]  # shape: (B, H, S, Dv)
+            w = (~call.mask[:, None, :, None]).to(v.dtype) if call.mask is not None else torch.ones_like(v[..., :1])
+            return ((w * v).sum(-2, keepdim=True) / w.sum(-2, keepdim=True)).expand(-1, -1, call.x.shape[1], -1)
+
+    layer = MeanOfValues(D, H).to(F64)
+    x, context, mask = _inputs()
+    y = layer(x, mask, context=context)
+    n = (~mask).sum(-1)[:, None, None]  # shape: (B, 1, 1)
+    expected = layer.out_proj((layer.in_proj(context) * ~mask[..., None]).sum(1, keepdim=True) / n)
+    torch.testing.assert_close(y, expected.expand(-1, T, -1))
+
+
 # ------------------------------------------------------------------ a decoder layer that must attend
 VOCAB, SRC, TGT = 8, 6, 4
 
