@@ -203,8 +203,8 @@ class AttentionBase(LossTermWalkers, nn.Module):
     def forward(self, *args, **kwargs):
         """Two call signatures, told apart by the second argument:
 
-        * gpattn's own, ``layer(x, key_padding_mask=None, num_samples=None, *, attn_mask=None)`` → the output
-          tensor (:meth:`forward_gp`);
+        * gpattn's own, ``layer(x, key_padding_mask=None, num_samples=None, *, attn_mask=None, context=None)``
+          → the output tensor (:meth:`forward_gp`; ``context``: cross-attention's keys and values);
         * nn.MultiheadAttention's, ``layer(query, key, value, key_padding_mask=None, need_weights=True,
           attn_mask=None, average_attn_weights=True, is_causal=False)`` → ``(output, weights or None)``
           (:meth:`forward_mha`), taken when a third positional argument is a tensor (the value; gpattn's

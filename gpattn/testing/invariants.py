@@ -229,9 +229,9 @@ def check_errors(name, **options):
 
 def check_cross_attention(name, **options):
     """Cross-attention (docs/derivations.md §13): queries (B, 4, D) and a context (B, 6, D) give (B, 4, D); under
-    ``gpattn.deterministic()`` padded keys change nothing (the truncated context's output) and a context equal
-    to x (another tensor) is self-attention at the real tokens. A variant without ``cross_attention`` raises a
-    ValueError naming it."""
+    ``gpattn.deterministic()`` what the padded keys hold changes nothing and a context equal to x (another
+    tensor) is self-attention at the real tokens. A variant without ``cross_attention`` raises a ValueError
+    naming it."""
     layer = _build(name, **options)
     context, mask = make_inputs()
     x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3))
@@ -240,9 +240,12 @@ def check_cross_attention(name, **options):
         return
     y = _run(layer, x, mask, context=context)
     assert y.shape == x.shape and torch.isfinite(y).all(), f"{name}: cross-attention output {tuple(y.shape)}"
+    garbage = context.clone()
+    garbage[mask] = torch.randn(int(mask.sum()), context.shape[-1]) * 5  # as check_padding
+    torch.testing.assert_close(_run(layer, x, mask, context=garbage), y, rtol=1e-4, atol=1e-4)  # seeded samples
     with deterministic():
         y = layer(x, mask, context=context)
-        torch.testing.assert_close(y[1:], layer(x[1:], context=context[1:, :4]), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer(x, mask, context=garbage), y, rtol=1e-4, atol=1e-5)
         real = ~mask[..., None]
         y_self, y_cross = layer(context, mask), layer(context, mask, context=context.clone())
         torch.testing.assert_close(y_cross * real, y_self * real, rtol=1e-4, atol=1e-5)
