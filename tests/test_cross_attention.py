@@ -372,3 +372,15 @@ def test_decoder_with_gp_cross_attention_learns_to_copy(name):
     control = train_copy(ZeroCrossAttention())
     assert control < 0.25, control
     assert accuracy > 0.9, accuracy
+
+
+@pytest.mark.parametrize("name", ["softmax", "sgpa-decoupled"])
+def test_sequence_first_mha_call(name):
+    """nn.MultiheadAttention's (T, B, D) layout (``batch_first=False``) in cross-attention: the same output."""
+    x, context, mask = _inputs()
+    first = _layer(name)
+    seq = _layer(name, batch_first=False)
+    memory = context.transpose(0, 1)  # shape: (S, B, D), one tensor as key and value
+    with gpattn.deterministic():
+        y, _ = seq(x.transpose(0, 1), memory, memory, key_padding_mask=mask)
+        torch.testing.assert_close(y.transpose(0, 1), first(x, mask, context=context))
