@@ -196,7 +196,7 @@ def test_need_weights(name):
 def test_call_errors_name_the_argument():
     x, _ = make_inputs(B=2, T=T, D=D)
     layer = _layer("softmax")
-    with pytest.raises(ValueError, match="self-attention: pass the same tensor as query, key and value"):
+    with pytest.raises(ValueError, match="key and value must be the same tensor"):
         layer(x, x.clone(), x)
     with pytest.raises(ValueError, match=r"attn_mask must have shape \(T, T\) = \(6, 6\).*got \(3, 6, 6\)"):
         layer(x, attn_mask=torch.zeros(3, T, T, dtype=torch.bool))

@@ -16,6 +16,8 @@ import torch
 
 from gpattn.attention._masks import (
     attn_mask_excluded,
+    check_cross_inputs,
+    check_cross_mask,
     check_inputs,
     check_num_samples,
     effective_mask,
@@ -31,19 +33,21 @@ __all__ = ["Attended", "AttentionCall"]
 class AttentionCall:
     """One forward's inputs as a variant's ``_attend(call)`` reads them (prepared once by the layer).
 
-    :ivar x: the layer input.  # shape: (B, T, D)
-    :ivar mask: the mask to attend under (True = excluded), or None: key padding ``(B, T)`` with every
+    :ivar x: the layer input: the queries' (and, in self-attention, the keys' and values').  # shape: (B, T, D)
+    :ivar mask: the mask to attend under (True = excluded), or None: key padding ``(B, S)`` with every
         all-padding row unpadded (its output is zeroed afterwards), or, for a variant with
-        ``per_query_masks``, a per-query mask ``(B or 1, H or 1, T, T)``; read it through
+        ``per_query_masks``, a per-query mask ``(B or 1, H or 1, T, S)``; read it through
         :func:`gpattn.attention.excluded_keys`.
     :ivar keep: the sequences with at least one real key, or None when nothing is padded.  # shape: (B,)
-    :ivar loss_mask: the caller's key padding, all-padding rows included, for per-token loss terms.  # (B, T)
+    :ivar loss_mask: the caller's key padding, all-padding rows included, for per-token loss terms.  # (B, S)
     :ivar num_samples: P when the variant is to draw P samples from one factorisation
         (``native_samples`` variants while sampling), else None.
     :ivar sampling: whether this forward samples (a stochastic variant outside ``gpattn.deterministic()``).
     :ivar need_weights: whether the caller asked for the attention weights (return them in :class:`Attended`).
     :ivar empty: per-query rows with no allowed key (their output is zeroed), or None.  # (B or 1, H or 1, T, 1)
     :ivar repeat: how many output rows per input row the caller asked for (P, or 1).
+    :ivar context: cross-attention's keys' and values' input, or None: self-attention, the keys are ``x``'s
+        (S = T). Read the keys' input as :attr:`kv_input`.  # shape: (B, S, D)
     """
 
     x: torch.Tensor
@@ -55,6 +59,13 @@ class AttentionCall:
     need_weights: bool = False
     empty: torch.Tensor | None = None
     repeat: int = 1
+    context: torch.Tensor | None = None
+
+    @property
+    def kv_input(self) -> torch.Tensor:
+        """The input the keys and values are projected from: ``context``, or ``x`` in self-attention.
+        # shape: (B, S, D)"""
+        return self.x if self.context is None else self.context
 
     def batch_mean(self, t: torch.Tensor) -> torch.Tensor:
         """Mean over the batch axis 0 of the sequences with at least one real key (all-padding rows left
@@ -87,25 +98,30 @@ class Attended:
 
 
 def prepare_call(
-    layer, x, key_padding_mask=None, num_samples=None, attn_mask=None, need_weights=False
+    layer, x, key_padding_mask=None, num_samples=None, attn_mask=None, need_weights=False, context=None
 ) -> AttentionCall:
     """The :class:`AttentionCall` of one forward of ``layer`` (inputs checked; an ``attn_mask`` that pads
     joins ``key_padding_mask``; the batch repeated P times for a stochastic variant that cannot draw P
-    samples itself)."""
-    x, key_padding_mask = check_inputs(x, key_padding_mask, layer.embed_dim)
+    samples itself). ``context``: cross-attention's keys' and values' input (``key_padding_mask`` and
+    ``attn_mask``'s columns are then over its S tokens), or None for self-attention."""
+    x, context, key_padding_mask = check_call_inputs(layer, x, key_padding_mask, context)
     P = 1 if num_samples is None else check_num_samples(num_samples)
     excluded = empty = None
     if attn_mask is not None:
-        excluded = attn_mask_excluded(attn_mask, x.shape[0], layer.num_heads, x.shape[1])
+        S = x.shape[1] if context is None else context.shape[1]
+        excluded = attn_mask_excluded(attn_mask, x.shape[0], layer.num_heads, x.shape[1], S)
         if excluded.device != x.device:
             raise ValueError(f"attn_mask is on {excluded.device} but x is on {x.device}")
+        if context is not None:
+            check_cross_mask(layer, excluded)
         if not layer.per_query_masks or (layer.is_gp and pads_only(excluded)):  # padding: joins key_padding_mask
             pad = padding_part(excluded, x.shape[0], layer.name, layer.per_query_masks)
             key_padding_mask, excluded = (pad if key_padding_mask is None else key_padding_mask | pad), None
     sampling = layer.sampling
     if P > 1 and sampling and not layer.native_samples:
-        x = x.repeat_interleave(P, 0)
-        key_padding_mask = None if key_padding_mask is None else key_padding_mask.repeat_interleave(P, 0)
+        x, context, key_padding_mask = (
+            None if t is None else t.repeat_interleave(P, 0) for t in (x, context, key_padding_mask)
+        )
         if excluded is not None and excluded.shape[0] > 1:
             excluded = excluded.repeat_interleave(P, 0)
         P = 1
@@ -116,8 +132,24 @@ def prepare_call(
         empty = excluded.all(-1, keepdim=True)  # shape: (B or 1, H or 1, T, 1)
         mask = excluded if layer.is_gp else excluded & ~empty
     return AttentionCall(
-        x, mask, keep, key_padding_mask, P if P > 1 and sampling else None, sampling, bool(need_weights), empty, P
+        x, mask, keep, key_padding_mask, P if P > 1 and sampling else None, sampling, bool(need_weights), empty, P,
+        context,
     )
+
+
+def check_call_inputs(layer, x, key_padding_mask, context):
+    """``(x, context, key_padding_mask)`` checked; a variant whose model needs the same inputs on both sides
+    refuses a ``context`` (its ``no_cross_attention`` says why)."""
+    if context is None:
+        x, key_padding_mask = check_inputs(x, key_padding_mask, layer.embed_dim)
+        return x, None, key_padding_mask
+    if not layer.cross_attention:
+        why = layer.no_cross_attention or "its _attend does not read call.context (opt in: cross_attention = True)"
+        raise ValueError(
+            f"attention {layer.name or type(layer).__name__!r} does not take cross-attention (a context other "
+            f"than x): {why}"
+        )
+    return check_cross_inputs(x, context, key_padding_mask, layer.embed_dim)
 
 
 def finish_call(layer, call: AttentionCall, out: Attended) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -136,7 +168,8 @@ def finish_call(layer, call: AttentionCall, out: Attended) -> tuple[torch.Tensor
     if empty is not None:
         y = y.masked_fill(empty.all(1), 0)  # a query with no allowed key in any head: output 0
     if out.mean is not None and layer.training:  # the trainer reads them; prediction skips the extra W_o
-        rows = [t if t is None or drawn == 1 else t.repeat_interleave(drawn, 0) for t in (call.x, call.loss_mask)]
+        real = call.loss_mask if call.context is None else None  # cross-attention: the queries are not padded
+        rows = [t if t is None or drawn == 1 else t.repeat_interleave(drawn, 0) for t in (call.x, real)]
         layer._diagnostics.update(output_scale(layer.out_proj, *rows, heads, out.mean.repeat_interleave(drawn, 0)))
     if call.keep is not None:  # all-padding sequences: output 0 (masked arithmetic, no host read)
         y = y.masked_fill_(~call.keep.repeat_interleave(drawn, 0)[:, None, None], 0)  # y is W_o's fresh output

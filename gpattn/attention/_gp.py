@@ -12,6 +12,7 @@ under ``gpattn.deterministic()``, and records the conditional's loss terms as GP
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from gpattn.attention._call import Attended
 from gpattn.attention.base import AttentionBase
@@ -26,6 +27,8 @@ class GPAttention(AttentionBase):
     is_gp = True
     stochastic = True
     native_samples = True
+    #: the projection the queries are read from in cross-attention (:meth:`query_inputs`)
+    query_projection: str = "qk"
 
     @property
     def kernel(self):
@@ -45,11 +48,23 @@ class GPAttention(AttentionBase):
         p = self.project(x)
         return tuple(p[name] for name in self.projections)
 
-    def _condition(self, x: torch.Tensor, mask: torch.Tensor | None) -> AmortisedConditional:
-        return self.strategy.condition(*self.strategy_inputs(x), mask=mask)
+    def query_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Cross-attention's queries: x through the rows of ``in_proj`` of ``query_projection`` alone
+        (docs/derivations.md §13).  # shape: x (B, T, D) -> (B, H, T, Dh)"""
+        i = self.projections.index(self.query_projection)
+        start, width = sum(self._proj_widths[:i]), self._proj_widths[i]
+        bias = None if self.in_proj.bias is None else self.in_proj.bias[start : start + width]
+        return self.split_heads(F.linear(x, self.in_proj.weight[start : start + width], bias))
+
+    def _condition(self, x, mask, context=None) -> AmortisedConditional:
+        """Self-attention: the strategy's inputs of x. Cross-attention: its inputs of the context (keys,
+        values, ...) and the queries of x (``query_inputs=``, where q(f) is evaluated)."""
+        if context is None:
+            return self.strategy.condition(*self.strategy_inputs(x), mask=mask)
+        return self.strategy.condition(*self.strategy_inputs(context), mask=mask, query_inputs=self.query_inputs(x))
 
     def _attend(self, call):
-        cond = self._condition(call.x, call.mask)
+        cond = self._condition(call.x, call.mask, call.context)
         out = self.draw(cond.rsample, call.num_samples) if call.sampling else cond.mean
         # after the draw: a loss term that samples (CGP's prior samples) takes the random numbers after it
         self.set_loss_terms(*cond.added_loss_terms(call.loss_mask))
@@ -58,5 +73,5 @@ class GPAttention(AttentionBase):
             out, mean = out.to(cond.output_dtype), mean.to(cond.output_dtype)
         return Attended(out, mean)
 
-    def _posterior(self, x, mask):
-        return self._condition(x, mask).posterior()
+    def _posterior(self, x, mask, context=None):
+        return self._condition(x, mask, context).posterior()

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from gpattn._settings import is_deterministic
-from gpattn.attention._call import Attended, AttentionCall, finish_call, prepare_call
+from gpattn.attention._call import Attended, AttentionCall, check_call_inputs, finish_call, prepare_call
 from gpattn.attention._masks import attn_mask_excluded, check_inputs, excluded_keys, posterior_masks
 from gpattn.attention._mha import multihead_call
 from gpattn.objectives import GPLossTerm, LossTermWalkers, summed_loss_terms
@@ -65,6 +65,10 @@ class AttentionBase(LossTermWalkers, nn.Module):
     #: exactly), and other masks as they are: a query with no allowed key is its own concern (no inducing
     #: input); the other variants get such rows opened to every key (their output is zeroed afterwards).
     per_query_masks: bool = False
+    #: whether ``_attend`` takes cross-attention (opt-in; docs/derivations.md §13): queries of ``call.x``, keys and
+    #: values of ``call.context`` (:meth:`project_call`); ``no_cross_attention``: why a variant refuses it
+    cross_attention: bool = False
+    no_cross_attention: str = ""
     #: read by torch's transformer layers (an nn.MultiheadAttention attribute): False keeps
     #: nn.TransformerEncoderLayer's eval-mode fast path, which runs MHA's own fused kernel, off this layer
     _qkv_same_embed_dim = False
@@ -124,6 +128,12 @@ class AttentionBase(LossTermWalkers, nn.Module):
         parts = self.in_proj(x).split(self._proj_widths, dim=-1)
         return {name: self.split_heads(p) for name, p in zip(self.projections, parts)}
 
+    def project_call(self, call: AttentionCall) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(of the queries, of the keys)``: :meth:`project` of ``call.x`` and of ``call.context`` (the same
+        dict in self-attention). Read queries from the first, keys and values from the second."""
+        pq = self.project(call.x)
+        return pq, (pq if call.context is None else self.project(call.context))
+
     # GPyTorch's added-loss-term protocol (gpytorch.Module's own functions): the layer stays a plain
     # nn.Module, since gpytorch.Module.__call__ bypasses nn.Module's hooks and admits only tensor outputs
     register_added_loss_term = gpytorch.Module.register_added_loss_term
@@ -170,7 +180,7 @@ class AttentionBase(LossTermWalkers, nn.Module):
         ``call.num_samples`` samples (``(B·P, H, T, Dv)``, B-major, :meth:`fold_samples`) when it is set."""
         raise NotImplementedError
 
-    def _posterior(self, x: torch.Tensor, mask: torch.Tensor | None):
+    def _posterior(self, x: torch.Tensor, mask: torch.Tensor | None, context: torch.Tensor | None = None):
         from gpattn.attention.registry import _REGISTRY
 
         gp = sorted(n for n, c in _REGISTRY.items() if c.is_gp)
@@ -193,8 +203,8 @@ class AttentionBase(LossTermWalkers, nn.Module):
     def forward(self, *args, **kwargs):
         """Two call signatures, told apart by the second argument:
 
-        * gpattn's own, ``layer(x, key_padding_mask=None, num_samples=None, *, attn_mask=None)`` → the output
-          tensor (:meth:`forward_gp`);
+        * gpattn's own, ``layer(x, key_padding_mask=None, num_samples=None, *, attn_mask=None, context=None)``
+          → the output tensor (:meth:`forward_gp`; ``context``: cross-attention's keys and values);
         * nn.MultiheadAttention's, ``layer(query, key, value, key_padding_mask=None, need_weights=True,
           attn_mask=None, average_attn_weights=True, is_causal=False)`` → ``(output, weights or None)``
           (:meth:`forward_mha`), taken when a third positional argument is a tensor (the value; gpattn's
@@ -216,9 +226,13 @@ class AttentionBase(LossTermWalkers, nn.Module):
         num_samples: int | None = None,
         *,
         attn_mask: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """# shape: x (B, T, D), key_padding_mask (B, T) bool (True = padding) -> (B, T, D), or (B·P, T, D)
         with ``num_samples=P``: P draws per input, B-major (row b·P + p is draw p of sequence b).
+
+        ``context`` (B, S, D): cross-attention, queries from x and keys and values from ``context``;
+        ``key_padding_mask`` (B, S) pads the keys (docs/derivations.md §13). None: self-attention.
 
         ``attn_mask`` (as in :meth:`attn_mask_excluded`; True = not allowed) excludes keys per query: a
         query with no allowed key gets head output 0 (output 0 where that holds in every head). The
@@ -232,15 +246,15 @@ class AttentionBase(LossTermWalkers, nn.Module):
         sample in this forward computes its output once and repeats it; the other stochastic variants
         (Gumbel attention) run on the batch repeated P times. The loss terms are those of the B
         sequences (each sequence's terms once, as with the repeated batch, whose rows share them)."""
-        return self.attend(x, key_padding_mask, num_samples, attn_mask=attn_mask)[0]
+        return self.attend(x, key_padding_mask, num_samples, attn_mask=attn_mask, context=context)[0]
 
     def attend(
-        self, x, key_padding_mask=None, num_samples=None, *, attn_mask=None, need_weights: bool = False
+        self, x, key_padding_mask=None, num_samples=None, *, attn_mask=None, need_weights: bool = False, context=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward_gp`'s output and, with ``need_weights``, the variant's attention weights
-        ``(B, H, T, T)`` (None for the variants without weights): one explicit call, prepared once
+        ``(B, H, T, S)`` (None for the variants without weights): one explicit call, prepared once
         (:func:`gpattn.attention._call.prepare_call`), attended by the variant, finished by the base."""
-        call = prepare_call(self, x, key_padding_mask, num_samples, attn_mask, need_weights)
+        call = prepare_call(self, x, key_padding_mask, num_samples, attn_mask, need_weights, context)
         for name in self._added_loss_terms:  # registered, unset until the variant records this forward's
             self._added_loss_terms[name] = None
         self._diagnostics.clear()
@@ -248,17 +262,18 @@ class AttentionBase(LossTermWalkers, nn.Module):
             return call.x.new_zeros(call.x.shape) + 0 * sum(p.sum() for p in self.parameters()), None
         return finish_call(self, call, Attended.of(self._attend(call)))
 
-    def posterior(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, attn_mask=None):
+    def posterior(self, x: torch.Tensor, key_padding_mask=None, *, attn_mask=None, context=None):
         """Posterior over the per-head outputs (before W_o): ``MultivariateNormal`` with batch
         ``(B, H, Dv)`` and event ``T``. GP variants only; the others raise ``NotImplementedError``.
-        ``attn_mask`` as in :meth:`forward_gp`: under a per-query mask ``sgpa-decoupled``'s posterior is joint
-        (the unmasked covariance, the masked mean); ``sgpa``'s is each
+        ``attn_mask`` and ``context`` as in :meth:`forward_gp`: under a per-query mask ``sgpa-decoupled``'s
+        posterior is joint (the unmasked covariance, the masked mean); ``sgpa``'s is each
         query's marginal (diagonal, docs/derivations.md §11)."""
-        x, key_padding_mask = self.check_inputs(x, key_padding_mask)
-        key_padding_mask, mask = posterior_masks(self, x, key_padding_mask, attn_mask)
+        x, context, key_padding_mask = check_call_inputs(self, x, key_padding_mask, context)
+        S = None if context is None else context.shape[1]
+        key_padding_mask, mask = posterior_masks(self, x, key_padding_mask, attn_mask, S)
         if key_padding_mask is not None and bool(key_padding_mask.all(-1).any()):  # an analysis call: may read
             raise ValueError("posterior(): a sequence in the batch has every key padded (no posterior to give)")
-        return self._posterior(x, mask)
+        return self._posterior(x, mask) if context is None else self._posterior(x, mask, context)
 
     def loss_terms(self) -> dict[str, torch.Tensor]:
         """The unweighted loss terms of the last forward by name, summed over this layer's added loss terms

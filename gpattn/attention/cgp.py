@@ -27,6 +27,8 @@ class _CorrelatedGPAttention(GPAttention):
     """
 
     projections = ("q", "k", "o", "v")
+    query_projection = "q"
+    cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
 
     def _init_scale(self, input_scale):
         if input_scale is None:
@@ -71,6 +73,10 @@ class _CorrelatedGPAttention(GPAttention):
             inducing = getattr(self.strategy, name, None)
             if inducing is not None:
                 inducing *= factor
+
+    def query_inputs(self, x):
+        """Cross-attention's queries, scaled by ``input_scale``.  # shape: (B, H, T, Dh)"""
+        return super().query_inputs(x) * self.input_scale
 
 
 @register("cgp")

@@ -134,6 +134,7 @@ class HierarchicalStochasticAttention(AttentionBase):
     projections = ("q", "k", "v")
     is_gp = False
     per_query_masks = True  # any attn_mask: excluded keys leave the row (docs/derivations.md §11)
+    cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
     stochastic = True
 
     def __init__(
@@ -176,9 +177,9 @@ class HierarchicalStochasticAttention(AttentionBase):
         self.last_centroid_weights: torch.Tensor | None = None
 
     def _attend(self, call):
-        p = self.project(call.x)  # each: (B, H, T, Dh)
+        pq, pk = self.project_call(call)  # each: (B, H, T or S, Dh)
         out, a_v, a_c = hierarchical_gumbel_attention(
-            p["q"], p["k"], p["v"], self.centroids.to(call.x.dtype),
+            pq["q"], pk["k"], pk["v"], self.centroids.to(call.x.dtype),
             tau1=self.tau1, tau2=self.tau2, mask=call.mask, hard_centroids=self.hard_centroids,
             hard_values=self.hard_values, cluster=self.cluster, sample=call.sampling,
             return_weights=self.store_weights or call.need_weights,

@@ -77,6 +77,12 @@ class KEPSVGPAttention(GPAttention):
     """
 
     projections = ("q", "k")
+    no_cross_attention = (
+        "its output at token t is f_e(q_t) + f_r(k_t), the query-side and key-side GPs of the same token t "
+        "(Chen et al. 2024 eq. 19; the keys of other tokens enter only through the landmark tokens), so the "
+        "queries and keys must be the same tokens (docs/derivations.md §13). Use sgpa, sgpa-decoupled, cgp or "
+        "scgp for GP cross-attention"
+    )
 
     def __init__(
         self,

@@ -29,25 +29,27 @@ class KernelAttention(AttentionBase):
 
     projections = ("qk", "v")
     per_query_masks = True  # any attn_mask: excluded keys leave the row (docs/derivations.md §11)
+    cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
 
     def __init__(self, embed_dim: int, num_heads: int, *, kernel: str | dict | Kernel = "exponential", **base):
         super().__init__(embed_dim, num_heads, **base)
         self.kernel = make_kernel(kernel, num_heads, self.head_dim, rbf="ard-rbf")
 
-    def _queries_keys(self, p):
-        return p["qk"], p["qk"]
+    def _queries_keys(self, pq, pk):
+        """The queries (of x) and keys (of x, or of the context in cross-attention)."""
+        return pq["qk"], pk["qk"]
 
     def _attend(self, call):
-        p = self.project(call.x)
-        q, k = self._queries_keys(p)
+        pq, pk = self.project_call(call)
+        q, k = self._queries_keys(pq, pk)
         rows = None if call.need_weights else block_rows(*q.shape[:3], k.shape[-2])
         if rows is not None:  # a long sequence: blocks of queries, memory linear in T (variational/_blockwise.py)
-            return blockwise(self._kernel_values, q, k, p["v"], rows=rows, per_query=(excluded_keys(call.mask),))
+            return blockwise(self._kernel_values, q, k, pk["v"], rows=rows, per_query=(excluded_keys(call.mask),))
         with gp_algebra(call.x.device.type):
-            K = evaluate_kernel(self.kernel, q, k)  # shape: (B, H, T, T)
+            K = evaluate_kernel(self.kernel, q, k)  # shape: (B, H, T, S)
         if call.mask is not None:
             K = K.masked_fill(excluded_keys(call.mask), 0.0)
-        return Attended(K @ p["v"], weights=K if call.need_weights else None)
+        return Attended(K @ pk["v"], weights=K if call.need_weights else None)
 
     def _kernel_values(self, q, k, v, excluded=None):
         """K(q, k) v for one block of queries, excluded keys at 0.  # shape: q (B, H, b, Dh) -> (B, H, b, Dv)"""
@@ -62,5 +64,5 @@ class AsymmetricKernelAttention(KernelAttention):
 
     projections = ("q", "k", "v")
 
-    def _queries_keys(self, p):
-        return p["q"], p["k"]
+    def _queries_keys(self, pq, pk):
+        return pq["q"], pk["k"]

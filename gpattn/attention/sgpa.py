@@ -70,6 +70,7 @@ class SGPAttention(GPAttention):
 
     projections = ("qk", "v")
     per_query_masks = True  # one GP per query (docs/derivations.md §11)
+    cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
 
     def __init__(
         self,
@@ -121,6 +122,7 @@ class DecoupledSGPAttention(GPAttention):
 
     projections = ("qk", "v")
     per_query_masks = True  # query i's mean basis is A_i (docs/derivations.md §11b)
+    cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
 
     def __init__(
         self,

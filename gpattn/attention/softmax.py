@@ -24,6 +24,7 @@ class SoftmaxAttention(AttentionBase):
 
     projections = ("q", "k", "v")
     per_query_masks = True  # any attn_mask: excluded keys leave the row (docs/derivations.md §11)
+    cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
 
     def __init__(self, embed_dim: int, num_heads: int, *, dropout: float = 0.0, **base):
         super().__init__(embed_dim, num_heads, **base)
@@ -32,15 +33,15 @@ class SoftmaxAttention(AttentionBase):
         self.dropout = dropout
 
     def _attend(self, call):
-        p = self.project(call.x)
-        excluded = excluded_keys(call.mask)  # shape: (B, 1, 1, T) or (B or 1, H or 1, T, T)
+        pq, pk = self.project_call(call)  # cross-attention: queries of x, keys and values of the context
+        excluded = excluded_keys(call.mask)  # shape: (B, 1, 1, S) or (B or 1, H or 1, T, S)
         dropout = self.dropout if self.training else 0.0
         if call.need_weights:  # the explicit path, which forms the weights
-            scores = p["q"] @ p["k"].transpose(-1, -2) / math.sqrt(self.head_dim)  # shape: (B, H, T, T)
+            scores = pq["q"] @ pk["k"].transpose(-1, -2) / math.sqrt(self.head_dim)  # shape: (B, H, T, S)
             if excluded is not None:
                 scores = scores.masked_fill(excluded, float("-inf"))
             weights = torch.softmax(scores, dim=-1)
-            return Attended(F.dropout(weights, dropout, self.training) @ p["v"], weights=weights)
+            return Attended(F.dropout(weights, dropout, self.training) @ pk["v"], weights=weights)
         return F.scaled_dot_product_attention(
-            p["q"], p["k"], p["v"], attn_mask=None if excluded is None else ~excluded, dropout_p=dropout
+            pq["q"], pk["k"], pk["v"], attn_mask=None if excluded is None else ~excluded, dropout_p=dropout
         )

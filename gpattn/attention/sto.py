@@ -57,6 +57,7 @@ class StochasticAttention(AttentionBase):
     projections = ("q", "k", "v")
     is_gp = False
     per_query_masks = True  # any attn_mask: excluded keys leave the row (docs/derivations.md §11)
+    cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
     stochastic = True
 
     def __init__(self, embed_dim: int, num_heads: int, *, tau: float | None = None, hard: bool = False, **base):
@@ -69,9 +70,9 @@ class StochasticAttention(AttentionBase):
         self.last_weights: torch.Tensor | None = None
 
     def _attend(self, call):
-        p = self.project(call.x)  # each: (B, H, T, Dh)
+        pq, pk = self.project_call(call)  # each: (B, H, T or S, Dh)
         out, weights = gumbel_attention(
-            p["q"], p["k"], p["v"], self.tau, mask=call.mask, hard=self.hard, sample=call.sampling,
+            pq["q"], pk["k"], pk["v"], self.tau, mask=call.mask, hard=self.hard, sample=call.sampling,
             return_weights=self.store_weights or call.need_weights,
         )
         if self.store_weights or self.last_weights is not None:  # opt-in record (a debugging aid)

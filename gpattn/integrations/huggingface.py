@@ -161,6 +161,24 @@ def key_padding_mask(attention_mask: torch.Tensor | None, shape) -> torch.Tensor
     return result
 
 
+def _match_layer(layer: nn.Module, x: torch.Tensor, key_padding_mask, gain: float) -> dict:
+    """Scale one swapped GP layer's prior to its input ``x`` (B, T, D) (and cgp/scgp's canonical inputs by the
+    median heuristic): :meth:`HFClassifier.match_prior_to_stream`'s row for it, without the layer index."""
+    from gpattn.variational._scale import NATIVE_OUTPUT_GAIN
+
+    real = x if key_padding_mask is None else x[~key_padding_mask.to(x.device)]
+    variance = float(real.double().pow(2).mean())
+    factor = variance * NATIVE_OUTPUT_GAIN / gain
+    layer.scale_prior(factor)
+    row = {"stream_variance": variance, "out_gain": gain, "factor": factor}
+    if hasattr(layer, "rescale_inputs"):  # cgp, scgp: their canonical kernel has no lengthscale
+        with torch.no_grad():
+            median = _median_key_distance(layer, x, key_padding_mask)
+        row.update(key_distance=median, input_factor=median**-0.5)
+        layer.rescale_inputs(median**-0.5)
+    return row
+
+
 def _median_key_distance(layer: nn.Module, x: torch.Tensor, key_padding_mask) -> float:
     """The median of ‖k_i − k_j‖² over the heads and the pairs of distinct real tokens of one sequence, k the
     canonical keys of a correlated-GP layer (``strategy_inputs``, input scale applied).  # shape: x (B, T, D)"""
@@ -618,7 +636,6 @@ class HFClassifier(LossTermWalkers, nn.Module):
             for cgp and scgp also ``key_distance`` (m, before) and ``input_factor`` (1/√m).
         """
         from gpattn._settings import deterministic
-        from gpattn.variational._scale import NATIVE_OUTPUT_GAIN
 
         if self.prior_scale is not None:
             raise ValueError("match_prior_to_stream: already applied to this model (a second call would scale twice)")
@@ -631,20 +648,8 @@ class HFClassifier(LossTermWalkers, nn.Module):
             raise ValueError("inputs: no real token to measure the stream on (key_padding_mask is all True)")
         with deterministic():
             seen = self._layer_inputs(list(gains), lambda: self.forward(inputs, key_padding_mask)) if gains else {}
-        rows = []
-        for i, gain in gains.items():
-            x = seen[i]
-            real = x if key_padding_mask is None else x[~key_padding_mask.to(x.device)]
-            variance = float(real.double().pow(2).mean())
-            factor = variance * NATIVE_OUTPUT_GAIN / gain
-            layer = self.adapters[i].attention
-            layer.scale_prior(factor)
-            rows.append({"layer": i, "stream_variance": variance, "out_gain": gain, "factor": factor})
-            if hasattr(layer, "rescale_inputs"):  # cgp, scgp: their canonical kernel has no lengthscale
-                with torch.no_grad():
-                    median = _median_key_distance(layer, x, key_padding_mask)
-                rows[-1].update(key_distance=median, input_factor=median**-0.5)
-                layer.rescale_inputs(median**-0.5)
+        rows = [_match_layer(self.adapters[i].attention, seen[i], key_padding_mask, gain) for i, gain in gains.items()]
+        rows = [{"layer": i, **row} for i, row in zip(gains, rows)]
         self.prior_scale = rows
         return rows
 

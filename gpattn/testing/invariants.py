@@ -41,9 +41,9 @@ def _build(name, D=8, H=2, **options):
     return build_attention(name, D, H, **options)
 
 
-def _run(layer, x, mask, seed=1):
+def _run(layer, x, mask, seed=1, **kwargs):
     torch.manual_seed(seed)
-    return layer(x, mask)
+    return layer(x, mask, **kwargs)
 
 
 def check_shape(name, **options):
@@ -227,6 +227,30 @@ def check_errors(name, **options):
     _expect_value_error(lambda: build_attention(name, 8, 3, **options), "divisible")
 
 
+def check_cross_attention(name, **options):
+    """Cross-attention (docs/derivations.md §13): queries (B, 4, D) and a context (B, 6, D) give (B, 4, D); under
+    ``gpattn.deterministic()`` what the padded keys hold changes nothing and a context equal to x (another
+    tensor) is self-attention at the real tokens. A variant without ``cross_attention`` raises a ValueError
+    naming it."""
+    layer = _build(name, **options)
+    context, mask = make_inputs()
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3))
+    if not attention_class(name).cross_attention:
+        _expect_value_error(lambda: layer(x, mask, context=context), "cross-attention", _label(name))
+        return
+    y = _run(layer, x, mask, context=context)
+    assert y.shape == x.shape and torch.isfinite(y).all(), f"{name}: cross-attention output {tuple(y.shape)}"
+    garbage = context.clone()
+    garbage[mask] = torch.randn(int(mask.sum()), context.shape[-1]) * 5  # as check_padding
+    torch.testing.assert_close(_run(layer, x, mask, context=garbage), y, rtol=1e-4, atol=1e-4)  # seeded samples
+    with deterministic():
+        y = layer(x, mask, context=context)
+        torch.testing.assert_close(layer(x, mask, context=garbage), y, rtol=1e-4, atol=1e-5)
+        real = ~mask[..., None]
+        y_self, y_cross = layer(context, mask), layer(context, mask, context=context.clone())
+        torch.testing.assert_close(y_cross * real, y_self * real, rtol=1e-4, atol=1e-5)
+
+
 #: every invariant check of :class:`gpattn.testing.BaseAttentionTestCase`, by name
 ATTENTION_INVARIANTS = {
     f.__name__.removeprefix("check_"): f
@@ -243,6 +267,7 @@ ATTENTION_INVARIANTS = {
         check_deterministic,
         check_posterior,
         check_errors,
+        check_cross_attention,
     )
 }
 

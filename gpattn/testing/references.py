@@ -20,12 +20,14 @@ __all__ = [
     "canonical_rbf",
     "cgp_dense_blocks",
     "cgp_dense_moments",
+    "cgp_cross_dense_posterior",
     "cgp_dense_posterior",
     "exponential_gram",
     "kep_svgp_dense_features",
     "kep_svgp_dense_moments",
     "kep_svgp_dense_posterior",
     "scgp_dense_blocks",
+    "scgp_cross_dense_posterior",
     "scgp_dense_moments",
     "scgp_dense_posterior",
     "attention_mean_dense",
@@ -34,6 +36,8 @@ __all__ = [
     "sgpa_amortised_std",
     "sgpa_attention_dense_posterior",
     "sgpa_attention_masked_dense_moments",
+    "sgpa_cross_dense_posterior",
+    "sgpa_decoupled_cross_dense_posterior",
     "sgpa_decoupled_attention_dense_posterior",
     "sgpa_decoupled_dense_posterior",
     "sgpa_decoupled_global_keys",
@@ -183,13 +187,17 @@ def sgpa_decoupled_global_keys(layer) -> torch.Tensor:
     return torch.stack([Z[h] @ W[h * Dh : (h + 1) * Dh].T + b[h * Dh : (h + 1) * Dh] for h in range(H)])
 
 
-def _decoupled(layer, x, mask):
+def _decoupled(layer, x, mask, context=None):
+    """(mean, cov, γ, β) of decoupled SGPA; with ``context`` the mean basis is the context's keys and values
+    and q(f) is at x's queries (cross-attention, docs/derivations.md §13)."""
     qk, v = sgpa_heads(layer, x)
+    ka, v = (qk, v) if context is None else sgpa_heads(layer, context)
     if mask is not None:
         v = v * (~mask)[:, None, :, None]  # padded keys leave the mean basis
     kg = sgpa_decoupled_global_keys(layer)
     gram = layer.kernel
     Kqq, Kqg = gram_dense(gram, qk, qk), gram_dense(gram, qk, kg)
+    Kqa, Kag, Kaa = gram_dense(gram, qk, ka), gram_dense(gram, ka, kg), gram_dense(gram, ka, ka)
     Kgg = _relative_jitter(gram_dense(gram, kg, kg), layer.strategy.jitter)
     q_u = layer.strategy.variational_distribution
     vg = q_u.inducing_values.detach()  # shape: (H, M, Dv)
@@ -197,10 +205,10 @@ def _decoupled(layer, x, mask):
     St = q_u.chol_variational_covar.detach().tril()  # L_s: gpytorch's lower-triangular factor
     St = St @ St.mT  # shape: (H, Dv, M, M)
     Sg = Lg[:, None] @ St @ Lg[:, None].mT  # unwhitened S_g = L_g S̃ L_gᵀ
-    mean = Kqq @ v - Kqg @ torch.linalg.solve(Kgg, Kqg.mT @ v) + Kqg @ vg
+    mean = Kqa @ v - Kqg @ torch.linalg.solve(Kgg, Kag.mT @ v) + Kqg @ vg
     P = torch.linalg.solve(Kgg, Kqg.mT)[:, :, None]  # K_gg⁻¹ K_gq, shape: (B, H, 1, M, T)
-    schur = Kqq - Kqg @ torch.linalg.solve(Kgg, Kqg.mT)  # K_aa − K_ag K_gg⁻¹ K_ga
-    cov = schur[:, :, None] + P.mT @ Sg @ P
+    cov = (Kqq - Kqg @ torch.linalg.solve(Kgg, Kqg.mT))[:, :, None] + P.mT @ Sg @ P
+    schur = Kaa - Kag @ torch.linalg.solve(Kgg, Kag.mT)  # K_aa − K_ag K_gg⁻¹ K_ga
     gamma = 0.5 * (v * (schur @ v)).sum(-2)  # v is 0 on padding
     u = Lg.mT @ vg
     logdet = torch.linalg.slogdet(St)[1]
@@ -440,7 +448,7 @@ def cgp_dense_moments(q, k, o, v, sigma_q, sigma_k, sigma):
     # shape: q, k, o (B, H, T, Dh), v (B, H, T, Dv) -> ν (B, H, T, Dv), cov (B, H, Dv, T, T), z like v"""
     K = cgp_dense_blocks(q, k, o, sigma_q, sigma_k)
     s2 = sigma**2
-    eye = torch.eye(q.shape[-2], dtype=q.dtype)
+    eye = torch.eye(k.shape[-2], dtype=q.dtype)  # the keys' and latent inputs' (cross-attention: S ≠ T)
     A, Kk = K["K_o"] + s2 * eye, K["K_k"] + s2 * eye
     z = Kk @ v  # eq. 24
     mu_o = K["K_ok"] @ torch.linalg.solve(Kk, z)  # eq. 20
@@ -500,7 +508,7 @@ def scgp_dense_moments(q, k, o, z, s, s_keys, sigma_q, sigma_k, sigma):
     # shape: -> ν (B, H, T, Dv), cov (B, H, Dv, T, T)"""
     K = scgp_dense_blocks(q, k, o, s, s_keys, sigma_q, sigma_k)
     s2 = sigma**2
-    eye = torch.eye(q.shape[-2], dtype=q.dtype)
+    eye, eye_o = torch.eye(q.shape[-2], dtype=q.dtype), torch.eye(o.shape[-2], dtype=q.dtype)
     Mq = K["K_mm"] + K["K_om"].mT @ K["K_om"] / s2  # A_q⁻¹
     Mk = K["K_ll"] + K["K_kl"].mT @ K["K_kl"] / s2  # A_k⁻¹
     Fq = torch.linalg.solve(Mq, K["K_qm"].mT).mT  # K_qm A_q
@@ -510,7 +518,7 @@ def scgp_dense_moments(q, k, o, z, s, s_keys, sigma_q, sigma_k, sigma):
     covs = []
     for d in range(z.shape[-1]):
         w = Fo @ K["K_kl"].mT @ z[..., d : d + 1]
-        E_oo = s2 * eye + Fo @ K["K_ol"].mT + w @ w.mT / s2**2  # eq. 67
+        E_oo = s2 * eye_o + Fo @ K["K_ol"].mT + w @ w.mT / s2**2  # eq. 67
         FqKmo = Fq @ K["K_om"].mT
         E_qq = s2 * eye + Fq @ K["K_qm"].mT + FqKmo @ E_oo @ FqKmo.mT / s2**2  # eq. 66
         nd = nu[..., d : d + 1]
@@ -527,3 +535,92 @@ def scgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = Non
     s, s_keys = gp.inducing_latent.detach()[None], gp.inducing_keys.detach()[None]
     nu, cov, _ = scgp_dense_moments(*_correlated_inputs(layer, x), s, s_keys, *_sigmas(gp))
     return DenseReference(nu.transpose(-1, -2), cov, {})
+
+
+# ------------------------------------------------------------------ cross-attention (docs/derivations.md §13)
+def sgpa_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) -> DenseReference:
+    """Standard SGPA in cross-attention as the textbook SVGP predictive at new inputs: inducing inputs the
+    context's keys k (S of them), q(u_d) = N(m_d, S_d), S_d = L diag(s_d²) Lᵀ, L = chol(K_kk + jI); at x's
+    queries q: mean K_qk K_kk⁻¹ m_d = K_qk v_d (zero prior mean, m_d = K_kk v_d) or m(q) (attention mean),
+    covariance K_qq − K_qk K̂_kk⁻¹ K_kq + K_qk K̂_kk⁻¹ S_d K̂_kk⁻¹ K_kq by dense solves; KL of the keys' q(ũ)
+    (``kl_seq``). No padding: compare a truncated context."""
+    q, _ = sgpa_heads(layer, x)
+    k, v = sgpa_heads(layer, context)
+    kernel = layer.kernel
+    Kj = _relative_jitter(gram_dense(kernel, k, k), layer.strategy.jitter)  # shape: (B, H, S, S)
+    Kqk, Kqq = gram_dense(kernel, q, k), gram_dense(kernel, q, q)
+    L = torch.linalg.cholesky(Kj)[:, :, None]  # shape: (B, H, 1, S, S)
+    s = sgpa_amortised_std(layer, k).transpose(-1, -2)  # shape: (B, H, Dv, S)
+    S_d = (L * s[..., None, :].square()) @ L.mT  # L diag(s_d²) Lᵀ, shape: (B, H, Dv, S, S)
+    P = torch.linalg.solve(Kj, Kqk.mT)[:, :, None]  # K̂_kk⁻¹ K_kq, shape: (B, H, 1, S, T)
+    cov = (Kqq - Kqk @ P[:, :, 0])[:, :, None] + P.mT @ S_d @ P
+    if layer.strategy.covariance == "diag":
+        cov = torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
+    kl = 0.5 * (s.square() - 1 - s.square().log()).sum(-1)  # shape: (B, H, Dv)
+    if layer.strategy.prior_mean == "attention":
+        mean = attention_mean_dense(Kqk, v)
+    else:
+        mean, kl = Kqk @ v, kl + 0.5 * (v * (Kj @ v)).sum(-2)
+    return DenseReference(mean.transpose(-1, -2), cov, {"kl_seq": kl.sum((1, 2)).mean(0)})
+
+
+def sgpa_decoupled_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) -> DenseReference:
+    """Decoupled SGPA in cross-attention: the mean basis γ is the context's keys and values, the global basis
+    the layer's, q(f) at x's queries (§5b's formulas with K_qa, K_ga, K_aa of the context); with the attention
+    prior mean, m(q) over the context's keys + K_qg v_g. No padding: compare a truncated context."""
+    mean, cov, gamma, beta = _decoupled(layer, x, None, context)
+    if layer.strategy.prior_mean == "zero":
+        return DenseReference(mean, cov, {"kl_seq": gamma.sum((1, 2)).mean(0), "kl_global": beta.sum()})
+    q, _ = sgpa_heads(layer, x)
+    k, v = sgpa_heads(layer, context)
+    vg = layer.strategy.variational_distribution.inducing_values.detach()  # shape: (H, M, Dv)
+    Kqg = gram_dense(layer.kernel, q, sgpa_decoupled_global_keys(layer))
+    mean = attention_mean_dense(gram_dense(layer.kernel, q, k), v) + Kqg @ vg
+    return DenseReference(mean.transpose(-1, -2), cov, {"kl_global": beta.sum()})
+
+
+def _cross_correlated_inputs(layer, x, context):
+    """q of x and (k, o, v) of the context, scaled as the layer scales them."""
+    return [_correlated_inputs(layer, x)[0], *_correlated_inputs(layer, context)[1:]]
+
+
+def cgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) -> DenseReference:
+    """``cgp`` in cross-attention: z_q at x's queries given z_k at the context's keys through z_o at the
+    context's latent inputs (App. B's covariance with the μ_o μ_oᵀ term kept, S ≠ T), plus the jitter its
+    posterior carries; with ``prior_samples=None`` also the regulariser (eqs. 42–44 in expectation over z_o,
+    T queries and S keys) as the loss term ``cgp`` (mean over the batch of Σ_{h,d} R / 2). No padding."""
+    sigmas = _sigmas(layer.gp)
+    nu, cov, z, K = cgp_dense_moments(*_cross_correlated_inputs(layer, x, context), *sigmas)
+    jitter = layer.gp.jitter * torch.eye(x.shape[1], dtype=x.dtype)
+    if layer.gp.prior_samples is not None:
+        return DenseReference(nu.transpose(-1, -2), cov + jitter, {})
+    s2 = sigmas[2] ** 2
+    A = K["K_o"] + s2 * torch.eye(K["K_o"].shape[-1], dtype=x.dtype)
+    R = 0
+    for f, K_fo, K_f in ((nu, K["K_qo"], K["K_q"]), (z, K["K_ok"].mT, K["K_k"])):
+        H_f = torch.linalg.solve(A, K_fo.mT).mT  # K_fo A⁻¹: m_f = H_f z_o
+        Sig = K_f - H_f @ K_fo.mT + s2 * torch.eye(K_f.shape[-1], dtype=x.dtype)  # Σ_f + σ²I
+        # E_{z_o ~ N(0, K_o)} (f − H_f z_o)ᵀ Σ⁻¹ (f − H_f z_o) = fᵀ Σ⁻¹ f + tr(Σ⁻¹ H_f K_o H_fᵀ)
+        trace = torch.linalg.solve(Sig, H_f @ K["K_o"] @ H_f.mT).diagonal(dim1=-2, dim2=-1).sum(-1)
+        R = R + (f * torch.linalg.solve(Sig, f)).sum(-2) + (trace + torch.linalg.slogdet(Sig)[1])[..., None]
+    return DenseReference(nu.transpose(-1, -2), cov + jitter, {"cgp": R.sum((1, 2)).mean(0) / 2})
+
+
+def scgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) -> DenseReference:
+    """``scgp`` (global inducing inputs) in cross-attention: eqs. 33, 59, 66, 67 with x's queries and the
+    context's keys, latent inputs and z = v. No padding."""
+    gp = layer.gp
+    s, s_keys = gp.inducing_latent.detach()[None], gp.inducing_keys.detach()[None]
+    inputs = _cross_correlated_inputs(layer, x, context)
+    nu, cov, K = scgp_dense_moments(*inputs, s, s_keys, *_sigmas(gp))
+    s2, z = _sigmas(gp)[2] ** 2, inputs[3]
+    R = 0  # App. E: (1/σ²)[‖f‖² + tr(C⁻¹ S K⁻¹ S C⁻¹ G) + σ² tr(C⁻¹ G)] + n log σ², per part (class docstring)
+    for f, K_fi, K_oi, K_ii in ((nu, K["K_qm"], K["K_om"], K["K_mm"]), (z, K["K_kl"], K["K_ol"], K["K_ll"])):
+        S_i, G = K_oi.mT @ K_oi, K_fi.mT @ K_fi
+        C = s2 * K_ii + S_i
+        CS = torch.linalg.solve(C, S_i)
+        trace = (CS @ torch.linalg.solve(K_ii, S_i) @ torch.linalg.solve(C, G)).diagonal(dim1=-2, dim2=-1).sum(-1)
+        s2_hd = torch.as_tensor(s2).reshape(-1, 1)  # shape: (H or 1, 1), against (B, H, ·)
+        trace = trace[..., None] + s2_hd * torch.linalg.solve(C, G).diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True)
+        R = R + (f.square().sum(-2) + trace) / s2_hd + f.shape[-2] * s2_hd.log()
+    return DenseReference(nu.transpose(-1, -2), cov, {"cgp": R.sum((1, 2)).mean(0) / 2})

@@ -30,7 +30,23 @@ from gpytorch.distributions import MultivariateNormal
 from gpattn.objectives import GPLossTerm, SequenceKL
 from gpattn.variational._scale import check_prior_factor
 
-__all__ = ["AmortisedConditional", "AmortisedVariationalStrategy", "kept_mean", "sequence_mean"]
+__all__ = [
+    "AmortisedConditional",
+    "AmortisedVariationalStrategy",
+    "check_query_inputs",
+    "kept_mean",
+    "sequence_mean",
+]
+
+
+def check_query_inputs(queries: torch.Tensor, keys: torch.Tensor) -> None:
+    """Cross-attention's queries against the keys: the same (B, H) and head width, any number of tokens.
+    # shape: queries (B, H, T, Dh), keys (B, H, S, Dh)"""
+    if queries.dim() != 4 or queries.shape[:2] != keys.shape[:2] or queries.shape[-1] != keys.shape[-1]:
+        raise ValueError(
+            f"query_inputs must have shape (B, H, T, Dh) with the (B, H) and Dh of the keys {tuple(keys.shape)}, "
+            f"got {tuple(queries.shape)}"
+        )
 
 
 def kept_mean(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

@@ -38,7 +38,12 @@ from gpattn.variational._linalg import (
     with_policy,
 )
 from gpattn.variational._scale import CGP_SIGMA
-from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, sequence_mean
+from gpattn.variational._strategy import (
+    AmortisedConditional,
+    AmortisedVariationalStrategy,
+    check_query_inputs,
+    sequence_mean,
+)
 
 #: lower bound of a learned σ: keeps the regulariser's bound 2T log σ² finite
 SIGMA_FLOOR = 1e-3
@@ -194,17 +199,22 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         valid = None if mask is None else (~mask)[:, None, :]
         return valid, full_precision(*tensors)
 
-    def condition(self, q, k, o, v, mask=None, **options) -> AmortisedConditional:
+    def condition(self, q, k, o, v, mask=None, query_inputs=None, **options) -> AmortisedConditional:
         """Factorise once for a batch of sequences: the predictive mean ν now, the covariance
         factor and the regulariser on demand (samples: ``rsample(num_samples)``, P draws from the one
         factorisation on a leading axis; the layer's loss term: ``added_loss_terms(mask)``).
+        ``query_inputs`` (B, H, T', Dh): cross-attention, z_q evaluated at these queries instead of ``q``;
+        k, x_o and v are the context's, ``mask`` pads them (docs/derivations.md §13).
 
         # shape: q, k, o (B, H, T, Dh) projected inputs, v (B, H, T, Dv), mask (B, T) bool (True = padding)
         """
         self._check(q, k, o, v, mask)
+        if query_inputs is not None:
+            check_query_inputs(query_inputs, k)
         with gp_algebra(q.device.type):
-            valid, (q, k, o, v32) = self._prepare(mask, q, k, o, v)
-            cond = self._condition(q, k, o, v32, valid, **options)
+            valid, (q, k, o, v32) = self._prepare(mask, q if query_inputs is None else query_inputs, k, o, v)
+            valid_q = valid if query_inputs is None else None  # cross-attention: the queries are not padded
+            cond = self._condition(q, k, o, v32, valid, valid_q=valid_q, **options)
         cond.output_dtype = v.dtype  # the layer hands on the values' dtype (autocast)
         return cond
 
@@ -221,7 +231,8 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
             return self._conditional_mean(q, k, o, z, valid, **options)
 
     # ------------------------------------------------------------------ to implement
-    def _condition(self, q, k, o, v, valid) -> AmortisedConditional:
+    def _condition(self, q, k, o, v, valid, valid_q=None) -> AmortisedConditional:
+        """``valid`` marks the real keys and latent inputs, ``valid_q`` the real queries (both (B, 1, ·))."""
         raise NotImplementedError
 
     def _conditional_mean(self, q, k, o, z, valid):
@@ -235,8 +246,8 @@ class CorrelatedConditional(AmortisedConditional):
 
     Every method runs in ``gp_algebra()`` on the device of the inputs."""
 
-    def __init__(self, gp: CorrelatedGPBase, nu: torch.Tensor, valid: torch.Tensor | None):
-        self.gp, self.mean, self.valid = gp, nu, valid
+    def __init__(self, gp: CorrelatedGPBase, nu: torch.Tensor, valid: torch.Tensor | None, valid_q=None):
+        self.gp, self.mean, self.valid, self.valid_q = gp, nu, valid, valid_q  # valid_q: the real queries
         self._device = nu.device.type
 
     def regularizer(self) -> torch.Tensor:
@@ -318,21 +329,21 @@ class CorrelatedGP(CorrelatedGPBase):
         self.prior_samples = prior_samples
 
     # ------------------------------------------------------------------ shared pieces
-    def _blocks(self, q, k, o, valid) -> dict[str, torch.Tensor]:
+    def _blocks(self, q, k, o, valid, valid_q) -> dict[str, torch.Tensor]:
         """K_o, K_qo, K_ok and L_o = chol(K_o + σ²I), each evaluated once per call.
 
-        # shape: each (B, H, T, T)"""
+        # shape: each (B, H, T, T) (cross-attention: K_qo (B, H, T, S), the others (B, H, S, S))"""
         K_o = self.gram(o, "o", valid)
         return dict(
             K_o=K_o,
-            K_qo=self.cross(q, o, ("q", "o"), valid, valid),
+            K_qo=self.cross(q, o, ("q", "o"), valid_q, valid),
             K_ok=self.cross(o, k, ("o", "k"), valid, valid),
             L_o=cholesky(add_jitter(K_o, self.noise(q)[:, 0, 0]), name="cgp: K_o + sigma^2 I"),
         )
 
-    def _second_order(self, q, k, valid, Kb):
+    def _second_order(self, q, k, valid, Kb, valid_q):
         """Adds K_q, K_k and W = L_o⁻¹ K_oq (what the covariance and the regulariser share)."""
-        Kb["K_q"] = self.gram(q, "q", valid)
+        Kb["K_q"] = self.gram(q, "q", valid_q)
         Kb["K_k"] = self.gram(k, "k", valid)
         Kb["W"] = tri_solve(Kb["L_o"], Kb["K_qo"].mT)  # L_o⁻¹ K_oq
 
@@ -347,7 +358,7 @@ class CorrelatedGP(CorrelatedGPBase):
         Sigma = Kb["K_q"] - s2 * (G.mT @ G) - UG.mT @ UG
         return 0.5 * (Sigma + Sigma.mT), G
 
-    def _regularizer(self, v, valid, nu, s2, Kb, G):
+    def _regularizer(self, v, valid, nu, s2, Kb, G, valid_q):
         """R of eqs. 42–44 per head and value column.  # shape: (B, H, Dv)"""
         L_o, W, K_k = Kb["L_o"], Kb["W"], Kb["K_k"]
         W_k = tri_solve(L_o, Kb["K_ok"])  # L_o⁻¹ K_ok
@@ -361,7 +372,7 @@ class CorrelatedGP(CorrelatedGPBase):
         a_q = tri_solve(L_q, nu)  # L_q⁻¹ ν  # shape: (B, H, T, Dv)
         a_k = tri_solve(L_kk, z)  # L_kk⁻¹ z
         if self.prior_samples is not None:
-            B, H, T, _ = nu.shape
+            B, H, T, _ = Kb["K_o"].shape  # T latent inputs (the keys' tokens)
             L_prior = cholesky(add_jitter(Kb["K_o"], self.jitter), name="cgp: K_o")
             eps = torch.randn(B, H, T, self.prior_samples, dtype=nu.dtype, device=nu.device)
             y = tri_solve(L_o, L_prior @ eps)  # L_o⁻¹ z_o⁽ⁱ⁾, z_o⁽ⁱ⁾ ~ N(0, K_o)  # shape: (B, H, T, P)
@@ -381,7 +392,7 @@ class CorrelatedGP(CorrelatedGPBase):
             for a, L, Wx, Gx in ((a_q, L_q, W, G), (a_k, L_kk, W_k, G_k)):
                 tr = tri_solve(L, Wx.mT).pow(2).sum((-2, -1)) - s2[:, 0, 0] * tri_solve(L, Gx.mT).pow(2).sum((-2, -1))
                 quad.append(a.pow(2).sum(-2) + tr[..., None])
-        logdet = logdet_from_cholesky(L_q, valid) + logdet_from_cholesky(L_kk, valid)  # shape: (B, H)
+        logdet = logdet_from_cholesky(L_q, valid_q) + logdet_from_cholesky(L_kk, valid)  # shape: (B, H)
         return quad[0] + quad[1] + logdet[..., None]
 
     @staticmethod
@@ -390,13 +401,13 @@ class CorrelatedGP(CorrelatedGPBase):
         return Kb["K_qo"] @ torch.cholesky_solve(Kb["K_ok"] @ v, Kb["L_o"])  # shape: (B, H, T, Dv)
 
     # ------------------------------------------------------------------ entry points
-    def _condition(self, q, k, o, v, valid):
-        Kb = self._blocks(q, k, o, valid)
-        return CGPConditional(self, self._mean(Kb, v), valid, Kb, q, k, v)
+    def _condition(self, q, k, o, v, valid, valid_q=None):
+        Kb = self._blocks(q, k, o, valid, valid_q)
+        return CGPConditional(self, self._mean(Kb, v), valid, Kb, q, k, v, valid_q)
 
     def _conditional_mean(self, q, k, o, z, valid):
         # eq. 21: E[z_q | z_k] = K_qo (K_o + σ²I)⁻¹ K_ok (K_k + σ²I)⁻¹ z_k
-        Kb = self._blocks(q, k, o, valid)
+        Kb = self._blocks(q, k, o, valid, valid)
         K_k = self.gram(k, "k", valid)
         L_k = cholesky(add_jitter(K_k, self.noise(q)[:, 0, 0]), name="cgp: K_k + sigma^2 I")
         if valid is not None:
@@ -408,14 +419,14 @@ class CGPConditional(CorrelatedConditional):
     """One forward pass of exact CGP (``CorrelatedGP.condition``): the blocks and ν; the second-order
     blocks, Σ's Cholesky factor (shared by the value columns and the draws) and R on first use."""
 
-    def __init__(self, gp: CorrelatedGP, nu, valid, blocks, q, k, v):
-        super().__init__(gp, nu, valid)
+    def __init__(self, gp: CorrelatedGP, nu, valid, blocks, q, k, v, valid_q=None):
+        super().__init__(gp, nu, valid, valid_q)
         self._Kb, self._q, self._k, self._v = blocks, q, k, v
         self._G = self._chol = None
 
     def _second(self):
         if "K_q" not in self._Kb:
-            self.gp._second_order(self._q, self._k, self.valid, self._Kb)
+            self.gp._second_order(self._q, self._k, self.valid, self._Kb, self.valid_q)
         return self._Kb
 
     def _factor(self) -> torch.Tensor:
@@ -444,4 +455,4 @@ class CGPConditional(CorrelatedConditional):
         G = self._G
         if G is None and self.gp.prior_samples is None:
             G = tri_solve(Kb["L_o"].mT, Kb["W"], upper=True)
-        return self.gp._regularizer(self._v, self.valid, self.mean, self.gp.noise(self._q), Kb, G)
+        return self.gp._regularizer(self._v, self.valid, self.mean, self.gp.noise(self._q), Kb, G, self.valid_q)

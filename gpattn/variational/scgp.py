@@ -170,10 +170,11 @@ class SparseCorrelatedGP(CorrelatedGPBase):
             o, k = o * valid[..., :, None], k * valid[..., :, None]
         return self.amortize_latent.to(o) @ o, self.amortize_keys.to(o) @ k
 
-    def terms(self, q, k, o, s, s_keys, valid) -> DTCTerms:
-        """All token-by-inducing blocks, their T-contractions and the two capacitance factors."""
+    def terms(self, q, k, o, s, s_keys, valid, valid_q=None) -> DTCTerms:
+        """All token-by-inducing blocks, their T-contractions and the two capacitance factors (``valid_q``: the
+        real queries; ``valid`` the real keys and latent inputs)."""
         s2 = self.noise(q)
-        K_qm = self.cross(q, s, ("q", "o"), rows=valid)
+        K_qm = self.cross(q, s, ("q", "o"), rows=valid_q)
         K_om = self.cross(o, s, ("o", "o"), rows=valid)
         K_ol = self.cross(o, s_keys, ("o", "o"), rows=valid)
         K_kl = self.cross(k, s_keys, ("k", "o"), rows=valid)
@@ -211,10 +212,11 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         trace_BG = torch.cholesky_solve(G, L_B).diagonal(dim1=-2, dim2=-1).sum(-1)  # tr(B⁻¹ G)
         return ((V @ G) * V).sum((-2, -1)) + s2[:, 0, 0] * trace_BG
 
-    def regularizer(self, t: DTCTerms, nu: torch.Tensor, z: torch.Tensor, valid) -> torch.Tensor:
+    def regularizer(self, t: DTCTerms, nu: torch.Tensor, z: torch.Tensor, valid, valid_q) -> torch.Tensor:
         """App. E, per head and value column (see the class docstring).  # shape: (B, H, Dv)"""
         s2 = t.s2[:, 0, 0]  # shape: (H,)
-        n_real = torch.full_like(s2, nu.shape[-2]) if valid is None else valid.sum(-1).to(nu)  # (H,) or (B, 1)
+        n_q, n_k = (torch.full_like(s2, n) if m is None else m.sum(-1).to(nu) for m, n in ((valid_q, nu.shape[-2]),
+                                                                                          (valid, z.shape[-2])))
         # query part: z_m | z_o is the DTC posterior of the mean (capacitance B_q)
         tr_q = self._dtc_trace(t.K_qm.mT @ t.K_qm, t.S_m, t.K_mm, t.L_q, t.s2)
         # key part: z_l | z_o, the DTC posterior with z_o as observations (B'_k = σ² K_ll + K_lo K_ol)
@@ -223,23 +225,23 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         tr_k = self._dtc_trace(t.K_kl.mT @ t.K_kl, S_l, t.K_ll, L_kb, t.s2)
         sq = nu.pow(2).sum(-2) + z.pow(2).sum(-2)  # shape: (B, H, Dv)
         # both parts carry T log σ² (the log-determinant of σ²I over the real tokens)
-        return (sq + (tr_q + tr_k)[..., None]) / s2[:, None] + (2.0 * n_real * s2.log())[..., None]
+        return (sq + (tr_q + tr_k)[..., None]) / s2[:, None] + ((n_q + n_k) * s2.log())[..., None]
 
     # ------------------------------------------------------------------ entry points
-    def _terms_for(self, q, k, o, valid, inducing):
+    def _terms_for(self, q, k, o, valid, inducing, valid_q):
         if inducing is None:
             s, s_keys = self.inducing_inputs(o, k, valid)
         else:
             s, s_keys = (x.to(q) for x in inducing)
-        return self.terms(q, k, o, s, s_keys, valid)
+        return self.terms(q, k, o, s, s_keys, valid, valid_q)
 
-    def _condition(self, q, k, o, v, valid, inducing=None):
-        t = self._terms_for(q, k, o, valid, inducing)
+    def _condition(self, q, k, o, v, valid, valid_q=None, inducing=None):
+        t = self._terms_for(q, k, o, valid, inducing, valid_q)
         z = v if valid is None else v * valid[..., :, None]  # eq. 34: z = v, padded keys removed
-        return SCGPConditional(self, self.predictive_mean(t, z), valid, t, z)
+        return SCGPConditional(self, self.predictive_mean(t, z), valid, t, z, valid_q)
 
     def _conditional_mean(self, q, k, o, z, valid, inducing=None):
-        t = self._terms_for(q, k, o, valid, inducing)
+        t = self._terms_for(q, k, o, valid, inducing, valid)
         if valid is not None:
             z = z * valid[..., :, None]
         return self.predictive_mean(t, z)
@@ -249,8 +251,8 @@ class SCGPConditional(CorrelatedConditional):
     """One forward pass of sparse CGP (``SparseCorrelatedGP.condition``): the DTC terms and ν; the
     covariance root :math:`K_{qm}R` on first use (shared by samples and posterior)."""
 
-    def __init__(self, gp: SparseCorrelatedGP, nu, valid, terms: DTCTerms, z):
-        super().__init__(gp, nu, valid)
+    def __init__(self, gp: SparseCorrelatedGP, nu, valid, terms: DTCTerms, z, valid_q=None):
+        super().__init__(gp, nu, valid, valid_q)
         self.terms, self._z, self._root = terms, z, None
 
     def _covariance_root(self) -> torch.Tensor:
@@ -279,4 +281,4 @@ class SCGPConditional(CorrelatedConditional):
             return MultivariateNormal(nu.transpose(-1, -2), covar)
 
     def _regularizer(self):
-        return self.gp.regularizer(self.terms, self.mean, self._z, self.valid)
+        return self.gp.regularizer(self.terms, self.mean, self._z, self.valid, self.valid_q)

@@ -46,8 +46,11 @@ from gpytorch.distributions import MultivariateNormal
 from gpytorch.kernels import Kernel
 from linear_operator.operators import (
     CholLinearOperator,
+    DenseLinearOperator,
     DiagLinearOperator,
     LinearOperator,
+    RootLinearOperator,
+    SumLinearOperator,
     TriangularLinearOperator,
 )
 
@@ -64,12 +67,13 @@ from gpattn.variational._linalg import (
     tri_solve,
     with_policy,
 )
-from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy
+from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, check_query_inputs
 from gpattn.variational.means import AttentionMean, check_prior_mean
 
 __all__ = [
     "COVARIANCE_MODES",
     "AmortisedDiagonalVariationalDistribution",
+    "CrossSGPAConditional",
     "MaskedSGPAConditional",
     "SGPAConditional",
     "SGPAVariationalStrategy",
@@ -267,6 +271,70 @@ class SGPAConditional(AmortisedConditional):
         return self.mean + matmul_samples(self.chol, self.std * eps)
 
 
+class CrossSGPAConditional(SGPAConditional):
+    r"""Standard SGPA in cross-attention (docs/derivations.md §13): the context's S keys are the inducing
+    inputs, q(ũ) is theirs (whitened, L = chol(K_kk + jitter)), and q(f) is evaluated at T other queries.
+    With A = K_qk L⁻ᵀ (padded keys: zero columns),
+
+    .. math::
+        \mu_d = K_{qk} v_d \ (	ext{zero prior mean}) 	ext{ or } m(q)_d, \qquad
+        \Sigma_d = (K_{qq} - A A^	op) + (A\,\mathrm{diag}\,s_d)(A\,\mathrm{diag}\,s_d)^	op,
+
+    the KL is the keys' (:meth:`kl_divergence`, as self-attention's). Samples: μ + chol(R + jitter) ε₁ +
+    A (s ⊙ ε₂), one T×T factorisation of the residual R = K_qq − A Aᵀ per (B, H) (``"full"``), or
+    independent tokens (``"diag"``: K_qq's diagonal only).
+
+    :ivar interp: A = K_qk L⁻ᵀ.  # shape: (B, H, T, S)
+    """
+
+    def __init__(self, chol, values, std, jitter_abs, covariance, *, mean, interp, gram_diag, gram, jitter,
+                 prior_mean=None):
+        self.chol, self.values, self.std = chol, values, std  # shapes: (B, H, S, S), (B, H, S, Dv), (B, H, S, Dv)
+        self.covariance, self._jitter_abs, self.jitter = covariance, jitter_abs, jitter
+        self.prior_mean, self.mean, self.interp = prior_mean, mean, interp  # mean (B, H, T, Dv)
+        self.gram_diag, self.gram = gram_diag, gram  # diag K_qq (B, H, T); K_qq (B, H, T, T) or None ("diag")
+
+    def kl_divergence(self) -> torch.Tensor:
+        """KL(q(ũ_d) ‖ N(0, I)) of the keys' inducing outputs: ½[Σ(s² − 1 − log s²) + ‖Lᵀv‖²] (the last term
+        with the zero prior mean only).  # shape: -> (B, H, Dv)"""
+        s2 = self.std.square()
+        trace_logdet = (s2 - 1 - s2.log()).sum(-2)
+        if self.prior_mean is not None:
+            return 0.5 * trace_logdet
+        return 0.5 * (trace_logdet + (self.chol.mT @ self.values).square().sum(-2))
+
+    def variance(self) -> torch.Tensor:
+        """diag Σ_d = K_tt − ‖A_t‖² + Σ_j A_tj² s_jd² (the residual clamped at 0).  # shape: -> (B, H, T, Dv)"""
+        A2 = self.interp.square()
+        return (self.gram_diag - A2.sum(-1)).clamp_min(0)[..., None] + A2 @ self.std.square()
+
+    def residual(self) -> torch.Tensor:
+        """K_qq − K_qk K̂_kk⁻¹ K_kq, shared by the Dv output dims.  # shape: -> (B, H, T, T)"""
+        return self.gram - self.interp @ self.interp.mT
+
+    def posterior(self) -> MultivariateNormal:
+        """q(f): ``"full"``: the residual plus the root A diag(s_d) ((B, H, Dv, T, T) when evaluated: for
+        verification); ``"diag"``: diag Σ_d."""
+        if self.covariance == "diag":
+            return posterior_distribution(self.mean, DiagLinearOperator(self.variance().transpose(-1, -2)))
+        R = self.residual()
+        dense = DenseLinearOperator(R[:, :, None].expand(*R.shape[:2], self.std.shape[-1], *R.shape[2:]))
+        root = self.interp[:, :, None] * self.std.transpose(-1, -2)[..., None, :]  # shape: (B, H, Dv, T, S)
+        return posterior_distribution(self.mean, SumLinearOperator(dense, RootLinearOperator(root)))
+
+    def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Exact reparameterised sample(s): μ + chol(R + jitter·mean diag K_qq) ε₁ + A (s ⊙ ε₂) (full), or
+        μ + sqrt(diag Σ) ⊙ ε (diag).  # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
+        eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)
+        if self.covariance == "diag":
+            return self.mean + safe_sqrt(self.variance()) * eps
+        eps_k = standard_normal(self.std.shape, self.mean, num_samples, generator)  # shape: (..., B, H, S, Dv)
+        jit = relative_jitter(self.gram_diag, self.jitter)[..., 0, 0]  # shape: (B, H)
+        with gp_algebra(self.mean.device.type):
+            L_r = cholesky(add_jitter(self.residual(), jit), name="sgpa (K_qq - Q_qq, cross-attention)")
+        return self.mean + matmul_samples(L_r, eps) + matmul_samples(self.interp, self.std * eps_k)
+
+
 class MaskedSGPAConditional(AmortisedConditional):
     """Standard SGPA under a per-query mask (returned by :meth:`SGPAVariationalStrategy.condition` for a
     mask (B or 1, H or 1, T, T); docs/derivations.md §11): query i is its own sparse GP, whose inducing
@@ -376,16 +444,20 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         self.mean_module = AttentionMean() if prior_mean == "attention" else None
 
     def condition(
-        self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None
+        self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None, query_inputs=None
     ) -> SGPAConditional | MaskedSGPAConditional:
         """Factorise once for a batch of sequences.
 
         ``mask`` is a key padding mask (B, T) (True = padding: one GP per sequence, an
         :class:`SGPAConditional`) or a per-query mask (B or 1, H or 1, T, T) (True = query i may not
         attend to key j: one GP per query, a :class:`MaskedSGPAConditional`, docs/derivations.md §11).
+        ``query_inputs`` (B, H, T', Dh): cross-attention, q(f) evaluated at these queries, the keys the
+        inducing inputs (a :class:`CrossSGPAConditional`, docs/derivations.md §13; key padding only).
 
         # shape: keys (B, H, T, Dh), values (B, H, T, Dv), mask (B, T) or (B or 1, H or 1, T, T) bool or None
         """
+        if query_inputs is not None:
+            return self._condition_cross(query_inputs, keys, values, mask)
         if mask is not None and mask.dim() == 4:
             return self._condition_per_query(keys, values, mask)
         check_sequence_inputs(keys, values, mask)
@@ -393,6 +465,26 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
             L, K, values, std, jit = self._factorise(keys, values, mask)
             m = None if self.mean_module is None else self.mean_module(K, values)  # K̂: padded keys isolated
             return SGPAConditional(L, K, values, std, jit, self.covariance, prior_mean=m)
+
+    def _condition_cross(self, queries, keys, values, mask) -> CrossSGPAConditional:
+        """Cross-attention (docs/derivations.md §13): the keys' factorisation as in self-attention, then
+        A = K_qk L⁻ᵀ at the queries.  # shape: queries (B, H, T, Dh), keys (B, H, S, Dh), mask (B, S) or None"""
+        check_sequence_inputs(keys, values, mask)
+        check_query_inputs(queries, keys)
+        with gp_algebra(keys.device.type):
+            L, _, values, std, jit = self._factorise(keys, values, mask)
+            queries, keys = full_precision(queries, keys)
+            K_qk = evaluate_kernel(self.kernel, queries, keys)  # shape: (B, H, T, S)
+            if mask is not None:
+                K_qk = K_qk.masked_fill(mask[:, None, None, :], 0.0)  # padded keys leave the basis
+            A = tri_solve(L.mT, K_qk, upper=True, left=False)  # shape: (B, H, T, S); A Lᵀ = K_qk
+            m = None if self.mean_module is None else self.mean_module(K_qk, values)
+            gram = evaluate_kernel(self.kernel, queries, queries) if self.covariance == "full" else None
+            return CrossSGPAConditional(
+                L, values, std, jit, self.covariance, mean=K_qk @ values if m is None else m, interp=A,
+                gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), gram=gram, jitter=self.jitter,
+                prior_mean=m,
+            )
 
     def _factorise(self, keys, values, mask):
         """The padded factors: (L, K̂, v̂, s, jitter).  # shape: mask (B, T) or None"""

@@ -53,7 +53,12 @@ from gpattn.variational._linalg import (
     safe_sqrt,
     tri_solve,
 )
-from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, sequence_mean
+from gpattn.variational._strategy import (
+    AmortisedConditional,
+    AmortisedVariationalStrategy,
+    check_query_inputs,
+    sequence_mean,
+)
 from gpattn.variational.means import AttentionMean, check_prior_mean
 from gpattn.variational.sgpa import (
     check_covariance,
@@ -415,16 +420,19 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         values: torch.Tensor,
         global_keys: torch.Tensor,
         mask: torch.Tensor | None = None,
+        query_inputs: torch.Tensor | None = None,
     ) -> DecoupledSGPAConditional:
         """Factorise once for a batch of sequences (self-attention: the keys k_a are the queries).
 
         ``mask`` is a key padding mask (B, T) (True = padding) or a per-query mask (B or 1, H or 1, T, T)
         (True = query i may not attend to key j: query i's mean basis is the keys in A_i, a
-        :class:`MaskedDecoupledSGPAConditional`; docs/derivations.md §11b).
+        :class:`MaskedDecoupledSGPAConditional`; docs/derivations.md §11b). ``query_inputs`` (B, H, T', Dh):
+        cross-attention (§13): ``queries`` are the mean basis' keys, q(f) is at ``query_inputs``.
 
-        # shape: queries (B, H, T, Dh), values (B, H, T, Dv), global_keys (H, M, Dh),
-        #        mask (B, T) or (B or 1, H or 1, T, T) bool or None
+        # shape: queries (B, H, T, Dh), values (B, H, T, Dv), global_keys (H, M, Dh), mask (B, T), (B|1, H|1, T, T)
         """
+        if query_inputs is not None:
+            return self._condition_cross(query_inputs, queries, values, global_keys, mask)
         excluded = causal = None
         if mask is not None and mask.dim() == 4:
             check_sequence_inputs(queries, values, None)
@@ -455,6 +463,35 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             Kv = K @ values  # shape: (B, H, T, Dv); K_qa v_a (padded keys have v = 0)
             c = A.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
             return DecoupledSGPAConditional(mean=Kv + A @ (u_tilde - c), gram_values=Kv, proj_values=c, **factors)
+
+    def _condition_cross(self, queries, keys, values, global_keys, mask) -> DecoupledSGPAConditional:
+        """Cross-attention (docs/derivations.md §13): the mean basis γ is the context's keys k_a (values
+        v_a), the global basis is the layer's, q(f) is at the queries: mean = K_qa v_a + A_q (ũ − L_g⁻¹ K_ga v_a)
+        (or m(q) + A_q ũ), Σ as §5b at the queries, γ-part ½ v_aᵀ (K_aa − K_ag K_gg⁻¹ K_ga) v_a.
+        # shape: queries (B, H, T, Dh), keys (B, H, S, Dh), values (B, H, S, Dv), mask (B, S) or None"""
+        check_sequence_inputs(keys, values, mask)
+        check_query_inputs(queries, keys)
+        with gp_algebra(keys.device.type):
+            queries, keys, values = full_precision(queries, keys, values)
+            if mask is not None:
+                values = values.masked_fill(mask[:, None, :, None], 0.0)  # padded keys leave the mean basis
+            both, u_tilde = self._global_basis(torch.cat([queries, keys], -2), global_keys)  # one L_g
+            A, A_a = both.split([queries.shape[-2], keys.shape[-2]], -2)  # shape: (B, H, T, M), (B, H, S, M)
+            K_qa = evaluate_kernel(self.kernel, queries, keys)  # shape: (B, H, T, S)
+            factors = dict(
+                gram=evaluate_kernel(self.kernel, queries, queries) if self.covariance == "full" else None,
+                gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), interp=A, values=values,
+                whitened_values=u_tilde, scale_tril=self.variational_distribution.scale_tril(), mask=None,
+                jitter=self.jitter, covariance=self.covariance,
+            )
+            if self.mean_module is not None:
+                m = self.mean_module(K_qa, values, None if mask is None else mask[:, None, None, :])
+                return DecoupledSGPAConditional(mean=m + A @ u_tilde, gram_values=None, proj_values=None, **factors)
+            c = A_a.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
+            K_aa_v = evaluate_kernel(self.kernel, keys, keys) @ values  # shape: (B, H, S, Dv), for the γ-part
+            return DecoupledSGPAConditional(
+                mean=K_qa @ values + A @ (u_tilde - c), gram_values=K_aa_v, proj_values=c, **factors
+            )
 
     def _global_basis(self, queries: torch.Tensor, global_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A, ũ)``: A = K_qg L_g⁻ᵀ (L_g = chol(K_gg + jitter)) and ũ = L_gᵀ u, the whitened global basis.
