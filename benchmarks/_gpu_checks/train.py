@@ -281,6 +281,10 @@ def _step_syncs(attention: str, device: str) -> dict:
 
 def train_step_sync(device: str) -> dict:
     """Host-device synchronisations of one training step of the trainer, sgpa and softmax (warnings)."""
+    require(*TRAINING)
+    from gpattn.experiments.training import _batch, _Dist, _DivergenceGuard, _train_step  # noqa: F401
+
+    # ^ the trainer's private step: imported first, so that a CPU run sees it renamed or gone
     if torch.device(device).type != "cuda":
         raise Skip("CPU device: no host-device synchronisation to watch")
     res = {attention: _step_syncs(attention, device) for attention in ("sgpa", "softmax")}
