@@ -299,3 +299,99 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     items = report["checks"][0]["data"]["items"]
     assert {i["name"] for i in items} >= {"softmax", "sgpa-decoupled"} and all(i["status"] == "pass" for i in items)
     assert "| layers | pass |" in (out / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow  # child processes; ~25 s on one core (two digits trainings, tiny BERTs)
+def test_gpu_check_every_other_check_on_cpu(tmp_path):
+    """The ``train``, ``hf`` and ``timing`` checks of benchmarks/gpu_check.py (benchmarks/_gpu_checks/) run with
+    the CPU as the "device": every item passes but the one that needs CUDA, and the timing rows have the schema
+    of attention_scaling.py's."""
+    import subprocess
+
+    out = tmp_path / "gc"
+    cmd = [sys.executable, str(BENCH / "gpu_check.py"), "--device", "cpu", "--checks", "train,hf,timing"]
+    cmd += ["--variants", "softmax,sgpa-decoupled", "--timing-ts", "16,32", "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["overall"] == "PASS" and [c["check"] for c in report["checks"]] == ["train", "hf", "timing"]
+    items = {c["check"]: {i["name"]: i for i in c["data"]["items"]} for c in report["checks"]}
+    cuda_only = {"training step: host-device synchronisations"}
+    for check, by_name in items.items():
+        for name, item in by_name.items():
+            assert item["status"] == ("skip" if name in cuda_only else "pass"), (check, item)
+    assert len(items["train"]) == 10 and "--resume on cpu (cut after 5 steps)" in items["train"]
+    assert items["train"]["--resume on cpu (cut after 5 steps)"]["max_abs_metric_diff"] == 0.0
+    assert len(items["hf"]) == 13 and "HFClassifier frozen trunk on the device" in items["hf"]
+    rows = [r for item in items["timing"].values() for r in item["rows"]]
+    variants = {"softmax", "sgpa-decoupled", "sgpa-decoupled[covariance=full]"}
+    assert {(r["variant"], r["T"], r["mode"]) for r in rows} == {
+        (v, T, m) for v in variants for T in (16, 32) for m in scaling.MODES
+    }
+    for r in rows:
+        assert r["status"] == "ok" and r["ms_median"] > 0 and r["ratio_to_softmax"] > 0, r
+    md = (out / "gpu_check.md").read_text()
+    assert "| train | pass |" in md and "| hf | pass |" in md and "**fwd+bwd** — median ms" in md
+
+
+def _gpu_checks(module):
+    return importlib.import_module(f"_gpu_checks.{module}")
+
+
+def test_gpu_check_differences_and_statuses():
+    """The comparisons every gpu_check item is judged by, and a check's status from its items."""
+    compare, runner = _gpu_checks("compare"), _gpu_checks("runner")
+    b = torch.tensor([1.0, -2.0, float("nan"), 4.0])
+    e = compare.err(b + torch.tensor([0.0, 0.1, 0.0, 0.0]), b)
+    assert e["max_abs"] == pytest.approx(0.1) and e["norm"] == pytest.approx(0.1 / 4) and e["note"] == "NaN in both"
+    assert e["max_rel"] == pytest.approx(0.1 / 2)
+    assert compare.err(torch.tensor([float("nan")]), torch.tensor([1.0]))["norm"] == math.inf
+    assert compare.err(torch.zeros(2), torch.zeros(3))["note"] == "shape (2,) vs (3,)"
+    assert compare.err(None, None) == {"max_abs": 0.0, "max_rel": 0.0, "norm": 0.0, "note": None}
+    # a vanishing reference: relative to the floor, not to round-off
+    assert compare.err(torch.tensor([1e-9]), torch.tensor([0.0]), floor=1e-3)["norm"] == pytest.approx(1e-6)
+    cmp = {"y": {"norm": 1e-7}, "terms": {"kl": {"norm": 1e-3}}, "grads": {"x": {"norm": 1e-5}}}
+    assert compare.judge(cmp, 1e-6, {"term:kl"}) == (False, [{"quantity": "grad:x", "norm": 1e-5, "allowed": 1e-6}])
+    assert compare.judge(cmp, {"y": 1e-6, "term:kl": 1e-2, "grad:x": 1e-4}, set())[0]
+
+    def data(*statuses, done=True, **extra):
+        return {"items": [{"status": s} for s in statuses], "done": done, **extra}
+
+    assert runner.status_of(data("pass", "warn", "fail", "error"), 0, False)[0] == "fail"
+    assert runner.status_of(data("pass", "error", "warn"), 0, False)[0] == "error"
+    assert runner.status_of(data("pass", "warn", done=False), -9, True) == ("timeout", "1 pass, 1 warn; timed out")
+    assert runner.status_of(data("pass", done=False), 1, False) == ("error", "1 pass; child exit 1")
+    assert runner.status_of(data("pass", "warn", "skip"), 0, False)[0] == "warn"
+    assert runner.status_of(data("skip", "skip"), 0, False)[0] == "skip"
+    assert runner.status_of(data("pass", "skip"), 0, False) == ("pass", "1 pass, 1 skip")
+    assert runner.status_of(data("pass", setup_error="ImportError: x"), 0, False) == ("error", "setup: ImportError: x")
+    assert runner.status_of(None, 0, True) == ("timeout", "no result file (timed out)")
+
+
+def test_gpu_check_sync_counter_without_a_gpu(monkeypatch):
+    """gpu_check's host-device synchronisation counter, fed the warnings and native lines torch's sync debug
+    mode would give (torch.cuda's calls stubbed: no GPU here): counted, located at the last gpattn line, and
+    a warning raised from the checker's own files counted as the backward's."""
+    sync, pkg = _gpu_checks("sync"), importlib.import_module("_gpu_checks")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda *a, **k: None)
+    source = "import warnings\ndef f(message):\n    warnings.warn(message)\n"
+    in_gpattn, in_checker = {}, {}
+    exec(compile(source, "/somewhere/gpattn/fake_layer.py", "exec"), in_gpattn)
+    exec(compile(source, str(pkg.PKG / "fake_check.py"), "exec"), in_checker)
+
+    def work():
+        in_gpattn["f"]("called a synchronizing CUDA operation")
+        in_gpattn["f"]("called a synchronizing CUDA operation")
+        in_gpattn["f"]("synchronization debug mode is a prototype feature")  # a notice, not an event
+        in_checker["f"]("called a synchronizing CUDA operation")
+        import os
+
+        os.write(2, b"[W] called a synchronizing CUDA operation (native thread)\n")
+
+    assert sync.sync_events(work, "cpu")["checked"] is False
+    got = sync.sync_events(work, "cuda")
+    assert got["checked"] and got["count"] == 4
+    assert got["by_location"] == {"gpattn/fake_layer.py:3 (f)": 2, sync.BACKWARD: 1}
+    assert got["by_op"] == {"gpattn/fake_layer.py:3 (f)": 2, "backward": 1}
+    assert got["native_thread_lines"] == ["[W] called a synchronizing CUDA operation (native thread)"]

@@ -1,31 +1,21 @@
-r"""The initial prior scale of every GP attention variant, relative to the residual stream.
+r"""The initial prior scale of every GP attention variant, relative to the residual stream
+(docs/derivations.md §9, "The initial prior scale": the derivation, the choice, and the measurements
+behind each constant).
 
 A GP attention layer is one branch of a pre-LN residual block, ``x + W_o f(LN(x))``: its input has
 unit variance per coordinate (LayerNorm), and whatever it adds is added to the stream. Its prior is
 therefore part of the model specification, not only of the GP: a prior whose variance is larger than
 the stream's drowns it in noise, and under the exact ELBO (β = α = 1) the per-sequence KL is then paid
-by shrinking the posterior mean below that noise — the model collapses to the class prior (measured on
-CoLA at the previous initialisation: prior variance ≈ 7 per coordinate, training cross-entropy at the
-base-rate entropy for 10 epochs).
+by shrinking the posterior mean below that noise — the model collapses to the class prior.
 
 **The scale.** Projections of a LayerNorm-ed input through ``nn.Linear``'s default initialisation
 (U(±1/√D)) have variance ≈ 1/3 per coordinate, so ‖q‖² ≈ Dh/3 per head. Each variant is initialised so
 that the prior variance of one output coordinate of ``f`` at a token is a small fraction of the input's
 unit variance (:data:`PRIOR_VARIANCE` = 0.01 for SGPA, 0.1 for the correlated GPs), and, where the
 posterior has its own variational covariance on global parameters, the posterior starts with a smaller
-spread than the prior.
-
-**Why 0.01 for SGPA (measured, β = 1, seed 0).** Under the exact ELBO a GP layer pays for its output
-mean with KL (∝ 1/σ² per coordinate) and adds noise ∝ σ; the smaller prior learns faster and no worse
-calibrated. sgpa on CoLA (5 epochs): training CE at epoch 5 0.602 / 0.573 / 0.554 for σ² = 0.2 / 0.05 /
-0.01; on digits 0.785 (σ² = 0.05) vs 0.950 (0.01) in-domain. sgpa-decoupled, 0.05 → 0.01: CoLA MCC
-0.074 → 0.130 with the same NLL (0.620 / 0.621) and ECE (0.063); digits 0.945 → 0.972, shift NLL
-1.117 → 0.829. (docs/derivations.md §9's probe used 0.05; the previous initialisation, σ² = 1 and ℓ = Dh^¼, gave a prior
-variance ≈ 7.) After ``W_o`` (variance 1/3 per coordinate at
-initialisation) the output spread per token is then ≈ 0.1–0.2 of the LayerNorm-ed input's norm, and
-the posterior mean is of the same order for T up to a few hundred tokens. The GP variants' tests
-(``tests/test_prior_scale.py``) pin these bands for every registered GP variant, T from 1 to 512, with
-padding.
+spread than the prior. Why small: under the exact ELBO a GP layer pays for its output mean with KL
+(∝ 1/σ² per coordinate) and adds noise ∝ σ. The GP variants' tests (``tests/test_prior_scale.py``) pin the
+resulting output bands for every registered GP variant, T from 1 to 512, with padding.
 
 How each variant reaches it (a change of parameterisation only: the models are the papers'):
 
@@ -35,25 +25,20 @@ How each variant reaches it (a change of parameterisation only: the models are t
 * ``kep-svgp``: Λ = I and ω_r = ω_e at initialisation, so that the KSVD objective J starts near its
   stationary value 0 (with the landmark features of LayerNorm-ed tokens, E e_c² ≈ 1, so
   ½ E‖eΛ^{-1/2}‖² + ½ E‖rΛ^{-1/2}‖² ≈ r = tr(ω_eᵀω_r)); the prior N(0, Λ²) then gives f a prior
-  variance O(1); q(u_c) starts near-deterministic, m_c ~ N(0, 0.1² I) (:data:`KEP_MEAN_STD`; the released
-  N(0, I) made the layer's mean output 5× its input) and S_c = 0.01 I (:data:`KEP_COVARIANCE_STD`; the
-  released I/4), as Salimbeni & Deisenroth initialise inner layers. Measured trade-off (β = 1): the
-  released S_c = I/4 makes the layer's spread ≈ 0.75× its input and calibrates better on CoLA (3 seeds,
-  last layer: NLL 0.648 vs 0.911, ECE 0.071 vs 0.204; softmax 0.663 / 0.101) but is worse on digits
-  under shift (NLL 0.94 vs 0.78), learns a generated text table more slowly (0.48 vs 0.77 after 4
-  epochs) and, with KEP in every layer, failed the ELBO notebook's CI-size check (accuracy 0.36): KEP's
-  only KL is global (÷ N), so the initial variance is largely where training leaves it.
+  variance O(1); q(u_c) starts near-deterministic, m_c ~ N(0, 0.1² I) (:data:`KEP_MEAN_STD`; released:
+  N(0, I)) and S_c = 0.01 I (:data:`KEP_COVARIANCE_STD`; released: I/4), as Salimbeni & Deisenroth
+  initialise inner layers. KEP's only KL is global (÷ N), so the initial variance is largely where
+  training leaves it.
 * ``cgp``, ``scgp``: σ_q = σ_k = √0.1 (:data:`CGP_SIGMA`), since K_q = σ_q² κ_o with κ_o(q, q) = 1 sets
   the prior variance of z_q directly.
 
 **Another stream** (a layer swapped into a pretrained encoder, :mod:`gpattn.integrations.huggingface`).
 The fractions above assume a unit-variance input and a fresh W_o of gain :data:`NATIVE_OUTPUT_GAIN` = 1/3.
-Inside a pretrained encoder the input has the stream's own variance v_s per coordinate (MiniLM's last
-layer: ≈ 0.3) and the swapped ``out_proj`` starts as the identity (gain g_o = 1), so the same prior adds
-≈ 10× (in variance) the designed fraction of noise: CGP's spread per token was 0.59× its input (designed:
-0.17×). ``scale_prior(v_s · (1/3) / g_o)`` on every GP layer's strategy
-(``HFClassifier.match_prior_to_stream``) restores the designed fraction; kep-svgp has no separate prior
-variance (p(u_c) = N(0, Λ²), Λ also in its mean) and starts with ``out_proj`` = 0 there instead.
+Inside a pretrained encoder the input has the stream's own variance v_s per coordinate and the swapped
+``out_proj`` starts as the identity (gain g_o = 1), so the same prior adds more noise than designed.
+``scale_prior(v_s · (1/3) / g_o)`` on every GP layer's strategy (``HFClassifier.match_prior_to_stream``)
+restores the designed fraction; kep-svgp has no separate prior variance (p(u_c) = N(0, Λ²), Λ also in its
+mean) and starts with ``out_proj`` = 0 there instead.
 """
 
 from __future__ import annotations
