@@ -5,8 +5,9 @@ A pretrained encoder (``cfg.encoder``): fused AdamW with two parameter groups â€
 at ``cfg.encoder_lr`` with decoupled weight decay ``cfg.encoder_weight_decay`` on their matrices (not on
 biases or LayerNorm), the new parameters (the head, the GP parameters, projections that came from no
 pretrained weight) at ``cfg.lr`` without decay â€” a linear warm-up over ``cfg.warmup`` of the steps, then
-cosine decay. Unset (None), those three take :data:`ENCODER_DEFAULTS`; the reasons and the measurement
-are in docs/results.md ("Fine-tuning defaults"). :func:`describe` is the line the run prints.
+cosine decay. Unset (None), those three take :data:`ENCODER_DEFAULTS`, and so does an unset batch size
+(``TrainConfig`` resolves it); the reasons and the measurement are in docs/results.md ("Fine-tuning
+defaults"). :func:`describe` is the line the run prints.
 """
 
 from __future__ import annotations
@@ -15,16 +16,25 @@ import math
 
 import torch
 
-__all__ = ["ENCODER_DEFAULTS", "build_optimizer", "describe", "encoder_settings", "split_pretrained"]
+__all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "ENCODER_DEFAULTS",
+    "build_optimizer",
+    "describe",
+    "encoder_settings",
+    "split_pretrained",
+]
 
 #: what an ``--encoder`` run uses for a setting left unset (None), per recipe; chosen on CoLA with MiniLM
 #: (docs/results.md, "Fine-tuning defaults"): full fine-tuning as BERT-family encoders are fine-tuned (AdamW,
-#: warm-up, decay) at the lr that left the class prior in one epoch; the frozen trunk's top layer at the
-#: cola-minilm preset's measured recipe (one lr, no warm-up, no decay)
+#: warm-up, decay) at the lr and batch size that left the class prior in one epoch in every seed tried; the
+#: frozen trunk's top layer at the cola-minilm preset's measured recipe (one lr, no warm-up, no decay)
 ENCODER_DEFAULTS = {
-    "full": {"encoder_lr": 1e-4, "encoder_weight_decay": 0.01, "warmup": 0.1},
-    "frozen-trunk": {"encoder_lr": 5e-4, "encoder_weight_decay": 0.0, "warmup": 0.0},
+    "full": {"encoder_lr": 1e-4, "encoder_weight_decay": 0.01, "warmup": 0.1, "batch_size": 16},
+    "frozen-trunk": {"encoder_lr": 5e-4, "encoder_weight_decay": 0.0, "warmup": 0.0, "batch_size": 32},
 }
+#: a run's batch size when none is given and the recipe has none (models trained from scratch)
+DEFAULT_BATCH_SIZE = 32
 
 
 def encoder_settings(cfg) -> dict:
@@ -32,7 +42,7 @@ def encoder_settings(cfg) -> dict:
     :data:`ENCODER_DEFAULTS` (for a model without encoder: warm-up 0 unless set, the others unused)."""
     if cfg.encoder is None:
         return {"encoder_lr": None, "encoder_weight_decay": None, "warmup": cfg.warmup or 0.0}
-    defaults = ENCODER_DEFAULTS[cfg.encoder_recipe]
+    defaults = {k: v for k, v in ENCODER_DEFAULTS[cfg.encoder_recipe].items() if k != "batch_size"}
     return {k: defaults[k] if getattr(cfg, k) is None else getattr(cfg, k) for k in defaults}
 
 
@@ -108,5 +118,6 @@ def describe(cfg, settings: dict, groups, warmup_steps: int, total_steps: int) -
     return (
         f"optimizer: AdamW, lr {settings['encoder_lr']:g} for the {n_pre} pretrained tensors (weight decay "
         f"{settings['encoder_weight_decay']:g} on their matrices), lr {cfg.lr:g} for the {n_new} new ones "
-        f"(head, GP parameters; no decay); {schedule} (--encoder-lr, --lr, --encoder-weight-decay, --warmup)"
+        f"(head, GP parameters; no decay); batch {cfg.batch_size}; {schedule} (--encoder-lr, --lr, "
+        f"--encoder-weight-decay, --warmup, --batch-size)"
     )

@@ -95,7 +95,6 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     )
     for flag, typ in (
         ("--epochs", int),
-        ("--batch-size", int),
         ("--lr", float),
         ("--num-samples", int),
         ("--embed-dim", int),
@@ -107,6 +106,11 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         ("--checkpoint-every", int),
     ):
         p.add_argument(flag, type=typ)
+    p.add_argument(
+        "--batch-size", type=int,
+        help="training batch size (default 32; with --encoder the recipe's: 16 for full fine-tuning, 32 for "
+        "frozen-trunk, gpattn.experiments._optim.ENCODER_DEFAULTS)",
+    )
     p.add_argument(
         "--encoder-lr", type=float,
         help="with --encoder: learning rate of the pretrained weights (--lr is the new parameters': head, GP "
@@ -123,7 +127,7 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pooling", choices=["mean", "cls"],
         help="what the head reads: the mean over the tokens, or a CLS token that sees the input only through "
-        "attention (default: mean for text, cls for images; the image presets pool the mean)",
+        "attention (default: mean for text, cls for images, as in the image presets)",
     )
     p.add_argument(
         "--loss-weight", type=_kv, action="append", default=[], metavar="NAME=VALUE",

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from gpattn import __version__
 from gpattn._settings import is_validating
 from gpattn.experiments._io import CHECKPOINT_FORMAT
-from gpattn.experiments._optim import build_optimizer
+from gpattn.experiments._optim import DEFAULT_BATCH_SIZE, ENCODER_DEFAULTS, build_optimizer
 from gpattn.experiments._runs import (
     CHECKPOINT,
     as_device,
@@ -147,7 +147,9 @@ class TrainConfig:
     pooling: str | None = None
     patch_size: int | None = None
     epochs: int = 10
-    batch_size: int = 32
+    #: None: 32, or with ``encoder`` the recipe's default (gpattn.experiments._optim.ENCODER_DEFAULTS: 16 for
+    #: full fine-tuning); resolved when the config is made, so config.json holds the number
+    batch_size: int | None = None
     lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -181,6 +183,9 @@ class TrainConfig:
         def is_int(v):  # plain ints only (not data._images.is_int's NumPy ints): config.json must serialise
             return isinstance(v, int) and not isinstance(v, bool)
 
+        if self.batch_size is None:
+            recipe = ENCODER_DEFAULTS.get(self.encoder_recipe, {}) if self.encoder is not None else {}
+            self.batch_size = recipe.get("batch_size", DEFAULT_BATCH_SIZE)
         for name in ("epochs", "batch_size", "eval_batch_size", "train_samples", "num_samples"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "a positive int")
