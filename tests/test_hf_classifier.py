@@ -432,7 +432,7 @@ def test_match_prior_to_stream_scales_each_gp_layer_to_its_input(make):
     assert rows == [
         {"layer": i, "stream_variance": pytest.approx(v), "out_gain": pytest.approx(gain),
          "factor": pytest.approx(v / 3 / gain), "key_distance": rows[0]["key_distance"],
-         "input_factor": pytest.approx(rows[0]["key_distance"] ** -0.5)}
+         "input_factor": pytest.approx((2 / rows[0]["key_distance"]) ** 0.5)}
     ]  # fmt: skip
     torch.testing.assert_close(layer.strategy.covar.sigma_q.detach() ** 2, before**2 * rows[0]["factor"])
     assert models[1].match_prior_to_stream(h, pad)[0]["factor"] == pytest.approx(rows[0]["factor"])
@@ -461,9 +461,9 @@ def test_match_prior_to_stream_in_every_layer_and_leaves_non_gp_layers():
 
 
 @pytest.mark.parametrize("name", ["cgp", "scgp"])
-def test_match_prior_to_stream_puts_the_median_key_distance_of_cgp_at_one(name):
+def test_match_prior_to_stream_puts_the_median_key_distance_of_cgp_at_two(name):
     """cgp and scgp (κ_o without a lengthscale): the canonical inputs are rescaled so that the median of
-    ‖k_i − k_j‖² over pairs of real tokens of one sequence (and the heads) is 1 afterwards, measured here
+    ‖k_i − k_j‖² over pairs of real tokens of one sequence (and the heads) is 2 afterwards, measured here
     by brute force over the pairs; ``key_distance`` is that median before."""
     ids, pad = batch()
     model = HFClassifier(_uneven(tiny_encoder()), 2, name, "last")
@@ -486,4 +486,4 @@ def test_match_prior_to_stream_puts_the_median_key_distance_of_cgp_at_one(name):
     before = median_distance()
     (row,) = model.match_prior_to_stream(ids, pad)
     assert row["key_distance"] == pytest.approx(before)
-    assert median_distance() == pytest.approx(1.0, rel=1e-6)
+    assert median_distance() == pytest.approx(2.0, rel=1e-6)

@@ -161,6 +161,11 @@ def key_padding_mask(attention_mask: torch.Tensor | None, shape) -> torch.Tensor
     return result
 
 
+#: the median squared distance between a swapped cgp/scgp layer's canonical keys after
+#: :meth:`HFClassifier.match_prior_to_stream` (κ_o = e⁻¹ at the median pair; docs/derivations.md §7)
+MEDIAN_KEY_DISTANCE = 2.0
+
+
 def _match_layer(layer: nn.Module, x: torch.Tensor, key_padding_mask, gain: float) -> dict:
     """Scale one swapped GP layer's prior to its input ``x`` (B, T, D) (and cgp/scgp's canonical inputs by the
     median heuristic): :meth:`HFClassifier.match_prior_to_stream`'s row for it, without the layer index."""
@@ -174,8 +179,8 @@ def _match_layer(layer: nn.Module, x: torch.Tensor, key_padding_mask, gain: floa
     if hasattr(layer, "rescale_inputs"):  # cgp, scgp: their canonical kernel has no lengthscale
         with torch.no_grad():
             median = _median_key_distance(layer, x, key_padding_mask)
-        row.update(key_distance=median, input_factor=median**-0.5)
-        layer.rescale_inputs(median**-0.5)
+        row.update(key_distance=median, input_factor=(MEDIAN_KEY_DISTANCE / median) ** 0.5)
+        layer.rescale_inputs(row["input_factor"])
     return row
 
 
@@ -618,9 +623,10 @@ class HFClassifier(LossTermWalkers, nn.Module):
         so that the noise it adds, relative to its input, is what the native design gives. cgp and scgp,
         whose canonical kernel κ_o has no lengthscale of its own (their ``input_scale`` assumes fresh
         projections of a unit-variance stream), also get the median heuristic: their canonical inputs
-        (q, k, o, scgp's inducing inputs) are multiplied by :math:`1/\sqrt{m}`, m = the median of
+        (q, k, o, scgp's inducing inputs) are multiplied by :math:`\sqrt{2/m}`, m = the median of
         :math:`\lVert k_i - k_j\rVert^2` over pairs of real tokens of one sequence and the heads, so that
-        the median is 1 (docs/derivations.md §7, "input scale on a pretrained stream"). Every layer's
+        the median is :data:`MEDIAN_KEY_DISTANCE` = 2 (docs/derivations.md §7, "input scale on a pretrained
+        stream"). Every layer's
         v_s comes from one forward in eval mode and :func:`gpattn.deterministic`, before any is scaled (in
         the post-LN BERT family a layer's input is a LayerNorm output, whose scale the layers below do not
         set). Layers that are not GP layers, and those whose ``out_proj`` starts at
@@ -633,7 +639,7 @@ class HFClassifier(LossTermWalkers, nn.Module):
             a few hundred training sequences.
         :param key_padding_mask: ``(B, T)`` bool, True = padding.
         :returns: one row per scaled layer: ``layer``, ``stream_variance`` (v_s), ``out_gain`` (g_o), ``factor`` (c);
-            for cgp and scgp also ``key_distance`` (m, before) and ``input_factor`` (1/√m).
+            for cgp and scgp also ``key_distance`` (m, before) and ``input_factor`` (√(2/m)).
         """
         from gpattn._settings import deterministic
 
