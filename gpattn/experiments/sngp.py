@@ -183,6 +183,9 @@ class RandomFeatureGP(gpytorch.Module):
         self.register_buffer("feature_weight", torch.randn(num_features, in_features) / ell)  # W ~ N(0, ℓ⁻²)
         self.register_buffer("feature_bias", torch.rand(num_features) * (2 * math.pi))  # b ~ U(0, 2π)
         self.output = nn.Linear(num_features, num_classes)  # β and the constant mean β₀
+        # β starts at a draw of its prior N(0, s⁻¹ I): the initial logits are a draw of the GP prior (unit amplitude)
+        nn.init.normal_(self.output.weight, 0.0, 1.0 / math.sqrt(self.ridge))
+        nn.init.zeros_(self.output.bias)
         self.register_prior(
             "beta_prior", gpytorch.priors.NormalPrior(0.0, 1.0 / math.sqrt(self.ridge)), lambda m: m.output.weight
         )
