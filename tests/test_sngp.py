@@ -291,7 +291,9 @@ def test_compare_softmax_and_sngp_end_to_end(tmp_path):
     saved_preds = torch.load(folder / "predictions.pt", weights_only=True)
     key = bundle.eval_splits["in_domain"]
     torch.testing.assert_close(predict(model, bundle.splits[key], cfg.num_samples), saved_preds[key]["logits"])
-    # the same covariance from the public pass over the training data
+    # the same covariance from the public pass over the training data (in other batches)
     factor = model.head.precision_factor.clone()
-    S.fit_covariance(model, bundle.splits["train"])
+    train = bundle.splits["train"]
+    S.fit_covariance(model.train(), [(train.inputs[i : i + 100], None) for i in range(0, len(train), 100)])
+    assert model.training  # its mode restored
     torch.testing.assert_close(model.head.precision_factor, factor, rtol=1e-6, atol=1e-8)

@@ -271,27 +271,23 @@ def apply_sngp(model: nn.Module, **options) -> nn.Module:
     return model
 
 
-class _FeatureView(nn.Module):
-    """``model`` seen through the random-feature layer: its ``head`` is the GP layer's ``output`` (β), so
-    :func:`gpattn.experiments.laplace.extract_features` returns the random features φ."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model, self.head = model, model.head.output
-
-    def forward(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-
-def fit_covariance(model: nn.Module, split, batch_size: int = 256) -> RandomFeatureGP:
-    """The Laplace covariance of ``model.head`` (a :class:`RandomFeatureGP`) from one eval-mode pass over
-    ``split`` (the training data, a ``gpattn.experiments.data.Split``) at the current weights; returns the head.
-    ``gpattn.experiments.training.predict(model, split, P)`` then gives the mean-field logits."""
-    from gpattn.experiments.laplace import extract_features
-
-    if not isinstance(getattr(model, "head", None), RandomFeatureGP):
-        raise ValueError(
-            f"model.head must be a RandomFeatureGP (apply_sngp), got {type(getattr(model, 'head', None)).__name__}"
-        )
-    phi = extract_features(_FeatureView(model), split, batch_size)  # shape: (N, D_L)
-    return model.head.fit_features(phi.split(batch_size))
+@torch.no_grad()
+def fit_covariance(model: nn.Module, batches) -> RandomFeatureGP:
+    """The Laplace covariance of ``model.head`` (a :class:`RandomFeatureGP`) from one eval-mode pass over the
+    training data at the current weights: ``batches`` yields ``(inputs, key_padding_mask)`` pairs (mask None
+    for images), each run as ``model(inputs, key_padding_mask, num_samples=1)``. Returns the head; the model's
+    train/eval mode is restored. In eval mode the model then predicts the mean-field logits."""
+    head = getattr(model, "head", None)
+    if not isinstance(head, RandomFeatureGP):
+        raise ValueError(f"model.head must be a RandomFeatureGP (apply_sngp), got {type(head).__name__}")
+    phi: list[torch.Tensor] = []  # the random features, the input of β
+    hook = head.output.register_forward_hook(lambda module, args, output: phi.append(args[0].detach()))
+    was_training = model.training
+    try:
+        model.eval()
+        for inputs, mask in batches:
+            model(inputs, mask, num_samples=1)
+    finally:
+        hook.remove()
+        model.train(was_training)
+    return head.fit_features(phi)

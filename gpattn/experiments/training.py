@@ -745,7 +745,9 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps) -> dic
     if cfg.sngp is not None:  # SNGP's Laplace covariance: one pass over the training data, kept in the checkpoint
         from gpattn.experiments.sngp import fit_covariance
 
-        fit_covariance(run.model, run.bundle.splits["train"], cfg.eval_batch_size)
+        split = run.bundle.splits["train"]
+        rows = torch.arange(len(split)).split(cfg.eval_batch_size)
+        fit_covariance(run.model, (_batch(split, idx, run.device)[:2] for idx in rows))
         _save(run)
     return _evaluate(run)
 
