@@ -1,5 +1,6 @@
 r"""SNGP: the single-pass, distance-aware baseline of Liu et al. (2020), "Simple and Principled Uncertainty
-Estimation with Deterministic Deep Learning via Distance Awareness" (NeurIPS 2020; BERT-SNGP in its §5).
+Estimation with Deterministic Deep Learning via Distance Awareness" (NeurIPS 2020), which also applies it to BERT
+(BERT-SNGP).
 docs/derivations.md §13 has the derivation and every choice.
 
 Two changes to a trained-from-scratch classifier, both trained, plus one pass after training:
@@ -22,7 +23,7 @@ Two changes to a trained-from-scratch classifier, both trained, plus one pass af
        \Sigma^{-1} = s I + \sum_i p_i (1 - p_i)\, \phi_i \phi_i^\top, \qquad p_i = \max_c \mathrm{softmax}(\beta\phi_i
        + \beta_0)_c,
 
-   and in eval mode the head returns the mean-field logits (Liu et al. eq. 11)
+   and in eval mode the head returns the paper's mean-field logits
    :math:`\mathrm{logits} / \sqrt{1 + \lambda\, \phi^\top \Sigma \phi}` with :math:`\lambda = \pi/8`.
 
 :func:`apply_sngp` turns a gpattn classifier into its SNGP form (``softmax+sngp`` in ``compare``; the
@@ -56,7 +57,7 @@ __all__ = [
     "spectral_normalise",
 ]
 
-#: λ of the mean-field logit adjustment (Liu et al. eq. 11, from the probit approximation of the logistic)
+#: λ of Liu et al.'s mean-field logit adjustment (the probit approximation of the logistic)
 MEAN_FIELD_FACTOR = math.pi / 8
 
 #: the options of :func:`apply_sngp` (``TrainConfig.sngp`` holds them all, so config.json records each value):
@@ -92,8 +93,9 @@ def check_sngp_options(options: dict) -> dict:
         _positive(name, out[name])
     for name in ("power_iterations", "num_features"):
         _positive(name, out[name], integer=True)
-    if out["mean_field_factor"] != 0:
-        _positive("mean_field_factor", out["mean_field_factor"])
+    lam = out["mean_field_factor"]
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
+        raise ValueError(f"mean_field_factor must be a finite number >= 0 (0: the MAP logits), got {lam!r}")
     if out["lengthscale"] is not None:
         _positive("lengthscale", out["lengthscale"])
     if not isinstance(out["input_norm"], bool):
@@ -123,8 +125,8 @@ class _SpectralBound(nn.Module):
 
 
 def spectral_normalise(linear: nn.Linear, bound: float = 0.95, power_iterations: int = 1) -> nn.Linear:
-    """Bound the spectral norm of ``linear.weight`` by ``bound`` (Liu et al. eq. 7), in place: torch's
-    ``spectral_norm`` parametrisation (``power_iterations`` per training forward) wrapped so that a weight
+    """Bound the spectral norm of ``linear.weight`` by ``bound`` (Liu et al.'s spectral normalisation), in place:
+    torch's ``spectral_norm`` parametrisation (``power_iterations`` per training forward) wrapped so that a weight
     whose estimated norm is below the bound is left as it is. Returns ``linear``."""
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
@@ -140,8 +142,8 @@ def spectral_normalise(linear: nn.Linear, bound: float = 0.95, power_iterations:
 
 # ----------------------------------------------------------------------------- the GP output layer
 def mean_field_logits(logits: torch.Tensor, variance: torch.Tensor, factor: float = MEAN_FIELD_FACTOR) -> torch.Tensor:
-    """Liu et al. eq. 11: logits / sqrt(1 + λ·var), the probit approximation of E[softmax(f)], f ~ N(logits,
-    var·I).  # shape: logits (..., C), variance (...) -> (..., C)"""
+    """Liu et al.'s mean-field logits: logits / sqrt(1 + λ·var), the probit approximation of E[softmax(f)],
+    f ~ N(logits, var·I).  # shape: logits (..., C), variance (...) -> (..., C)"""
     return logits / torch.sqrt(1.0 + factor * variance.clamp_min(0.0)).unsqueeze(-1)
 
 
@@ -153,14 +155,14 @@ def laplace_weights(logits: torch.Tensor) -> torch.Tensor:
 
 
 class RandomFeatureGP(gpytorch.Module):
-    r"""The random-feature GP output layer of SNGP (Liu et al. §3.2, eqs. 8–11; module docstring).
+    r"""The random-feature GP output layer of SNGP (Liu et al.; module docstring, docs/derivations.md §13).
 
     :param in_features: D, the width of the head's input h.
     :param num_classes: C.
     :param num_features: D_L, the number of random Fourier features (1024 as in the paper).
     :param lengthscale: ℓ of the RBF kernel the features approximate; None: √D.
     :param input_norm: a LayerNorm without affine on h before the features (the paper's optional input
-        normalisation; BERT-SNGP uses it), so ℓ is a lengthscale of a fixed scale.
+        normalisation), so ℓ is a lengthscale of a fixed scale.
     :param ridge: s, the prior precision of β (the Laplace precision's ``s·I``).
     :param mean_field_factor: λ of the eval-mode mean-field logits (0: the MAP logits).
     """
