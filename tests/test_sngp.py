@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from gpattn.experiments import compare as C
 from gpattn.experiments import sngp as S
-from gpattn.experiments.training import TrainConfig, load_run_with_data, predict
+from gpattn.experiments.training import TrainConfig, load_run_with_data, predict, train
 from gpattn.models import ViTClassifier
 from gpattn.objectives import DeepGPELBO
 
@@ -297,3 +297,19 @@ def test_compare_softmax_and_sngp_end_to_end(tmp_path):
     S.fit_covariance(model.train(), [(train.inputs[i : i + 100], None) for i in range(0, len(train), 100)])
     assert model.training  # its mode restored
     torch.testing.assert_close(model.head.precision_factor, factor, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.filterwarnings("ignore::gpattn.experiments.diagnostics.GPCollapseWarning")  # one tiny epoch
+def test_interrupted_sngp_run_resumes_to_the_uninterrupted_result(tmp_path):
+    """The spectral norm's power-iteration vectors and the GP head are in the checkpoint: a run stopped mid-epoch and
+    resumed ends with the predictions (and covariance) of an uninterrupted one."""
+    cfg = TrainConfig(dataset="digits", embed_dim=8, num_heads=2, num_layers=1, epochs=1, batch_size=64,
+                      num_samples=1, pooling="cls", patch_size=4, progress=False,
+                      sngp={**S.SNGP_DEFAULTS, "num_features": 64})
+    full = train(cfg, tmp_path / "full")
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "cut", stop_after_steps=5)
+    resumed = train(cfg, tmp_path / "cut", resume=True)
+    assert resumed == full
+    a, b = (torch.load(tmp_path / d / "predictions.pt", weights_only=True) for d in ("full", "cut"))
+    torch.testing.assert_close(a["test"]["logits"], b["test"]["logits"], rtol=0, atol=0)
