@@ -4,7 +4,9 @@ A *variant spec* is a registered attention name with optional modifiers:
 ``softmax+ts`` (post-hoc temperature scaling fitted on the validation split, Guo et al. 2017),
 ``softmax+laplace`` (post-hoc last-layer Laplace, :mod:`gpattn.experiments.laplace`; laplace-torch when installed,
 else the dense float64 back end),
-``softmax+mcdropout`` (dropout kept on at prediction), ``softmax+ens5`` (deep ensemble of 5
+``softmax+mcdropout`` (dropout kept on at prediction), ``softmax+sngp`` (SNGP, Liu et al. 2020: spectral-normalised
+blocks and a random-feature GP head with a Laplace covariance, :mod:`gpattn.experiments.sngp`; a training-time
+change, so it trains a run of its own), ``softmax+ens5`` (deep ensemble of 5
 independently seeded models: the seed run plus members seeded ``seed + 1000·j``). Modifiers combine
 (``kep-svgp+ens5``). Attention options for one variant go in brackets after its name, comma-separated
 ``key=value`` pairs: ``sto[tau=2]``, ``h-sto[tau1=1,tau2=20]+ts`` (values are Python literals, else
@@ -38,6 +40,7 @@ import torch
 from gpattn.attention.registry import attention_class, attention_options, build_attention, list_attention
 from gpattn.experiments._io import CHECKPOINT_FORMAT, checkpoint_format, load_file
 from gpattn.experiments._runs import CHECKPOINT, load_checkpoint, resolve_device
+from gpattn.experiments.sngp import SNGP_DEFAULTS
 from gpattn.experiments.training import (
     COLLAPSE,
     DIVERGED,
@@ -52,7 +55,7 @@ from gpattn.objectives import DEFAULT_ALPHA, CGPRegulariser, named_added_loss_te
 
 __all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "split_variants", "write_report"]
 
-BASELINES = ("softmax+ts", "softmax+mcdropout", "softmax+laplace", "softmax+ens5")
+BASELINES = ("softmax+ts", "softmax+mcdropout", "softmax+laplace", "softmax+sngp", "softmax+ens5")
 
 #: metrics shown in report.md, per evaluation split (all metrics are in results.json)
 REPORT_COLUMNS = {
@@ -71,12 +74,13 @@ class VariantSpec:
     laplace: bool = False
     ensemble: int = 1
     options: tuple = ()  # ((key, value), ...) from ``name[key=value,...]``
+    sngp: bool = False
 
     @property
     def run_name(self) -> str:
         """The trained model this spec evaluates (post-hoc modifiers need no run of their own)."""
         opts = "[" + ",".join(f"{k}={v}" for k, v in self.options) + "]" if self.options else ""
-        return self.attention + opts + ("+mcdropout" if self.mcdropout else "")
+        return self.attention + opts + ("+mcdropout" if self.mcdropout else "") + ("+sngp" if self.sngp else "")
 
 
 _SPEC = re.compile(r"\s*([A-Za-z0-9_-]+)\s*(?:\[([^\]]*)\])?\s*((?:\+[^+]*)*)\s*")
@@ -110,7 +114,7 @@ def parse_variant(spec: str) -> VariantSpec:
                 known = ", ".join(sorted(valid))
                 raise ValueError(f"variant {spec!r}: unknown option {key!r} for attention {name!r}; valid: {known}")
             options.append((key, _option_value(value)))
-    ts = mc = la = False
+    ts = mc = la = sn = False
     ens = 1
     for mod in (m.strip() for m in mod_text.split("+")[1:]):
         if mod == "ts":
@@ -119,13 +123,17 @@ def parse_variant(spec: str) -> VariantSpec:
             la = True
         elif mod == "mcdropout":
             mc = True
+        elif mod == "sngp":
+            sn = True
         elif re.fullmatch(r"ens\d+", mod) and int(mod[3:]) >= 2:
             ens = int(mod[3:])
         else:
             raise ValueError(
-                f"unknown modifier {mod!r} in variant {spec!r}; valid: +ts, +laplace, +mcdropout, +ensN (N >= 2)"
+                f"unknown modifier {mod!r} in variant {spec!r}; valid: +ts, +laplace, +mcdropout, +sngp, +ensN (N >= 2)"
             )
-    return VariantSpec(spec.strip(), name, ts, mc, la, ens, tuple(options))
+    if sn and la:
+        raise ValueError(f"variant {spec!r}: +sngp and +laplace are two Laplace heads; choose one")
+    return VariantSpec(spec.strip(), name, ts, mc, la, ens, tuple(options), sn)
 
 
 def split_variants(text: str) -> list[str]:
@@ -143,7 +151,7 @@ def split_variants(text: str) -> list[str]:
 
 def expand_variants(variants, variant_options: dict | None = None) -> list[VariantSpec]:
     """A comma list or list of specs; ``all`` = every registered variant; ``all+baselines`` adds
-    :data:`BASELINES` (softmax+ts, softmax+mcdropout, softmax+laplace and a deep ensemble softmax+ens5).
+    :data:`BASELINES` (softmax+ts, softmax+mcdropout, softmax+laplace, softmax+sngp and a deep ensemble softmax+ens5).
     ``variant_options`` (a preset's ``{name: {option: value}}``) fills in options a spec does not set."""
     if isinstance(variants, str):
         variants = split_variants(variants)
@@ -176,7 +184,7 @@ def _run(
     one candidate of an α grid (the run's own folder ``<name>/alpha=<α>``), else the base's α."""
     cfg = dataclasses.replace(
         base, attention=spec.attention, attention_options=_spec_options(base, spec), mc_dropout=spec.mcdropout,
-        seed=seed,
+        seed=seed, sngp=dict(SNGP_DEFAULTS) if spec.sngp else None,
         progress=progress,
         **({} if alpha is None else {"alpha": alpha}),
     )
@@ -476,6 +484,10 @@ def _check_specs(specs, base: TrainConfig) -> set[str]:
         width, heads = encoder_shape(base)
     takers = set()
     for spec in specs:
+        if spec.sngp and base.encoder is not None:
+            raise ValueError(
+                f"variant {spec.spec!r}: +sngp is built for gpattn's own classifiers, not --encoder models"
+            )
         try:
             layer = build_attention(spec.attention, width, heads, **_spec_options(base, spec))
         except (ValueError, TypeError) as err:
@@ -758,8 +770,9 @@ def write_report(
         "Values are fractions (not percent), mean ± std over seeds. AUROC = failure prediction (in-domain), "
         f"ood_auroc = OOD detection with the max-probability (msp) score, ood_auroc_<score> with another score "
         f"(shown: {', '.join(ood_scores)}; every score is in results.json). `+ts` = temperature scaling on the "
-        "validation split, `+laplace` = last-layer Laplace, `+mcdropout` = MC dropout, `+ensN` = deep ensemble "
-        "of N models.",
+        "validation split, `+laplace` = last-layer Laplace, `+mcdropout` = MC dropout, `+sngp` = SNGP "
+        "(spectral-normalised blocks, random-feature GP head, mean-field logits), `+ensN` = deep ensemble of N "
+        "models.",
         "",
     ]
     if summaries:

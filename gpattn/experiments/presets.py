@@ -1,6 +1,7 @@
 """Named experiment settings for ``gpattn train|compare --preset NAME``: the papers' setups at CPU scale.
 
-A preset is a dict of ``TrainConfig`` fields plus ``variants`` (for compare), ``seeds`` and optionally
+A preset is a dict of ``TrainConfig`` fields plus ``variants`` (for compare; ``all+baselines`` is every registered
+variant and :data:`gpattn.experiments.compare.BASELINES`, SNGP's ``softmax+sngp`` among them), ``seeds`` and optionally
 ``variant_options`` (per-variant attention options from the papers' tables), ``alpha_grid`` (the CGP
 regulariser weights α that compare chooses from on the validation split, for cgp and scgp), ``variant_settings``
 (per-variant ``TrainConfig`` fields, e.g. a variant's own number of epochs chosen on the validation split:
@@ -115,6 +116,7 @@ PRESETS: dict[str, dict] = {
         batch_size=32, lr=_LR_MINILM, num_samples=10, seeds=[0, 1, 2],
         # the recipe measured here before the --encoder defaults (one lr, no warm-up, no decay): kept as measured
         encoder_lr=_LR_MINILM, encoder_weight_decay=0.0, warmup=0.0,
+        # no softmax+sngp: SNGP is built for gpattn's own classifiers, not --encoder models (gpattn.experiments.sngp)
         variants="softmax,softmax+ts,softmax+mcdropout,softmax+laplace,softmax+ens3,sgpa,sgpa-decoupled,kep-svgp,"
         "cgp,scgp",
         variant_options={"kep-svgp": {"rank": _KEP_RANK_COLA}}, variant_settings={"kep-svgp": _KEP_SETTINGS_COLA},

@@ -144,6 +144,9 @@ class TrainConfig:
     mlp_ratio: float = 2.0
     dropout: float = 0.1
     mc_dropout: bool = False
+    #: SNGP (``compare``'s ``+sngp``): None = off, else the options of gpattn.experiments.sngp.apply_sngp, all of
+    #: them (spectral-normalised blocks, a random-feature GP head, its Laplace covariance fitted after training)
+    sngp: dict | None = None
     pooling: str | None = None
     patch_size: int | None = None
     epochs: int = 10
@@ -242,6 +245,12 @@ class TrainConfig:
         if isinstance(self.attention_options, dict) and "kernel" in self.attention_options:
             # config.json stores kernel specs (gpattn.kernels), never a kernel instance
             require_kernel_spec(self.attention_options["kernel"], name="attention_options['kernel']")
+        if self.sngp is not None:
+            from gpattn.experiments.sngp import check_sngp_options
+
+            if self.encoder is not None:
+                raise bad("sngp", "None with an encoder (SNGP is built for gpattn's own classifiers)")
+            check_sngp_options(self.sngp)
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -282,20 +291,26 @@ def build_model(cfg: TrainConfig, bundle) -> torch.nn.Module:
     )
     if bundle.kind == "text":
         max_len = max(int(s.inputs.shape[1]) for s in bundle.splits.values())
-        return TransformerClassifier(
+        model = TransformerClassifier(
             bundle.num_classes, vocab_size=bundle.vocab_size, max_len=max_len, pooling=cfg.pooling or "mean", **common
         )
-    if bundle.kind == "image":
+    elif bundle.kind == "image":
         C, Hpx, Wpx = bundle.image_shape
         patch = cfg.patch_size or (2 if Hpx <= 8 else 4)
-        return ViTClassifier(
+        model = ViTClassifier(
             bundle.num_classes,
             image_shape=bundle.image_shape,
             patch_size=patch,
             pooling=cfg.pooling or "cls",
             **common,
         )
-    raise ValueError(f"data set kind must be 'text' or 'image', got {bundle.kind!r}")
+    else:
+        raise ValueError(f"data set kind must be 'text' or 'image', got {bundle.kind!r}")
+    if cfg.sngp is not None:  # spectral-normalised blocks and a random-feature GP head (gpattn.experiments.sngp)
+        from gpattn.experiments.sngp import apply_sngp
+
+        apply_sngp(model, **cfg.sngp)
+    return model
 
 
 def _batch(split, idx, device=None):
@@ -732,6 +747,13 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps) -> dic
     run.net = run.dist.wrap(run.model)  # DistributedDataParallel under torchrun
     run.guard = _DivergenceGuard(run.model, run.device)
     _fit(run, stop_after_steps)
+    if cfg.sngp is not None:  # SNGP's Laplace covariance: one pass over the training data, kept in the checkpoint
+        from gpattn.experiments.sngp import fit_covariance
+
+        split = run.bundle.splits["train"]
+        rows = torch.arange(len(split)).split(cfg.eval_batch_size)
+        fit_covariance(run.model, (_batch(split, idx, run.device)[:2] for idx in rows))
+        _save(run)
     return _evaluate(run)
 
 

@@ -1,0 +1,295 @@
+r"""SNGP: the single-pass, distance-aware baseline of Liu et al. (2020), "Simple and Principled Uncertainty
+Estimation with Deterministic Deep Learning via Distance Awareness" (NeurIPS 2020), which also applies it to BERT
+(BERT-SNGP).
+docs/derivations.md §14 has the derivation and every choice.
+
+Two changes to a trained-from-scratch classifier, both trained, plus one pass after training:
+
+1. **Spectral normalisation** (:func:`spectral_normalise`) of the residual branches' weight matrices: every
+   ``nn.Linear`` inside the transformer blocks (the attention's input and output projections, the FFN's two
+   layers), :math:`W \leftarrow W \cdot \min(1, c/\hat\sigma(W))` with :math:`\hat\sigma` torch's power
+   iteration (``torch.nn.utils.parametrizations.spectral_norm``, one iteration per training forward).
+2. **A random-feature GP output layer** (:class:`RandomFeatureGP`) in place of the linear head:
+
+   .. math::
+       \phi(h) = \sqrt{2/D_L}\,\cos(W\,\mathrm{LN}(h) + b), \quad W_{ij} \sim \mathcal N(0, \ell^{-2}),\;
+       b_j \sim \mathcal U(0, 2\pi) \text{ (fixed)}, \qquad \mathrm{logits} = \beta\,\phi(h) + \beta_0,
+
+   with the prior :math:`\beta_{c} \sim \mathcal N(0, s^{-1} I)` registered as a gpytorch prior, so the
+   training objective (:class:`gpattn.objectives.DeepGPELBO`) is the MAP objective the Laplace step expands.
+3. **The Laplace covariance** (:func:`fit_covariance`, one pass over the training data at the final weights):
+
+   .. math::
+       \Sigma^{-1} = s I + \sum_i p_i (1 - p_i)\, \phi_i \phi_i^\top, \qquad p_i = \max_c \mathrm{softmax}(\beta\phi_i
+       + \beta_0)_c,
+
+   and in eval mode the head returns the paper's mean-field logits
+   :math:`\mathrm{logits} / \sqrt{1 + \lambda\, \phi^\top \Sigma \phi}` with :math:`\lambda = \pi/8`.
+
+:func:`apply_sngp` turns a gpattn classifier into its SNGP form (``softmax+sngp`` in ``compare``; the
+``sngp`` field of :class:`gpattn.experiments.training.TrainConfig`). The head works in any model:
+``head(h)`` in train mode gives the MAP logits, :meth:`RandomFeatureGP.fit` sets the covariance from head
+inputs, and in eval mode ``head(h)`` gives the mean-field logits (before a fit: under the prior covariance
+:math:`s^{-1} I`, the posterior after no data).
+"""
+
+from __future__ import annotations
+
+import math
+
+import gpytorch
+import torch
+import torch.nn as nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import spectral_norm
+
+from gpattn.variational._linalg import cholesky
+
+__all__ = [
+    "MEAN_FIELD_FACTOR",
+    "SNGP_DEFAULTS",
+    "RandomFeatureGP",
+    "apply_sngp",
+    "check_sngp_options",
+    "fit_covariance",
+    "laplace_weights",
+    "mean_field_logits",
+    "spectral_normalise",
+]
+
+#: λ of Liu et al.'s mean-field logit adjustment (the probit approximation of the logistic)
+MEAN_FIELD_FACTOR = math.pi / 8
+
+#: the options of :func:`apply_sngp` (``TrainConfig.sngp`` holds them all, so config.json records each value):
+#: c the spectral bound, D_L random features, ℓ (None: √D, the unit lengthscale on LN(h)/√D), s the ridge
+SNGP_DEFAULTS = {
+    "spectral_bound": 0.95,
+    "power_iterations": 1,
+    "num_features": 1024,
+    "lengthscale": None,
+    "input_norm": True,
+    "ridge": 1.0,
+    "mean_field_factor": MEAN_FIELD_FACTOR,
+}
+
+
+def _positive(name: str, value, integer: bool = False):
+    number = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not number or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive {'int' if integer else 'finite number'}, got {value!r}")
+    return value
+
+
+def check_sngp_options(options: dict) -> dict:
+    """``options`` (a subset of :data:`SNGP_DEFAULTS`) checked and completed with the defaults; a
+    ``ValueError`` naming the option for an unknown key or a bad value."""
+    if not isinstance(options, dict):
+        raise ValueError(f"sngp options must be a dict (keys {sorted(SNGP_DEFAULTS)}), got {options!r}")
+    unknown = sorted(set(options) - set(SNGP_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown sngp options {unknown}; valid: {', '.join(sorted(SNGP_DEFAULTS))}")
+    out = {**SNGP_DEFAULTS, **options}
+    for name in ("spectral_bound", "ridge"):
+        _positive(name, out[name])
+    for name in ("power_iterations", "num_features"):
+        _positive(name, out[name], integer=True)
+    lam = out["mean_field_factor"]
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
+        raise ValueError(f"mean_field_factor must be a finite number >= 0 (0: the MAP logits), got {lam!r}")
+    if out["lengthscale"] is not None:
+        _positive("lengthscale", out["lengthscale"])
+    if not isinstance(out["input_norm"], bool):
+        raise ValueError(f"input_norm must be True or False, got {out['input_norm']!r}")
+    return out
+
+
+# ----------------------------------------------------------------------------- spectral normalisation
+class _SpectralBound(nn.Module):
+    """W · min(1, c / σ̂(W)), σ̂ from torch's spectral-norm parametrisation ``normalised`` (W / σ̂, its power
+    iteration and its u, v buffers): σ̂ = ⟨W, W⟩ / ⟨W, W / σ̂⟩."""
+
+    def __init__(self, normalised: nn.Module, bound: float):
+        super().__init__()
+        self.normalised, self.bound = normalised, float(bound)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        unit = self.normalised(weight)  # W / σ̂; in training mode one more power iteration
+        sigma = (weight * weight).sum() / (weight * unit).sum()
+        return weight * torch.clamp(self.bound / sigma, max=1.0)
+
+    def right_inverse(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def extra_repr(self) -> str:
+        return f"bound={self.bound}"
+
+
+def spectral_normalise(linear: nn.Linear, bound: float = 0.95, power_iterations: int = 1) -> nn.Linear:
+    """Bound the spectral norm of ``linear.weight`` by ``bound`` (Liu et al.'s spectral normalisation), in place:
+    torch's ``spectral_norm`` parametrisation (``power_iterations`` per training forward) wrapped so that a weight
+    whose estimated norm is below the bound is left as it is. Returns ``linear``."""
+    if not isinstance(linear, nn.Linear):
+        raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+    _positive("bound", bound)
+    _positive("power_iterations", power_iterations, integer=True)
+    if parametrize.is_parametrized(linear, "weight"):
+        raise ValueError("linear.weight is parametrised already (spectral normalisation applied twice?)")
+    spectral_norm(linear, n_power_iterations=power_iterations)
+    plist = linear.parametrizations.weight
+    plist[0] = _SpectralBound(plist[0], bound)
+    return linear
+
+
+# ----------------------------------------------------------------------------- the GP output layer
+def mean_field_logits(logits: torch.Tensor, variance: torch.Tensor, factor: float = MEAN_FIELD_FACTOR) -> torch.Tensor:
+    """Liu et al.'s mean-field logits: logits / sqrt(1 + λ·var), the probit approximation of E[softmax(f)],
+    f ~ N(logits, var·I).  # shape: logits (..., C), variance (...) -> (..., C)"""
+    return logits / torch.sqrt(1.0 + factor * variance.clamp_min(0.0)).unsqueeze(-1)
+
+
+def laplace_weights(logits: torch.Tensor) -> torch.Tensor:
+    """p(1 − p) with p the predicted class's probability: the curvature weight of each example in the
+    Laplace precision (docs/derivations.md §14).  # shape: (N, C) -> (N,)"""
+    p = torch.softmax(logits, dim=-1).amax(dim=-1)
+    return p * (1.0 - p)
+
+
+class RandomFeatureGP(gpytorch.Module):
+    r"""The random-feature GP output layer of SNGP (Liu et al.; module docstring, docs/derivations.md §14).
+
+    :param in_features: D, the width of the head's input h.
+    :param num_classes: C.
+    :param num_features: D_L, the number of random Fourier features (1024 as in the paper).
+    :param lengthscale: ℓ of the RBF kernel the features approximate; None: √D.
+    :param input_norm: a LayerNorm without affine on h before the features (the paper's optional input
+        normalisation), so ℓ is a lengthscale of a fixed scale.
+    :param ridge: s, the prior precision of β (the Laplace precision's ``s·I``).
+    :param mean_field_factor: λ of the eval-mode mean-field logits (0: the MAP logits).
+    """
+
+    def __init__(
+        self, in_features: int, num_classes: int, *, num_features: int = 1024, lengthscale: float | None = None,
+        input_norm: bool = True, ridge: float = 1.0, mean_field_factor: float = MEAN_FIELD_FACTOR,
+    ):
+        super().__init__()
+        _positive("in_features", in_features, integer=True)
+        _positive("num_classes", num_classes, integer=True)
+        opts = check_sngp_options(dict(
+            num_features=num_features, lengthscale=lengthscale, input_norm=input_norm, ridge=ridge,
+            mean_field_factor=mean_field_factor,
+        ))
+        ell = math.sqrt(in_features) if lengthscale is None else float(lengthscale)
+        self.num_features, self.lengthscale, self.ridge = num_features, ell, float(ridge)
+        self.mean_field_factor = float(opts["mean_field_factor"])
+        self.norm = nn.LayerNorm(in_features, elementwise_affine=False) if input_norm else nn.Identity()
+        self.register_buffer("feature_weight", torch.randn(num_features, in_features) / ell)  # W ~ N(0, ℓ⁻²)
+        self.register_buffer("feature_bias", torch.rand(num_features) * (2 * math.pi))  # b ~ U(0, 2π)
+        self.output = nn.Linear(num_features, num_classes)  # β and the constant mean β₀
+        # β starts at a draw of its prior N(0, s⁻¹ I): the initial logits are a draw of the GP prior (unit amplitude)
+        nn.init.normal_(self.output.weight, 0.0, 1.0 / math.sqrt(self.ridge))
+        nn.init.zeros_(self.output.bias)
+        self.register_prior(
+            "beta_prior", gpytorch.priors.NormalPrior(0.0, 1.0 / math.sqrt(self.ridge)), lambda m: m.output.weight
+        )
+        #: lower Cholesky factor of Σ⁻¹ (float64); √s·I, the prior, until :meth:`fit`
+        self.register_buffer("precision_factor", math.sqrt(self.ridge) * torch.eye(num_features, dtype=torch.float64))
+        #: how many examples the covariance was fitted on (0: the prior)
+        self.register_buffer("num_fitted", torch.zeros((), dtype=torch.long))
+
+    def features(self, h: torch.Tensor) -> torch.Tensor:
+        """φ(h) = √(2/D_L) cos(W LN(h) + b).  # shape: (..., D) -> (..., D_L)"""
+        z = self.norm(h) @ self.feature_weight.T + self.feature_bias
+        return math.sqrt(2.0 / self.num_features) * torch.cos(z)
+
+    def variance(self, phi: torch.Tensor) -> torch.Tensor:
+        """φᵀ Σ φ with Σ⁻¹ = L Lᵀ: ‖L⁻¹ φ‖², one triangular solve, float64.  # shape: (N, D_L) -> (N,)"""
+        L = self.precision_factor
+        with torch.autocast(phi.device.type, enabled=False):
+            v = torch.linalg.solve_triangular(L, phi.detach().to(L.dtype).T, upper=False)  # shape: (D_L, N)
+        return (v * v).sum(0)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Train mode: the MAP logits βφ + β₀; eval mode: the mean-field logits.  # shape: (N, D) -> (N, C)"""
+        phi = self.features(h)
+        logits = self.output(phi)
+        if self.training or self.mean_field_factor == 0:
+            return logits
+        var = self.variance(phi.reshape(-1, self.num_features)).reshape(phi.shape[:-1])
+        return mean_field_logits(logits, var.to(logits.dtype), self.mean_field_factor)
+
+    @torch.no_grad()
+    def fit(self, inputs) -> RandomFeatureGP:
+        """Set the Laplace covariance from head inputs h at the current weights: a tensor ``(N, D)`` or an
+        iterable of such batches; Σ⁻¹ = s·I + Σᵢ pᵢ(1 − pᵢ) φᵢ φᵢᵀ accumulated in float64, then factorised."""
+        batches = [inputs] if torch.is_tensor(inputs) else inputs
+        return self.fit_features(self.features(b.to(self.feature_weight.device)) for b in batches)
+
+    @torch.no_grad()
+    def fit_features(self, features) -> RandomFeatureGP:
+        """:meth:`fit` from the random features φ ``(N, D_L)`` (a tensor or an iterable of batches)."""
+        batches = [features] if torch.is_tensor(features) else features
+        precision = self.ridge * torch.eye(self.num_features, dtype=torch.float64, device=self.precision_factor.device)
+        count = 0
+        for phi in batches:
+            if phi.dim() != 2 or phi.shape[1] != self.num_features:
+                raise ValueError(f"features must have shape (N, D_L={self.num_features}), got {tuple(phi.shape)}")
+            phi = phi.to(precision)
+            logits = nn.functional.linear(phi, self.output.weight.to(precision), self.output.bias.to(precision))
+            scaled = phi * laplace_weights(logits).sqrt().unsqueeze(-1)  # √(p(1−p)) φ
+            precision += scaled.T @ scaled  # shape: (D_L, D_L)
+            count += phi.shape[0]
+        self.precision_factor.copy_(cholesky(precision, name="SNGP Laplace precision"))
+        self.num_fitted.fill_(count)
+        return self
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_features={self.num_features}, lengthscale={self.lengthscale:g}, ridge={self.ridge:g}, "
+            f"mean_field_factor={self.mean_field_factor:g}"
+        )
+
+
+# ----------------------------------------------------------------------------- a whole classifier
+def apply_sngp(model: nn.Module, **options) -> nn.Module:
+    """Make a gpattn classifier (``TransformerClassifier``, ``ViTClassifier``) an SNGP model, in place:
+    spectral normalisation of every ``nn.Linear`` in ``model.encoder.blocks`` (attention projections and FFN)
+    and a :class:`RandomFeatureGP` as ``model.head``. ``options``: :data:`SNGP_DEFAULTS`. Returns ``model``."""
+    opts = check_sngp_options(options)
+    blocks = getattr(getattr(model, "encoder", None), "blocks", None)
+    head = getattr(model, "head", None)
+    if not isinstance(blocks, nn.ModuleList) or not isinstance(head, nn.Linear):
+        raise ValueError(
+            "apply_sngp needs a gpattn classifier (TransformerClassifier or ViTClassifier: model.encoder.blocks and "
+            f"a Linear model.head), got {type(model).__name__}; for another model use spectral_normalise and "
+            "RandomFeatureGP directly"
+        )
+    for module in blocks.modules():
+        if isinstance(module, nn.Linear):
+            spectral_normalise(module, opts["spectral_bound"], opts["power_iterations"])
+    model.head = RandomFeatureGP(
+        head.in_features, head.out_features, num_features=opts["num_features"], lengthscale=opts["lengthscale"],
+        input_norm=opts["input_norm"], ridge=opts["ridge"], mean_field_factor=opts["mean_field_factor"],
+    ).to(head.weight.device)
+    return model
+
+
+@torch.no_grad()
+def fit_covariance(model: nn.Module, batches) -> RandomFeatureGP:
+    """The Laplace covariance of ``model.head`` (a :class:`RandomFeatureGP`) from one eval-mode pass over the
+    training data at the current weights: ``batches`` yields ``(inputs, key_padding_mask)`` pairs (mask None
+    for images), each run as ``model(inputs, key_padding_mask, num_samples=1)``. Returns the head; the model's
+    train/eval mode is restored. In eval mode the model then predicts the mean-field logits."""
+    head = getattr(model, "head", None)
+    if not isinstance(head, RandomFeatureGP):
+        raise ValueError(f"model.head must be a RandomFeatureGP (apply_sngp), got {type(head).__name__}")
+    phi: list[torch.Tensor] = []  # the random features, the input of β
+    hook = head.output.register_forward_hook(lambda module, args, output: phi.append(args[0].detach()))
+    was_training = model.training
+    try:
+        model.eval()
+        for inputs, mask in batches:
+            model(inputs, mask, num_samples=1)
+    finally:
+        hook.remove()
+        model.train(was_training)
+    return head.fit_features(phi)
