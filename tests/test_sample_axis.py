@@ -193,7 +193,7 @@ def test_hf_classifier_sample_axis_starts_where_the_forward_first_samples():
         model = _hf_model(**kwargs).eval()
         rows = []
         for layer in model.encoder.encoder.layer:
-            layer.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0]))  # layers that ran
+            layer.register_forward_hook(lambda mod, args, out, rows=rows: rows.append(args[0].shape[0]))
         with torch.no_grad(), gpattn.deterministic(det):
             out = model(ids, pad, num_samples=P)
         assert rows == expected, kwargs
