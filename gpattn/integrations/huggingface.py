@@ -490,14 +490,17 @@ class HFClassifier(LossTermWalkers, nn.Module):
     CLS pooling and a linear head, behind gpattn's classifier contract:
     ``forward(input_ids, key_padding_mask=None, num_samples=P) -> logits (B, P, C)``.
 
-    Monte-Carlo samples: the batch is repeated B-major (row b·P + p is sample p of sequence b) **before
-    the encoder** (before the top layers on a frozen trunk's output; not at all when nothing in the forward
-    is random: eval mode without MC dropout and without a sampling layer), so every layer, pretrained or
-    swapped, runs on B·P rows and each draw samples its own
-    attention (and dropout in training mode). This costs P encoder passes; the explicit sample axis of
-    gpattn's layers (sampling from the first GP layer on, as :class:`gpattn.models.TransformerClassifier`
-    does) is not used inside transformers yet. The layers' KL terms are means over the B·P sequences,
-    i.e. the Monte-Carlo estimate of the mean over B.
+    Monte-Carlo samples: one sample axis, B-major (row b·P + p is sample p of sequence b), taken by the first
+    part of the forward that samples, as in :class:`gpattn.models.TransformerClassifier`
+    (:class:`gpattn.models._blocks.SampleAxis`, docs/derivations.md §9). When the layers below the first
+    swapped one (the *trunk*: embeddings and unswapped layers) draw nothing — eval mode, or ``frozen_trunk`` —
+    they run once on the B sequences, and the first top layer that samples takes the P draws: a swapped gpattn
+    layer factorises once per sequence and draws its P samples from that factorisation, and the rest of the
+    layer and the layers above run on the B·P rows (each with its own dropout masks). When the trunk samples
+    (training mode, or ``mc_dropout`` without ``frozen_trunk``), the batch is repeated at the input, so every
+    draw has its own dropout masks in every layer. A forward with nothing random runs once and repeats its
+    logits. The layers' loss terms are those of the rows they ran on (each sequence's terms once when the
+    swapped layer drew the samples).
 
     ``added_loss_terms()`` / ``named_priors()`` (gpytorch's walkers) reach the swapped layers, so
     :class:`gpattn.objectives.DeepGPELBO` works on it; :meth:`layer_diagnostics` is what the trainer logs.
@@ -513,7 +516,9 @@ class HFClassifier(LossTermWalkers, nn.Module):
     :param mc_dropout: keep the encoder's dropout modules (``nn.Dropout``: embeddings, hidden states) on
         in eval mode, MC dropout (Gal & Ghahramani 2016); off inside ``gpattn.deterministic()``. The
         attention-probability dropout of the unswapped layers follows transformers' own training flag.
-        With ``frozen_trunk`` only the dropout of the trainable layers (the top) is switched.
+        With ``frozen_trunk`` only the dropout of the trainable layers (the top) is switched. Each of the P
+        draws has its own dropout masks in every layer whose dropout is on (the batch is repeated before the
+        first of them).
     :param frozen_trunk: the frozen-trunk (last-layer) recipe: the embeddings and every layer below the
         first swapped one (the *trunk*) keep their pretrained weights (``requires_grad=False``) and stay
         in eval mode (no dropout) whatever ``train()`` says, so the trunk is a fixed function of the
