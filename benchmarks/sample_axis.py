@@ -36,28 +36,41 @@ from gpattn.attention.registry import attention_class
 from gpattn.experiments.training import resolve_device
 
 
-def measure(cfg: dict, args, device) -> dict:
-    torch.manual_seed(0)
-    B, T, D, H, P = args.batch, args.tokens, args.width, args.heads, args.samples
-    layer = gpattn.build_attention(cfg["name"], D, H, **cfg["options"]).to(device).eval()
-    x = torch.nn.functional.layer_norm(torch.randn(B, T, D, device=device), (D,))
+def padding(args, device) -> torch.Tensor:
+    """The key padding of every benchmark batch: half the sequences padded by a quarter.  # shape: (B, T)"""
+    B, T = args.batch, args.tokens
     mask = torch.zeros(B, T, dtype=torch.bool, device=device)
-    mask[: B // 2, T - T // 4 :] = True  # half the sequences padded by a quarter
-    xr, mr = x.repeat_interleave(P, 0), mask.repeat_interleave(P, 0)
+    mask[: B // 2, T - T // 4 :] = True
+    return mask
+
+
+def time_draws(forward, inputs, mask, args, device) -> dict:
+    """Median ms of ``forward(inputs, mask)`` with P=1, with ``num_samples=P`` and on the batch repeated P times,
+    and the ratios to P=1."""
+    P = args.samples
+    rows, mask_rows = inputs.repeat_interleave(P, 0), mask.repeat_interleave(P, 0)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        one = median_ms(lambda: layer(x, mask), args.reps, device, warmup=1)
-        many = median_ms(lambda: layer(x, mask, num_samples=P), args.reps, device, warmup=1)
-        repeated = median_ms(lambda: layer(xr, mr), args.reps, device, warmup=1)
+        one = median_ms(lambda: forward(inputs, mask), args.reps, device, warmup=1)
+        many = median_ms(lambda: forward(inputs, mask, num_samples=P), args.reps, device, warmup=1)
+        repeated = median_ms(lambda: forward(rows, mask_rows), args.reps, device, warmup=1)
     return {
-        "variant": cfg["variant"],
-        "options": cfg["options"],
         "p1_ms": one,
         f"p{P}_ms": many,
         f"p{P}_repeated_ms": repeated,
         "ratio": many / one,
         "ratio_repeated": repeated / one,
+        "speedup": repeated / many,
     }
+
+
+def measure(cfg: dict, args, device) -> dict:
+    torch.manual_seed(0)
+    B, T, D, H = args.batch, args.tokens, args.width, args.heads
+    layer = gpattn.build_attention(cfg["name"], D, H, **cfg["options"]).to(device).eval()
+    x = torch.nn.functional.layer_norm(torch.randn(B, T, D, device=device), (D,))
+    times = time_draws(layer, x, padding(args, device), args, device)
+    return {"variant": cfg["variant"], "options": cfg["options"], **times}
 
 
 def hf_encoder(name: str):
@@ -65,14 +78,8 @@ def hf_encoder(name: str):
     import transformers
 
     if name == "tiny":
-        config = transformers.BertConfig(
-            vocab_size=1000,
-            hidden_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            intermediate_size=256,
-            max_position_embeddings=512,
-        )
+        sizes = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 256}
+        config = transformers.BertConfig(vocab_size=1000, **sizes)
         return transformers.BertModel(config, add_pooling_layer=False)
     from gpattn.integrations.huggingface import resolve_encoder
 
@@ -83,28 +90,10 @@ def measure_hf(name: str, args, device) -> dict:
     from gpattn.integrations.huggingface import HFClassifier
 
     torch.manual_seed(0)
-    B, T, P = args.batch, args.tokens, args.samples
     model = HFClassifier(hf_encoder(name), 2, args.hf_variant, "last").to(device).eval()
-    ids = torch.randint(5, model.encoder.config.vocab_size, (B, T), device=device)
-    mask = torch.zeros(B, T, dtype=torch.bool, device=device)
-    mask[: B // 2, T - T // 4 :] = True  # half the sequences padded by a quarter
-    ids = ids.masked_fill(mask, 0)
-    ids_r, mask_r = ids.repeat_interleave(P, 0), mask.repeat_interleave(P, 0)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        one = median_ms(lambda: model(ids, mask), args.reps, device, warmup=1)
-        many = median_ms(lambda: model(ids, mask, num_samples=P), args.reps, device, warmup=1)
-        repeated = median_ms(lambda: model(ids_r, mask_r), args.reps, device, warmup=1)
-    return {
-        "encoder": name,
-        "variant": args.hf_variant,
-        "p1_ms": one,
-        f"p{P}_ms": many,
-        f"p{P}_repeated_ms": repeated,
-        "ratio": many / one,
-        "ratio_repeated": repeated / one,
-        "speedup": repeated / many,
-    }
+    mask = padding(args, device)
+    ids = torch.randint(5, model.encoder.config.vocab_size, mask.shape, device=device).masked_fill(mask, 0)
+    return {"encoder": name, "variant": args.hf_variant, **time_draws(model, ids, mask, args, device)}
 
 
 def hf_table(rows: list[dict], args, device) -> list[str]:
