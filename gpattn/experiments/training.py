@@ -60,7 +60,7 @@ from gpattn.experiments.diagnostics import (
     collapse_warnings,
 )
 from gpattn.kernels import require_kernel_spec
-from gpattn.models import TransformerClassifier, ViTClassifier
+from gpattn.models import EncoderSpec, TransformerClassifier, ViTClassifier
 from gpattn.objectives import DEFAULT_ALPHA, DeepGPELBO
 
 __all__ = [
@@ -278,17 +278,9 @@ def build_model(cfg: TrainConfig, bundle) -> torch.nn.Module:
 
         return build_encoder_model(cfg, bundle)
     layers = AUTO_LAYERS.get(cfg.attention, "all") if cfg.attention_layers == "auto" else cfg.attention_layers
-    common = dict(
-        embed_dim=cfg.embed_dim,
-        num_heads=cfg.num_heads,
-        num_layers=cfg.num_layers,
-        attention=cfg.attention,
-        attention_options=dict(cfg.attention_options),
-        attention_layers=layers,
-        mlp_ratio=cfg.mlp_ratio,
-        dropout=cfg.dropout,
-        mc_dropout=cfg.mc_dropout,
-    )
+    # the config's encoder settings under their own names (EncoderSpec's), the layers resolved
+    common = {name: getattr(cfg, name) for name in EncoderSpec.names()}
+    common.update(attention_options=dict(cfg.attention_options), attention_layers=layers)
     if bundle.kind == "text":
         max_len = max(int(s.inputs.shape[1]) for s in bundle.splits.values())
         model = TransformerClassifier(

@@ -71,7 +71,7 @@ from gpattn.integrations._decoders import (
     predictive_uncertainty,
     token_uncertainty,
 )
-from gpattn.models._blocks import pool_tokens
+from gpattn.models._blocks import SampleAxis, pool_tokens
 from gpattn.objectives import LossTermWalkers
 
 __all__ = [
@@ -199,13 +199,22 @@ def _median_key_distance(layer: nn.Module, x: torch.Tensor, key_padding_mask) ->
     return float(distances.median())
 
 
+def _samples(modules, adapter=None) -> bool:
+    """Whether a forward of a part of the encoder (its ``modules``, the swapped ``adapter`` among them, or None)
+    may be random: a module in training mode (dropout: transformers' modules read their own flag, and the
+    MC-dropout switch turns the dropout modules' on) or a sampling gpattn layer."""
+    return any(m.training for m in modules) or (adapter is not None and adapter.attention.sampling)
+
+
 # ----------------------------------------------------------------------------- the adapter
 class HFAttentionAdapter(nn.Module):
     """A gpattn layer (``self.attention``) behind transformers' self-attention contract.
 
     ``forward(hidden_states, attention_mask=None, **kwargs) -> (output (B, T, D), None)``; attention
     weights are not returned (None, as transformers' sdpa path). Cross-attention and key/value caches
-    are not supported (a ValueError)."""
+    are not supported (a ValueError). ``num_samples=P`` (passed by :class:`HFClassifier` to the first layer
+    that samples): ``hidden_states`` hold each input P times, B-major, and the layer draws its P samples
+    from one factorisation of each input (:class:`gpattn.models._blocks.SampleAxis`)."""
 
     def __init__(self, attention: nn.Module, transferred: dict[str, str], new: list[str]):
         super().__init__()
@@ -213,13 +222,18 @@ class HFAttentionAdapter(nn.Module):
         #: what came from the pretrained module (gpattn name -> its name) and what is newly initialised
         self.transferred, self.new = transferred, new
 
-    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, cache=None, **kwargs):
+    def forward(
+        self, hidden_states, attention_mask=None, encoder_hidden_states=None, cache=None, num_samples=None, **kwargs
+    ):
         if encoder_hidden_states is not None:
             raise ValueError("encoder_hidden_states: gpattn's swapped layers are self-attention only (got a tensor)")
         if cache is not None or kwargs.get("past_key_values") is not None:
             raise ValueError("cache / past_key_values: gpattn's swapped layers keep no key/value cache (got one)")
         kpm = key_padding_mask(attention_mask, hidden_states.shape[:2])
-        return self.attention(hidden_states, key_padding_mask=kpm), None
+        if num_samples is None:
+            return self.attention(hidden_states, key_padding_mask=kpm), None
+        x, kpm = SampleAxis.inputs(num_samples, hidden_states, kpm)  # shape: (B·P, T, D) -> (B, T, D)
+        return self.attention(x, key_padding_mask=kpm, num_samples=num_samples), None  # shape: (B·P, T, D)
 
     def extra_repr(self) -> str:
         return f"transferred={sorted(self.transferred)}, new={self.new}"
@@ -473,7 +487,7 @@ def resolve_encoder(name_or_path: str | os.PathLike) -> str:
 
 
 class _TrunkDone(Exception):
-    """Raised by :meth:`HFClassifier.trunk`'s hook once the trunk's output is captured."""
+    """Raised by :meth:`HFClassifier._capture`'s hook once the last hidden states it wants are captured."""
 
 
 class HFClassifier(LossTermWalkers, nn.Module):
@@ -481,14 +495,17 @@ class HFClassifier(LossTermWalkers, nn.Module):
     CLS pooling and a linear head, behind gpattn's classifier contract:
     ``forward(input_ids, key_padding_mask=None, num_samples=P) -> logits (B, P, C)``.
 
-    Monte-Carlo samples: the batch is repeated B-major (row b·P + p is sample p of sequence b) **before
-    the encoder** (before the top layers on a frozen trunk's output; not at all when nothing in the forward
-    is random: eval mode without MC dropout and without a sampling layer), so every layer, pretrained or
-    swapped, runs on B·P rows and each draw samples its own
-    attention (and dropout in training mode). This costs P encoder passes; the explicit sample axis of
-    gpattn's layers (sampling from the first GP layer on, as :class:`gpattn.models.TransformerClassifier`
-    does) is not used inside transformers yet. The layers' KL terms are means over the B·P sequences,
-    i.e. the Monte-Carlo estimate of the mean over B.
+    Monte-Carlo samples: one sample axis, B-major (row b·P + p is sample p of sequence b), taken by the first
+    part of the forward that samples, as in :class:`gpattn.models.TransformerClassifier`
+    (:class:`gpattn.models._blocks.SampleAxis`, docs/derivations.md §9). When the layers below the first
+    swapped one (the *trunk*: embeddings and unswapped layers) draw nothing — eval mode, or ``frozen_trunk`` —
+    they run once on the B sequences, and the first top layer that samples takes the P draws: a swapped gpattn
+    layer factorises once per sequence and draws its P samples from that factorisation, and the rest of the
+    layer and the layers above run on the B·P rows (each with its own dropout masks). When the trunk samples
+    (training mode, or ``mc_dropout`` without ``frozen_trunk``), the batch is repeated at the input, so every
+    draw has its own dropout masks in every layer. A forward with nothing random runs once and repeats its
+    logits. The layers' loss terms are those of the rows they ran on (each sequence's terms once when the
+    swapped layer drew the samples).
 
     ``added_loss_terms()`` / ``named_priors()`` (gpytorch's walkers) reach the swapped layers, so
     :class:`gpattn.objectives.DeepGPELBO` works on it; :meth:`layer_diagnostics` is what the trainer logs.
@@ -504,7 +521,9 @@ class HFClassifier(LossTermWalkers, nn.Module):
     :param mc_dropout: keep the encoder's dropout modules (``nn.Dropout``: embeddings, hidden states) on
         in eval mode, MC dropout (Gal & Ghahramani 2016); off inside ``gpattn.deterministic()``. The
         attention-probability dropout of the unswapped layers follows transformers' own training flag.
-        With ``frozen_trunk`` only the dropout of the trainable layers (the top) is switched.
+        With ``frozen_trunk`` only the dropout of the trainable layers (the top) is switched. Each of the P
+        draws has its own dropout masks in every layer whose dropout is on (the batch is repeated before the
+        first of them).
     :param frozen_trunk: the frozen-trunk (last-layer) recipe: the embeddings and every layer below the
         first swapped one (the *trunk*) keep their pretrained weights (``requires_grad=False``) and stay
         in eval mode (no dropout) whatever ``train()`` says, so the trunk is a fixed function of the
@@ -583,28 +602,36 @@ class HFClassifier(LossTermWalkers, nn.Module):
         """The hidden states each encoder layer in ``indices`` receives when ``run()`` is called with the whole
         model in eval mode (the run stops at the last of them; the modes are restored).
         # shape: -> {index: (N, T, D)}"""
-        captured, last = {}, max(indices)
+        modes = [m.training for m in self.modules()]
+        self.eval()
+        try:
+            return self._capture(indices, run)
+        finally:
+            for m, mode in zip(self.modules(), modes):
+                m.training = mode
+
+    def _capture(self, indices, run) -> dict[int, torch.Tensor]:
+        """The hidden states each encoder layer in ``indices`` receives when ``run()`` is called (the run stops at
+        the last of them; a capture inside ``run`` stops only its own run).  # shape: -> {index: (N, T, D)}"""
+        captured, last, done = {}, max(indices), _TrunkDone()
 
         def grab(index):
             def hook(module, args, kwargs):
                 captured[index] = args[0] if args else kwargs["hidden_states"]
                 if index == last:
-                    raise _TrunkDone
+                    raise done
 
             return hook
 
         handles = [self._layer_list[0][i].register_forward_pre_hook(grab(i), with_kwargs=True) for i in indices]
-        modes = [m.training for m in self.modules()]
-        self.eval()
         try:
             run()
-        except _TrunkDone:
-            pass
+        except _TrunkDone as stop:
+            if stop is not done:  # an enclosing capture's: its run stops here
+                raise
         finally:
             for handle in handles:
                 handle.remove()
-            for m, mode in zip(self.modules(), modes):
-                m.training = mode
         return captured
 
     @torch.no_grad()
@@ -675,16 +702,27 @@ class HFClassifier(LossTermWalkers, nn.Module):
                 f"key_padding_mask must have the shape of input_ids {(B, T)}, got {tuple(key_padding_mask.shape)}"
             )
 
-    def _top(self, hidden, mask) -> torch.Tensor:
-        """The layers from the first swapped one on, on hidden states ``(N, T, D)``; transformers' mask."""
+    def _top(self, hidden, mask, axis: SampleAxis) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers from the first swapped one on, on hidden states ``(N, T, D)`` with transformers' mask; the
+        first of them that samples takes ``axis``'s draws (a swapped layer from one factorisation of each input,
+        :class:`HFAttentionAdapter`). Returns the last hidden states and their key padding mask.
+        # shape: hidden (N, T, D) -> (N·P/pending, T, D)"""
+        full = self._attention_mask(hidden, mask)
+        for i, layer in enumerate(self._top_layers(), start=self.trunk_layers):
+            draws = axis.take(_samples(layer.modules(), self.adapters.get(i)))
+            if draws is not None:  # the residual stream repeated; the swapped layer draws from the inputs
+                hidden, mask = axis.fold(draws, hidden, mask)
+                full = self._attention_mask(hidden, mask)
+            hidden = layer(hidden, full, **({} if draws is None or i not in self.adapters else {"num_samples": draws}))
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        return hidden, mask
+
+    def _attention_mask(self, hidden, mask):
+        """transformers' mask of the encoder's layers for key padding ``mask`` (B, T) (True = padding)."""
         from transformers.masking_utils import create_bidirectional_mask
 
         attend = None if mask is None else (~mask).long()
-        full = create_bidirectional_mask(config=self.encoder.config, inputs_embeds=hidden, attention_mask=attend)
-        for layer in self._top_layers():
-            hidden = layer(hidden, full)
-            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-        return hidden
+        return create_bidirectional_mask(config=self.encoder.config, inputs_embeds=hidden, attention_mask=attend)
 
     @classmethod
     def from_pretrained(cls, name_or_path, num_classes: int, **kwargs) -> HFClassifier:
@@ -698,45 +736,44 @@ class HFClassifier(LossTermWalkers, nn.Module):
     def forward(self, input_ids, key_padding_mask=None, num_samples: int = 1) -> torch.Tensor:
         """# shape: input_ids (B, T) long or trunk output (B, T, D) float, key_padding_mask (B, T) bool
         True = padding -> logits (B, P, C)"""
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
-        cached = input_ids.dim() == 3 and input_ids.is_floating_point()
-        if cached:
-            hidden = self.encoder.config.hidden_size
-            if input_ids.shape[-1] != hidden:
-                raise ValueError(f"trunk output must be (B, T, {hidden}), got shape {tuple(input_ids.shape)}")
-            if key_padding_mask is not None and key_padding_mask.shape != input_ids.shape[:2]:
-                raise ValueError(
-                    f"key_padding_mask must be (B, T) = {tuple(input_ids.shape[:2])}, "
-                    f"got {tuple(key_padding_mask.shape)}"
-                )
-        else:
-            self._check_ids(input_ids, key_padding_mask)
-        from gpattn._settings import is_deterministic
+        axis = SampleAxis(num_samples)
+        cached = self._check_forward_inputs(input_ids, key_padding_mask)
+        self._switch_mc_dropout()
+        x, mask = input_ids, key_padding_mask
+        if not cached:  # the trunk: the embeddings and the layers below the first swapped one
+            top = {id(m) for m in self._top_layers().modules()}
+            trunk = [m for m in self.encoder.modules() if id(m) not in top]
+            ids, mask = axis.fold(axis.take(_samples(trunk)), x, mask)  # a random trunk takes the draws: repeat
+            attend = None if mask is None else (~mask).long()
+            first = self.trunk_layers
+            x = self._capture([first], lambda: self.encoder(input_ids=ids, attention_mask=attend))[first]
+        h, mask = self._top(x, mask, axis)  # shape: (B·P/pending, T, D)
+        return axis.logits(self.head(pool_tokens(h, mask, cls=self.pooling == "cls")))
 
-        B = input_ids.shape[0]
-        if self.mc_dropout:  # dropout on in eval mode too (gpattn.deterministic() turns it off)
-            on = not is_deterministic()  # as gpattn's MCDropout: training or not
+    def _check_forward_inputs(self, inputs, key_padding_mask) -> bool:
+        """Whether ``inputs`` are the trunk's output (else token ids); a ValueError for either when malformed."""
+        if not (inputs.dim() == 3 and inputs.is_floating_point()):
+            self._check_ids(inputs, key_padding_mask)
+            return False
+        hidden = self.encoder.config.hidden_size
+        if inputs.shape[-1] != hidden:
+            raise ValueError(f"trunk output must be (B, T, {hidden}), got shape {tuple(inputs.shape)}")
+        if key_padding_mask is not None and key_padding_mask.shape != inputs.shape[:2]:
+            raise ValueError(
+                f"key_padding_mask must be (B, T) = {tuple(inputs.shape[:2])}, got {tuple(key_padding_mask.shape)}"
+            )
+        return True
+
+    def _switch_mc_dropout(self) -> None:
+        """With ``mc_dropout``: the dropout modules (of the top layers with ``frozen_trunk``) on in eval mode too,
+        off inside ``gpattn.deterministic()``, as gpattn's MCDropout."""
+        if self.mc_dropout:
+            from gpattn._settings import is_deterministic
+
+            on = not is_deterministic()
             for module in (self._top_layers() if self.frozen_trunk else self.encoder).modules():
                 if isinstance(module, nn.Dropout):
                     module.train(on)
-        # a forward with nothing random (eval mode, no MC dropout, no sampling layer) is computed once
-        random = (
-            self.training
-            or (self.mc_dropout and not is_deterministic())
-            or any(getattr(a.attention, "sampling", True) for a in self.adapters.values())
-        )
-        P = num_samples if random else 1
-        x = input_ids.repeat_interleave(P, 0)  # B-major: row b·P + p
-        mask = None if key_padding_mask is None else key_padding_mask.repeat_interleave(P, 0)
-        if cached:
-            h = self._top(x, mask)  # shape: (B·P, T, D)
-        else:
-            attend = None if mask is None else (~mask).long()
-            h = self.encoder(input_ids=x, attention_mask=attend).last_hidden_state  # shape: (B·P, T, D)
-        logits = self.head(pool_tokens(h, mask, cls=self.pooling == "cls")).view(B, P, self.num_classes)
-        return logits.expand(B, num_samples, self.num_classes)
-
 
     def loss_terms(self) -> dict[str, torch.Tensor]:
         """The swapped layers' loss terms of the last forward, summed over layers."""

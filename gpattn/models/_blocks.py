@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -11,17 +14,71 @@ import torch.nn.functional as F
 from gpytorch.kernels import Kernel
 
 from gpattn._settings import is_deterministic
+from gpattn.attention._masks import check_num_samples
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import build_attention
 
-__all__ = ["Block", "Encoder", "MCDropout", "pool_tokens", "repeat_samples", "resolve_attention_layers"]
+__all__ = [
+    "Block",
+    "Encoder",
+    "EncoderSpec",
+    "MCDropout",
+    "SampleAxis",
+    "pool_tokens",
+    "resolve_attention_layers",
+]
 
 
-def repeat_samples(x: torch.Tensor, mask: torch.Tensor | None, num_samples: int):
-    """Fold a B-major Monte-Carlo axis into the batch.  # shape: (B, ...) -> (B·P, ...)"""
-    if num_samples == 1:
-        return x, mask
-    return x.repeat_interleave(num_samples, dim=0), None if mask is None else mask.repeat_interleave(num_samples, 0)
+class SampleAxis:
+    """The Monte-Carlo axis of one model forward, from the first layer that samples to the head
+    (docs/derivations.md §9), shared by :class:`Encoder`, the classifiers and
+    :class:`gpattn.integrations.huggingface.HFClassifier`; built once per forward (P validated here).
+
+    The P draws per input sit B-major in the batch (row b·P + p is draw p of input b). Below the first
+    layer that samples the rows are the B inputs (``pending`` = P draws still to take); that layer takes
+    the draws (:meth:`take`) — a gpattn attention in it draws the P samples from one factorisation of each
+    input, the rest of the layer runs on its inputs repeated (:meth:`fold`) — and from it on the rows are
+    B·P (``pending`` = 1). A forward in which nothing samples never takes its draws: :meth:`logits` repeats
+    its one result. The object lives in the forward, never on a module.
+
+    :param num_samples: P, a positive int."""
+
+    def __init__(self, num_samples: int):
+        self.num_samples = self.pending = check_num_samples(num_samples, optional=False)
+
+    def take(self, samples: bool) -> int | None:
+        """Before a layer: P when the layer ``samples`` and the draws are still pending (it is the first layer
+        that samples: it takes them, and its output has B·P rows), else None (its output has its input's rows)."""
+        if self.pending == 1 or not samples:
+            return None
+        P, self.pending = self.pending, 1
+        return P
+
+    def repeat(self, *rows):
+        """``rows`` with the pending draws taken by repetition.  # shape: each (B, ...) -> (B·P, ...)"""
+        return self.fold(self.take(True), *rows)
+
+    @staticmethod
+    def fold(num_samples: int | None, *rows):
+        """``rows`` repeated ``num_samples`` times each, B-major (None stays None; ``num_samples`` None: as they
+        are).  # shape: each (B, ...) -> (B·P, ...)"""
+        if num_samples is None or num_samples == 1:
+            return rows
+        return tuple(None if t is None else t.repeat_interleave(num_samples, 0) for t in rows)
+
+    @staticmethod
+    def inputs(num_samples: int, *rows):
+        """The inputs behind rows that :meth:`fold` repeated: the first of each group of ``num_samples``.
+        # shape: each (B·P, ...) -> (B, ...)"""
+        return tuple(None if t is None else t[::num_samples] for t in rows)
+
+    def logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's output with the sample axis of the result: the draws never taken (nothing sampled)
+        repeated.  # shape: (B·P/pending, C) -> (B, P, C)"""
+        P, C = self.num_samples, logits.shape[-1]
+        if self.pending > 1:
+            logits = logits.unsqueeze(1).expand(-1, self.pending, -1).reshape(-1, C)
+        return logits.view(-1, P, C)
 
 
 def pool_tokens(h: torch.Tensor, mask: torch.Tensor | None, cls: bool) -> torch.Tensor:
@@ -81,14 +138,17 @@ class Block(nn.Module):
         )
 
     def forward(self, x, mask, num_samples: int | None = None):
-        """``num_samples=P``: the attention draws P samples per input (a gpattn layer factorises once,
-        :meth:`gpattn.attention.base.AttentionBase.forward`) and the residual stream is repeated to
-        match.  # shape: (B, T, D) -> (B·P, T, D), B-major"""
-        if num_samples is None:
-            x = x + self.drop(self.attn(self.norm1(x), mask))
+        """``num_samples=P``: this block takes the model's P draws (:meth:`SampleAxis.take`): a gpattn
+        attention draws them from one factorisation of each input
+        (:meth:`gpattn.attention.base.AttentionBase.forward`) and the residual stream is repeated to match;
+        any other attention module runs on the inputs repeated P times.  # shape: (B, T, D) -> (B·P, T, D)"""
+        if num_samples is not None and isinstance(self.attn, AttentionBase):
+            a = self.attn(self.norm1(x), mask, num_samples=num_samples)  # shape: (B·P, T, D), B-major
+            (x,) = SampleAxis.fold(num_samples, x)
         else:
-            a = self.attn(self.norm1(x), mask, num_samples=num_samples)  # shape: (B·P, T, D)
-            x = x.repeat_interleave(num_samples, 0) + self.drop(a)
+            x, mask = SampleAxis.fold(num_samples, x, mask)
+            a = self.attn(self.norm1(x), mask)
+        x = x + self.drop(a)
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -119,65 +179,116 @@ def _make_attention(attention, embed_dim, num_heads, options) -> nn.Module:
     return build_attention(attention, embed_dim, num_heads, **options)
 
 
+@dataclasses.dataclass(frozen=True)
+class EncoderSpec:
+    """The settings of an :class:`Encoder`, with their defaults and checks in one place: the encoder's
+    arguments (positional in this order, or by name) and the keyword arguments
+    :class:`gpattn.models.TransformerClassifier` and :class:`gpattn.models.ViTClassifier` pass on to it.
+
+    :param embed_dim: model width D (divisible by ``num_heads``).
+    :param num_heads: H.
+    :param num_layers: the number of pre-LN blocks.
+    :param attention: a registered name or a callable ``(embed_dim, num_heads, **options) -> nn.Module``.
+    :param attention_options: the variant's options (a kernel instance among them is copied per layer).
+    :param attention_layers: ``"all"``, ``"last"`` (Chen et al.'s (2024) KEP-SVGP default) or layer indices;
+        the other layers use softmax attention.
+    :param mlp_ratio: the MLP's hidden width over D.
+    :param dropout: the dropout probability after the attention, in the MLP (and of the classifiers' embeddings).
+    :param mc_dropout: keep dropout on at prediction time (MC dropout baseline).
+    """
+
+    embed_dim: int = 64
+    num_heads: int = 4
+    num_layers: int = 2
+    attention: str | Callable[..., nn.Module] = "softmax"
+    attention_options: dict | None = None
+    attention_layers: str | Sequence[int] = "all"
+    mlp_ratio: float = 2.0
+    dropout: float = 0.1
+    mc_dropout: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {self.num_layers!r}")
+        resolve_attention_layers(self.attention_layers, self.num_layers)  # its ValueError names the argument
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The settings' names, in the encoder's positional order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def of(cls, owner: type, settings: dict) -> EncoderSpec:
+        """The settings ``owner`` (a class taking them as ``**encoder``) was given; an unknown keyword is a
+        ``TypeError`` naming it and every keyword ``owner`` takes."""
+        unknown = sorted(set(settings) - set(cls.names()))
+        if unknown:
+            valid = ", ".join(inspect.signature(owner).parameters)
+            raise TypeError(
+                f"{owner.__name__}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; it takes "
+                f"{valid}"
+            )
+        return cls(**settings)
+
+    def settings(self) -> dict:
+        """The settings by name (the values themselves, not copies)."""
+        return {name: getattr(self, name) for name in self.names()}
+
+
+def with_encoder_settings(cls: type, kind=inspect.Parameter.KEYWORD_ONLY) -> type:
+    """``cls`` whose ``__init__(..., **encoder)`` shows :class:`EncoderSpec`'s settings, with their defaults, as
+    its parameters of ``kind`` in its signature (``help()``, ``inspect.signature``)."""
+    init = inspect.signature(cls.__init__)
+    own = [p for p in init.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    settings = [p.replace(kind=kind) for p in inspect.signature(EncoderSpec).parameters.values()]
+    cls.__init__.__signature__ = init.replace(parameters=[*own, *settings])
+    return cls
+
+
+@functools.partial(with_encoder_settings, kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
 class Encoder(nn.Module):
     """A stack of pre-LN blocks; the layers named by ``attention_layers`` use ``attention``, the others
-    softmax attention. ``loss_terms()`` sums every attention layer's terms of the last forward."""
+    softmax attention. ``loss_terms()`` sums every attention layer's terms of the last forward.
 
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        num_layers: int,
-        attention: str | Callable[..., nn.Module] = "softmax",
-        attention_options: dict | None = None,
-        attention_layers="all",
-        mlp_ratio: float = 2.0,
-        dropout: float = 0.1,
-        mc_dropout: bool = False,
-    ):
+    Arguments: :class:`EncoderSpec`'s settings, positional in its order or by name:
+    ``Encoder(embed_dim, num_heads, num_layers, attention="softmax", attention_options=None,
+    attention_layers="all", mlp_ratio=2.0, dropout=0.1, mc_dropout=False)``."""
+
+    def __init__(self, *settings, **named):
         super().__init__()
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-        chosen = set(resolve_attention_layers(attention_layers, num_layers))
-        options = dict(attention_options or {})
+        spec = EncoderSpec(*settings, **named)
+        chosen = set(resolve_attention_layers(spec.attention_layers, spec.num_layers))
+        options = dict(spec.attention_options or {})
+        D, H = spec.embed_dim, spec.num_heads
         self.blocks = nn.ModuleList(
             Block(
-                _make_attention(attention, embed_dim, num_heads, options)
-                if i in chosen
-                else build_attention("softmax", embed_dim, num_heads),
-                embed_dim,
-                mlp_ratio,
-                dropout,
-                mc_dropout,
+                _make_attention(spec.attention, D, H, options) if i in chosen else build_attention("softmax", D, H),
+                D,
+                spec.mlp_ratio,
+                spec.dropout,
+                spec.mc_dropout,
             )
-            for i in range(num_layers)
+            for i in range(spec.num_layers)
         )
-        self.norm = nn.LayerNorm(embed_dim)
+        self.norm = nn.LayerNorm(D)
 
     def forward(self, x, mask, num_samples: int = 1):
         """# shape: x (B, T, D), mask (B, T) -> (B·P, T, D), P = num_samples, B-major"""
-        x, mask, pending = self.propagate(x, mask, num_samples)
-        return repeat_samples(x, mask, pending)[0]
+        axis = SampleAxis(num_samples)
+        x, mask = self.propagate(x, mask, axis)
+        return axis.repeat(x)[0]
 
-    def propagate(self, x, mask, num_samples: int = 1):
-        """Run the stack with an explicit sample axis: the first block that samples draws the
-        ``num_samples`` samples (a gpattn attention from one factorisation per input; any other
-        attention module on the batch repeated B-major just before it), and every later block
-        propagates one sample per incoming sample (deep-GP). The deterministic blocks below it run
-        once per input (in eval mode a softmax model runs once, not P times). Returns
-        ``(x, mask, pending)``: x and mask have ``B·P/pending`` rows and the caller still owes a
-        repeat by ``pending``."""
+    def propagate(self, x, mask, axis: SampleAxis):
+        """Run the stack on ``axis``'s rows: the first block that samples takes the draws (a gpattn attention
+        from one factorisation per input: :meth:`SampleAxis.take`, :meth:`Block.forward`), every later block
+        propagates one sample per incoming sample (deep-GP), and the deterministic blocks below it run once per
+        input (in eval mode a softmax model runs once, not P times). Returns ``(x, mask)`` of
+        ``B·P/axis.pending`` rows.  # shape: x (B or B·P, T, D) -> (B·P/pending, T, D)"""
         for block in self.blocks:
-            if num_samples > 1 and block.samples:
-                if isinstance(block.attn, AttentionBase):
-                    x = block(x, mask, num_samples=num_samples)
-                    mask = None if mask is None else mask.repeat_interleave(num_samples, 0)
-                    num_samples = 1
-                    continue
-                x, mask = repeat_samples(x, mask, num_samples)
-                num_samples = 1
-            x = block(x, mask)
-        return self.norm(x), mask, num_samples
+            draws = axis.take(block.samples)
+            x = block(x, mask, num_samples=draws)
+            (mask,) = SampleAxis.fold(draws, mask)
+        return self.norm(x), mask
 
     def attention_modules(self) -> list[nn.Module]:
         return [b.attn for b in self.blocks]

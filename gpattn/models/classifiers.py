@@ -10,32 +10,17 @@ a model that samples nothing (softmax in eval mode) returns P equal draws.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 
 import torch
 import torch.nn as nn
 
 from gpattn._settings import is_validating
 from gpattn.attention.registry import attention_options as attention_defaults
-from gpattn.models._blocks import Encoder, MCDropout, pool_tokens, repeat_samples
+from gpattn.models._blocks import Encoder, EncoderSpec, MCDropout, SampleAxis, pool_tokens, with_encoder_settings
 from gpattn.objectives import LossTermWalkers
 
 __all__ = ["TransformerClassifier", "ViTClassifier"]
-
-#: constructor arguments both classifiers hand to the shared encoder/pooling/head base unchanged
-_ENCODER_ARGS = (
-    "embed_dim",
-    "num_heads",
-    "num_layers",
-    "attention",
-    "attention_options",
-    "attention_layers",
-    "mlp_ratio",
-    "dropout",
-    "mc_dropout",
-    "pooling",
-)
-
 
 #: the kernel of kernel-based attention on images: Bui et al. §5.1 (after Chen & Li's (2023) SGPA) uses the ARD-RBF
 #: kernel for SGPA and kernel attention on images and the exponential dot-product kernel on text
@@ -54,43 +39,19 @@ def _image_attention_options(attention, options: dict | None) -> dict:
 
 
 class _SequenceClassifier(LossTermWalkers, nn.Module):
-    def __init__(
-        self,
-        num_classes: int,
-        *,
-        embed_dim: int,
-        num_heads: int,
-        num_layers: int,
-        attention: str | Callable[..., nn.Module],
-        attention_options: dict | None,
-        attention_layers,
-        mlp_ratio: float,
-        dropout: float,
-        mc_dropout: bool,
-        pooling: str,
-        max_tokens: int,
-    ):
+    def __init__(self, num_classes: int, encoder: EncoderSpec, *, pooling: str, max_tokens: int):
         super().__init__()
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"num_classes must be an int >= 2, got {num_classes!r}")
         if pooling not in ("mean", "cls"):
             raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+        embed_dim = encoder.embed_dim
         self.num_classes, self.embed_dim, self.pooling = num_classes, embed_dim, pooling
         self.max_tokens = max_tokens
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if pooling == "cls" else None
         self.pos = nn.Parameter(torch.randn(1, max_tokens + (pooling == "cls"), embed_dim) * 0.02)
-        self.embed_drop = MCDropout(dropout, mc_dropout)
-        self.encoder = Encoder(
-            embed_dim,
-            num_heads,
-            num_layers,
-            attention,
-            attention_options,
-            attention_layers,
-            mlp_ratio,
-            dropout,
-            mc_dropout,
-        )
+        self.embed_drop = MCDropout(encoder.dropout, encoder.mc_dropout)
+        self.encoder = Encoder(**encoder.settings())
         self.head = nn.Linear(embed_dim, num_classes)
 
     def _embed(self, inputs, key_padding_mask) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -98,8 +59,7 @@ class _SequenceClassifier(LossTermWalkers, nn.Module):
 
     def forward(self, inputs, key_padding_mask=None, num_samples: int = 1) -> torch.Tensor:
         """# shape: inputs (B, T) ids | (B, T, F) features | (B, C, Hpx, Wpx) images -> logits (B, P, C)"""
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        axis = SampleAxis(num_samples)
         h, mask = self._embed(inputs, key_padding_mask)  # shape: (B, T, D), (B, T)
         B, T, _ = h.shape
         if T > self.max_tokens:
@@ -109,15 +69,9 @@ class _SequenceClassifier(LossTermWalkers, nn.Module):
             if mask is not None:
                 mask = torch.cat([mask.new_zeros(B, 1), mask], dim=1)
         h = h + self.pos[:, : h.shape[1]]
-        P = num_samples
-        if self.embed_drop.active:  # embedding dropout samples: repeat before it
-            h, mask = repeat_samples(h, mask, P)
-            P = 1
-        h, mask, P = self.encoder.propagate(self.embed_drop(h), mask, P)  # shape: (B·P/pending, T, D)
-        logits = self.head(pool_tokens(h, mask, cls=self.cls_token is not None))  # shape: (B·P/pending, C)
-        if P > 1:  # nothing sampled: every draw is the same
-            logits = logits.unsqueeze(1).expand(-1, P, -1).reshape(-1, self.num_classes)
-        return logits.view(B, num_samples, self.num_classes)
+        h, mask = axis.fold(axis.take(self.embed_drop.active), h, mask)  # embedding dropout samples: draws start here
+        h, mask = self.encoder.propagate(self.embed_drop(h), mask, axis)  # shape: (B·P/pending, T, D)
+        return axis.logits(self.head(pool_tokens(h, mask, cls=self.cls_token is not None)))
 
     def loss_terms(self) -> dict[str, torch.Tensor]:
         """Loss terms of every attention layer in the last forward, summed over layers."""
@@ -128,16 +82,21 @@ class _SequenceClassifier(LossTermWalkers, nn.Module):
         return self.encoder.layer_diagnostics()
 
 
+@with_encoder_settings
 class TransformerClassifier(_SequenceClassifier):
     """Pre-LN transformer over token ids ``(B, T)`` (with ``key_padding_mask``, True = padding) or
     dense features ``(B, T, F)``; mean (over real tokens) or CLS pooling.
 
     :param vocab_size: for token ids (``padding_idx`` 0); or
     :param input_dim: F, for dense features (exactly one of the two).
-    :param attention: a registered name or a callable ``(embed_dim, num_heads, **options) -> nn.Module``.
-    :param attention_layers: ``"all"``, ``"last"`` (Chen et al.'s (2024) KEP-SVGP default) or layer indices;
-        the other layers use softmax attention.
-    :param mc_dropout: keep dropout on at prediction time (MC dropout baseline).
+    :param max_len: the longest input (T) the positional embeddings cover.
+    :param pooling: ``"mean"`` over the real tokens, or ``"cls"``: a learned first token's state.
+    :param encoder: the encoder's settings by name, keyword-only (:class:`gpattn.models.EncoderSpec`):
+        ``embed_dim=64, num_heads=4, num_layers=2, attention="softmax", attention_options=None,
+        attention_layers="all", mlp_ratio=2.0, dropout=0.1, mc_dropout=False``. ``attention`` is a registered
+        name or a callable ``(embed_dim, num_heads, **options) -> nn.Module``; ``attention_layers`` is
+        ``"all"``, ``"last"`` (Chen et al.'s (2024) KEP-SVGP default) or layer indices (the other layers use
+        softmax attention); ``mc_dropout`` keeps dropout on at prediction time (MC dropout baseline).
     """
 
     def __init__(
@@ -147,26 +106,17 @@ class TransformerClassifier(_SequenceClassifier):
         vocab_size: int | None = None,
         input_dim: int | None = None,
         max_len: int = 512,
-        embed_dim: int = 64,
-        num_heads: int = 4,
-        num_layers: int = 2,
-        attention: str | Callable[..., nn.Module] = "softmax",
-        attention_options: dict | None = None,
-        attention_layers="all",
-        mlp_ratio: float = 2.0,
-        dropout: float = 0.1,
-        mc_dropout: bool = False,
         pooling: str = "mean",
+        **encoder,
     ):
         if (vocab_size is None) == (input_dim is None):
             raise ValueError("give exactly one of vocab_size (token ids) or input_dim (dense features)")
-        shared = {k: v for k, v in locals().items() if k in _ENCODER_ARGS}
-        super().__init__(num_classes, max_tokens=max_len, **shared)
+        super().__init__(num_classes, EncoderSpec.of(type(self), encoder), pooling=pooling, max_tokens=max_len)
         self.vocab_size, self.input_dim = vocab_size, input_dim
         if vocab_size is not None:
-            self.embed = nn.Embedding(vocab_size, embed_dim, padding_idx=0)
+            self.embed = nn.Embedding(vocab_size, self.embed_dim, padding_idx=0)
         else:
-            self.embed = nn.Linear(input_dim, embed_dim)
+            self.embed = nn.Linear(input_dim, self.embed_dim)
 
     def _embed(self, inputs, key_padding_mask):
         if not torch.is_tensor(inputs):
@@ -195,9 +145,11 @@ class TransformerClassifier(_SequenceClassifier):
         return self.embed(inputs), key_padding_mask
 
 
+@with_encoder_settings
 class ViTClassifier(_SequenceClassifier):
     """Vision transformer: non-overlapping ``patch_size`` patches of ``(B, C, Hpx, Wpx)`` images, a
-    linear patch embedding, CLS (default) or mean pooling. Other arguments as ``TransformerClassifier``.
+    linear patch embedding, CLS (default) or mean pooling. The encoder's settings, keyword-only, as
+    ``TransformerClassifier``'s (:class:`gpattn.models.EncoderSpec`).
 
     Variants whose kernel defaults to the text kernel (``sgpa``, ``sgpa-decoupled``, ``kernel``,
     ``kernel-asym``: exponential dot product) get the ARD-RBF kernel here, as in the papers' image
@@ -209,26 +161,19 @@ class ViTClassifier(_SequenceClassifier):
         *,
         image_shape: tuple[int, int, int],
         patch_size: int = 2,
-        embed_dim: int = 64,
-        num_heads: int = 4,
-        num_layers: int = 2,
-        attention: str | Callable[..., nn.Module] = "softmax",
-        attention_options: dict | None = None,
-        attention_layers="all",
-        mlp_ratio: float = 2.0,
-        dropout: float = 0.1,
-        mc_dropout: bool = False,
         pooling: str = "cls",
+        **encoder,
     ):
         C, Hpx, Wpx = image_shape
         if Hpx % patch_size or Wpx % patch_size:
             raise ValueError(f"image size {Hpx}x{Wpx} is not divisible by patch_size={patch_size}")
         num_patches = (Hpx // patch_size) * (Wpx // patch_size)
-        attention_options = _image_attention_options(attention, attention_options)
-        shared = {k: v for k, v in locals().items() if k in _ENCODER_ARGS}
-        super().__init__(num_classes, max_tokens=num_patches, **shared)
+        spec = EncoderSpec.of(type(self), encoder)
+        options = _image_attention_options(spec.attention, spec.attention_options)
+        spec = dataclasses.replace(spec, attention_options=options)
+        super().__init__(num_classes, spec, pooling=pooling, max_tokens=num_patches)
         self.image_shape, self.patch_size = tuple(image_shape), patch_size
-        self.embed = nn.Linear(C * patch_size * patch_size, embed_dim)
+        self.embed = nn.Linear(C * patch_size * patch_size, self.embed_dim)
 
     def _embed(self, inputs, key_padding_mask):
         if key_padding_mask is not None:
