@@ -116,18 +116,11 @@ def test_minilm_classifier_one_step():
 # ----------------------------------------------------------------------------- gpattn train --encoder
 def tiny_encoder_folder(folder, table):
     """A tiny random BERT and a WordPiece tokenizer whose vocabulary is the table's words (no downloads)."""
-    import csv
+    from gpattn.experiments.data.fixtures import write_table_tokenizer
 
-    from gpattn.experiments.data._text import tokenize
-
-    with open(table, encoding="utf-8") as f:
-        words = sorted({w for row in csv.DictReader(f, delimiter="\t") for w in tokenize(row["text"])})
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    vocab_size = write_table_tokenizer(table, folder)
     config = transformers.BertConfig(
-        vocab_size=len(vocab), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=vocab_size, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=32, max_position_embeddings=40,
     )  # fmt: skip
     torch.manual_seed(0)

@@ -300,22 +300,14 @@ def frozen_trunk(device: str) -> dict:
 
 def _encoder_folder(transformers, work: Path) -> tuple[Path, Path]:
     """(a generated text table, a folder with a tiny BERT and a tokenizer of the table's words)."""
-    import csv
-
-    from gpattn.experiments.data._text import tokenize
-    from gpattn.experiments.data.fixtures import make_text_table
+    from gpattn.experiments.data.fixtures import make_text_table, write_table_tokenizer
 
     table = make_text_table(work / "data" / "train.tsv", n=60, seed=0)
     enc = work / "enc"
     if not (enc / "config.json").is_file():
-        with open(table, encoding="utf-8") as f:
-            words = sorted({w for row in csv.DictReader(f, delimiter="\t") for w in tokenize(row["text"])})
-        vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
-        enc.mkdir(parents=True, exist_ok=True)
-        (enc / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-        transformers.BertTokenizerFast(vocab_file=str(enc / "vocab.txt")).save_pretrained(enc)
+        vocab_size = write_table_tokenizer(table, enc)
         tiny_encoder(  # BERT's default dropouts: the runs train with them
-            transformers, len(vocab), 40, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1
+            transformers, vocab_size, 40, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1
         ).save_pretrained(enc)
     return table, enc
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from gpattn.experiments.data.cola import COLA_FILENAME, COLA_MEMBERS
 
-__all__ = ["DEV_ONLY_WORDS", "OOD_ONLY_WORDS", "make_cola_zip", "make_text_table"]
+__all__ = ["DEV_ONLY_WORDS", "OOD_ONLY_WORDS", "make_cola_zip", "make_text_table", "write_table_tokenizer"]
 
 _NOUNS = (
     "cat",
@@ -211,3 +211,21 @@ def make_text_table(
             cell = {"id": str(i), "text": text, "label": class_names[k]}
             writer.writerow([cell[c] for c in columns])
     return path
+
+
+def write_table_tokenizer(table, folder) -> int:
+    """Write a WordPiece tokenizer (``transformers.BertTokenizerFast``) whose vocabulary is BERT's five special
+    tokens and the words of ``table`` (a TSV with a ``text`` column, e.g. :func:`make_text_table`) into
+    ``folder``, for tiny random encoders in tests and benchmarks (no downloads). Returns the vocabulary size."""
+    import transformers
+
+    from gpattn.experiments.data._text import tokenize
+
+    with open(table, encoding="utf-8") as f:
+        words = sorted({w for row in csv.DictReader(f, delimiter="\t") for w in tokenize(row["text"])})
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    return len(vocab)
