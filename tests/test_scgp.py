@@ -318,3 +318,26 @@ def test_amortized_layer_trains_its_token_maps():
 def test_bad_options_raise(options, word):
     with pytest.raises(ValueError, match=word):
         gpattn.build_attention("scgp", 8, 2, **options)
+
+
+def test_crowded_inducing_inputs_stay_finite_in_float32():
+    """Inducing inputs crowded together (K_mm ≈ all ones, σ² = 0.01) make the m×m capacitances nearly
+    singular: scgp's algebra runs in float64 (``ALGEBRA_DTYPE``), so a float32 layer's mean, samples and
+    regulariser stay finite and its mean matches the same layer in float64; the outputs keep float32."""
+    import copy
+
+    torch.manual_seed(0)
+    layer = gpattn.build_attention("scgp", 32, 2)
+    with torch.no_grad():
+        for p in (layer.strategy.inducing_latent, layer.strategy.inducing_keys):
+            p.copy_(p[:, :1] + 1e-3 * torch.randn_like(p))
+    layer.rescale_inputs(0.05)
+    x = torch.randn(4, 12, 32)
+    y = layer(x, num_samples=3)
+    assert y.dtype == torch.float32 and torch.isfinite(y).all()
+    terms = layer.loss_terms()
+    assert all(torch.isfinite(v).all() and v.dtype == torch.float32 for v in terms.values())
+    with gpattn.deterministic():
+        mean = layer(x)
+        reference = copy.deepcopy(layer).double()(x.double())
+    torch.testing.assert_close(mean.double(), reference, rtol=1e-4, atol=1e-5)

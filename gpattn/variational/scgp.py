@@ -25,6 +25,13 @@ from gpattn.variational._linalg import (
 )
 from gpattn.variational.cgp import CorrelatedConditional, CorrelatedGPBase
 
+#: the dtype of sparse CGP's algebra (its blocks, the m×m and l×l capacitance factorisations and solves); the
+#: outputs come back in the inputs' dtype. The capacitances σ²K_mm + K_mo K_om are nearly singular when the
+#: inducing inputs crowd together (K_mm close to all ones, σ² = 0.01), beyond float32: in MiniLM's last layer
+#: (docs/derivations.md §7, numerics policy §9) float32 factorisations failed at initialisation and in training.
+#: Every matrix is m×m or T×m, so float64 costs little.
+ALGEBRA_DTYPE = torch.float64
+
 __all__ = ["DTCTerms", "SCGPConditional", "SparseCorrelatedGP"]
 
 
@@ -236,15 +243,19 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         return self.terms(q, k, o, s, s_keys, valid, valid_q)
 
     def _condition(self, q, k, o, v, valid, valid_q=None, inducing=None):
+        dtype = v.dtype
+        q, k, o, v = (x.to(torch.promote_types(x.dtype, ALGEBRA_DTYPE)) for x in (q, k, o, v))
         t = self._terms_for(q, k, o, valid, inducing, valid_q)
         z = v if valid is None else v * valid[..., :, None]  # eq. 34: z = v, padded keys removed
-        return SCGPConditional(self, self.predictive_mean(t, z), valid, t, z, valid_q)
+        return SCGPConditional(self, self.predictive_mean(t, z).to(dtype), valid, t, z, valid_q)
 
     def _conditional_mean(self, q, k, o, z, valid, inducing=None):
+        dtype = z.dtype
+        q, k, o, z = (x.to(torch.promote_types(x.dtype, ALGEBRA_DTYPE)) for x in (q, k, o, z))
         t = self._terms_for(q, k, o, valid, inducing, valid)
         if valid is not None:
             z = z * valid[..., :, None]
-        return self.predictive_mean(t, z)
+        return self.predictive_mean(t, z).to(dtype)
 
 
 class SCGPConditional(CorrelatedConditional):
@@ -258,8 +269,12 @@ class SCGPConditional(CorrelatedConditional):
     def _covariance_root(self) -> torch.Tensor:
         """# shape: (B, H, T, m)"""
         if self._root is None:
-            self._root = self.gp.covariance_root(self.terms)
+            self._root = self.gp.covariance_root(self.terms).to(self.mean.dtype)
         return self._root
+
+    def _noise(self) -> torch.Tensor:
+        """σ² in the dtype of the outputs.  # shape: (H, 1, 1)"""
+        return self.terms.s2.to(self.mean.dtype)
 
     def rsample(self, num_samples=None, generator=None):
         """ν + σ ε₁ + K_qm R ε₂ (ε₂ ∈ R^m): never a T×T factorisation.
@@ -268,17 +283,18 @@ class SCGPConditional(CorrelatedConditional):
             nu, root = self.mean, self._covariance_root()
             B, H, T, Dv = nu.shape
             eps = standard_normal((B, H, T + root.shape[-1], Dv), nu, num_samples, generator)
-            return nu + self.terms.s2.sqrt() * eps[..., :T, :] + matmul_samples(root, eps[..., T:, :])
+            return nu + self._noise().sqrt() * eps[..., :T, :] + matmul_samples(root, eps[..., T:, :])
 
     def posterior(self) -> MultivariateNormal:
         with gp_algebra(self._device):
             nu, root = self.mean, self._covariance_root()
             B, H, T, Dv = nu.shape
             root = root.unsqueeze(2).expand(B, H, Dv, T, root.shape[-1])  # a view: no copy per column
-            diag = self.terms.s2.reshape(1, H, 1, 1).expand(B, H, Dv, T)  # σ² on every token
+            diag = self._noise().reshape(1, H, 1, 1).expand(B, H, Dv, T)  # σ² on every token
             # σ²I + rank m, factorised through m×m matrices only and exact at any T (numerics policy)
             covar = LowRankPlusDiagLinearOperator(LowRankRootLinearOperator(root), DiagLinearOperator(diag))
             return MultivariateNormal(nu.transpose(-1, -2), covar)
 
     def _regularizer(self):
-        return self.gp.regularizer(self.terms, self.mean, self._z, self.valid, self.valid_q)
+        nu = self.mean.to(self._z.dtype)
+        return self.gp.regularizer(self.terms, nu, self._z, self.valid, self.valid_q).to(self.mean.dtype)
