@@ -100,6 +100,9 @@ _ARCHITECTURES: dict[str, tuple[str, tuple[str, str, str, str | None]]] = {
 }
 #: the pretrained map (by role: q, k, v) each gpattn projection takes; others stay new
 _SOURCES = {"q": "q", "k": "k", "v": "v", "qk": "k"}
+#: an encoder swap's options by variant, unless given: the SGPA variants keep both pretrained maps (separate
+#: query and key maps, docs/derivations.md §5d; the shared map would drop W_q, docs/huggingface.md)
+_ENCODER_SWAP_DEFAULTS = {"sgpa": {"qk": "separate"}, "sgpa-decoupled": {"qk": "separate"}}
 
 
 def supported_architectures() -> list[str]:
@@ -345,6 +348,7 @@ def swap_attention(
         )
     encoder_layers, cls = _encoder_layers(model)
     attr, names = _ARCHITECTURES[cls]
+    options = {**_ENCODER_SWAP_DEFAULTS.get(attention if isinstance(attention, str) else None, {}), **options}
     swapped = {}
     for i in _layer_indices(layers, len(encoder_layers)):
         parent, child, old = _module_at(encoder_layers[i], attr, cls, i)
@@ -397,6 +401,11 @@ def _swap_decoder(model, decoder_layers_, cls, attention, layers, options) -> di
     """:func:`swap_attention` on a decoder (:data:`gpattn.integrations._decoders.DECODERS`)."""
     spec = DECODERS[cls]
     _check_decoder_variant(attention, cls, spec.rotary)
+    if options.get("qk") == "separate":
+        raise ValueError(
+            f"qk='separate' cannot replace {cls} (causal self-attention): separate query and key maps take only masks "
+            f"that pad (docs/derivations.md §5d); a decoder keeps the shared map (qk='shared', the default there)"
+        )
     swapped = {}
     for i in _layer_indices(layers, len(decoder_layers_)):
         parent, child, old = _module_at(decoder_layers_[i], spec.attr, cls, i)
