@@ -14,9 +14,11 @@ describes encoders.
 
 **What is transferred** (per swapped layer, also returned by :func:`swap_attention`): the pretrained
 query / key / value weights and biases go into the gpattn layer's fused input projection ``in_proj``
-for every projection the variant has by that name (``q`` ← query, ``k`` ← key, ``v`` ← value); a
-variant with one shared query-key map (``qk``: sgpa, sgpa-decoupled, kernel) takes the **key** weights
-(the query weights are dropped: W_q = W_k is the variant's parameterisation); any other projection
+for every projection the variant has by that name (``q`` ← query, ``k`` ← key, ``v`` ← value); sgpa and
+sgpa-decoupled are swapped with ``qk="separate"`` unless given (separate query and key maps, so both are kept;
+docs/derivations.md §5d); a variant with one shared query-key map (``qk``: kernel, or sgpa / sgpa-decoupled
+with ``qk="shared"``, as in a decoder) takes the **key** weights (the query weights are dropped: W_q = W_k is
+that parameterisation); any other projection
 (cgp's ``o``) or one of another width (``value_dim`` ≠ head width) keeps its fresh initialisation, as
 do every GP parameter (kernel hyperparameters, inducing / variational parameters). The output
 projection: in BERT and RoBERTa the self-attention is followed by ``attention.output.dense``, so the
