@@ -17,7 +17,7 @@ from gpattn.variational.sgpa_decoupled import (
     WhitenedGlobalVariationalDistribution,
 )
 
-__all__ = ["DEFAULT_KERNEL", "QK_MAPS", "DecoupledSGPAttention", "SGPAttention"]
+__all__ = ["DEFAULT_KERNEL", "DecoupledSGPAttention", "QK_MAPS", "SGPAttention"]
 
 #: the query-key maps: one shared map W_q = W_k (Chen & Li, the default) or separate W_q, W_k (docs/derivations.md §5d)
 QK_MAPS = ("shared", "separate")
