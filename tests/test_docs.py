@@ -39,7 +39,7 @@ def _sections():
 
 
 def test_derivations_keep_the_specification_numbering():
-    assert _sections() == {str(i) for i in range(1, 15)} | {"5a", "5b", "5c", "11a", "11b", "11c", "11d"} | {
+    assert _sections() == {str(i) for i in range(1, 15)} | {"5a", "5b", "5c", "5d", "11a", "11b", "11c", "11d"} | {
         f"13{s}" for s in "abcde"
     }
 

@@ -62,15 +62,20 @@ def test_what_is_transferred_per_variant():
     model = transformers.BertModel(tiny_config())
     old = model.encoder.layer[1].attention.self
     key_w = old.key.weight.detach().clone()
+    query_w = old.query.weight.detach().clone()
     a = swap_attention(model, "sgpa", "last")[1]
     assert a.training  # the model was in training mode
-    assert a.transferred == {
-        "in_proj[qk]": "key",
-        "in_proj[v]": "value",
-        "out_proj": "identity (the block's attention.output.dense follows)",
-    }
+    identity = "identity (the block's attention.output.dense follows)"
+    # an encoder swap of sgpa keeps both maps (qk="separate", docs/derivations.md §5d)
+    assert a.transferred == {"in_proj[q]": "query", "in_proj[k]": "key", "in_proj[v]": "value", "out_proj": identity}
     assert any(n.startswith("strategy.") for n in a.new)
-    torch.testing.assert_close(a.attention.in_proj.weight[:32], key_w)
+    torch.testing.assert_close(a.attention.in_proj.weight[:32], query_w)
+    torch.testing.assert_close(a.attention.in_proj.weight[32:64], key_w)
+    # the paper's shared map on request: it takes the key weights, the query weights are dropped
+    for name in ("sgpa", "sgpa-decoupled"):
+        a = swap_attention(transformers.BertModel(tiny_config()), name, "last", qk="shared")[1]
+        kept = {k: v for k, v in a.transferred.items() if k != "out_proj"}
+        assert kept == {"in_proj[qk]": "key", "in_proj[v]": "value"}
     assert swap_attention(transformers.BertModel(tiny_config()), "softmax", "last")[1].new == []
     # value_dim other than the head width: the value map is new, and so is the non-square out_proj
     a = swap_attention(transformers.BertModel(tiny_config()), "softmax", "last", value_dim=8)[1]
@@ -85,6 +90,39 @@ def test_what_is_transferred_per_variant():
         assert a.transferred["out_proj"].startswith("zero")
         out, _ = a(torch.randn(2, 5, 32))
         assert torch.count_nonzero(out) == 0
+
+
+def test_sgpa_swap_with_separate_maps_and_the_exponential_kernel_keeps_the_pretrained_attention():
+    """Separate maps (the encoder swap's default) with the exponential kernel at lengthscale Dh^¼ and the attention
+    prior mean: the posterior mean is softmax(q kᵀ/√Dh) v of the pretrained maps, so the swapped encoder's mean
+    is the original (real tokens; docs/derivations.md §5d). The default ARD-RBF kernel adds the key-norm term
+    exp(−‖k‖²/2√Dh) to the weights, and the shared map drops W_q: both differ."""
+    ids, mask = batch()
+    real = mask.bool()
+    outs = {}
+    for options in ({"kernel": "exponential"}, {}, {"kernel": "exponential", "qk": "shared"}):
+        torch.manual_seed(0)
+        model = transformers.BertModel(tiny_config()).eval()
+        with torch.no_grad(), gpattn.deterministic():
+            old = model.encoder.layer[1].attention.self
+            for linear in (old.query, old.key):  # a trained layer's scale (BERT's init, std 0.02, barely attends)
+                linear.weight.normal_(0, 0.3)
+                linear.bias.normal_(0, 0.5)
+            ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            swap_attention(model, "sgpa", "last", **options)
+            outs[str(options)] = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(outs[str({"kernel": "exponential"})][real], ref[real], atol=1e-5, rtol=1e-5)
+    for other in list(outs)[1:]:
+        assert (outs[other][real] - ref[real]).abs().max() > 1e-2, other
+
+
+def test_decoder_swap_keeps_the_shared_map():
+    """The separate maps take no causal mask: a decoder swap keeps qk="shared" and refuses "separate" by name."""
+    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    assert swap_attention(model, "sgpa", "last")[0].attention.projections == ("qk", "v")
+    with pytest.raises(ValueError, match="qk='separate' cannot replace GPT2Attention"):
+        swap_attention(transformers.GPT2LMHeadModel(config), "sgpa", "last", qk="separate")
 
 
 def test_distilbert_and_roberta_swap_reproduce_the_encoder():

@@ -17,7 +17,10 @@ from gpattn.variational.sgpa_decoupled import (
     WhitenedGlobalVariationalDistribution,
 )
 
-__all__ = ["DEFAULT_KERNEL", "DecoupledSGPAttention", "SGPAttention"]
+__all__ = ["DEFAULT_KERNEL", "DecoupledSGPAttention", "QK_MAPS", "SGPAttention"]
+
+#: the query-key maps: one shared map W_q = W_k (Chen & Li, the default) or separate W_q, W_k (docs/derivations.md §5d)
+QK_MAPS = ("shared", "separate")
 
 
 #: the kernel of ``kernel=None`` per prior mean: the stationary ARD-RBF with the attention mean (its rows are
@@ -37,12 +40,50 @@ def _kernel(kernel, num_heads: int, head_dim: int, prior_mean: str):
     )
 
 
+class _QueryKeyMaps(GPAttention):
+    """The ``qk`` option of both SGPA variants (docs/derivations.md §5d): ``"shared"`` is Chen & Li's W_q = W_k
+    (projections ("qk", "v")); ``"separate"`` has projections ("q", "k", "v") and evaluates the GP at the
+    queries W_q x with the keys W_k x as inducing inputs: the cross-attention conditional (§13) with the same
+    tokens on both sides. Per-query masks are refused there (§5d)."""
+
+    projections = ("qk", "v")
+
+    def __init__(self, embed_dim: int, num_heads: int, qk: str = "shared", **base):
+        if qk not in QK_MAPS:
+            raise ValueError(f"qk must be one of {list(QK_MAPS)}, got {qk!r}")
+        if qk == "separate":  # before AttentionBase sizes the fused in_proj
+            self.projections, self.query_projection = ("q", "k", "v"), "q"
+        super().__init__(embed_dim, num_heads, **base)
+        self.qk = qk
+
+    def strategy_inputs(self, x):
+        """The strategy's inputs without the queries (separate maps read them through :meth:`query_inputs`)."""
+        return tuple(t for name, t in zip(self.projections, super().strategy_inputs(x)) if name != "q")
+
+    def _condition(self, x, mask, context=None):
+        """Separate maps: self-attention is the cross-attention conditional with ``context = x``."""
+        if self.qk == "shared":
+            return super()._condition(x, mask, context)
+        if mask is not None and mask.dim() == 4:
+            raise ValueError(
+                f"attn_mask: attention {self.name!r} with qk='separate' takes only masks that pad (the same "
+                f"excluded keys for every query and head); per-query masks (causal, ...) are defined for the shared "
+                f"map, where query i is key i (docs/derivations.md §5d, §11). Pass the padding as key_padding_mask, "
+                f"or use qk='shared'"
+            )
+        if context is not None:
+            return super()._condition(x, mask, context)
+        # self-attention: keys and values of x (padded keys leave through the mask); the queries of padded
+        # positions are placeholders, their inputs zeroed so that no draw depends on what they hold
+        return super()._condition(x if mask is None else x.masked_fill(mask[..., None], 0.0), mask, x)
+
+
 @register("sgpa")
-class SGPAttention(GPAttention):
+class SGPAttention(_QueryKeyMaps):
     r"""Standard SGPA (Chen & Li (2023) §3.2, docs/derivations.md §5a): each head's output dim d is a sparse variational
     GP whose inducing inputs are the sequence's own keys; the posterior mean is kernel attention
     :math:`K_{qk} v` and the whitened amortised covariance gives :math:`\Sigma_d = L \tilde\Sigma_d L^\top`.
-    Symmetric kernel (W_q = W_k: projections ("qk", "v")). Cost O(T³) per (B, H).
+    By default a symmetric kernel (W_q = W_k: projections ("qk", "v")). Cost O(T³) per (B, H).
 
     :param kernel: a kernel spec (:mod:`gpattn.kernels`, docs/kernels.md): ``"ard-rbf"`` (the default with
         ``prior_mean="attention"``; the legacy ``"rbf"`` means it here), ``"exponential"`` (the default with
@@ -56,6 +97,9 @@ class SGPAttention(GPAttention):
         posterior mean attends without a per-sequence KL on it and ``kl_seq`` pays only for the amortised
         covariance; docs/derivations.md §5c) or ``"zero"`` (Chen & Li's form: mean :math:`K_{qk} v`, paid by
         the per-sequence KL).
+    :param qk: ``"shared"`` (default: Chen & Li's W_q = W_k) or ``"separate"`` (projections ("q", "k", "v"): the
+        GP at the queries W_q x, the keys W_k x its inducing inputs; the covariance gains the residual
+        K_qq − K_qk K̂_kk⁻¹ K_kq; masks that pad only; docs/derivations.md §5d).
 
     Loss terms: ``kl_seq`` — the KL, summed over heads and Dv, averaged over the batch (docs/derivations.md §9).
 
@@ -81,9 +125,10 @@ class SGPAttention(GPAttention):
         jitter: float = 1e-6,
         covariance: str = "full",
         prior_mean: str = "attention",
+        qk: str = "shared",
         **base,
     ):
-        super().__init__(embed_dim, num_heads, **base)
+        super().__init__(embed_dim, num_heads, qk, **base)
         self.strategy = SGPAVariationalStrategy(
             _kernel(kernel, num_heads, self.head_dim, prior_mean),
             AmortisedDiagonalVariationalDistribution(num_heads, self.head_dim, self.value_dim),
@@ -95,10 +140,10 @@ class SGPAttention(GPAttention):
 
 
 @register("sgpa-decoupled")
-class DecoupledSGPAttention(GPAttention):
+class DecoupledSGPAttention(_QueryKeyMaps):
     r"""Decoupled SGPA (Chen & Li (2023) §3.3–3.4, docs/derivations.md §5b): amortised mean basis from the sequence's
     keys and values plus ``num_global`` global inducing inputs per head, mapped like tokens through
-    the layer's own W_qk rows for that head; whitened S̃_g,d per output dim.
+    the layer's own W_qk rows for that head (W_k's with ``qk="separate"``); whitened S̃_g,d per output dim.
 
     :param kernel: as for ``sgpa``.
     :param num_global: M global inducing inputs per head (default 16, as in Chen & Li (2023)).
@@ -108,6 +153,8 @@ class DecoupledSGPAttention(GPAttention):
     :param prior_mean: ``"attention"`` (default: the prior mean is normalised kernel attention over the
         sequence, which replaces the amortised γ-basis; the posterior is m(q) + the global part, and the only
         KL is the global ``kl_global``; docs/derivations.md §5c) or ``"zero"`` (Chen & Li's form, below).
+    :param qk: as for ``sgpa``; with ``"separate"`` the global inducing inputs are mapped through W_k (they are
+        inducing inputs, as the keys; docs/derivations.md §5d).
 
     Loss terms (``prior_mean="zero"``): ``kl_seq`` — the γ-part (input-dependent), summed over heads and Dv,
     averaged over the batch; ``kl_global`` — the β-part (global parameters), summed (docs/derivations.md §9).
@@ -134,9 +181,10 @@ class DecoupledSGPAttention(GPAttention):
         covariance: str = "diag",
         jitter: float = 1e-6,
         prior_mean: str = "attention",
+        qk: str = "shared",
         **base,
     ):
-        super().__init__(embed_dim, num_heads, **base)
+        super().__init__(embed_dim, num_heads, qk, **base)
         if isinstance(num_global, bool) or not isinstance(num_global, int) or num_global < 1:
             raise ValueError(f"num_global must be a positive int, got {num_global!r}")
         self.strategy = DecoupledSGPAVariationalStrategy(
@@ -147,15 +195,16 @@ class DecoupledSGPAttention(GPAttention):
             covariance=covariance,
             prior_mean=prior_mean,
         )
-        self._qk_offset = sum(self._proj_widths[: self.projections.index("qk")])
+        self._qk_offset = sum(self._proj_widths[: self.projections.index("qk" if qk == "shared" else "k")])
 
     def global_keys(self) -> torch.Tensor:
-        """Each head's global keys through that head's rows of W_qk.  # shape: (H, M, Dh)"""
+        """Each head's global keys through that head's rows of W_qk (W_k).  # shape: (H, M, Dh)"""
         H, Dh, D, o = self.num_heads, self.head_dim, self.embed_dim, self._qk_offset
         weight = self.in_proj.weight[o : o + D].view(H, Dh, D)
         bias = None if self.in_proj.bias is None else self.in_proj.bias[o : o + D].view(H, Dh)
         return self.strategy.global_keys(weight, bias)
 
     def strategy_inputs(self, x):
-        """The keys = queries, the values and the global keys.  # shape: (B, H, T, Dh), (B, H, T, Dv), (H, M, Dh)"""
+        """The keys (= queries with the shared map), the values and the global keys.
+        # shape: (B, H, T, Dh), (B, H, T, Dv), (H, M, Dh)"""
         return (*super().strategy_inputs(x), self.global_keys())

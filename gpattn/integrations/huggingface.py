@@ -14,9 +14,11 @@ describes encoders.
 
 **What is transferred** (per swapped layer, also returned by :func:`swap_attention`): the pretrained
 query / key / value weights and biases go into the gpattn layer's fused input projection ``in_proj``
-for every projection the variant has by that name (``q`` ← query, ``k`` ← key, ``v`` ← value); a
-variant with one shared query-key map (``qk``: sgpa, sgpa-decoupled, kernel) takes the **key** weights
-(the query weights are dropped: W_q = W_k is the variant's parameterisation); any other projection
+for every projection the variant has by that name (``q`` ← query, ``k`` ← key, ``v`` ← value); sgpa and
+sgpa-decoupled are swapped with ``qk="separate"`` unless given (separate query and key maps, so both are kept;
+docs/derivations.md §5d); a variant with one shared query-key map (``qk``: kernel, or sgpa / sgpa-decoupled
+with ``qk="shared"``, as in a decoder) takes the **key** weights (the query weights are dropped: W_q = W_k is
+that parameterisation); any other projection
 (cgp's ``o``) or one of another width (``value_dim`` ≠ head width) keeps its fresh initialisation, as
 do every GP parameter (kernel hyperparameters, inducing / variational parameters). The output
 projection: in BERT and RoBERTa the self-attention is followed by ``attention.output.dense``, so the
@@ -100,6 +102,9 @@ _ARCHITECTURES: dict[str, tuple[str, tuple[str, str, str, str | None]]] = {
 }
 #: the pretrained map (by role: q, k, v) each gpattn projection takes; others stay new
 _SOURCES = {"q": "q", "k": "k", "v": "v", "qk": "k"}
+#: an encoder swap's options by variant, unless given: the SGPA variants keep both pretrained maps (separate
+#: query and key maps, docs/derivations.md §5d; the shared map would drop W_q, docs/huggingface.md)
+_ENCODER_SWAP_DEFAULTS = {"sgpa": {"qk": "separate"}, "sgpa-decoupled": {"qk": "separate"}}
 
 
 def supported_architectures() -> list[str]:
@@ -364,6 +369,7 @@ def swap_attention(
         )
     encoder_layers, cls = _encoder_layers(model)
     attr, names = _ARCHITECTURES[cls]
+    options = {**_ENCODER_SWAP_DEFAULTS.get(attention if isinstance(attention, str) else None, {}), **options}
     swapped = {}
     for i in _layer_indices(layers, len(encoder_layers)):
         parent, child, old = _module_at(encoder_layers[i], attr, cls, i)
@@ -416,6 +422,11 @@ def _swap_decoder(model, decoder_layers_, cls, attention, layers, options) -> di
     """:func:`swap_attention` on a decoder (:data:`gpattn.integrations._decoders.DECODERS`)."""
     spec = DECODERS[cls]
     _check_decoder_variant(attention, cls, spec.rotary)
+    if options.get("qk") == "separate":
+        raise ValueError(
+            f"qk='separate' cannot replace {cls} (causal self-attention): separate query and key maps take only masks "
+            f"that pad (docs/derivations.md §5d); a decoder keeps the shared map (qk='shared', the default there)"
+        )
     swapped = {}
     for i in _layer_indices(layers, len(decoder_layers_)):
         parent, child, old = _module_at(decoder_layers_[i], spec.attr, cls, i)
