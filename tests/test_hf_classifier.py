@@ -480,3 +480,30 @@ def test_match_prior_to_stream_puts_the_median_key_distance_of_cgp_at_two(name):
     (row,) = model.match_prior_to_stream(ids, pad)
     assert row["key_distance"] == pytest.approx(before)
     assert median_distance() == pytest.approx(2.0, rel=1e-6)
+
+
+def test_a_run_saved_before_the_swap_defaults_reloads_in_its_own_form(tmp_path):
+    """A run's config.json now records the encoder swap's ``qk="separate"``; a checkpoint written before (its
+    config has no ``qk``, its weights the shared map) reloads with ``qk="shared"``, the form it trained."""
+    from gpattn.experiments._runs import CHECKPOINT
+    from gpattn.experiments.cli import main
+
+    table = _text_table(tmp_path)
+    enc = tiny_encoder_folder(tmp_path / "enc", table)
+    out = tmp_path / "run"
+    argv = ["train", "--dataset", "text_table", "--dataset-option", f"path={table}", "--encoder", str(enc),
+            "--attention", "sgpa", "--attention-layers", "last", "--attention-option", "qk=shared", "--max-len",
+            "12", *TINY_RUN, "--out", str(out)]  # fmt: skip
+    with pytest.warns(GPCollapseWarning):
+        assert main(argv) == 0
+    assert json.loads((out / "config.json").read_text())["attention_options"] == {"qk": "shared"}
+    texts = ["a great film , really good", "terrible"]
+    with gpattn.deterministic():
+        before = gpattn.experiments.load_run(out).predict(texts, num_samples=1).probs
+    ckpt = torch.load(out / CHECKPOINT, weights_only=False)
+    ckpt["config"]["attention_options"] = {}  # as gpattn 0.2 wrote it
+    torch.save(ckpt, out / CHECKPOINT)
+    run = gpattn.experiments.load_run(out)
+    assert run.cfg.attention_options == {"qk": "shared"}
+    with gpattn.deterministic():
+        torch.testing.assert_close(run.predict(texts, num_samples=1).probs, before)

@@ -156,7 +156,7 @@ def load_run(path, device=None) -> Run:
             f"{path} was written before checkpoints carried their vocabulary; use "
             f"gpattn.experiments.training.load_run_with_data (which reloads the data set) or retrain"
         )
-    cfg = TrainConfig.from_dict(ckpt["config"])
+    cfg = TrainConfig.from_saved(ckpt["config"])
     model = build_model(cfg, _stub_bundle(ckpt["data"])).to(target)
     model.load_state_dict(ckpt["model"])
     model.eval()

@@ -186,6 +186,11 @@ class TrainConfig:
         def is_int(v):  # plain ints only (not data._images.is_int's NumPy ints): config.json must serialise
             return isinstance(v, int) and not isinstance(v, bool)
 
+        if self.encoder is not None and isinstance(self.attention_options, dict):
+            from gpattn.integrations.huggingface import encoder_swap_options
+
+            # the swap's defaults written out, so config.json (and compare's reuse check) says which form ran
+            self.attention_options = encoder_swap_options(self.attention, self.attention_options)
         if self.batch_size is None:
             recipe = ENCODER_DEFAULTS.get(self.encoder_recipe, {}) if self.encoder is not None else {}
             self.batch_size = recipe.get("batch_size", DEFAULT_BATCH_SIZE)
@@ -259,6 +264,16 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown config keys {unknown}; valid keys: {', '.join(sorted(names))}")
         return cls(**d)
+
+    @classmethod
+    def from_saved(cls, d: dict) -> TrainConfig:
+        """A run's saved config (its checkpoint's): as :meth:`from_dict`, except that an encoder run saved
+        before the swap's defaults were written out keeps the form it trained (``saved_swap_options``)."""
+        if d.get("encoder") is not None and isinstance(d.get("attention_options", {}), dict):
+            from gpattn.integrations.huggingface import saved_swap_options
+
+            d = {**d, "attention_options": saved_swap_options(d.get("attention"), d.get("attention_options", {}))}
+        return cls.from_dict(d)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -631,7 +646,7 @@ def load_run_with_data(path, device=None) -> tuple[TrainConfig, torch.nn.Module,
 
     device = torch.device("cpu") if device is None else as_device(device)
     path, ckpt = run_checkpoint(path, map_location=device)
-    cfg = TrainConfig.from_dict(ckpt["config"])
+    cfg = TrainConfig.from_saved(ckpt["config"])
     bundle = load_dataset(
         cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
     )

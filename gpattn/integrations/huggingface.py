@@ -107,6 +107,22 @@ _SOURCES = {"q": "q", "k": "k", "v": "v", "qk": "k"}
 _ENCODER_SWAP_DEFAULTS = {"sgpa": {"qk": "separate"}, "sgpa-decoupled": {"qk": "separate"}}
 
 
+def encoder_swap_options(attention, options: dict) -> dict:
+    """``options`` for swapping ``attention`` into an encoder, with the encoder swap's defaults for those not
+    given (:data:`_ENCODER_SWAP_DEFAULTS`: the SGPA variants take ``qk="separate"``). ``TrainConfig`` records
+    the result, so a run's config.json says which form it trained."""
+    return {**_ENCODER_SWAP_DEFAULTS.get(attention if isinstance(attention, str) else None, {}), **options}
+
+
+def saved_swap_options(attention, options: dict) -> dict:
+    """The options of a swap saved before the encoder swap's defaults were written into run configs (gpattn
+    0.2): an option the defaults set but the saved ``options`` lack had the layer's own default then
+    (``qk="shared"``), which is what the saved weights are."""
+    before = {"qk": "shared"}  # the layer default of every option in _ENCODER_SWAP_DEFAULTS
+    defaults = _ENCODER_SWAP_DEFAULTS.get(attention if isinstance(attention, str) else None, {})
+    return {**{k: before[k] for k in defaults}, **options}
+
+
 def supported_architectures() -> list[str]:
     """The transformers self-attention classes :func:`swap_attention` can replace (encoders and decoders)."""
     return sorted([*_ARCHITECTURES, *DECODERS])
@@ -369,7 +385,7 @@ def swap_attention(
         )
     encoder_layers, cls = _encoder_layers(model)
     attr, names = _ARCHITECTURES[cls]
-    options = {**_ENCODER_SWAP_DEFAULTS.get(attention if isinstance(attention, str) else None, {}), **options}
+    options = encoder_swap_options(attention, options)
     swapped = {}
     for i in _layer_indices(layers, len(encoder_layers)):
         parent, child, old = _module_at(encoder_layers[i], attr, cls, i)
