@@ -33,9 +33,9 @@ the original function (tests/test_huggingface.py checks it to 1e-5).
 
 **The GP prior on the pretrained stream's scale**: gpattn's GP layers start with a prior variance set for a
 LayerNorm-ed stream of unit variance followed by a fresh output map (:mod:`gpattn.variational._scale`); a
-pretrained encoder's stream is smaller (MiniLM's last layer: ≈ 0.3 per coordinate) and the swapped
-``out_proj`` has gain 1, so :meth:`HFClassifier.match_prior_to_stream` multiplies each swapped GP layer's
-prior variance by ``v_s · (1/3) / g_o``, measured on a batch (gpattn's trainer does it on 256 training
+pretrained encoder's stream is usually smaller and the swapped ``out_proj`` has gain 1 (docs/derivations.md §9,
+"Another stream", has MiniLM's numbers), so :meth:`HFClassifier.match_prior_to_stream` multiplies each swapped
+GP layer's prior variance by ``v_s · (1/3) / g_o``, measured on a batch (gpattn's trainer does it on 256 training
 sequences and writes the factors to the run's ``prior_scale.json``). :func:`swap_attention` alone does not.
 
 **Masks**: transformers gives a (B, 1, T, T) mask — boolean True = attend (``sdpa``), additive 0 / very
@@ -667,9 +667,10 @@ class HFClassifier(LossTermWalkers, nn.Module):
 
         gpattn's GP layers start with a prior variance chosen for a LayerNorm-ed stream of unit variance
         per coordinate followed by a fresh output map of gain 1/3 (:mod:`gpattn.variational._scale`). A
-        pretrained encoder's stream is not that: MiniLM's last layer receives ≈ 0.3 per coordinate, and the
-        swapped ``out_proj`` is the identity (gain 1), so the layer's noise would be ≈ 10× (variance) the
-        designed fraction of its input. Here each swapped GP layer's prior variance is multiplied by
+        pretrained encoder's stream is not that (its own scale per coordinate, and the swapped ``out_proj`` is
+        the identity, gain 1), so the layer's noise would not be the designed fraction of its input
+        (docs/derivations.md §9, "Another stream", measures it in MiniLM). Here each swapped GP layer's prior
+        variance is multiplied by
 
         .. math:: c = \frac{v_s \cdot 1/3}{g_o},\qquad v_s = \text{mean square of the layer's input per
             coordinate over real tokens},\quad g_o = \lVert W_{out}\rVert_F^2 / D,
