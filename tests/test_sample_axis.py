@@ -143,7 +143,7 @@ def _hf_by_hand(model, ids, pad, seed):
 
     layers, gp = model.encoder.encoder.layer, model.adapters[1].attention
     x = model.trunk(ids, pad)  # shape: (B, T, D): the swapped layer's input, computed once
-    cond = gp.strategy.condition(*gp.strategy_inputs(x), mask=pad)  # one factorisation per sequence
+    cond = gp._condition(x, pad)  # one factorisation per sequence (the swap's form: separate q and k maps)
     torch.manual_seed(seed)
     heads = gp.fold_samples(cond.rsample(P))  # shape: (B·P, H, T, Dv), row b·P + p = draw p of sequence b
     y = gp.out_proj(heads.transpose(1, 2).reshape(B * P, T_HF, -1))

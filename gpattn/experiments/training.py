@@ -267,7 +267,7 @@ class TrainConfig:
 
     @classmethod
     def from_saved(cls, d: dict) -> TrainConfig:
-        """A run's saved config (its checkpoint's): as :meth:`from_dict`, except that an encoder run saved
+        """A run's saved config (its checkpoint's): as ``from_dict``, except that an encoder run saved
         before the swap's defaults were written out keeps the form it trained (``saved_swap_options``)."""
         if d.get("encoder") is not None and isinstance(d.get("attention_options", {}), dict):
             from gpattn.integrations.huggingface import saved_swap_options

@@ -61,6 +61,7 @@ import weakref
 import torch
 import torch.nn as nn
 
+from gpattn._settings import deterministic
 from gpattn.attention import attention_class, attention_options, build_attention, list_attention
 from gpattn.integrations._decoders import (
     DECODERS,
@@ -696,8 +697,6 @@ class HFClassifier(LossTermWalkers, nn.Module):
         :returns: one row per scaled layer: ``layer``, ``stream_variance`` (v_s), ``out_gain`` (g_o), ``factor`` (c);
             for cgp and scgp also ``key_distance`` (m, before) and ``input_factor`` (√(2/m)).
         """
-        from gpattn._settings import deterministic
-
         if self.prior_scale is not None:
             raise ValueError("match_prior_to_stream: already applied to this model (a second call would scale twice)")
         gains = {}
@@ -709,10 +708,11 @@ class HFClassifier(LossTermWalkers, nn.Module):
             raise ValueError("inputs: no real token to measure the stream on (key_padding_mask is all True)")
         with deterministic():
             seen = self._layer_inputs(list(gains), lambda: self.forward(inputs, key_padding_mask)) if gains else {}
-        rows = [_match_layer(self.adapters[i].attention, seen[i], key_padding_mask, gain) for i, gain in gains.items()]
-        rows = [{"layer": i, **row} for i, row in zip(gains, rows)]
-        self.prior_scale = rows
-        return rows
+        self.prior_scale = [
+            {"layer": i, **_match_layer(self.adapters[i].attention, seen[i], key_padding_mask, gain)}
+            for i, gain in gains.items()
+        ]
+        return self.prior_scale
 
     def _check_ids(self, input_ids, key_padding_mask) -> None:
         if input_ids.dim() != 2 or input_ids.is_floating_point():
