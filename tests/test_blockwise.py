@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import gpattn.variational._blockwise as bw
+import gpattn.variational._fused as fused
 from gpattn import deterministic
 from gpattn.attention import build_attention
 from gpattn.attention._gumbel import gumbel_attention
@@ -37,7 +38,9 @@ def _run(layer, x, mask, attn_mask, block_elements, monkeypatch, seed=None):
 @pytest.mark.parametrize("name", LONG)
 def test_blocks_equal_the_dense_path(name, dtype, tol, monkeypatch):
     """Values and input gradients of the block path against the dense one (the noise-free path of the
-    stochastic variants), with padding and, where the variant takes it, a causal mask."""
+    stochastic variants), with padding and, where the variant takes it, a causal mask. (The fused path of the
+    kernel attentions is off here: tests/test_fused_attention.py compares it.)"""
+    monkeypatch.setattr(fused, "fused_available", lambda t: False)
     layer = build_attention(name, 16, 2, **OPTIONS.get(name, {})).to(dtype)
     x, mask = _inputs(dtype)
     causal = torch.ones(40, 40, dtype=torch.bool).triu(1)
@@ -103,10 +106,14 @@ def test_blocks_draw_independent_noise(monkeypatch):
         assert abs(rate - agree) < 5 * math.sqrt(agree * (1 - agree) / draws), (a, b, rate, agree)
 
 
+@pytest.mark.parametrize("fused_path", [True, False], ids=["fused", "blocks"])
 @pytest.mark.parametrize("name", LONG)
-def test_no_tensor_of_T_by_T_entries_per_head(name, monkeypatch):
+def test_no_tensor_of_T_by_T_entries_per_head(name, fused_path, monkeypatch):
     """Forward and backward of a long sequence form no tensor with T·T entries per head: every op's output
-    is counted (a dispatch mode) and the largest stays at the size of one block."""
+    is counted (a dispatch mode) and the largest stays at the size of one block (query blocks, or the kernel
+    attentions' fused path)."""
+    if not fused_path:
+        monkeypatch.setattr(fused, "fused_available", lambda t: False)
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Largest(TorchDispatchMode):

@@ -10,6 +10,7 @@ from gpattn.attention.base import AttentionBase, excluded_keys
 from gpattn.attention.registry import register
 from gpattn.kernels import evaluate_kernel, make_kernel
 from gpattn.variational._blockwise import block_rows, blockwise
+from gpattn.variational._fused import fused_kernel_attention
 from gpattn.variational._linalg import gp_algebra
 
 __all__ = ["AsymmetricKernelAttention", "KernelAttention"]
@@ -42,6 +43,11 @@ class KernelAttention(AttentionBase):
     def _attend(self, call):
         pq, pk = self.project_call(call)
         q, k = self._queries_keys(pq, pk)
+        if not call.need_weights and (call.mask is None or call.mask.dim() == 2):  # key padding or none
+            with gp_algebra(call.x.device.type):  # fused attention, no (T, S) matrix (docs/derivations.md §12)
+                out = fused_kernel_attention(self.kernel, q, k, pk["v"], call.mask)
+            if out is not None:
+                return out
         rows = None if call.need_weights else block_rows(*q.shape[:3], k.shape[-2])
         if rows is not None:  # a long sequence: blocks of queries, memory linear in T (variational/_blockwise.py)
             return blockwise(self._kernel_values, q, k, pk["v"], rows=rows, per_query=(excluded_keys(call.mask),))

@@ -7,7 +7,9 @@ from gpytorch.kernels import Kernel, RBFKernel, ScaleKernel
 from gpytorch.kernels.kernel import sq_dist
 from linear_operator import to_dense
 
-__all__ = ["evaluate_kernel"]
+from gpattn.kernels.exponential import ExponentialKernel
+
+__all__ = ["evaluate_kernel", "log_linear_form"]
 
 
 def evaluate_kernel(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, **params) -> torch.Tensor:
@@ -48,3 +50,32 @@ def _rbf(kernel: Kernel, rbf: RBFKernel, x1: torch.Tensor, x2: torch.Tensor, dia
         scale = kernel.outputscale
         out = out * (scale[..., None] if diag else scale[..., None, None])
     return out
+
+
+def log_linear_form(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor):
+    r"""``(a, b, f, c)`` with :math:`\kappa(x_{1,i}, x_{2,j}) = \exp(f_i + a_i \cdot b_j + c_j)` for the kernels that
+    have this form, else None (docs/derivations.md §12: such a kernel's attention runs in fused attention).
+
+    * :class:`~gpattn.kernels.ExponentialKernel`: :math:`a = x_1/\ell`, :math:`b = x_2/\ell`,
+      :math:`f = \log\sigma^2`, :math:`c = 0` (returned as None);
+    * the (ARD) RBF kernel: :math:`a = x_1/\ell - m`, :math:`b = x_2/\ell - m`, :math:`f = -\tfrac12\|a\|^2`,
+      :math:`c = -\tfrac12\|b\|^2`, with :math:`m` the mean of the :math:`x_2/\ell` (the kernel is stationary; the
+      shift keeps :math:`a \cdot b` from cancelling digits far from the origin, as gpytorch's ``sq_dist`` does);
+    * gpytorch's ``ScaleKernel`` of one of these (at any depth): :math:`f + \log\sigma^2`.
+
+    # shape: x1 (..., n, d), x2 (..., m, d) -> a (..., n, d), b (..., m, d), f (..., n), c (..., m) or None
+    """
+    if kernel.active_dims is not None:
+        return None
+    if type(kernel) is ScaleKernel:  # σ² per batch entry (heads) times a kernel of the form
+        form = log_linear_form(kernel.base_kernel, x1, x2)
+        return None if form is None else (*form[:2], form[2] + kernel.outputscale.log()[..., None], form[3])
+    if type(kernel) is ExponentialKernel:
+        a, b = x1 / kernel.lengthscale, x2 / kernel.lengthscale
+        return a, b, kernel.outputscale.log()[..., None].expand(a.shape[:-1]), None
+    if type(kernel) is not RBFKernel:
+        return None
+    a, b = x1 / kernel.lengthscale, x2 / kernel.lengthscale
+    shift = b.detach().mean(-2, keepdim=True)  # stationary: centred, a·b loses no digits far from 0 (as sq_dist)
+    a, b = a - shift, b - shift
+    return a, b, a.square().sum(-1).mul(-0.5), b.square().sum(-1).mul(-0.5)

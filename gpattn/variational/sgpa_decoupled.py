@@ -44,6 +44,7 @@ from gpattn.kernels import evaluate_kernel
 from gpattn.objectives import GlobalKL, SequenceKL
 from gpattn.variational import _blockwise
 from gpattn.variational._blockwise import block_rows, blockwise
+from gpattn.variational._fused import fused_kernel_attention
 from gpattn.variational._linalg import (
     add_jitter,
     cholesky,
@@ -445,11 +446,8 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             queries, values = full_precision(queries, values)
             if mask is not None:
                 values = values.masked_fill(mask[:, None, :, None], 0.0)  # padded keys leave the mean basis
-            # a long sequence under the attention mean with the diagonal covariance needs no (T, T) matrix:
-            # its mean is computed in blocks of queries (docs/derivations.md §12)
-            rows = block_rows(B, H, T, T) if self._blockwise_mean(excluded) else None
-            rows = None if rows is None else max(1, rows // 4)  # the mean forms several block-sized temporaries
-            K = None if rows is not None else evaluate_kernel(self.kernel, queries, queries)  # shape: (B, H, T, T)
+            plan = self._mean_without_gram(queries, values, mask, excluded)
+            K = evaluate_kernel(self.kernel, queries, queries) if plan is None else None  # shape: (B, H, T, T)
             A, u_tilde = self._global_basis(queries, global_keys)
             factors = dict(
                 gram=K, gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), interp=A, values=values,
@@ -457,7 +455,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
                 jitter=self.jitter, covariance=self.covariance,
             )
             if self.mean_module is not None:
-                return self._condition_attention_mean(factors, excluded, queries, rows)
+                return self._condition_attention_mean(factors, excluded, queries, plan)
             if excluded is not None:
                 return self._condition_per_query(factors, excluded, causal)
             Kv = K @ values  # shape: (B, H, T, Dv); K_qa v_a (padded keys have v = 0)
@@ -508,20 +506,35 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         covariance, key padding only."""
         return self.mean_module is not None and self.covariance == "diag" and excluded is None
 
+    def _mean_without_gram(self, queries, values, mask, excluded) -> torch.Tensor | int | None:
+        """The attention mean with the diagonal covariance needs no (T, T) Gram (docs/derivations.md §12): its
+        mean m(q) from fused attention, or (a kernel without the log-linear form, a long sequence) the rows of its
+        query blocks; None: the Gram is formed."""
+        if not self._blockwise_mean(excluded):
+            return None
+        fused = fused_kernel_attention(self.kernel, queries, queries, values, mask, normalise=True)
+        if fused is not None:
+            return fused
+        rows = block_rows(*queries.shape[:3], queries.shape[-2])
+        return None if rows is None else max(1, rows // 4)  # the mean forms several block-sized temporaries
+
     def _attention_mean_rows(self, queries, keys, values, pad=None) -> torch.Tensor:
         """The attention prior mean m(q) of one block of queries.  # shape: queries (B, H, b, Dh) -> (B, H, b, Dv)"""
         with gp_algebra(queries.device.type):
             return self.mean_module(evaluate_kernel(self.kernel, queries, keys), values, pad)
 
     def _condition_attention_mean(
-        self, factors: dict, excluded: torch.Tensor | None, queries: torch.Tensor, rows: int | None
+        self, factors: dict, excluded: torch.Tensor | None, queries: torch.Tensor, rows: int | torch.Tensor | None
     ) -> DecoupledSGPAConditional:
         """The conditional under the attention prior mean: q(f) = m(q) + A ũ, the β-part alone variational
         (docs/derivations.md §5c); under a per-query mask the masked conditional, for its per-token jitter.
-        ``rows``: m(q) in blocks of that many queries, without the Gram (docs/derivations.md §12)."""
+        ``rows``: m(q) in blocks of that many queries, without the Gram, or m(q) itself (the fused path), or
+        None: from the Gram (docs/derivations.md §12)."""
         mask = factors["mask"]
         not_allowed = excluded if excluded is not None else None if mask is None else mask[:, None, None, :]
-        if rows is None:
+        if torch.is_tensor(rows):
+            mean = rows
+        elif rows is None:
             mean = self.mean_module(factors["gram"], factors["values"], not_allowed)
         else:
             mean = blockwise(
