@@ -51,10 +51,9 @@ class GPAttention(AttentionBase):
     def query_inputs(self, x: torch.Tensor) -> torch.Tensor:
         """Cross-attention's queries: x through the rows of ``in_proj`` of ``query_projection`` alone
         (docs/derivations.md §13).  # shape: x (B, T, D) -> (B, H, T, Dh)"""
-        i = self.projections.index(self.query_projection)
-        start, width = sum(self._proj_widths[:i]), self._proj_widths[i]
-        bias = None if self.in_proj.bias is None else self.in_proj.bias[start : start + width]
-        return self.split_heads(F.linear(x, self.in_proj.weight[start : start + width], bias))
+        rows = self.projection_rows()[self.query_projection]
+        bias = None if self.in_proj.bias is None else self.in_proj.bias[rows]
+        return self.split_heads(F.linear(x, self.in_proj.weight[rows], bias))
 
     def _condition(self, x, mask, context=None) -> AmortisedConditional:
         """Self-attention: the strategy's inputs of x. Cross-attention: its inputs of the context (keys,

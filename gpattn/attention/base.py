@@ -7,8 +7,9 @@ return weights) and returns its per-head outputs ``(B, H, T, Dv)`` — or ``num_
 weights). The GP variants derive from :class:`gpattn.attention.GPAttention`, which implements it (and
 ``_posterior``, a gpytorch ``MultivariateNormal`` with batch ``(B, H, Dv)`` and event ``T``) through their
 strategy's conditional. The base class validates inputs and masks and settles the sample axis once per
-forward (:mod:`gpattn.attention._call`, :mod:`gpattn.attention._masks`), projects, merges heads, applies
-``W_o``, handles all-padding rows and keeps two records of the last forward, both updated in place: the
+forward (:mod:`gpattn.attention._call`, :mod:`gpattn.attention._masks`), projects (one fused input
+projection, :mod:`gpattn.attention._projection`), merges heads, applies ``W_o``, handles all-padding rows
+and keeps two records of the last forward, both updated in place (:mod:`gpattn.attention._records`): the
 loss terms (GPyTorch added loss terms, :meth:`AttentionBase.set_loss_terms`) and the diagnostics
 (:meth:`AttentionBase.diagnostics`). No other attribute is written by a forward.
 
@@ -18,7 +19,6 @@ only with ``gpattn.validation()`` on, and all-padding rows are handled by masked
 
 from __future__ import annotations
 
-import gpytorch
 import torch
 import torch.nn as nn
 
@@ -26,12 +26,13 @@ from gpattn._settings import is_deterministic
 from gpattn.attention._call import Attended, AttentionCall, check_call_inputs, finish_call, prepare_call
 from gpattn.attention._masks import attn_mask_excluded, check_inputs, excluded_keys, posterior_masks
 from gpattn.attention._mha import multihead_call
-from gpattn.objectives import GPLossTerm, LossTermWalkers, summed_loss_terms
+from gpattn.attention._projection import FusedProjection
+from gpattn.attention._records import ForwardRecords
 
 __all__ = ["AttentionBase", "excluded_keys"]
 
 
-class AttentionBase(LossTermWalkers, nn.Module):
+class AttentionBase(ForwardRecords, FusedProjection, nn.Module):
     """Multi-head self-attention with ``x (B, T, D) -> y (B, T, D)``.
 
     :param embed_dim: model width D (divisible by ``num_heads``).
@@ -41,7 +42,8 @@ class AttentionBase(LossTermWalkers, nn.Module):
         (default), (T, B, D) otherwise; gpattn's own call ``layer(x, key_padding_mask)`` is always (B, T, D).
 
     Class attributes set by subclasses:
-    ``projections`` — names of the per-head input projections (fused into one linear map);
+    ``projections`` — names of the per-head input projections (fused into one linear map, ``in_proj``; each
+    one's rows: :meth:`projection_rows`);
     ``value_dim`` — per-head output width Dv (``None`` = Dh);
     ``is_gp`` — whether ``posterior()`` is available; ``stochastic`` — whether it samples.
 
@@ -69,9 +71,6 @@ class AttentionBase(LossTermWalkers, nn.Module):
     #: values of ``call.context`` (:meth:`project_call`); ``no_cross_attention``: why a variant refuses it
     cross_attention: bool = False
     no_cross_attention: str = ""
-    #: read by torch's transformer layers (an nn.MultiheadAttention attribute): False keeps
-    #: nn.TransformerEncoderLayer's eval-mode fast path, which runs MHA's own fused kernel, off this layer
-    _qkv_same_embed_dim = False
 
     def __init__(
         self,
@@ -98,62 +97,17 @@ class AttentionBase(LossTermWalkers, nn.Module):
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
         self.value_dim = value_dim or self.head_dim
-        # fused input projection: one matmul for every named projection (W_v maps to H·Dv)
-        widths = [self.value_dim * num_heads if p == "v" else embed_dim for p in self.projections]
-        self._proj_widths = widths
-        self.in_proj = nn.Linear(embed_dim, sum(widths), bias=bias) if widths else None
+        self._build_in_proj(bias)  # in_proj: the fused input projection (gpattn.attention._projection)
         self.out_proj = nn.Linear(num_heads * self.value_dim, embed_dim, bias=bias)
-        self._added_loss_terms: dict[str, GPLossTerm | None] = {}  # gpytorch's registry of added loss terms
-        self._diagnostics: dict[str, torch.Tensor] = {}  # the last training-mode forward's (diagnostics())
-
-    @property
-    def in_proj_bias(self) -> torch.Tensor | None:
-        """The fused input projection's bias (nn.MultiheadAttention's attribute, read by torch's transformer
-        layers; gpattn's layout differs from MHA's, see ``_qkv_same_embed_dim``)."""
-        return None if self.in_proj is None else self.in_proj.bias
+        self._init_records()  # the loss terms and diagnostics of the last forward (gpattn.attention._records)
 
     # ------------------------------------------------------------------ helpers for subclasses
+    # (and project, project_call, split_heads, projection_rows: gpattn.attention._projection; set_loss_terms:
+    # gpattn.attention._records)
     @property
     def sampling(self) -> bool:
         """Whether this forward should sample (stochastic variant, outside ``gpattn.deterministic()``)."""
         return self.stochastic and not is_deterministic()
-
-    def split_heads(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, T, H·d) -> (B, H, T, d)"""
-        B, T, HD = t.shape
-        return t.view(B, T, self.num_heads, HD // self.num_heads).transpose(1, 2)
-
-    def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-head projections of x, by name.  # shape: x (B, T, D) -> each (B, H, T, Dh or Dv)"""
-        parts = self.in_proj(x).split(self._proj_widths, dim=-1)
-        return {name: self.split_heads(p) for name, p in zip(self.projections, parts)}
-
-    def project_call(self, call: AttentionCall) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``(of the queries, of the keys)``: :meth:`project` of ``call.x`` and of ``call.context`` (the same
-        dict in self-attention). Read queries from the first, keys and values from the second."""
-        pq = self.project(call.x)
-        return pq, (pq if call.context is None else self.project(call.context))
-
-    # GPyTorch's added-loss-term protocol (gpytorch.Module's own functions): the layer stays a plain
-    # nn.Module, since gpytorch.Module.__call__ bypasses nn.Module's hooks and admits only tensor outputs
-    register_added_loss_term = gpytorch.Module.register_added_loss_term
-    update_added_loss_term = gpytorch.Module.update_added_loss_term
-
-    def set_loss_terms(self, *terms: GPLossTerm, **values: torch.Tensor) -> None:
-        """Record this forward's loss terms as GPyTorch added loss terms, each under its kind's name
-        (registered on first use): ``set_loss_terms(SequenceKL(kl))``, or by name,
-        ``set_loss_terms(kl_seq=kl)`` (the kind registered under that name, gpattn.objectives). The values
-        are the layer's reduced terms (docs/derivations.md §9: ``kl_seq`` already averaged over the batch,
-        :meth:`gpattn.attention.AttentionCall.batch_mean`; ``kl_global`` the total over global parameters)."""
-        for term in (*terms, *(GPLossTerm.kind(name)(value) for name, value in values.items())):
-            if not isinstance(term, GPLossTerm):
-                raise ValueError(
-                    f"set_loss_terms takes gpattn.objectives.GPLossTerm instances (or name=value), got "
-                    f"{type(term).__name__}"
-                )
-            if term.name not in self._added_loss_terms:
-                self.register_added_loss_term(term.name)
-            self.update_added_loss_term(term.name, term)
 
     @staticmethod
     def fold_samples(samples: torch.Tensor) -> torch.Tensor:
@@ -255,9 +209,7 @@ class AttentionBase(LossTermWalkers, nn.Module):
         ``(B, H, T, S)`` (None for the variants without weights): one explicit call, prepared once
         (:func:`gpattn.attention._call.prepare_call`), attended by the variant, finished by the base."""
         call = prepare_call(self, x, key_padding_mask, num_samples, attn_mask, need_weights, context)
-        for name in self._added_loss_terms:  # registered, unset until the variant records this forward's
-            self._added_loss_terms[name] = None
-        self._diagnostics.clear()
+        self._clear_records()
         if call.x.shape[0] == 0:  # empty batch: a defined zero result with a graph
             return call.x.new_zeros(call.x.shape) + 0 * sum(p.sum() for p in self.parameters()), None
         return finish_call(self, call, Attended.of(self._attend(call)))
@@ -275,25 +227,5 @@ class AttentionBase(LossTermWalkers, nn.Module):
             raise ValueError("posterior(): a sequence in the batch has every key padded (no posterior to give)")
         return self._posterior(x, mask) if context is None else self._posterior(x, mask, context)
 
-    def loss_terms(self) -> dict[str, torch.Tensor]:
-        """The unweighted loss terms of the last forward by name, summed over this layer's added loss terms
-        (empty for deterministic baselines)."""
-        return summed_loss_terms(self)
-
-    def diagnostics(self) -> dict[str, torch.Tensor]:
-        """Output scale of the last training-mode forward of a GP variant, per real token (detached 0-dim
-        tensors; empty after an eval-mode forward):
-        ``input_norm`` ‖x‖ of the (LayerNorm-ed) layer input, ``mean_norm`` ‖E[y]‖ of the posterior mean
-        output and ``spread_norm`` ‖y − E[y]‖ of the drawn sample (0 when not sampling). Collapse shows
-        as a mean far below the spread, or both far below the input (``gpattn.experiments.training`` logs them per
-        epoch and warns). Empty for the other variants."""
-        return dict(self._diagnostics)
-
     def extra_repr(self) -> str:
         return f"name={self.name!r}, embed_dim={self.embed_dim}, num_heads={self.num_heads}"
-
-    def __getstate__(self):
-        # the last forward's loss terms hold autograd graphs: never pickle them
-        state = self.__dict__.copy()
-        state["_added_loss_terms"], state["_diagnostics"] = dict.fromkeys(self._added_loss_terms), {}
-        return state

@@ -62,13 +62,11 @@ class _CorrelatedGPAttention(GPAttention):
         assumes (:meth:`gpattn.integrations.huggingface.HFClassifier.match_prior_to_stream`, docs/derivations.md §7)."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
             raise ValueError(f"factor must be a finite float > 0, got {factor!r}")
-        offset = 0
-        for name, width in zip(self.projections, self._proj_widths):
+        for name, rows in self.projection_rows().items():
             if name in ("q", "k", "o"):
-                self.in_proj.weight[offset : offset + width] *= factor
+                self.in_proj.weight[rows] *= factor
                 if self.in_proj.bias is not None:
-                    self.in_proj.bias[offset : offset + width] *= factor
-            offset += width
+                    self.in_proj.bias[rows] *= factor
         for name in ("inducing_latent", "inducing_keys"):  # scgp's global inducing inputs (amortised ones follow)
             inducing = getattr(self.strategy, name, None)
             if inducing is not None:

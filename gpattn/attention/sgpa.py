@@ -195,7 +195,7 @@ class DecoupledSGPAttention(_QueryKeyMaps):
             covariance=covariance,
             prior_mean=prior_mean,
         )
-        self._qk_offset = sum(self._proj_widths[: self.projections.index("qk" if qk == "shared" else "k")])
+        self._qk_offset = self.projection_rows()["qk" if qk == "shared" else "k"].start
 
     def global_keys(self) -> torch.Tensor:
         """Each head's global keys through that head's rows of W_qk (W_k).  # shape: (H, M, Dh)"""

@@ -195,8 +195,7 @@ class RotaryProjection:
     are then the rotated features (docs/derivations.md §11d)."""
 
     def __init__(self, layer: nn.Module):
-        self.widths = list(layer._proj_widths)
-        self.rotate = [name in ("q", "k", "qk") for name in layer.projections]
+        self.rows = layer.projection_rows()  # the features of each projection in in_proj's output
         self.head_dim = layer.head_dim
 
     def __call__(self, module, args, output):
@@ -210,8 +209,9 @@ class RotaryProjection:
             )
         cos, sin = (t.unsqueeze(-2) for t in rotation)  # shape: (B or 1, T, 1, Dh)
         parts = []
-        for rotate, part in zip(self.rotate, output.split(self.widths, dim=-1)):
-            if rotate:
+        for name, rows in self.rows.items():
+            part = output[..., rows]
+            if name in ("q", "k", "qk"):
                 h = part.unflatten(-1, (-1, self.head_dim))  # shape: (B, T, H, Dh)
                 part = (h * cos + rotate_half(h) * sin).flatten(-2)
             parts.append(part)

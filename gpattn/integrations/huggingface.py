@@ -331,15 +331,13 @@ def _transfer(layer: nn.Module, sources: dict) -> tuple[dict[str, str], list[str
     """Copy the pretrained maps (``sources``: role -> ((weight, bias), label), q / k / v / o) into ``layer``;
     return (transferred, new)."""
     transferred, new = {}, []
-    offset = 0
-    for proj, width in zip(layer.projections, layer._proj_widths):
+    for proj, rows in layer.projection_rows().items():
         source = sources.get(_SOURCES[proj]) if proj in _SOURCES else None
-        if source is not None and source[0][0].shape == (width, layer.embed_dim):
-            _copy(layer.in_proj, slice(offset, offset + width), source[0])
+        if source is not None and source[0][0].shape == layer.in_proj.weight[rows].shape:
+            _copy(layer.in_proj, rows, source[0])
             transferred[f"in_proj[{proj}]"] = source[1]
         else:
             new.append(f"in_proj[{proj}]")
-        offset += width
     out, W, rows = layer.out_proj, layer.out_proj.weight, slice(None)
     if "v" not in layer.projections:  # no values (kep-svgp): its output is not the pretrained attention's
         _copy(out, rows, (torch.zeros_like(W), None))
