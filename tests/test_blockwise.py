@@ -106,8 +106,10 @@ def test_blocks_draw_independent_noise(monkeypatch):
         assert abs(rate - agree) < 5 * math.sqrt(agree * (1 - agree) / draws), (a, b, rate, agree)
 
 
-@pytest.mark.parametrize("fused_path", [True, False], ids=["fused", "blocks"])
-@pytest.mark.parametrize("name", LONG)
+@pytest.mark.parametrize(
+    "name, fused_path",
+    [(name, True) for name in LONG] + [(name, False) for name in ("kernel", "kernel-asym", "sgpa-decoupled")],
+)
 def test_no_tensor_of_T_by_T_entries_per_head(name, fused_path, monkeypatch):
     """Forward and backward of a long sequence form no tensor with T·T entries per head: every op's output
     is counted (a dispatch mode) and the largest stays at the size of one block (query blocks, or the kernel
