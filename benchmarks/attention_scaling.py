@@ -51,6 +51,8 @@ import gpattn
 from gpattn.experiments.training import resolve_device
 
 MODES = ("forward", "fwd+bwd")
+#: the name of the pseudo-variant "PyTorch's SDPA alone" (``--sdpa``: fp32 and bf16 rows)
+SDPA = "sdpa"
 
 PROFILES = {
     #          T values,                 warm-up, min reps, max reps, budget s / case, timeout s / case
@@ -79,31 +81,10 @@ def measure_case(
     """Time ``reps`` calls of one layer on ``device`` and record the peak extra memory (run in a child):
     resident memory on the CPU, the CUDA allocator's peak on a GPU (timings wait for the device)."""
     torch.manual_seed(seed)
-    D = heads * head_dim
-    layer = gpattn.build_attention(name, D, heads, **options).to(device)
-    x = torch.randn(batch, T, D, device=device)  # shape: (B, T, D)
-    params = [p for p in layer.parameters() if p.requires_grad]
-
-    if mode == "forward":
-        layer.eval()
-
-        def call():
-            with torch.no_grad():
-                layer(x)
-
-    elif mode == "fwd+bwd":
-        layer.train()
-
-        def call():
-            y = layer(x)  # shape: (B, T, D)
-            loss = y.square().mean()
-            for term in layer.loss_terms().values():
-                loss = loss + term
-            loss.backward()
-
+    if name == SDPA:
+        call, params = _sdpa_case(options, T, mode, batch, heads, head_dim, device)
     else:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-
+        call, params = _layer_case(name, options, T, mode, batch, heads, head_dim, device)
     peak = DevicePeak(device)
     times = []
 
@@ -134,6 +115,51 @@ def measure_case(
         "peak_mb": peak.peak_extra_mb(),
         "exact_peak": peak.exact,
     }
+
+
+def _sdpa_case(options, T, mode, batch, heads, head_dim, device):
+    """PyTorch's ``scaled_dot_product_attention`` alone on (B, H, T, Dh) inputs in ``options["dtype"]``: the fused
+    attention core, without the layer's projections (what the issue's "SDPA, core only" rows are)."""
+    dtype = getattr(torch, options["dtype"])
+    grad = mode == "fwd+bwd"
+    q, k, v = (torch.randn(batch, heads, T, head_dim, device=device, dtype=dtype, requires_grad=grad) for _ in "qkv")
+
+    def call():
+        with torch.set_grad_enabled(grad):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            if grad:
+                out.float().square().mean().backward()
+
+    return call, [q, k, v]
+
+
+def _layer_case(name, options, T, mode, batch, heads, head_dim, device):
+    """One gpattn layer on x (B, T, D): the call of ``mode`` and the parameters whose gradients it resets."""
+    D = heads * head_dim
+    layer = gpattn.build_attention(name, D, heads, **options).to(device)
+    x = torch.randn(batch, T, D, device=device)  # shape: (B, T, D)
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    if mode == "forward":
+        layer.eval()
+
+        def call():
+            with torch.no_grad():
+                layer(x)
+
+    elif mode == "fwd+bwd":
+        layer.train()
+
+        def call():
+            y = layer(x)  # shape: (B, T, D)
+            loss = y.square().mean()
+            for term in layer.loss_terms().values():
+                loss = loss + term
+            loss.backward()
+
+    else:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return call, params
 
 
 # ----------------------------------------------------------------------------- planning
@@ -371,6 +397,9 @@ def parse_args(argv):
     p.add_argument("--json", default=None, help="write rows, slopes and metadata here")
     p.add_argument("--markdown", default=None, help="write the results as markdown tables here")
     p.add_argument("--png", default=None, help="time-vs-T plot (default: next to --json, else none)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)} (default both)")
+    p.add_argument("--labels", default=None, help="keep only these configurations (comma list of table labels)")
+    p.add_argument("--sdpa", action="store_true", help="add scaled_dot_product_attention alone, fp32 and bf16 rows")
     add_omp_wait_policy_argument(p)
     add_device_argument(p)
     p.add_argument("--no-isolate", action="store_true", help="run cases in this process (no timeout / memory cap)")
@@ -391,6 +420,14 @@ def main(argv=None) -> dict:
     heads, head_dim = args.heads, args.head_dim
     mem_limit = default_mem_limit_mb(args.mem_limit_mb)
     configs = variant_configs(parse_variants(args.variants))
+    if args.labels:
+        keep = {REFERENCE, *args.labels.split(",")}
+        configs = [c for c in configs if c["variant"] in keep]
+    if args.sdpa:
+        configs += [
+            {"variant": f"sdpa {d} (core)", "name": SDPA, "options": {"dtype": d}} for d in ("float32", "bfloat16")
+        ]
+    modes = [m for m in MODES if m in args.modes.split(",")]
     device = str(resolve_device(args.device))
     meta = {
         **machine_info(args.threads),
@@ -421,7 +458,7 @@ def main(argv=None) -> dict:
     start = time.monotonic()
     for T in profile["ts"]:
         for cfg in configs:
-            for mode in MODES:
+            for mode in modes:
                 row = {"variant": cfg["variant"], "name": cfg["name"], "options": cfg["options"], "T": T, "mode": mode}
                 reason = _skip_reason(rows, cfg["variant"], mode, T, profile, mem_limit)
                 if reason is not None:

@@ -119,7 +119,12 @@ def test_where_the_fused_path_runs():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(
     "name, options",
-    [("kernel", {}), ("kernel", {"kernel": "ard-rbf"}), ("kernel-asym", {}), ("sgpa-decoupled", {"covariance": "diag"})],
+    [
+        ("kernel", {}),
+        ("kernel", {"kernel": "ard-rbf"}),
+        ("kernel-asym", {}),
+        ("sgpa-decoupled", {"covariance": "diag"}),
+    ],
 )
 def test_layers_equal_their_dense_path(name, options, dtype, monkeypatch):
     """A layer's output and input gradient with the fused path against the same layer with it switched off

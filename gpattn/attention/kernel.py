@@ -48,7 +48,7 @@ class KernelAttention(AttentionBase):
                 out = fused_kernel_attention(self.kernel, q, k, pk["v"], call.mask)
             if out is not None:
                 return out
-        rows = None if call.need_weights else block_rows(*q.shape[:3], k.shape[-2])
+        rows = None if call.need_weights else block_rows(*q.shape[:3], k.shape[-2], device=q.device)
         if rows is not None:  # a long sequence: blocks of queries, memory linear in T (variational/_blockwise.py)
             return blockwise(self._kernel_values, q, k, pk["v"], rows=rows, per_query=(excluded_keys(call.mask),))
         with gp_algebra(call.x.device.type):

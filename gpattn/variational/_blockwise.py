@@ -15,17 +15,23 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["BLOCK_ELEMENTS", "blockwise", "block_rows", "block_seeds"]
+__all__ = ["BLOCK_ELEMENTS", "DEVICE_BLOCK_ELEMENTS", "blockwise", "block_rows", "block_seeds"]
 
-#: entries of one block's (B, H, b, S) piece (2²¹: 8 MiB in float32); a forward whose whole matrix has at
-#: most 4× as many runs dense (one piece), as the short sequences of training do
+#: entries of one block's (B, H, b, S) piece on the CPU (2²¹: 8 MiB in float32); a forward whose whole matrix
+#: has at most 4× as many runs dense (one piece), as the short sequences of training do
 BLOCK_ELEMENTS = 1 << 21
+#: the same on a GPU (2²⁶: 256 MiB in float32), where a block's work must be large to fill the device
+DEVICE_BLOCK_ELEMENTS = 1 << 26
 
 
-def block_rows(B: int, H: int, T: int, S: int, block_elements: int | None = None) -> int | None:
+def block_rows(
+    B: int, H: int, T: int, S: int, block_elements: int | None = None, device: torch.device | None = None
+) -> int | None:
     """Query rows per block for a (B, H, T, S) matrix, or None when it is small enough to form whole
-    (``block_elements``: :data:`BLOCK_ELEMENTS` when None, read at each call)."""
-    block_elements = BLOCK_ELEMENTS if block_elements is None else block_elements
+    (``block_elements``: :data:`BLOCK_ELEMENTS`, or :data:`DEVICE_BLOCK_ELEMENTS` for a ``device`` other than
+    the CPU, when None, read at each call)."""
+    if block_elements is None:
+        block_elements = BLOCK_ELEMENTS if device is None or device.type == "cpu" else DEVICE_BLOCK_ELEMENTS
     if B * H * T * S <= 4 * block_elements:
         return None
     return max(1, min(T, block_elements // max(1, B * H * S)))

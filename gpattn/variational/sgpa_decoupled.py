@@ -226,7 +226,8 @@ class DecoupledSGPAConditional(AmortisedConditional):
         B, H, T, M = A.shape
         S = self.scale_tril @ self.scale_tril.mT  # shape: (H, Dv, M, M)
         # a long sequence: the (H, B·T, M²) products in blocks of tokens (docs/derivations.md §12)
-        rows = block_rows(B, H, T, M * M, block_elements=_blockwise.BLOCK_ELEMENTS // 4)
+        budget = _blockwise.BLOCK_ELEMENTS if A.device.type == "cpu" else _blockwise.DEVICE_BLOCK_ELEMENTS
+        rows = block_rows(B, H, T, M * M, block_elements=budget // 4)
         if rows is None:
             return _diag_variance(A, S, self.gram_diag[..., None])
         return blockwise(_diag_variance, A, S, rows=rows, per_query=(self.gram_diag[..., None],))
@@ -515,7 +516,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         fused = fused_kernel_attention(self.kernel, queries, queries, values, mask, normalise=True)
         if fused is not None:
             return fused
-        rows = block_rows(*queries.shape[:3], queries.shape[-2])
+        rows = block_rows(*queries.shape[:3], queries.shape[-2], device=queries.device)
         return None if rows is None else max(1, rows // 4)  # the mean forms several block-sized temporaries
 
     def _attention_mean_rows(self, queries, keys, values, pad=None) -> torch.Tensor:
