@@ -9,6 +9,7 @@ The noise and the eager FlexAttention forward are tested on the CPU; the tests m
 """
 
 import math
+import shutil
 import types
 
 import pytest
@@ -17,13 +18,17 @@ from scipy import stats
 
 import gpattn
 from gpattn.attention import _gumbel
-from gpattn.attention._counter_noise import _mix, _mul32, counter_gumbel, counter_gumbel_grid
+from gpattn.attention._counter_noise import _mix, _mul32, counter_gumbel, counter_gumbel_grid, noise_tables
 from gpattn.attention._gumbel import _compiled_fused, _fused_soft_attention, fused_path, gumbel_attention
 from gpattn.variational._blockwise import block_seeds
 
 EULER_GAMMA = 0.5772156649015329
 GUMBEL_VAR = math.pi**2 / 6
 EAGER_FLEX = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+# Inductor's own imports under the project's warnings-as-errors
+INDUCTOR = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+# the compiler stack on a GPU machine (Triton, Inductor) may warn about its own deprecations: not ours to fix
+GPU_COMPILER = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled FlexAttention kernel needs CUDA")
 
 
@@ -134,10 +139,16 @@ def _dense_reference(q, k, v, tau, seed, padding):
     """softmax((q kᵀ + G)/τ) v in float64 with G = counter_gumbel on the whole (B, H, T, S) grid."""
     B, H, T = q.shape[:3]
     S = k.shape[-2]
-    logits = q.double() @ k.double().transpose(-1, -2) + counter_gumbel_grid(seed, B, H, T, S, q.device).double()
+    logits = q.double() @ k.double().transpose(-1, -2) + counter_gumbel_grid(seed.to(q.device), B, H, T, S).double()
     if padding is not None:
         logits = logits.masked_fill(padding[:, None, None, :], float("-inf"))
     return torch.softmax(logits / tau, dim=-1) @ v.double()
+
+
+def _fused(fn, q, k, v, seed, padding, inv_tau):
+    """``fn`` (the eager or the compiled kernel) with the noise tables of ``seed`` on q's device."""
+    rows, columns = noise_tables(seed.to(q.device), *q.shape[:3], k.shape[-2])
+    return fn(q, k, v, rows, columns, padding, inv_tau.to(q.device))
 
 
 def _inputs(dtype, device="cpu", B=2, H=3, T=9, S=11, D=16, Dv=8, seed=0, requires_grad=False):
@@ -159,12 +170,31 @@ def test_score_mod_equals_dense_reference_on_cpu(dtype, tol, padded):
     padding = padding if padded else None
     tau, seed = 0.7, _seed(987654321)
     inv_tau = torch.tensor(1 / tau, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    out = _fused_soft_attention(q, k, v, seed, padding, inv_tau)
+    out = _fused(_fused_soft_attention, q, k, v, seed, padding, inv_tau)
     ref = _dense_reference(q, k, v, tau, seed, padding)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     # the noise matters: another seed gives another output
-    assert not torch.allclose(_fused_soft_attention(q, k, v, _seed(1), padding, inv_tau).double(), ref, atol=1e-3)
+    other = _fused(_fused_soft_attention, q, k, v, _seed(1), padding, inv_tau)
+    assert not torch.allclose(other.double(), ref, atol=1e-3)
+
+
+@INDUCTOR
+@pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("c++", "g++", "clang++")), reason="Inductor on the CPU needs a C++ compiler"
+)
+def test_compiled_kernel_forward_on_cpu_and_a_new_seed_does_not_recompile():
+    """The compiled function, forward on the CPU (Inductor's C++ FlexAttention; the CUDA tests below run the
+    Triton one): the dense reference to float32 round-off (the integer noise is bit-exact, log differs in
+    the last bits), and a second seed reuses the compiled graph (the noise tables are inputs). A guard
+    against the score_mod growing past what Inductor compiles in seconds (~10 s here)."""
+    q, k, v, padding = _inputs(torch.float32, T=40, S=40)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for seed in (_seed(11), _seed(12)):
+        out = _fused(_compiled_fused(), q, k, v, seed, padding, torch.tensor(1 / 0.7))
+        ref = _dense_reference(q, k, v, 0.7, seed, padding)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
 
 
 # ------------------------------------------------------------------------------------------- the predicate
@@ -227,6 +257,8 @@ def test_fused_dispatch_draws_one_seed_from_the_generator(monkeypatch):
 
 # -------------------------------------------------------------------------------------------- GPU only
 @cuda
+@GPU_COMPILER
+@INDUCTOR
 @pytest.mark.parametrize("padded", [True, False])
 def test_compiled_kernel_values_and_gradients_match_dense_reference(padded):
     """The compiled kernel equals the float64 dense reference with the same noise, values and gradients
@@ -234,7 +266,7 @@ def test_compiled_kernel_values_and_gradients_match_dense_reference(padded):
     q, k, v, padding = _inputs(torch.float32, "cuda", B=2, H=2, T=200, S=173, D=32, Dv=16, requires_grad=True)
     padding = padding if padded else None
     tau, seed = 0.7, _seed(2**50 + 3).cuda()
-    out = _compiled_fused()(q, k, v, seed, padding, torch.tensor(1 / tau, device="cuda"))
+    out = _fused(_compiled_fused(), q, k, v, seed, padding, torch.tensor(1 / tau))
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -246,6 +278,8 @@ def test_compiled_kernel_values_and_gradients_match_dense_reference(padded):
 
 
 @cuda
+@GPU_COMPILER
+@INDUCTOR
 def test_layer_on_cuda_runs_fused_reproducibly():
     """An sto layer on CUDA with key padding takes the fused path: torch.manual_seed reproduces the sample,
     its gumbel_attention output is the dense reference's with the seed drawn, and the backward runs."""
@@ -268,15 +302,17 @@ def test_layer_on_cuda_runs_fused_reproducibly():
 
 
 @cuda
+@GPU_COMPILER
+@INDUCTOR
 def test_compiled_kernel_memory_is_linear_in_length():
     """T = S = 16,384, one head: forward and backward add far less than the 1 GiB one (T, S) float32
     tensor would take."""
     q, k, v, _ = _inputs(torch.float32, "cuda", B=1, H=1, T=16384, S=16384, D=64, Dv=64, requires_grad=True)
-    seed, inv_tau = _seed(1).cuda(), torch.tensor(1.0, device="cuda")
-    _compiled_fused()(q, k, v, seed, None, inv_tau).sum().backward()  # compile outside the measurement
+    seed, inv_tau = _seed(1), torch.tensor(1.0)
+    _fused(_compiled_fused(), q, k, v, seed, None, inv_tau).sum().backward()  # compile outside the measurement
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    _compiled_fused()(q, k, v, seed, None, inv_tau).sum().backward()
+    _fused(_compiled_fused(), q, k, v, seed, None, inv_tau).sum().backward()
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < 64 * 2**20

@@ -12,17 +12,22 @@ Construction. A 32-bit state absorbs the words (seed low, seed high, b, h, i, j)
 ``state ← mix(state ^ mix(word + K))`` with ``mix`` the "lowbias32" integer finaliser (xor-shift,
 multiply, xor-shift, multiply, xor-shift; both multipliers odd, so ``mix`` is a bijection of 32-bit
 words). Mixing the word before the xor keeps neighbouring counters from giving shifted copies of one
-sequence. The top 23 bits ``m`` of the final state give the uniform :math:`U = (2m + 1)\,2^{-24}`: the
-centred grid of the CPU path's float32 noise, exact in float32 and never 0 or 1, so
-:math:`G = -\log(-\log U) \in [-2.81, 16.6]` is always finite (a 24-bit grid
-:math:`(2m+1)\,2^{-25}` is not exact in float32: its top point rounds to 1).
+sequence. The state before j depends on (seed, b, h, i) only and ``mix(j + K)`` on j only: the fused
+kernel reads them from a (B, H, T) table (:func:`row_states`) and an (S,) table (:func:`column_words`),
+computed once per forward, and does only the last step per entry (:func:`gumbel_from_words`). Written as
+one expression in ``score_mod``, the whole chain kept Inductor compiling for over ten minutes and past
+17 GB on the CPU (it appears to inline each intermediate once per use); with the tables it takes seconds.
+The top 23 bits ``m`` of the final state give the uniform :math:`U = (2m + 1)\,2^{-24}`: the centred
+grid of the CPU path's float32 noise, exact in float32 and never 0 or 1, so
+:math:`G = -\log(-\log U) \in [-2.81, 16.6]` is always finite (a 24-bit grid :math:`(2m+1)\,2^{-25}` is
+not exact in float32: its top point rounds to 1).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["counter_gumbel", "counter_gumbel_grid"]
+__all__ = ["column_words", "counter_gumbel", "counter_gumbel_grid", "gumbel_from_words", "noise_tables", "row_states"]
 
 _MASK32 = 0xFFFFFFFF
 _MIX_A, _MIX_B = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers (odd: mix is invertible)
@@ -49,30 +54,50 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 def _absorb(state: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
     """The state after one more counter word (int64, any shapes that broadcast)."""
-    return _mix(state ^ _mix((word.to(torch.int64) + _WORD_OFFSET) & _MASK32))
+    return _mix(state ^ column_words(word))
+
+
+def column_words(j: torch.Tensor) -> torch.Tensor:
+    """A counter word as the state absorbs it, ``mix(j + K)`` (int64; the key index's half of the last step)."""
+    return _mix((j.to(torch.int64) + _WORD_OFFSET) & _MASK32)
+
+
+def row_states(seed: torch.Tensor, b, h, i) -> torch.Tensor:
+    """The state after (seed low, seed high, b, h, i): int64 in [0, 2^32), broadcast over the inputs."""
+    seed = seed.to(torch.int64)
+    state = _absorb(torch.full_like(seed, _STATE0), seed & _MASK32)
+    state = _absorb(state, (seed >> 32) & _MASK32)
+    for word in (b, h, i):
+        state = _absorb(state, word)
+    return state
+
+
+def gumbel_from_words(row_state: torch.Tensor, column_word: torch.Tensor) -> torch.Tensor:
+    """The last step, ``mix(row_state ^ column_word)``, turned into Gumbel(0, 1) noise (float32): the whole
+    per-entry work of the fused kernel, which reads the two words from a (B, H, T) and an (S,) table."""
+    top = _mix(row_state ^ column_word) >> 9  # the top 23 bits
+    uniform = (2 * top + 1).to(torch.float32) * 2.0**-24  # exact: (2m + 1) < 2^24
+    return -torch.log(-torch.log(uniform))
 
 
 def counter_gumbel(seed: torch.Tensor, b, h, i, j) -> torch.Tensor:
     r"""Gumbel(0, 1) noise :math:`G(\mathrm{seed}, b, h, i, j)` as float32, broadcast over the inputs.
 
-    :param seed: int64 tensor (0-dim in a ``score_mod``) in :math:`[0, 2^{62})`; a new value needs no
-        recompilation.
-    :param b, h, i, j: integer tensors (int32 in a ``score_mod``), non-negative: batch, head, query
-        and key index.
+    :param seed: int64 tensor in :math:`[0, 2^{62})`.
+    :param b, h, i, j: integer tensors, non-negative: batch, head, query and key index.
     """
-    seed = seed.to(torch.int64)
-    state = _absorb(torch.full_like(seed, _STATE0), seed & _MASK32)
-    state = _absorb(state, (seed >> 32) & _MASK32)
-    for word in (b, h, i, j):
-        state = _absorb(state, word)
-    top = state >> 9  # the top 23 bits
-    uniform = (2 * top + 1).to(torch.float32) * 2.0**-24  # exact: (2m + 1) < 2^24
-    return -torch.log(-torch.log(uniform))
+    return gumbel_from_words(row_states(seed, b, h, i), column_words(j))
 
 
-def counter_gumbel_grid(seed: torch.Tensor, B: int, H: int, T: int, S: int, device=None) -> torch.Tensor:
-    """:func:`counter_gumbel` on the whole (B, H, T, S) grid of counters (the dense reference of the
-    fused kernel's noise; tests)."""
-    device = seed.device if device is None else device
-    b, h, i, j = (torch.arange(n, device=device) for n in (B, H, T, S))
-    return counter_gumbel(seed.to(device), b[:, None, None, None], h[:, None, None], i[:, None], j)
+def noise_tables(seed: torch.Tensor, B: int, H: int, T: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (B, H, T) row states and the (S,) key words of the (B, H, T, S) grid of counters (int64, on
+    ``seed``'s device): entry (b, h, i, j)'s noise is ``gumbel_from_words(rows[b, h, i], columns[j])``."""
+    b, h, i, j = (torch.arange(n, device=seed.device) for n in (B, H, T, S))
+    return row_states(seed, b[:, None, None], h[:, None], i), column_words(j)
+
+
+def counter_gumbel_grid(seed: torch.Tensor, B: int, H: int, T: int, S: int) -> torch.Tensor:
+    """:func:`counter_gumbel` on the whole (B, H, T, S) grid of counters, on ``seed``'s device (the dense
+    reference of the fused kernel's noise; tests)."""
+    rows, columns = noise_tables(seed, B, H, T, S)
+    return gumbel_from_words(rows[..., None], columns)

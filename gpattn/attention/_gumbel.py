@@ -39,8 +39,8 @@ Which path :func:`gumbel_attention` runs (:func:`fused_path` decides; nothing el
   least Inductor's FlexAttention kernel takes), Triton installed: one FlexAttention kernel, compiled once
   per process on first use (:func:`_compiled_fused`), adds the noise
   :math:`G(\mathrm{seed}, b, h, i, j)` of :mod:`gpattn.attention._counter_noise` to each score, computed
-  from the entry's indices in the forward and again in the backward, so no (B, H, T, S) tensor exists
-  and memory is linear in T. One seed per forward comes from torch's generator (or the one passed): a
+  from the entry's indices (and a (B, H, T) and an (S,) table of hash words) in the forward and again in
+  the backward, so no (B, H, T, S) tensor exists and memory is linear in T. One seed per forward comes from torch's generator (or the one passed): a
   different random stream from the other paths, the same law (docs/derivations.md §12).
 * **Dense / blockwise** — everything else: the CPU (FlexAttention has no backward there), float64,
   hard samples, ``return_weights``, per-query masks (B or 1, H or 1, T, S), the noise-free
@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from gpattn.attention._counter_noise import counter_gumbel
+from gpattn.attention._counter_noise import gumbel_from_words, noise_tables
 from gpattn.attention._masks import excluded_keys
 from gpattn.variational._blockwise import block_rows, block_seeds, blockwise
 
@@ -304,17 +304,18 @@ def _gumbel_attention(q, k, v, tau, key_mask, hard, sample, return_weights, gene
     return weights @ v, weights
 
 
-def _fused_soft_attention(q, k, v, seed, padding, inv_tau):
-    r""":math:`\mathrm{softmax}((q k^\top + G)/\tau)\, v` by FlexAttention, with
-    :math:`G_{bhij}` = :func:`~gpattn.attention._counter_noise.counter_gumbel` ``(seed, b, h, i, j)`` computed
-    in the kernel and padded keys at :math:`-\infty`; uncompiled it runs FlexAttention's eager reference
-    (the tests' CPU check), :func:`_compiled_fused` is the kernel. ``seed`` (int64) and ``inv_tau``
-    (:math:`1/\tau`: float32, or float64 for float64 scores) are 0-dim tensors, so new values do not recompile.
+def _fused_soft_attention(q, k, v, rows, columns, padding, inv_tau):
+    r""":math:`\mathrm{softmax}((q k^\top + G)/\tau)\, v` by FlexAttention, padded keys at :math:`-\infty`,
+    with :math:`G_{bhij}` = ``gumbel_from_words(rows[b, h, i], columns[j])`` computed in the kernel (the
+    tables of :func:`~gpattn.attention._counter_noise.noise_tables`). Uncompiled it runs FlexAttention's eager
+    reference (the tests' CPU check); :func:`_compiled_fused` is the kernel. ``inv_tau`` (:math:`1/\tau`:
+    float32, or float64 for float64 scores) is a 0-dim tensor, so a new value does not recompile.
 
-    # shape: q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv), padding (B, S) bool or None -> (B, H, T, Dv)"""
+    # shape: q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv), rows (B, H, T) int64, columns (S,) int64,
+    # padding (B, S) bool or None -> (B, H, T, Dv)"""
 
     def score_mod(score, b, h, i, j):
-        noisy = (score + counter_gumbel(seed, b, h, i, j).to(score.dtype)) * inv_tau
+        noisy = (score + gumbel_from_words(rows[b, h, i], columns[j]).to(score.dtype)) * inv_tau
         return noisy if padding is None else torch.where(padding[b, j], float("-inf"), noisy)
 
     # scale 1: score_mod gets q·k and applies the 1/τ to the noisy logit itself
@@ -329,9 +330,11 @@ def _compiled_fused():
 
 
 def _fused_gumbel_attention(q, k, v, tau, padding, generator):
-    """The fused path of :func:`gumbel_attention`: one seed per forward (as :func:`block_seeds` draws
-    it), the compiled kernel; its backward is FlexAttention's, which recomputes the same noise."""
+    """The fused path of :func:`gumbel_attention`: one seed per forward (as :func:`block_seeds` draws it),
+    its noise tables (B·H·T + S words), the compiled kernel; the backward is FlexAttention's, which
+    recomputes the same noise from the same tables."""
     seed = block_seeds(1, generator)[0].to(q.device)
+    rows, columns = noise_tables(seed, *q.shape[:3], k.shape[-2])
     score_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # float32 in the kernel
     inv_tau = torch.tensor(1.0 / tau, dtype=score_dtype, device=q.device)
-    return _compiled_fused()(q, k, v, seed, padding, inv_tau)
+    return _compiled_fused()(q, k, v, rows, columns, padding, inv_tau)
