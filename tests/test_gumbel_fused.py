@@ -19,7 +19,13 @@ from scipy import stats
 import gpattn
 from gpattn.attention import _gumbel
 from gpattn.attention._counter_noise import _mix, _mul32, counter_gumbel, counter_gumbel_grid, noise_tables
-from gpattn.attention._gumbel import _compiled_fused, _fused_soft_attention, fused_path, gumbel_attention
+from gpattn.attention._gumbel import (
+    _compiled_fused,
+    _compiled_tables,
+    _fused_soft_attention,
+    fused_path,
+    gumbel_attention,
+)
 from gpattn.variational._blockwise import block_seeds
 
 EULER_GAMMA = 0.5772156649015329
@@ -184,17 +190,20 @@ def test_score_mod_equals_dense_reference_on_cpu(dtype, tol, padded):
     not any(shutil.which(c) for c in ("c++", "g++", "clang++")), reason="Inductor on the CPU needs a C++ compiler"
 )
 def test_compiled_kernel_forward_on_cpu_and_a_new_seed_does_not_recompile():
-    """The compiled function, forward on the CPU (Inductor's C++ FlexAttention; the CUDA tests below run the
-    Triton one): the dense reference to float32 round-off (the integer noise is bit-exact, log differs in
-    the last bits), and a second seed reuses the compiled graph (the noise tables are inputs). A guard
-    against the score_mod growing past what Inductor compiles in seconds (~10 s here)."""
+    """The compiled functions (noise tables and kernel), forward on the CPU (Inductor's C++ FlexAttention;
+    the CUDA tests below run the Triton one): the dense reference to float32 round-off (the integer tables
+    are bit-exact, log differs in the last bits), and a second seed reuses both compiled graphs. A guard
+    against the score_mod growing past what Inductor compiles in seconds (~15 s here)."""
     q, k, v, padding = _inputs(torch.float32, T=40, S=40)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for seed in (_seed(11), _seed(12)):
+    for seed in (_seed(11), _seed(2**61 + 12)):
         out = _fused(_compiled_fused(), q, k, v, seed, padding, torch.tensor(1 / 0.7))
         ref = _dense_reference(q, k, v, 0.7, seed, padding)
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+        # the compiled tables (what the fused path feeds the kernel) have the eager tables' bits
+        for got, want in zip(_compiled_tables()(seed, 2, 3, 40, 40), noise_tables(seed, 2, 3, 40, 40)):
+            assert torch.equal(got, want)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2  # the kernel and the tables
 
 
 # ------------------------------------------------------------------------------------------- the predicate
@@ -246,6 +255,7 @@ def test_fused_dispatch_draws_one_seed_from_the_generator(monkeypatch):
     branch uses the seed block_seeds draws from torch's generator: seeding reproduces the dense reference."""
     monkeypatch.setattr(_gumbel, "fused_path", lambda *a, **kw: True)
     monkeypatch.setattr(_gumbel, "_compiled_fused", lambda: _fused_soft_attention)
+    monkeypatch.setattr(_gumbel, "_compiled_tables", lambda: noise_tables)
     q, k, v, padding = _inputs(torch.float64)
     torch.manual_seed(5)
     seed = block_seeds(1, None)[0]

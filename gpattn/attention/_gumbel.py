@@ -40,8 +40,9 @@ Which path :func:`gumbel_attention` runs (:func:`fused_path` decides; nothing el
   per process on first use (:func:`_compiled_fused`), adds the noise
   :math:`G(\mathrm{seed}, b, h, i, j)` of :mod:`gpattn.attention._counter_noise` to each score, computed
   from the entry's indices (and a (B, H, T) and an (S,) table of hash words) in the forward and again in
-  the backward, so no (B, H, T, S) tensor exists and memory is linear in T. One seed per forward comes from torch's generator (or the one passed): a
-  different random stream from the other paths, the same law (docs/derivations.md §12).
+  the backward, so no (B, H, T, S) tensor exists and memory is linear in T. One seed per forward comes
+  from torch's generator (or the one passed): a different random stream from the other paths, the same
+  law (docs/derivations.md §12).
 * **Dense / blockwise** — everything else: the CPU (FlexAttention has no backward there), float64,
   hard samples, ``return_weights``, per-query masks (B or 1, H or 1, T, S), the noise-free
   ``sample=False`` (on CUDA ``scaled_dot_product_attention`` is already fused for it), small head
@@ -329,12 +330,20 @@ def _compiled_fused():
     return torch.compile(_fused_soft_attention, fullgraph=True)
 
 
+@functools.cache
+def _compiled_tables():
+    """:func:`~gpattn.attention._counter_noise.noise_tables` under ``torch.compile``: a few fused kernels per
+    forward instead of some two hundred small ones (the hash's integer steps), which cost more than the
+    attention itself at short lengths on a GPU."""
+    return torch.compile(noise_tables, fullgraph=True)
+
+
 def _fused_gumbel_attention(q, k, v, tau, padding, generator):
     """The fused path of :func:`gumbel_attention`: one seed per forward (as :func:`block_seeds` draws it),
     its noise tables (B·H·T + S words), the compiled kernel; the backward is FlexAttention's, which
     recomputes the same noise from the same tables."""
     seed = block_seeds(1, generator)[0].to(q.device)
-    rows, columns = noise_tables(seed, *q.shape[:3], k.shape[-2])
+    rows, columns = _compiled_tables()(seed, *q.shape[:3], k.shape[-2])
     score_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # float32 in the kernel
     inv_tau = torch.tensor(1.0 / tau, dtype=score_dtype, device=q.device)
     return _compiled_fused()(q, k, v, rows, columns, padding, inv_tau)
