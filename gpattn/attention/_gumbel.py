@@ -326,15 +326,16 @@ def _fused_soft_attention(q, k, v, rows, columns, padding, inv_tau):
 @functools.cache
 def _compiled_fused():
     """:func:`_fused_soft_attention` under ``torch.compile`` (built on the first fused call; shapes become
-    dynamic after a first change, as Dynamo does by default, so varying lengths do not recompile each time)."""
+    dynamic after a first change, as Dynamo does by default, so varying lengths do not recompile each time:
+    checked on the CPU)."""
     return torch.compile(_fused_soft_attention, fullgraph=True)
 
 
 @functools.cache
 def _compiled_tables():
     """:func:`~gpattn.attention._counter_noise.noise_tables` under ``torch.compile``: a few fused kernels per
-    forward instead of some two hundred small ones (the hash's integer steps), which cost more than the
-    attention itself at short lengths on a GPU."""
+    forward instead of some two hundred small ones (the hash's integer steps run eagerly), whose launches
+    alone would be of the order of a whole attention layer's time at short lengths on a GPU (an estimate)."""
     return torch.compile(noise_tables, fullgraph=True)
 
 
