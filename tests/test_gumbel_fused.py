@@ -161,8 +161,8 @@ def _inputs(dtype, device="cpu", B=2, H=3, T=9, S=11, D=16, Dv=8, seed=0, requir
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, H, n, d, generator=g, dtype=dtype) for n, d in ((T, D), (S, D), (S, Dv)))
     padding = torch.zeros(B, S, dtype=torch.bool)
-    padding[0, -3:] = True
-    padding[1, :2] = True
+    padding[0, -3:] = True  # the last keys of the first sequence, the first keys of the second
+    padding[1:, :2] = True
     return [t.to(device).requires_grad_(requires_grad) for t in (q, k, v)] + [padding.to(device)]
 
 
