@@ -215,9 +215,9 @@ def _like(device="cuda", dtype=torch.float32, head_dim=16):
 
 def test_fused_path_predicate(monkeypatch):
     """The fused kernel runs exactly for CUDA soft samples without weights, in float32/16/bf16, with no mask
-    or key padding, head dimensions ≥ 16, and Triton present."""
+    or key padding, head dimensions ≥ 16, FlexAttention and Triton present."""
     soft = dict(mask=None, hard=False, sample=True, return_weights=False)
-    monkeypatch.setattr(_gumbel, "_HAS_TRITON", True)
+    monkeypatch.setattr(_gumbel, "_FUSED_AVAILABLE", True)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         assert fused_path(_like(dtype=dtype), _like(dtype=dtype), **soft)
     assert fused_path(_like(), _like(), **{**soft, "mask": torch.zeros(2, 8, dtype=torch.bool)})
@@ -233,7 +233,7 @@ def test_fused_path_predicate(monkeypatch):
     ]
     for (q, v), change in refused:
         assert not fused_path(q, v, **{**soft, **change}), change
-    monkeypatch.setattr(_gumbel, "_HAS_TRITON", False)
+    monkeypatch.setattr(_gumbel, "_FUSED_AVAILABLE", False)
     assert not fused_path(_like(), _like(), **soft)
 
 

@@ -36,8 +36,8 @@ Which path :func:`gumbel_attention` runs (:func:`fused_path` decides; nothing el
 
 * **Fused** — CUDA, float32 / float16 / bfloat16, soft samples (``sample=True``, ``hard=False``) without
   ``return_weights``, no mask or a key padding mask (B, S), head dimensions of q and v at least 16 (the
-  least Inductor's FlexAttention kernel takes), Triton installed: one FlexAttention kernel, compiled once
-  per process on first use (:func:`_compiled_fused`), adds the noise
+  least Inductor's FlexAttention kernel takes), FlexAttention (PyTorch ≥ 2.5) and Triton installed: one
+  FlexAttention kernel, compiled once per process on first use (:func:`_compiled_fused`), adds the noise
   :math:`G(\mathrm{seed}, b, h, i, j)` of :mod:`gpattn.attention._counter_noise` to each score, computed
   from the entry's indices (and a (B, H, T) and an (S,) table of hash words) in the forward and again in
   the backward, so no (B, H, T, S) tensor exists and memory is linear in T. One seed per forward comes
@@ -60,11 +60,15 @@ import threading
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import flex_attention
 
 from gpattn.attention._counter_noise import gumbel_from_words, noise_tables
 from gpattn.attention._masks import excluded_keys
 from gpattn.variational._blockwise import block_rows, block_seeds, blockwise
+
+try:
+    from torch.nn.attention.flex_attention import flex_attention
+except ImportError:  # PyTorch before 2.5 (setup.cfg allows 2.1): no fused path, fused_path says False
+    flex_attention = None
 
 __all__ = ["fused_path", "gumbel_attention", "gumbel_noise", "gumbel_softmax", "straight_through_one_hot"]
 
@@ -73,10 +77,11 @@ _F32_MANTISSA, _F32_ONE = 0x7FFFFF, 0x3F800000
 _F64_MANTISSA, _F64_ONE = 0xFFFFFFFFFFFFF, 0x3FF0000000000000
 _SEED_HIGH = 2**63 - 1
 _PARALLEL_MIN_WORDS = 1 << 20  # below this one stream (no thread start-up)
-# the fused path (module docstring): its dtypes, Inductor's least head dimension, and its compiler
+# the fused path (module docstring): its dtypes, Inductor's least head dimension, and whether this PyTorch
+# has FlexAttention and Triton to compile it
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FUSED_MIN_HEAD_DIM = 16
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_FUSED_AVAILABLE = flex_attention is not None and importlib.util.find_spec("triton") is not None
 
 
 def _check_tau(tau, name: str = "tau") -> float:
@@ -232,7 +237,7 @@ def fused_path(
         and not return_weights
         and (mask is None or mask.dim() == 2)
         and min(q.shape[-1], v.shape[-1]) >= _FUSED_MIN_HEAD_DIM
-        and _HAS_TRITON
+        and _FUSED_AVAILABLE
     )
 
 
