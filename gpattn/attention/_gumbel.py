@@ -31,10 +31,29 @@ Conventions of this module (one place, so that both variants agree):
   implementation choices"). Drawing the (B, H, T, T) noise and reading it as
   ``scaled_dot_product_attention``'s additive mask are the whole cost of STO-TRANS over softmax
   attention, O(B·H·T²). Other devices use ``exponential_`` on the device.
+
+Which path :func:`gumbel_attention` runs (:func:`fused_path` decides; nothing else is guessed):
+
+* **Fused** — CUDA, float32 / float16 / bfloat16, soft samples (``sample=True``, ``hard=False``) without
+  ``return_weights``, no mask or a key padding mask (B, S), head dimensions of q and v at least 16 (the
+  least Inductor's FlexAttention kernel takes), FlexAttention (PyTorch ≥ 2.5) and Triton installed: one
+  FlexAttention kernel, compiled once per process on first use (:func:`_compiled_fused`), adds the noise
+  :math:`G(\mathrm{seed}, b, h, i, j)` of :mod:`gpattn.attention._counter_noise` to each score, computed
+  from the entry's indices (and a (B, H, T) and an (S,) table of hash words) in the forward and again in
+  the backward, so no (B, H, T, S) tensor exists and memory is linear in T. One seed per forward comes
+  from torch's generator (or the one passed): a different random stream from the other paths, the same
+  law (docs/derivations.md §12).
+* **Dense / blockwise** — everything else: the CPU (FlexAttention has no backward there), float64,
+  hard samples, ``return_weights``, per-query masks (B or 1, H or 1, T, S), the noise-free
+  ``sample=False`` (on CUDA ``scaled_dot_product_attention`` is already fused for it), small head
+  dimensions: the noise drawn as above, whole or in blocks of queries for long sequences
+  (:mod:`gpattn.variational._blockwise`).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 import threading
 
@@ -42,16 +61,27 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gpattn.attention._counter_noise import gumbel_from_words, noise_tables
 from gpattn.attention._masks import excluded_keys
 from gpattn.variational._blockwise import block_rows, block_seeds, blockwise
 
-__all__ = ["gumbel_attention", "gumbel_noise", "gumbel_softmax", "straight_through_one_hot"]
+try:
+    from torch.nn.attention.flex_attention import flex_attention
+except ImportError:  # PyTorch before 2.5 (setup.cfg allows 2.1): no fused path, fused_path says False
+    flex_attention = None
+
+__all__ = ["fused_path", "gumbel_attention", "gumbel_noise", "gumbel_softmax", "straight_through_one_hot"]
 
 # constants of the centred uniform grids (exact in the target dtype, see gumbel_noise)
 _F32_MANTISSA, _F32_ONE = 0x7FFFFF, 0x3F800000
 _F64_MANTISSA, _F64_ONE = 0xFFFFFFFFFFFFF, 0x3FF0000000000000
 _SEED_HIGH = 2**63 - 1
 _PARALLEL_MIN_WORDS = 1 << 20  # below this one stream (no thread start-up)
+# the fused path (module docstring): its dtypes, Inductor's least head dimension, and whether this PyTorch
+# has FlexAttention and Triton to compile it
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FUSED_MIN_HEAD_DIM = 16
+_FUSED_AVAILABLE = flex_attention is not None and importlib.util.find_spec("triton") is not None
 
 
 def _check_tau(tau, name: str = "tau") -> float:
@@ -194,6 +224,23 @@ def gumbel_softmax(
     return straight_through_one_hot(soft, perturbed.argmax(dim=-1, keepdim=True), -1)
 
 
+def fused_path(
+    q: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, hard: bool, sample: bool, return_weights: bool
+) -> bool:
+    """Whether :func:`gumbel_attention` with these arguments runs the fused FlexAttention kernel (the
+    module docstring lists the conditions; the other paths run otherwise)."""
+    return (
+        q.device.type == "cuda"
+        and q.dtype in _FUSED_DTYPES
+        and sample
+        and not hard
+        and not return_weights
+        and (mask is None or mask.dim() == 2)
+        and min(q.shape[-1], v.shape[-1]) >= _FUSED_MIN_HEAD_DIM
+        and _FUSED_AVAILABLE
+    )
+
+
 def gumbel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -212,16 +259,20 @@ def gumbel_attention(
     # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv), mask (B, S) bool (True = padding) or
     # (B or 1, H or 1, T, S) bool (True = excluded for that query) -> out (B, H, T, Dv), weights (B, H, T, S) or None
 
-    Soft samples without ``return_weights`` never form the attention matrix in Python: the
-    temperature goes into ``scaled_dot_product_attention``'s ``scale`` and the noise :math:`G/\tau`
-    (with :math:`-\infty` on padded keys) into its additive ``attn_mask``, so the only extra cost over
-    softmax attention is drawing :math:`G`. Hard samples and ``return_weights`` use the explicit
-    path; both paths consume the random stream identically, so the same seed gives the same sample.
+    Where :func:`fused_path` holds (CUDA soft samples without weights, no mask or key padding) one
+    FlexAttention kernel computes the noise inside (module docstring). Elsewhere soft samples without
+    ``return_weights`` never form the attention matrix in Python: the temperature goes into
+    ``scaled_dot_product_attention``'s ``scale`` and the noise :math:`G/\tau` (with :math:`-\infty` on
+    padded keys) into its additive ``attn_mask``, so the only extra cost over softmax attention is drawing
+    :math:`G`. Hard samples and ``return_weights`` use the explicit path; both non-fused paths consume the
+    random stream identically, so the same seed gives the same sample.
     """
     tau = _check_tau(tau)
+    if fused_path(q, v, mask=mask, hard=hard, sample=sample, return_weights=return_weights):
+        return _fused_gumbel_attention(q, k, v, tau, mask, generator), None
     B, H, T = q.shape[:3]
     key_mask = excluded_keys(mask)  # shape: (B, 1, 1, S) or a per-query (B or 1, H or 1, T, S)
-    rows = None if return_weights else block_rows(B, H, T, k.shape[-2])
+    rows = None if return_weights else block_rows(B, H, T, k.shape[-2], device=q.device)
     if rows is None:
         return _gumbel_attention(q, k, v, tau, key_mask, hard, sample, return_weights, generator)
     # a long sequence: blocks of queries, each with its own noise seed (variational/_blockwise.py)
@@ -257,3 +308,48 @@ def _gumbel_attention(q, k, v, tau, key_mask, hard, sample, return_weights, gene
     if hard and sample:
         weights = straight_through_one_hot(weights, logits.argmax(dim=-1, keepdim=True), -1)
     return weights @ v, weights
+
+
+def _fused_soft_attention(q, k, v, rows, columns, padding, inv_tau):
+    r""":math:`\mathrm{softmax}((q k^\top + G)/\tau)\, v` by FlexAttention, padded keys at :math:`-\infty`,
+    with :math:`G_{bhij}` = ``gumbel_from_words(rows[b, h, i], columns[j])`` computed in the kernel (the
+    tables of :func:`~gpattn.attention._counter_noise.noise_tables`). Uncompiled it runs FlexAttention's eager
+    reference (the tests' CPU check); :func:`_compiled_fused` is the kernel. ``inv_tau`` (:math:`1/\tau`:
+    float32, or float64 for float64 scores) is a 0-dim tensor, so a new value does not recompile.
+
+    # shape: q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv), rows (B, H, T) int64, columns (S,) int64,
+    # padding (B, S) bool or None -> (B, H, T, Dv)"""
+
+    def score_mod(score, b, h, i, j):
+        noisy = (score + gumbel_from_words(rows[b, h, i], columns[j]).to(score.dtype)) * inv_tau
+        return noisy if padding is None else torch.where(padding[b, j], float("-inf"), noisy)
+
+    # scale 1: score_mod gets q·k and applies the 1/τ to the noisy logit itself
+    return flex_attention(q, k, v, score_mod=score_mod, scale=1.0)
+
+
+@functools.cache
+def _compiled_fused():
+    """:func:`_fused_soft_attention` under ``torch.compile`` (built on the first fused call; shapes become
+    dynamic after a first change, as Dynamo does by default, so varying lengths do not recompile each time:
+    checked on the CPU)."""
+    return torch.compile(_fused_soft_attention, fullgraph=True)
+
+
+@functools.cache
+def _compiled_tables():
+    """:func:`~gpattn.attention._counter_noise.noise_tables` under ``torch.compile``: a few fused kernels per
+    forward instead of some two hundred small ones (the hash's integer steps run eagerly), whose launches
+    alone would be of the order of a whole attention layer's time at short lengths on a GPU (an estimate)."""
+    return torch.compile(noise_tables, fullgraph=True)
+
+
+def _fused_gumbel_attention(q, k, v, tau, padding, generator):
+    """The fused path of :func:`gumbel_attention`: one seed per forward (as :func:`block_seeds` draws it),
+    its noise tables (B·H·T + S words), the compiled kernel; the backward is FlexAttention's, which
+    recomputes the same noise from the same tables."""
+    seed = block_seeds(1, generator)[0].to(q.device)
+    rows, columns = _compiled_tables()(seed, *q.shape[:3], k.shape[-2])
+    score_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # float32 in the kernel
+    inv_tau = torch.tensor(1.0 / tau, dtype=score_dtype, device=q.device)
+    return _compiled_fused()(q, k, v, rows, columns, padding, inv_tau)
