@@ -31,7 +31,9 @@ __all__ = ["column_words", "counter_gumbel", "counter_gumbel_grid", "gumbel_from
 
 _MASK32 = 0xFFFFFFFF
 _MIX_A, _MIX_B = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers (odd: mix is invertible)
-_WORD_OFFSET = 0x9E3779B9  # 2^32 / golden ratio: keeps a zero word from mixing to zero
+# keeps a zero word from mixing to zero; below 2^31 (Triton types a bare integer literal beside an int32 index as
+# int32: 0x9E3779B9 failed to compile on CUDA), with room for counters up to 1.5e9
+_WORD_OFFSET = 0x2545F491
 _STATE0 = 0x6A09E667  # fractional bits of sqrt(2): the state before the first word
 
 
