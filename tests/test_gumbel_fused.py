@@ -17,6 +17,7 @@ import torch
 from scipy import stats
 
 import gpattn
+import gpattn.variational._blockwise as bw
 from gpattn.attention import _gumbel
 from gpattn.attention._counter_noise import _mix, _mul32, counter_gumbel, counter_gumbel_grid, noise_tables
 from gpattn.attention._gumbel import (
@@ -215,12 +216,15 @@ def _like(device="cuda", dtype=torch.float32, head_dim=16):
 
 def test_fused_path_predicate(monkeypatch):
     """The fused kernel runs exactly for CUDA soft samples without weights, in float32/16/bf16, with no mask
-    or key padding, head dimensions ≥ 16, FlexAttention and Triton present."""
+    or key padding, head dimensions ≥ 16, FlexAttention and Triton present, and a sequence long enough to be
+    cut into query blocks."""
     soft = dict(mask=None, hard=False, sample=True, return_weights=False)
     monkeypatch.setattr(_gumbel, "_FUSED_AVAILABLE", True)
+    assert not fused_path(_like(), _like(), _like(), **soft)  # short: the noise tensor and SDPA
+    monkeypatch.setattr(bw, "DEVICE_BLOCK_ELEMENTS", 1)  # every length is long
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        assert fused_path(_like(dtype=dtype), _like(dtype=dtype), **soft)
-    assert fused_path(_like(), _like(), **{**soft, "mask": torch.zeros(2, 8, dtype=torch.bool)})
+        assert fused_path(_like(dtype=dtype), _like(dtype=dtype), _like(dtype=dtype), **soft)
+    assert fused_path(_like(), _like(), _like(), **{**soft, "mask": torch.zeros(2, 8, dtype=torch.bool)})
     refused = [
         ((_like("cpu"), _like("cpu")), {}),
         ((_like(dtype=torch.float64), _like(dtype=torch.float64)), {}),
@@ -232,16 +236,16 @@ def test_fused_path_predicate(monkeypatch):
         ((_like(), _like(head_dim=8)), {}),
     ]
     for (q, v), change in refused:
-        assert not fused_path(q, v, **{**soft, **change}), change
+        assert not fused_path(q, q, v, **{**soft, **change}), change
     monkeypatch.setattr(_gumbel, "_FUSED_AVAILABLE", False)
-    assert not fused_path(_like(), _like(), **soft)
+    assert not fused_path(_like(), _like(), _like(), **soft)
 
 
 def test_cpu_tensors_take_the_existing_path():
     """On the CPU gumbel_attention keeps the SDPA path: the same seed gives gumbel_noise's sample, not the
     counter's."""
     q, k, v, padding = _inputs(torch.float32)
-    assert not fused_path(q, v, mask=padding, hard=False, sample=True, return_weights=False)
+    assert not fused_path(q, k, v, mask=padding, hard=False, sample=True, return_weights=False)
     torch.manual_seed(3)
     out, _ = gumbel_attention(q, k, v, 0.7, mask=padding)
     torch.manual_seed(3)
@@ -290,11 +294,13 @@ def test_compiled_kernel_values_and_gradients_match_dense_reference(padded):
 @cuda
 @GPU_COMPILER
 @INDUCTOR
-def test_layer_on_cuda_runs_fused_reproducibly():
-    """An sto layer on CUDA with key padding takes the fused path: torch.manual_seed reproduces the sample,
-    its gumbel_attention output is the dense reference's with the seed drawn, and the backward runs."""
+def test_layer_on_cuda_runs_fused_reproducibly(monkeypatch):
+    """An sto layer on CUDA with key padding takes the fused path (lengths made long): torch.manual_seed
+    reproduces the sample, its gumbel_attention output is the dense reference's with the seed drawn, and the
+    backward runs."""
+    monkeypatch.setattr(bw, "DEVICE_BLOCK_ELEMENTS", 1)
     q, k, v, padding = _inputs(torch.float32, "cuda", B=2, H=2, T=64, S=64, D=16, Dv=16)
-    assert fused_path(q, v, mask=padding, hard=False, sample=True, return_weights=False)
+    assert fused_path(q, k, v, mask=padding, hard=False, sample=True, return_weights=False)
     torch.manual_seed(9)
     seed = block_seeds(1, None)[0]
     torch.manual_seed(9)

@@ -114,7 +114,7 @@ def prepare_call(
             raise ValueError(f"attn_mask is on {excluded.device} but x is on {x.device}")
         if context is not None:
             check_cross_mask(layer, excluded)
-        if not layer.per_query_masks or (layer.is_gp and pads_only(excluded)):  # padding: joins key_padding_mask
+        if not layer.per_query_masks or ((layer.is_gp or layer.fused_key_padding) and pads_only(excluded)):  # padding
             pad = padding_part(excluded, x.shape[0], layer.name, layer.per_query_masks)
             key_padding_mask, excluded = (pad if key_padding_mask is None else key_padding_mask | pad), None
     sampling = layer.sampling

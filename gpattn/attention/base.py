@@ -70,6 +70,10 @@ class AttentionBase(ForwardRecords, FusedProjection, nn.Module):
     #: whether ``_attend`` takes cross-attention (opt-in; docs/derivations.md §13): queries of ``call.x``, keys and
     #: values of ``call.context`` (:meth:`project_call`); ``no_cross_attention``: why a variant refuses it
     cross_attention: bool = False
+    #: an ``attn_mask`` that only pads joins ``key_padding_mask`` (one read of the mask), as for the GP
+    #: variants, so that the variant's key-padding path runs: the kernel attentions' fused path
+    #: (docs/derivations.md §12), whose output is then the key-padding output exactly
+    fused_key_padding: bool = False
     no_cross_attention: str = ""
 
     def __init__(

@@ -31,6 +31,7 @@ class KernelAttention(AttentionBase):
     projections = ("qk", "v")
     per_query_masks = True  # any attn_mask: excluded keys leave the row (docs/derivations.md §11)
     cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
+    fused_key_padding = True  # an attn_mask that only pads takes the fused path (docs/derivations.md §12)
 
     def __init__(self, embed_dim: int, num_heads: int, *, kernel: str | dict | Kernel = "exponential", **base):
         super().__init__(embed_dim, num_heads, **base)
