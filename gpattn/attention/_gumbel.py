@@ -239,7 +239,7 @@ def fused_path(
     """Whether :func:`gumbel_attention` with these arguments runs the fused FlexAttention kernel (the
     module docstring lists the conditions; the other paths run otherwise). Only a long sequence takes it, one
     whose (B, H, T, S) noise would be cut into query blocks: below that the noise tensor read by SDPA is the
-    faster path (on an H200, 1.1–1.4× the softmax layer at T ≤ 2048 against 3.2–3.7× fused at T = 1024;
+    faster path (on an H200: sto 1.1–1.2× the softmax layer at T ≤ 512, the fused kernel 3.2× at T = 1024;
     docs/benchmarks.md)."""
     return (
         q.device.type == "cuda"
