@@ -181,7 +181,7 @@ def finish_call(layer, call: AttentionCall, out: Attended) -> tuple[torch.Tensor
 @torch.no_grad()
 def output_scale(out_proj, x, mask, heads, mean) -> dict[str, torch.Tensor]:
     """A GP layer's output scale against its input, per real token
-    (:meth:`gpattn.attention.AttentionBase.diagnostics`): detached 0-dim tensors, no host synchronisation.
+    (:meth:`~gpattn.attention._records.ForwardRecords.diagnostics`): detached 0-dim tensors, no host synchronisation.
     # shape: x (B, T, D), heads, mean (B, H, T, Dv), mask (B, T) or None"""
     B, H, T, Dv = heads.shape
 

@@ -86,7 +86,10 @@ def counter_gumbel(seed: torch.Tensor, b, h, i, j) -> torch.Tensor:
     r"""Gumbel(0, 1) noise :math:`G(\mathrm{seed}, b, h, i, j)` as float32, broadcast over the inputs.
 
     :param seed: int64 tensor in :math:`[0, 2^{62})`.
-    :param b, h, i, j: integer tensors, non-negative: batch, head, query and key index.
+    :param b: batch index (a non-negative integer tensor; so are h, i and j).
+    :param h: head index.
+    :param i: query index.
+    :param j: key index.
     """
     return gumbel_from_words(row_states(seed, b, h, i), column_words(j))
 

@@ -16,7 +16,7 @@ __all__ = ["ForwardRecords"]
 
 class ForwardRecords(LossTermWalkers):
     """The records of the last forward, mixed into :class:`gpattn.attention.AttentionBase` (whose
-    ``__init__`` creates them with :meth:`_init_records` and whose every forward starts with
+    ``__init__`` creates them with ``_init_records`` and whose every forward starts with
     :meth:`_clear_records`)."""
 
     # GPyTorch's added-loss-term protocol (gpytorch.Module's own functions): the layer stays a plain

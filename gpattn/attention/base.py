@@ -10,8 +10,9 @@ strategy's conditional. The base class validates inputs and masks and settles th
 forward (:mod:`gpattn.attention._call`, :mod:`gpattn.attention._masks`), projects (one fused input
 projection, :mod:`gpattn.attention._projection`), merges heads, applies ``W_o``, handles all-padding rows
 and keeps two records of the last forward, both updated in place (:mod:`gpattn.attention._records`): the
-loss terms (GPyTorch added loss terms, :meth:`AttentionBase.set_loss_terms`) and the diagnostics
-(:meth:`AttentionBase.diagnostics`). No other attribute is written by a forward.
+loss terms (GPyTorch added loss terms, :meth:`~gpattn.attention._records.ForwardRecords.set_loss_terms`) and
+the diagnostics (:meth:`~gpattn.attention._records.ForwardRecords.diagnostics`). No other attribute is written
+by a forward.
 
 No host-device synchronisation in a forward: the checks that read tensor values (NaN/Inf inputs) run
 only with ``gpattn.validation()`` on, and all-padding rows are handled by masked arithmetic.
@@ -43,7 +44,7 @@ class AttentionBase(ForwardRecords, FusedProjection, nn.Module):
 
     Class attributes set by subclasses:
     ``projections`` — names of the per-head input projections (fused into one linear map, ``in_proj``; each
-    one's rows: :meth:`projection_rows`);
+    one's rows: :meth:`~gpattn.attention._projection.FusedProjection.projection_rows`);
     ``value_dim`` — per-head output width Dv (``None`` = Dh);
     ``is_gp`` — whether ``posterior()`` is available; ``stochastic`` — whether it samples.
 
@@ -68,7 +69,9 @@ class AttentionBase(ForwardRecords, FusedProjection, nn.Module):
     #: input); the other variants get such rows opened to every key (their output is zeroed afterwards).
     per_query_masks: bool = False
     #: whether ``_attend`` takes cross-attention (opt-in; docs/derivations.md §13): queries of ``call.x``, keys and
-    #: values of ``call.context`` (:meth:`project_call`); ``no_cross_attention``: why a variant refuses it
+    #: values of ``call.context``
+    #: (:meth:`~gpattn.attention._projection.FusedProjection.project_call`); ``no_cross_attention``: why a variant
+    #: refuses it
     cross_attention: bool = False
     #: an ``attn_mask`` that only pads joins ``key_padding_mask`` (one read of the mask), as for the GP
     #: variants, so that the variant's key-padding path runs: the kernel attentions' fused path

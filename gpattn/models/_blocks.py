@@ -295,7 +295,7 @@ class Encoder(nn.Module):
 
     def layer_diagnostics(self) -> list[dict]:
         """Per GP attention layer of the last forward: its index, its loss terms and its output scale
-        (:meth:`gpattn.attention.base.AttentionBase.diagnostics`), as detached 0-dim tensors."""
+        (:meth:`~gpattn.attention._records.ForwardRecords.diagnostics`), as detached 0-dim tensors."""
         rows = []
         for i, layer in enumerate(self.attention_modules()):
             diag = layer.diagnostics() if hasattr(layer, "diagnostics") else {}
