@@ -71,6 +71,7 @@ def test_the_backward_recomputes_the_forwards_noise(name, monkeypatch):
 def _hard_indices(q, k, draws, monkeypatch):
     """The one-hot index of ``draws`` hard Gumbel samples per query, every query its own block."""
     monkeypatch.setattr(bw, "BLOCK_ELEMENTS", 1)  # one query per block
+    monkeypatch.setattr(bw, "DENSE_FACTOR", 1)
     eye = torch.eye(k.shape[-2], dtype=q.dtype)[None, None]
     g = torch.Generator().manual_seed(0)
     out = [gumbel_attention(q, k, eye, 1.0, hard=True, generator=g)[0].argmax(-1) for _ in range(draws)]

@@ -15,24 +15,32 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["BLOCK_ELEMENTS", "DEVICE_BLOCK_ELEMENTS", "blockwise", "block_rows", "block_seeds"]
+__all__ = ["BLOCK_ELEMENTS", "DENSE_FACTOR", "DEVICE_BLOCK_ELEMENTS", "blockwise", "block_rows", "block_seeds"]
 
-#: entries of one block's (B, H, b, S) piece on the CPU (2²¹: 8 MiB in float32); a forward whose whole matrix
-#: has at most 4× as many runs dense (one piece), as the short sequences of training do
+#: entries of one block's (B, H, b, S) piece on the CPU (2²¹: 8 MiB in float32)
 BLOCK_ELEMENTS = 1 << 21
-#: the same on a GPU (2²⁶: 256 MiB in float32), where a block's work must be large to fill the device
+#: on the CPU a matrix of up to this many blocks (2²⁶ entries, 256 MiB in float32) is formed whole: one fused
+#: call is the fastest path there (query blocks made sto 5× the softmax layer at T = 1024, B = 8, H = 4)
+DENSE_FACTOR = 32
+#: a block's entries on a GPU (2²⁶: 256 MiB in float32), where a block's work must be large to fill the
+#: device; a matrix of up to 4 such blocks is formed whole
 DEVICE_BLOCK_ELEMENTS = 1 << 26
 
 
 def block_rows(
     B: int, H: int, T: int, S: int, block_elements: int | None = None, device: torch.device | None = None
 ) -> int | None:
-    """Query rows per block for a (B, H, T, S) matrix, or None when it is small enough to form whole
-    (``block_elements``: :data:`BLOCK_ELEMENTS`, or :data:`DEVICE_BLOCK_ELEMENTS` for a ``device`` other than
-    the CPU, when None, read at each call)."""
+    """Query rows per block for a (B, H, T, S) matrix, or None when it is small enough to form whole.
+
+    ``block_elements`` None: :data:`BLOCK_ELEMENTS` per block and :data:`DENSE_FACTOR` blocks formed whole on the
+    CPU, :data:`DEVICE_BLOCK_ELEMENTS` and 4 on another ``device`` (read at each call); given: that many per block,
+    4 blocks whole."""
+    dense = 4
     if block_elements is None:
-        block_elements = BLOCK_ELEMENTS if device is None or device.type == "cpu" else DEVICE_BLOCK_ELEMENTS
-    if B * H * T * S <= 4 * block_elements:
+        on_cpu = device is None or device.type == "cpu"
+        block_elements = BLOCK_ELEMENTS if on_cpu else DEVICE_BLOCK_ELEMENTS
+        dense = DENSE_FACTOR if on_cpu else 4
+    if B * H * T * S <= dense * block_elements:
         return None
     return max(1, min(T, block_elements // max(1, B * H * S)))
 
