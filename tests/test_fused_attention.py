@@ -164,3 +164,13 @@ def test_cuda_equals_the_dense_kernel(spec, normalise):
     b = torch.autograd.grad((want * g.double()).sum(), (q, k, v))
     for x, y in zip(a, b):
         _close(x.double(), y, 1e-4)
+
+
+def test_double_backward_is_refused_clearly():
+    """The fused backward is differentiable once (as PyTorch's fused attention kernels): a second derivative raises
+    PyTorch's "not implemented" instead of returning a wrong or empty one."""
+    kernel = _kernel("exponential", torch.float64, H=2, Dh=3)
+    q, k, v, _ = _inputs(torch.float64, H=2, T=4, S=5, Dh=3, Dv=3)
+    (gq,) = torch.autograd.grad(fused_kernel_attention(kernel, q, k, v).square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="derivative for .*_backward is not implemented"):
+        torch.autograd.grad(gq.sum(), q)
