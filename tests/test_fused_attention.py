@@ -118,6 +118,17 @@ def test_where_the_fused_path_runs():
     assert not fused_available(meta)
 
 
+def test_an_older_pytorch_without_the_kernel_takes_the_dense_path(monkeypatch):
+    """Where the installed PyTorch has no CPU flash kernel, the layer runs its dense path (same output)."""
+    torch.manual_seed(0)
+    layer = build_attention("kernel", 16, 2).double()
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    fused_out = layer(x)
+    monkeypatch.setitem(fused._FUSED_OPS, "cpu", False)
+    assert not fused_available(x)
+    _close(layer(x), fused_out, 1e-10)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(
     "name, options",

@@ -40,9 +40,18 @@ _FUSED_DTYPES = {
 _ALIGN = 8
 
 
+#: the fused kernels that return the log-normaliser, per device type (an older PyTorch may lack one: the dense
+#: path runs)
+_FUSED_OPS = {
+    "cpu": hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
+    "cuda": hasattr(torch.ops.aten, "_scaled_dot_product_efficient_attention"),
+}
+
+
 def fused_available(t: torch.Tensor) -> bool:
-    """Whether fused kernel attention runs for tensors like ``t`` (its device type and dtype)."""
-    return t.dtype in _FUSED_DTYPES.get(t.device.type, ())
+    """Whether fused kernel attention runs for tensors like ``t`` (its device type and dtype, and the installed
+    PyTorch's kernels)."""
+    return _FUSED_OPS.get(t.device.type, False) and t.dtype in _FUSED_DTYPES.get(t.device.type, ())
 
 
 def fused_kernel_attention(kernel, q, k, v, pad=None, *, normalise: bool = False) -> torch.Tensor | None:
