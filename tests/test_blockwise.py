@@ -153,3 +153,16 @@ def test_sgpa_decoupled_diag_variance_in_blocks(monkeypatch):
         out.append((var.detach(), g))
     for a, b in zip(*out):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10 * float(a.abs().max()))
+
+
+def test_dense_limit_on_the_cpu():
+    """The CPU forms a matrix of up to DENSE_FACTOR blocks whole (the T = 1024, B = 8, H = 4 benchmark case runs
+    in one fused call: in 16 recomputed blocks sto took 5× the softmax layer) and cuts the T = 8192, B = 1, H = 2
+    case of issue #30's memory bar into blocks of BLOCK_ELEMENTS; a GPU forms up to 4 of its larger blocks."""
+    assert bw.block_rows(8, 4, 1024, 1024) is None
+    rows = bw.block_rows(1, 2, 8192, 8192)
+    assert rows is not None and 2 * rows * 8192 <= bw.BLOCK_ELEMENTS
+    cuda = torch.device("cuda")
+    assert bw.block_rows(2, 8, 4096, 4096, device=cuda) is None  # 2^28 entries = 4 · 2^26
+    assert bw.block_rows(2, 8, 8192, 8192, device=cuda) is not None
+    assert bw.block_rows(2, 8, 65536, 65536, device=cuda) == bw.DEVICE_BLOCK_ELEMENTS // (16 * 65536)

@@ -75,17 +75,11 @@ def _augmented(a, b, c, v, pad):
     if pad is not None:
         c = (b.new_zeros(()) if c is None else c).expand(b.shape[:-1])
         c = c.masked_fill(pad[:, None, :], torch.finfo(b.dtype).min / 4)  # weight exp(-huge) = 0 exactly
-    extra = 0 if c is None else 1
-    width = -(-max(a.shape[-1] + extra, v.shape[-1]) // _ALIGN) * _ALIGN
-
-    def widen(t, column=None):
-        parts = [t] if column is None else [t, column[..., None]]
-        fill = width - t.shape[-1] - (column is not None)
-        return torch.cat(parts + [t.new_zeros(*t.shape[:-1], fill)], -1) if len(parts) > 1 or fill else t
-
-    if c is None:
-        return widen(a), widen(b), widen(v)
-    return widen(a, a.new_ones(a.shape[:-1])), widen(b, c), widen(v)
+    if c is not None:
+        a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], -1)
+        b = torch.cat([b, c[..., None]], -1)
+    width = -(-max(a.shape[-1], v.shape[-1]) // _ALIGN) * _ALIGN
+    return [t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (a, b, v)]
 
 
 def _forward(a, b, v):
