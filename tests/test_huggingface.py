@@ -94,13 +94,15 @@ def test_what_is_transferred_per_variant():
 
 def test_sgpa_swap_with_separate_maps_and_the_exponential_kernel_keeps_the_pretrained_attention():
     """Separate maps (the encoder swap's default) with the exponential kernel at lengthscale Dh^¼ and the attention
-    prior mean: the posterior mean is softmax(q kᵀ/√Dh) v of the pretrained maps, so the swapped encoder's mean
-    is the original (real tokens; docs/derivations.md §5d). The default ARD-RBF kernel adds the key-norm term
-    exp(−‖k‖²/2√Dh) to the weights, and the shared map drops W_q: both differ."""
+    prior mean, or the ARD-RBF kernel and the softmax prior mean (§5e): the posterior mean is softmax(q kᵀ/√Dh) v
+    of the pretrained maps, so the swapped encoder's mean is the original (real tokens; docs/derivations.md §5d).
+    The ARD-RBF kernel with the attention mean adds the key-norm term exp(−‖k‖²/2√Dh) to the weights, and the
+    shared map drops W_q: both differ."""
     ids, mask = batch()
     real = mask.bool()
     outs = {}
-    for options in ({"kernel": "exponential"}, {}, {"kernel": "exponential", "qk": "shared"}):
+    exact = [{"kernel": "exponential", "prior_mean": "attention"}, {"prior_mean": "softmax"}]
+    for options in (*exact, {"prior_mean": "attention"}, {"kernel": "exponential", "qk": "shared"}):
         torch.manual_seed(0)
         model = transformers.BertModel(tiny_config()).eval()
         with torch.no_grad(), gpattn.deterministic():
@@ -111,8 +113,9 @@ def test_sgpa_swap_with_separate_maps_and_the_exponential_kernel_keeps_the_pretr
             ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
             swap_attention(model, "sgpa", "last", **options)
             outs[str(options)] = model(input_ids=ids, attention_mask=mask).last_hidden_state
-    torch.testing.assert_close(outs[str({"kernel": "exponential"})][real], ref[real], atol=1e-5, rtol=1e-5)
-    for other in list(outs)[1:]:
+    for same in map(str, exact):
+        torch.testing.assert_close(outs[same][real], ref[real], atol=1e-5, rtol=1e-5)
+    for other in list(outs)[len(exact):]:
         assert (outs[other][real] - ref[real]).abs().max() > 1e-2, other
 
 

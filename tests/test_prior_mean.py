@@ -207,7 +207,7 @@ def test_defaults_and_options():
     torch.testing.assert_close(paper.kernel.lengthscale, torch.full((2, 1, 8), math.sqrt(8)))
     for name in ("sgpa", "sgpa-decoupled"):
         with pytest.raises(ValueError, match="prior_mean must be one of"):
-            gpattn.build_attention(name, 16, 2, prior_mean="softmax")
+            gpattn.build_attention(name, 16, 2, prior_mean="soft-max")
 
 
 def test_negative_kernel_is_refused_under_validation():

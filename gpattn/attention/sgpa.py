@@ -26,15 +26,15 @@ QK_MAPS = ("shared", "separate")
 #: the kernel of ``kernel=None`` per prior mean: the stationary ARD-RBF with the attention mean (its rows are
 #: a similarity smoother and its prior variance does not grow with the sharpness of the attention), the
 #: exponential dot-product kernel of Chen & Li (2023) on text with the paper's zero mean (docs/derivations.md §5c)
-DEFAULT_KERNEL = {"attention": "ard-rbf", "zero": "exponential"}
+DEFAULT_KERNEL = {"attention": "ard-rbf", "softmax": "ard-rbf", "zero": "exponential"}
 
 
 def _kernel(kernel, num_heads: int, head_dim: int, prior_mean: str):
-    """The kernel of a spec on the stream's scale; with the attention prior mean its lengthscale starts at
-    Dh^¼, so that the mean starts at softmax attention's temperature (docs/derivations.md §5c)."""
+    """The kernel of a spec on the stream's scale; with the attention or softmax prior mean its lengthscale starts
+    at Dh^¼, so that the mean starts at softmax attention's temperature (docs/derivations.md §5c, §5e)."""
     if kernel is None:
         kernel = DEFAULT_KERNEL[check_prior_mean(prior_mean)]
-    lengthscale = attention_lengthscale(head_dim) if prior_mean == "attention" else None
+    lengthscale = attention_lengthscale(head_dim) if prior_mean != "zero" else None
     return make_kernel(
         kernel, num_heads, head_dim, prior_variance=PRIOR_VARIANCE, lengthscale=lengthscale, rbf="ard-rbf"
     )
@@ -95,8 +95,9 @@ class SGPAttention(_QueryKeyMaps):
         or ``"diag"`` (independent tokens).
     :param prior_mean: ``"attention"`` (default: the GP's prior mean is normalised kernel attention, so the
         posterior mean attends without a per-sequence KL on it and ``kl_seq`` pays only for the amortised
-        covariance; docs/derivations.md §5c) or ``"zero"`` (Chen & Li's form: mean :math:`K_{qk} v`, paid by
-        the per-sequence KL).
+        covariance; docs/derivations.md §5c), ``"softmax"`` (the prior mean is softmax attention with the
+        kernel's lengthscale as its temperature, whatever the kernel: an encoder swap's pretrained attention
+        exactly; §5e) or ``"zero"`` (Chen & Li's form: mean :math:`K_{qk} v`, paid by the per-sequence KL).
     :param qk: ``"shared"`` (default: Chen & Li's W_q = W_k) or ``"separate"`` (projections ("q", "k", "v"): the
         GP at the queries W_q x, the keys W_k x its inducing inputs; the covariance gains the residual
         K_qq − K_qk K̂_kk⁻¹ K_kq; masks that pad only; docs/derivations.md §5d).
@@ -152,7 +153,8 @@ class DecoupledSGPAttention(_QueryKeyMaps):
     :param jitter: relative jitter (1e-6 suits float32; 0 for float64 checks).
     :param prior_mean: ``"attention"`` (default: the prior mean is normalised kernel attention over the
         sequence, which replaces the amortised γ-basis; the posterior is m(q) + the global part, and the only
-        KL is the global ``kl_global``; docs/derivations.md §5c) or ``"zero"`` (Chen & Li's form, below).
+        KL is the global ``kl_global``; docs/derivations.md §5c), ``"softmax"`` (softmax attention with the
+        kernel's lengthscale in that role, §5e) or ``"zero"`` (Chen & Li's form, below).
     :param qk: as for ``sgpa``; with ``"separate"`` the global inducing inputs are mapped through W_k (they are
         inducing inputs, as the keys; docs/derivations.md §5d).
 

@@ -9,7 +9,7 @@ from linear_operator import to_dense
 
 from gpattn.kernels.exponential import ExponentialKernel
 
-__all__ = ["evaluate_kernel", "log_linear_form"]
+__all__ = ["evaluate_kernel", "log_linear_form", "temperature_lengthscale"]
 
 
 def evaluate_kernel(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, **params) -> torch.Tensor:
@@ -79,3 +79,14 @@ def log_linear_form(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor):
     shift = b.detach().mean(-2, keepdim=True)  # stationary: centred, a·b loses no digits far from 0 (as sq_dist)
     a, b = a - shift, b - shift
     return a, b, a.square().sum(-1).mul(-0.5), b.square().sum(-1).mul(-0.5)
+
+
+def temperature_lengthscale(kernel: Kernel) -> torch.Tensor | None:
+    """The (ARD) lengthscale ℓ of a kernel with one, inside gpytorch ``ScaleKernel`` s at any depth, else None:
+    the temperature of the softmax prior mean softmax((q/ℓ)(k/ℓ)ᵀ) (docs/derivations.md §5e).
+    # shape: -> the kernel's lengthscale, e.g. (H, 1, Dh)"""
+    while type(kernel) is ScaleKernel:
+        kernel = kernel.base_kernel
+    if kernel.active_dims is not None or not getattr(kernel, "has_lengthscale", False):
+        return None
+    return kernel.lengthscale

@@ -31,6 +31,7 @@ __all__ = [
     "scgp_dense_moments",
     "scgp_dense_posterior",
     "attention_mean_dense",
+    "prior_mean_dense",
     "gram_dense",
     "rbf_gram",
     "sgpa_amortised_std",
@@ -291,6 +292,21 @@ def attention_mean_dense(K: torch.Tensor, v: torch.Tensor, excluded: torch.Tenso
     return torch.where(total > 0, (w @ v) / safe, torch.zeros_like(total))
 
 
+def prior_mean_dense(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, excluded=None) -> torch.Tensor:
+    """The SGPA prior mean m(q) of ``layer.strategy.prior_mean`` by its formula (docs/derivations.md §5c, §5e):
+    ``"attention"`` normalises the kernel's Gram κ(q_i, k_j) over A_i; ``"softmax"`` normalises
+    exp((q_i/ℓ)·(k_j/ℓ)) with ℓ the lengthscale of the kernel (inside its ScaleKernel) (0 where A_i = ∅).
+
+    # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv), excluded (B, H, T, S) or None -> (B, H, T, Dv)
+    """
+    kernel = layer.kernel
+    if layer.strategy.prior_mean == "attention":
+        return attention_mean_dense(gram_dense(kernel, q, k), v, excluded)
+    base = kernel.base_kernel if hasattr(kernel, "base_kernel") else kernel
+    ell = base.lengthscale.detach()  # shape: (H, 1, Dh)
+    return attention_mean_dense(torch.exp((q / ell) @ (k / ell).mT), v, excluded)
+
+
 def sgpa_attention_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None) -> DenseReference:
     """Standard SGPA with the attention prior mean (docs/derivations.md §5c): mean = the normalised kernel
     attention m(q), covariance L diag(s_d²) Lᵀ (L = chol(K + jI), as §5a), KL ½ Σ_t (s² − 1 − log s²) per
@@ -306,7 +322,7 @@ def sgpa_attention_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | 
     if layer.strategy.covariance == "diag":
         cov = torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
     kl = 0.5 * (s.square() - 1 - s.square().log()).sum(-1)  # shape: (B, H, Dv)
-    mean = attention_mean_dense(K, v).transpose(-1, -2)
+    mean = prior_mean_dense(layer, qk, qk, v).transpose(-1, -2)
     return DenseReference(mean, cov, {"kl_seq": kl.sum((1, 2)).mean(0)})
 
 
@@ -318,12 +334,11 @@ def sgpa_attention_masked_dense_moments(layer, x: torch.Tensor, excluded: torch.
     # shape: x (B, T, D), excluded (B, H, T, T) bool, padding joined -> mean, query_kl (B, H, T, Dv), kl_seq ()
     """
     qk, v = sgpa_heads(layer, x)
-    K = gram_dense(layer.kernel, qk, qk)
     s2 = sgpa_amortised_std(layer, qk).square()
     query_kl = torch.zeros_like(v)
     for b, h, i, S in _query_sets(excluded):
         query_kl[b, h, i] = 0.5 * (s2[b, h, S] - 1 - s2[b, h, S].log()).sum(0)
-    return {"mean": attention_mean_dense(K, v, excluded), "query_kl": query_kl,
+    return {"mean": prior_mean_dense(layer, qk, qk, v, excluded), "query_kl": query_kl,
             "kl_seq": _mean_over_real_queries(query_kl, excluded)}
 
 
@@ -339,7 +354,7 @@ def sgpa_decoupled_attention_dense_posterior(
     Kqg = gram_dense(layer.kernel, qk, sgpa_decoupled_global_keys(layer))
     excluded = None if mask is None else mask[:, None, None, :].expand(*Kqq.shape)
     vg = layer.strategy.variational_distribution.inducing_values.detach()  # shape: (H, M, Dv)
-    mean = attention_mean_dense(Kqq, v, excluded) + Kqg @ vg
+    mean = prior_mean_dense(layer, qk, qk, v, excluded) + Kqg @ vg
     return DenseReference(mean.transpose(-1, -2), cov, {"kl_global": beta.sum()})
 
 
@@ -557,8 +572,8 @@ def sgpa_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) ->
     if layer.strategy.covariance == "diag":
         cov = torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
     kl = 0.5 * (s.square() - 1 - s.square().log()).sum(-1)  # shape: (B, H, Dv)
-    if layer.strategy.prior_mean == "attention":
-        mean = attention_mean_dense(Kqk, v)
+    if layer.strategy.prior_mean != "zero":
+        mean = prior_mean_dense(layer, q, k, v)
     else:
         mean, kl = Kqk @ v, kl + 0.5 * (v * (Kj @ v)).sum(-2)
     return DenseReference(mean.transpose(-1, -2), cov, {"kl_seq": kl.sum((1, 2)).mean(0)})
@@ -575,7 +590,7 @@ def sgpa_decoupled_cross_dense_posterior(layer, x: torch.Tensor, context: torch.
     k, v = sgpa_heads(layer, context)
     vg = layer.strategy.variational_distribution.inducing_values.detach()  # shape: (H, M, Dv)
     Kqg = gram_dense(layer.kernel, q, sgpa_decoupled_global_keys(layer))
-    mean = attention_mean_dense(gram_dense(layer.kernel, q, k), v) + Kqg @ vg
+    mean = prior_mean_dense(layer, q, k, v) + Kqg @ vg
     return DenseReference(mean.transpose(-1, -2), cov, {"kl_global": beta.sum()})
 
 

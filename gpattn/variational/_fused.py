@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from gpattn.kernels._evaluate import log_linear_form
 
-__all__ = ["fused_available", "fused_kernel_attention"]
+__all__ = ["fused_available", "fused_kernel_attention", "fused_softmax"]
 
 _FUSED_DTYPES = {
     "cpu": (torch.float32, torch.float64, torch.bfloat16),
@@ -64,9 +64,22 @@ def fused_kernel_attention(kernel, q, k, v, pad=None, *, normalise: bool = False
     if form is None or not fused_available(form[0]):
         return None
     a, b, f, c = form
+    if normalise:
+        return fused_softmax(a, b, v, pad, key_bias=c)
     a, b, vv = _augmented(a, b, c, v.to(a.dtype), pad)
-    out = F.scaled_dot_product_attention(a, b, vv, scale=1.0) if normalise else _ExpAttention.apply(a, b, vv, f)
-    return out[..., : v.shape[-1]]
+    return _ExpAttention.apply(a, b, vv, f)[..., : v.shape[-1]]
+
+
+def fused_softmax(a, b, v, pad=None, *, key_bias=None) -> torch.Tensor | None:
+    r""":math:`\mathrm{softmax}_j(a_i \cdot b_j + c_j)\, v` over the keys not in ``pad`` (``key_bias`` c, or 0) through
+    ``scaled_dot_product_attention`` with scale 1 (its own fused backward), or None where no fused kernel runs for
+    ``a`` (device, dtype, installed PyTorch). A query whose keys are all padded averages the padded keys' values.
+    # shape: a (B, H, T, d), b (B, H, S, d), v (B, H, S, Dv), pad (B, S) bool or None, key_bias (B, H, S) or None
+    # -> (B, H, T, Dv)"""
+    if not fused_available(a):
+        return None
+    a, b, vv = _augmented(a, b, key_bias, v.to(a.dtype), pad)
+    return F.scaled_dot_product_attention(a, b, vv, scale=1.0)[..., : v.shape[-1]]
 
 
 def _augmented(a, b, c, v, pad):

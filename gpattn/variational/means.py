@@ -12,6 +12,14 @@ The SGPA variants take ``prior_mean``:
   which for the exponential kernel is softmax attention with the kernel's (ARD) temperature. The
   amortised, informative part of the posterior lives in the prior mean, which is deterministic given the
   sequence, so no per-sequence KL is paid for attending; the GP's uncertainty sits on top of it.
+* ``"softmax"``: m is :class:`SoftmaxMean`, softmax attention with the kernel's (ARD) temperature,
+
+  .. math:: m(q_i) = \sum_{j \in A_i} \mathrm{softmax}_j\big((q_i/\ell) \cdot (k_j/\ell)\big)\, v_j,
+
+  the Nadaraya–Watson smoother of the exponential kernel with the GP's lengthscale, whatever the GP's
+  kernel (docs/derivations.md §5e): an encoder swap's mean is then the pretrained softmax attention
+  exactly, while the covariance keeps a stationary kernel's bounded prior variance. With the exponential
+  kernel it is ``"attention"``.
 * ``"zero"``: the papers' form (Chen & Li 2023): a zero prior mean, the amortised mean basis paid for by
   the per-sequence KL.
 """
@@ -22,11 +30,14 @@ import torch
 import torch.nn as nn
 
 from gpattn._settings import is_validating
+from gpattn.kernels._evaluate import evaluate_kernel, temperature_lengthscale
+from gpattn.variational._fused import fused_kernel_attention, fused_softmax
 
-__all__ = ["PRIOR_MEANS", "AttentionMean", "check_prior_mean"]
+__all__ = ["PRIOR_MEANS", "AttentionMean", "SoftmaxMean", "check_prior_mean", "make_prior_mean"]
 
-#: the prior means of the SGPA variants: normalised kernel attention (default) or zero (the papers')
-PRIOR_MEANS = ("attention", "zero")
+#: the prior means of the SGPA variants: normalised kernel attention (default), softmax attention with the
+#: kernel's temperature, or zero (the papers')
+PRIOR_MEANS = ("attention", "softmax", "zero")
 
 
 def check_prior_mean(prior_mean) -> str:
@@ -34,7 +45,8 @@ def check_prior_mean(prior_mean) -> str:
     if prior_mean not in PRIOR_MEANS:
         raise ValueError(
             f"prior_mean must be one of {list(PRIOR_MEANS)} ('attention': normalised kernel attention as the GP's "
-            f"prior mean, docs/derivations.md §5c; 'zero': the paper's form), got {prior_mean!r}"
+            f"prior mean, docs/derivations.md §5c; 'softmax': softmax attention with the kernel's lengthscale, §5e; "
+            f"'zero': the paper's form), got {prior_mean!r}"
         )
     return prior_mean
 
@@ -50,9 +62,18 @@ class AttentionMean(nn.Module):
     ``gpytorch.means.Mean``, whose ``__call__`` takes one input: this mean reads the keys and values too.)
     """
 
-    def forward(self, gram: torch.Tensor, values: torch.Tensor, excluded: torch.Tensor | None = None) -> torch.Tensor:
-        """# shape: gram (B, H, T, T) = κ(q_i, k_j), values (B, H, T, Dv),
+    #: the mean is a function of the Gram κ(q, k): callers that have it pass it
+    uses_gram = True
+
+    def forward(
+        self, gram: torch.Tensor | None, values: torch.Tensor, excluded: torch.Tensor | None = None, *,
+        kernel=None, queries=None, keys=None,
+    ) -> torch.Tensor:
+        """``gram`` κ(q, k), or None: evaluated from ``kernel``, ``queries`` and ``keys``.
+        # shape: gram (B, H, T, S) = κ(q_i, k_j), values (B, H, S, Dv),
         excluded broadcastable to gram (True = key j not in A_i) or None -> (B, H, T, Dv)"""
+        if gram is None:
+            gram = evaluate_kernel(kernel, queries, keys)
         weights = gram if excluded is None else gram.masked_fill(excluded, 0.0)
         if is_validating() and bool((weights < 0).any()):  # reads the device: opt-in
             raise ValueError(
@@ -61,3 +82,64 @@ class AttentionMean(nn.Module):
             )
         total = weights.sum(-1, keepdim=True)  # shape: (B, H, T, 1)
         return (weights @ values) / torch.where(total > 0, total, 1.0)
+
+    @staticmethod
+    def fused(kernel, queries, keys, values, pad=None) -> torch.Tensor | None:
+        """m(q) through fused attention (key padding ``pad`` (B, S) only; docs/derivations.md §12), or None where
+        that path does not run (a kernel without the log-linear form, a device or dtype without the kernel)."""
+        return fused_kernel_attention(kernel, queries, keys, values, pad, normalise=True)
+
+
+class SoftmaxMean(nn.Module):
+    r"""m(q_i) = Σ_{j∈A_i} softmax_j((q_i/ℓ)·(k_j/ℓ)) v_j: softmax attention with the (ARD) lengthscale ℓ of the
+    GP's kernel as its temperature, whatever the kernel's form (docs/derivations.md §5e). With the exponential
+    kernel it equals :class:`AttentionMean`; with the ARD-RBF it drops that kernel's per-key factor
+    exp(−‖k_j/ℓ‖²/2), so that an encoder swap starts at the pretrained attention. A query with no allowed key
+    (A_i = ∅) gets m = 0. Key padding alone runs in fused attention (no (T, S) matrix)."""
+
+    #: the mean needs no Gram: callers need not evaluate one for it
+    uses_gram = False
+
+    def forward(
+        self, gram: torch.Tensor | None, values: torch.Tensor, excluded: torch.Tensor | None = None, *,
+        kernel, queries: torch.Tensor, keys: torch.Tensor,
+    ) -> torch.Tensor:
+        """``gram`` is not read (the mean is not a function of it).
+        # shape: queries (B, H, T, Dh), keys (B, H, S, Dh), values (B, H, S, Dv), excluded broadcastable to
+        (B, H, T, S) (True = key j not in A_i) or None -> (B, H, T, Dv)"""
+        a, b = self.scaled(kernel, queries, keys)
+        if excluded is None or (excluded.dim() == 4 and excluded.shape[1] == excluded.shape[2] == 1):  # key padding
+            fused = fused_softmax(a, b, values, None if excluded is None else excluded[:, 0, 0, :])
+            if fused is not None:
+                return fused
+        logits = a @ b.mT  # shape: (B, H, T, S)
+        if excluded is None:
+            return logits.softmax(-1) @ values
+        logits = logits.masked_fill(excluded, torch.finfo(logits.dtype).min)
+        some = (~excluded).any(-1, keepdim=True)  # shape: (.., T, 1); A_i ≠ ∅
+        return (logits.softmax(-1) @ values) * some
+
+    @classmethod
+    def fused(cls, kernel, queries, keys, values, pad=None) -> torch.Tensor | None:
+        """m(q) through fused attention (key padding ``pad`` (B, S) only), or None where no fused kernel runs."""
+        return fused_softmax(*cls.scaled(kernel, queries, keys), values, pad)
+
+    @staticmethod
+    def scaled(kernel, queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q/ℓ, k/ℓ) with ℓ the kernel's lengthscale."""
+        lengthscale = temperature_lengthscale(kernel)
+        if lengthscale is None:
+            raise ValueError(
+                f"prior_mean='softmax' takes its temperature from the kernel's lengthscale, and "
+                f"{type(kernel).__name__} (inside its ScaleKernels) has none: use a kernel with a lengthscale "
+                f"(exponential, ard-rbf, ...) or prior_mean='attention'"
+            )
+        return queries / lengthscale, keys / lengthscale
+
+
+def make_prior_mean(prior_mean: str, kernel) -> nn.Module | None:
+    """The ``mean_module`` of a prior mean name (:data:`PRIOR_MEANS`) for a strategy with ``kernel``: None for the
+    papers' zero mean; ``"softmax"`` needs a kernel with a lengthscale (a ``ValueError`` here, not at a forward)."""
+    if check_prior_mean(prior_mean) == "softmax":
+        SoftmaxMean.scaled(kernel, torch.zeros(()), torch.zeros(()))  # raises without a lengthscale
+    return {"attention": AttentionMean, "softmax": SoftmaxMean}.get(prior_mean, lambda: None)()

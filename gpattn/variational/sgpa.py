@@ -68,7 +68,7 @@ from gpattn.variational._linalg import (
     with_policy,
 )
 from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, check_query_inputs
-from gpattn.variational.means import AttentionMean, check_prior_mean
+from gpattn.variational.means import check_prior_mean, make_prior_mean
 
 __all__ = [
     "COVARIANCE_MODES",
@@ -441,7 +441,7 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         self.covariance = check_covariance(covariance)
         self.prior_mean = check_prior_mean(prior_mean)
         #: the prior mean function (GPyTorch's ``mean_module``): None is the paper's zero mean
-        self.mean_module = AttentionMean() if prior_mean == "attention" else None
+        self.mean_module = make_prior_mean(prior_mean, kernel)
 
     def condition(
         self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None, query_inputs=None
@@ -463,7 +463,7 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         check_sequence_inputs(keys, values, mask)
         with gp_algebra(keys.device.type):
             L, K, values, std, jit = self._factorise(keys, values, mask)
-            m = None if self.mean_module is None else self.mean_module(K, values)  # K̂: padded keys isolated
+            m = self._prior_mean(K, values, keys, keys, None if mask is None else mask[:, None, None, :])
             return SGPAConditional(L, K, values, std, jit, self.covariance, prior_mean=m)
 
     def _condition_cross(self, queries, keys, values, mask) -> CrossSGPAConditional:
@@ -478,13 +478,20 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
             if mask is not None:
                 K_qk = K_qk.masked_fill(mask[:, None, None, :], 0.0)  # padded keys leave the basis
             A = tri_solve(L.mT, K_qk, upper=True, left=False)  # shape: (B, H, T, S); A Lᵀ = K_qk
-            m = None if self.mean_module is None else self.mean_module(K_qk, values)
+            m = self._prior_mean(K_qk, values, queries, keys, None if mask is None else mask[:, None, None, :])
             gram = evaluate_kernel(self.kernel, queries, queries) if self.covariance == "full" else None
             return CrossSGPAConditional(
                 L, values, std, jit, self.covariance, mean=K_qk @ values if m is None else m, interp=A,
                 gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), gram=gram, jitter=self.jitter,
                 prior_mean=m,
             )
+
+    def _prior_mean(self, gram, values, queries, keys, excluded=None) -> torch.Tensor | None:
+        """m(q) of the prior mean function (None: the papers' zero mean), the keys in ``excluded`` left out.
+        # shape: gram (B, H, T, S) = κ(q, k), excluded broadcastable to it or None"""
+        if self.mean_module is None:
+            return None
+        return self.mean_module(gram, values, excluded, kernel=self.kernel, queries=queries, keys=keys)
 
     def _factorise(self, keys, values, mask):
         """The padded factors: (L, K̂, v̂, s, jitter).  # shape: mask (B, T) or None"""
@@ -537,7 +544,8 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         query_kl = 0.5 * (s2 - 1 - s2.log()).cumsum(-2)  # shape: (B, H, T, Dv)
         if self.mean_module is not None:  # q_i(ũ_S) has mean 0 (docs/derivations.md §5c)
             T = K.shape[-1]
-            mean = self.mean_module(K, values, torch.ones(T, T, dtype=torch.bool, device=K.device).triu(1))
+            later = torch.ones(T, T, dtype=torch.bool, device=K.device).triu(1)  # j > i
+            mean = self._prior_mean(K, values, keys, keys, later if pad is None else later | pad[:, None, None, :])
         else:  # + ½ v_{≤i}ᵀ K̂_{≤i} v_{≤i}, a prefix sum of v_j (2 Σ_{k<j} K_jk v_k + (K_jj + c_j) v_j)
             diag = K.diagonal(dim1=-2, dim2=-1)[..., None]  # shape: (B, H, T, 1)
             query_kl = query_kl + 0.5 * (values * (2 * mean - (diag - jit[..., None]) * values)).cumsum(-2)
@@ -560,7 +568,7 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         L = cholesky(torch.where(both, Kj[:, :, None], eye), name="sgpa (K_SS per query)")  # shape: (B, H, T, T, T)
         mean = K.masked_fill(excluded, 0.0) @ values  # masked kernel attention
         if self.mean_module is not None:  # the prior mean over A_i; q_i(ũ_S) has mean 0 (§5c)
-            mean = self.mean_module(K, values, excluded)
+            mean = self._prior_mean(K, values, keys, keys, excluded)
         # L_S⁻¹ K̂_{S,i} per query i (the jittered column: with i ∈ A_i it is row i of L_S)
         a = tri_solve(L, Kj.masked_fill(excluded, 0.0)[..., None])[..., 0]  # shape: (B, H, T, T)
         own = allowed.diagonal(dim1=-2, dim2=-1)  # shape: (B, H, T): i ∈ A_i

@@ -44,7 +44,6 @@ from gpattn.kernels import evaluate_kernel
 from gpattn.objectives import GlobalKL, SequenceKL
 from gpattn.variational import _blockwise
 from gpattn.variational._blockwise import block_rows, blockwise
-from gpattn.variational._fused import fused_kernel_attention
 from gpattn.variational._linalg import (
     add_jitter,
     cholesky,
@@ -60,7 +59,7 @@ from gpattn.variational._strategy import (
     check_query_inputs,
     sequence_mean,
 )
-from gpattn.variational.means import AttentionMean, check_prior_mean
+from gpattn.variational.means import check_prior_mean, make_prior_mean
 from gpattn.variational.sgpa import (
     check_covariance,
     check_jitter,
@@ -402,7 +401,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         self.prior_mean = check_prior_mean(prior_mean)
         #: the prior mean function (GPyTorch's ``mean_module``; docs/derivations.md §5c): with it the sequence's
         #: keys and values leave the posterior (no γ-basis, no per-sequence KL); None is the paper's zero mean
-        self.mean_module = AttentionMean() if prior_mean == "attention" else None
+        self.mean_module = make_prior_mean(prior_mean, kernel)
 
     def global_keys(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """k_g[h] = Z_g[h] W_qk[h]ᵀ + b_qk[h]: each head's global inputs through *that head's* rows of
@@ -484,7 +483,10 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
                 jitter=self.jitter, covariance=self.covariance,
             )
             if self.mean_module is not None:
-                m = self.mean_module(K_qa, values, None if mask is None else mask[:, None, None, :])
+                m = self.mean_module(
+                    K_qa, values, None if mask is None else mask[:, None, None, :], kernel=self.kernel, queries=queries,
+                    keys=keys,
+                )
                 return DecoupledSGPAConditional(mean=m + A @ u_tilde, gram_values=None, proj_values=None, **factors)
             c = A_a.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
             K_aa_v = evaluate_kernel(self.kernel, keys, keys) @ values  # shape: (B, H, S, Dv), for the γ-part
@@ -513,7 +515,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         query blocks; None: the Gram is formed."""
         if not self._blockwise_mean(excluded):
             return None
-        fused = fused_kernel_attention(self.kernel, queries, queries, values, mask, normalise=True)
+        fused = self.mean_module.fused(self.kernel, queries, queries, values, mask)
         if fused is not None:
             return fused
         rows = block_rows(*queries.shape[:3], queries.shape[-2], device=queries.device)
@@ -522,7 +524,8 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
     def _attention_mean_rows(self, queries, keys, values, pad=None) -> torch.Tensor:
         """The attention prior mean m(q) of one block of queries.  # shape: queries (B, H, b, Dh) -> (B, H, b, Dv)"""
         with gp_algebra(queries.device.type):
-            return self.mean_module(evaluate_kernel(self.kernel, queries, keys), values, pad)
+            gram = evaluate_kernel(self.kernel, queries, keys) if self.mean_module.uses_gram else None
+            return self.mean_module(gram, values, pad, kernel=self.kernel, queries=queries, keys=keys)
 
     def _condition_attention_mean(
         self, factors: dict, excluded: torch.Tensor | None, queries: torch.Tensor, rows: int | torch.Tensor | None
@@ -536,7 +539,9 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         if torch.is_tensor(rows):
             mean = rows
         elif rows is None:
-            mean = self.mean_module(factors["gram"], factors["values"], not_allowed)
+            mean = self.mean_module(
+                factors["gram"], factors["values"], not_allowed, kernel=self.kernel, queries=queries, keys=queries
+            )
         else:
             mean = blockwise(
                 self._attention_mean_rows, queries, queries, factors["values"], rows=rows, per_query=(not_allowed,)
