@@ -32,6 +32,8 @@ CANDIDATES = [
     ("sgpa-decoupled", {"qk": "shared"}),
     ("sgpa-decoupled", {"qk": "separate"}),
     ("sgpa-decoupled", {"qk": "separate", "kernel": "exponential"}),
+    ("sgpa", {"qk": "separate", "prior_mean": "softmax"}),
+    ("sgpa-decoupled", {"qk": "separate", "prior_mean": "softmax"}),
 ]
 
 

@@ -482,28 +482,38 @@ def test_match_prior_to_stream_puts_the_median_key_distance_of_cgp_at_two(name):
     assert median_distance() == pytest.approx(2.0, rel=1e-6)
 
 
-def test_a_run_saved_before_the_swap_defaults_reloads_in_its_own_form(tmp_path):
-    """A run's config.json now records the encoder swap's ``qk="separate"``; a checkpoint written before (its
-    config has no ``qk``, its weights the shared map) reloads with ``qk="shared"``, the form it trained."""
+@pytest.mark.parametrize(
+    ("trained", "saved"),
+    [
+        ({"qk": "shared", "prior_mean": "attention"}, {}),
+        ({"qk": "separate", "prior_mean": "attention"}, {"qk": "separate"}),
+    ],
+    ids=["gpattn-0.2", "before-the-softmax-mean"],
+)
+def test_a_run_saved_before_the_swap_defaults_reloads_in_its_own_form(tmp_path, trained, saved):
+    """A run's config.json records the encoder swap's defaults (``qk="separate"``, ``prior_mean="softmax"``); a
+    checkpoint written before one of them was a default (its config lacks the option, its weights trained the
+    layer's default of then: ``qk="shared"``, ``prior_mean="attention"``) reloads in the form it trained."""
     from gpattn.experiments._runs import CHECKPOINT
     from gpattn.experiments.cli import main
 
     table = _text_table(tmp_path)
     enc = tiny_encoder_folder(tmp_path / "enc", table)
     out = tmp_path / "run"
+    options = [a for k, v in trained.items() for a in ("--attention-option", f"{k}={v}")]
     argv = ["train", "--dataset", "text_table", "--dataset-option", f"path={table}", "--encoder", str(enc),
-            "--attention", "sgpa", "--attention-layers", "last", "--attention-option", "qk=shared", "--max-len",
+            "--attention", "sgpa", "--attention-layers", "last", *options, "--max-len",
             "12", *TINY_RUN, "--out", str(out)]  # fmt: skip
     with pytest.warns(GPCollapseWarning):
         assert main(argv) == 0
-    assert json.loads((out / "config.json").read_text())["attention_options"] == {"qk": "shared"}
+    assert json.loads((out / "config.json").read_text())["attention_options"] == trained
     texts = ["a great film , really good", "terrible"]
     with gpattn.deterministic():
         before = gpattn.experiments.load_run(out).predict(texts, num_samples=1).probs
     ckpt = torch.load(out / CHECKPOINT, weights_only=False)
-    ckpt["config"]["attention_options"] = {}  # as gpattn 0.2 wrote it
+    ckpt["config"]["attention_options"] = saved  # as the older gpattn wrote it
     torch.save(ckpt, out / CHECKPOINT)
     run = gpattn.experiments.load_run(out)
-    assert run.cfg.attention_options == {"qk": "shared"}
+    assert run.cfg.attention_options == trained
     with gpattn.deterministic():
         torch.testing.assert_close(run.predict(texts, num_samples=1).probs, before)

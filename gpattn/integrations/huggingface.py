@@ -16,7 +16,8 @@ describes encoders.
 query / key / value weights and biases go into the gpattn layer's fused input projection ``in_proj``
 for every projection the variant has by that name (``q`` ← query, ``k`` ← key, ``v`` ← value); sgpa and
 sgpa-decoupled are swapped with ``qk="separate"`` unless given (separate query and key maps, so both are kept;
-docs/derivations.md §5d); a variant with one shared query-key map (``qk``: kernel, or sgpa / sgpa-decoupled
+docs/derivations.md §5d), and with ``prior_mean="softmax"`` (their mean then starts at the pretrained attention,
+§5e); a variant with one shared query-key map (``qk``: kernel, or sgpa / sgpa-decoupled
 with ``qk="shared"``, as in a decoder) takes the **key** weights (the query weights are dropped: W_q = W_k is
 that parameterisation); any other projection
 (cgp's ``o``) or one of another width (``value_dim`` ≠ head width) keeps its fresh initialisation, as
@@ -104,22 +105,27 @@ _ARCHITECTURES: dict[str, tuple[str, tuple[str, str, str, str | None]]] = {
 #: the pretrained map (by role: q, k, v) each gpattn projection takes; others stay new
 _SOURCES = {"q": "q", "k": "k", "v": "v", "qk": "k"}
 #: an encoder swap's options by variant, unless given: the SGPA variants keep both pretrained maps (separate
-#: query and key maps, docs/derivations.md §5d; the shared map would drop W_q, docs/huggingface.md)
-_ENCODER_SWAP_DEFAULTS = {"sgpa": {"qk": "separate"}, "sgpa-decoupled": {"qk": "separate"}}
+#: query and key maps, docs/derivations.md §5d; the shared map would drop W_q, docs/huggingface.md) and take the
+#: softmax prior mean (§5e), so that the swapped layer's mean starts at the pretrained attention
+_ENCODER_SWAP_DEFAULTS = {
+    name: {"qk": "separate", "prior_mean": "softmax"} for name in ("sgpa", "sgpa-decoupled")
+}
 
 
 def encoder_swap_options(attention, options: dict) -> dict:
     """``options`` for swapping ``attention`` into an encoder, with the encoder swap's defaults for those not
-    given (:data:`_ENCODER_SWAP_DEFAULTS`: the SGPA variants take ``qk="separate"``). ``TrainConfig`` records
+    given (:data:`_ENCODER_SWAP_DEFAULTS`: the SGPA variants take ``qk="separate"`` and ``prior_mean="softmax"``).
+    ``TrainConfig`` records
     the result, so a run's config.json says which form it trained."""
     return {**_ENCODER_SWAP_DEFAULTS.get(attention if isinstance(attention, str) else None, {}), **options}
 
 
 def saved_swap_options(attention, options: dict) -> dict:
-    """The options of a swap saved before the encoder swap's defaults were written into run configs (gpattn
-    0.2): an option the defaults set but the saved ``options`` lack had the layer's own default then
-    (``qk="shared"``), which is what the saved weights are."""
-    before = {"qk": "shared"}  # the layer default of every option in _ENCODER_SWAP_DEFAULTS
+    """The options of a swap saved before an encoder swap default was written into run configs: an option the
+    defaults set but the saved ``options`` lack had the layer's own default then, which is what the saved weights
+    are: ``qk="shared"`` (configs of gpattn 0.2), ``prior_mean="attention"`` (configs written before the softmax
+    prior mean became the swap's default)."""
+    before = {"qk": "shared", "prior_mean": "attention"}  # the layer default of every option in the defaults
     defaults = _ENCODER_SWAP_DEFAULTS.get(attention if isinstance(attention, str) else None, {})
     return {**{k: before[k] for k in defaults}, **options}
 
