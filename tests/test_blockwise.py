@@ -108,13 +108,15 @@ def test_blocks_draw_independent_noise(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "name, fused_path",
-    [(name, True) for name in LONG] + [(name, False) for name in ("kernel", "kernel-asym", "sgpa-decoupled")],
+    "name, fused_path, extra",
+    [(name, True, {}) for name in LONG]
+    + [(name, False, {}) for name in ("kernel", "kernel-asym", "sgpa-decoupled")]
+    + [("sgpa-decoupled", path, {"prior_mean": "softmax"}) for path in (True, False)],
 )
-def test_no_tensor_of_T_by_T_entries_per_head(name, fused_path, monkeypatch):
+def test_no_tensor_of_T_by_T_entries_per_head(name, fused_path, extra, monkeypatch):
     """Forward and backward of a long sequence form no tensor with T·T entries per head: every op's output
     is counted (a dispatch mode) and the largest stays at the size of one block (query blocks, or the kernel
-    attentions' fused path)."""
+    attentions' fused path); sgpa-decoupled also with the softmax prior mean (docs/derivations.md §5e)."""
     if not fused_path:
         monkeypatch.setattr(fused, "fused_available", lambda t: False)
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -131,7 +133,7 @@ def test_no_tensor_of_T_by_T_entries_per_head(name, fused_path, monkeypatch):
 
     monkeypatch.setattr(bw, "BLOCK_ELEMENTS", 1 << 14)
     T, H = 2048, 2
-    layer = build_attention(name, 16, H, **OPTIONS.get(name, {}))
+    layer = build_attention(name, 16, H, **OPTIONS.get(name, {}), **extra)
     x = torch.randn(1, T, 16, requires_grad=True)
     with Largest():
         layer(x).square().sum().backward()
