@@ -91,12 +91,14 @@ def add_jitter(A: torch.Tensor, jitter: float | torch.Tensor) -> torch.Tensor:
     if not torch.is_tensor(jitter):
         if jitter == 0:
             return A
-        jitter = A.new_full((), jitter)  # made on A's device: no host-to-device copy, no synchronisation
-    value = jitter.to(A.dtype)[..., None]  # shape: (..., 1), against the diagonal (..., n)
-    batch = torch.broadcast_shapes(A.shape[:-2], value.shape[:-1])
-    out = A.expand(*batch, *A.shape[-2:]).clone()
-    out.diagonal(dim1=-2, dim2=-1).add_(value)
-    return out
+        value = jitter  # a Python number: no tensor made for it (no host-to-device copy)
+        batch = A.shape[:-2]
+    else:
+        value = jitter.to(A.dtype)[..., None]  # shape: (..., 1), against the diagonal (..., n)
+        batch = torch.broadcast_shapes(A.shape[:-2], value.shape[:-1])
+    A = A.expand(*batch, *A.shape[-2:])
+    # out of place: the backward takes the diagonal apart once (no in-place copy of A to undo)
+    return A.diagonal_scatter(A.diagonal(dim1=-2, dim2=-1) + value, dim1=-2, dim2=-1)
 
 
 def isolate_padding(K: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
