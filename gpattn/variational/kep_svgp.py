@@ -22,6 +22,7 @@ Pieces, kept apart as in GPyTorch (q(u) parameterisation vs the q(u) → q(f) ma
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -188,6 +189,10 @@ class KSVDProjection(nn.Module):
 
     def primal_weights(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """W_e, W_r from the landmarks of x.  # shape: x (B, T, H·Dh) -> each (B, H, Dh, r)"""
+        return self._stacked_weights(x, mask).unbind(0)
+
+    def _stacked_weights(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """[W_e; W_r] = X̃ [ω_e; ω_r] in one product.  # shape: x (B, T, H·Dh) -> (2, B, H, Dh, r)"""
         B, T, _ = x.shape
         idx = landmark_indices(T, self.num_landmarks, mask, device=x.device)  # shape: (B or 1, s)
         if idx.shape[0] == 1:
@@ -195,17 +200,18 @@ class KSVDProjection(nn.Module):
         else:
             lm = x.gather(1, idx[..., None].expand(B, self.num_landmarks, x.shape[-1]))
         lm = lm.view(B, self.num_landmarks, self.num_heads, self.head_dim)  # shape: (B, s, H, Dh) = X̃ᵀ
-        W_e = torch.einsum("bshd,hsr->bhdr", lm, self.omega_e)
-        W_r = torch.einsum("bshd,hsr->bhdr", lm, self.omega_r)
-        return W_e, W_r
+        return torch.einsum("bshd,ghsr->gbhdr", lm, torch.stack([self.omega_e, self.omega_r]))
 
     def forward(self, x, q, k, mask=None):
-        """# shape: x (B, T, H·Dh), q, k (B, H, T, Dh) -> e, r (B, H, T, r), W_e, W_r (B, H, Dh, r)"""
-        W_e, W_r = self.primal_weights(x, mask)
+        """# shape: x (B, T, H·Dh), q, k (B, H, T, Dh) -> e, r (B, H, T, r), W_e, W_r (B, H, Dh, r)
+
+        The two branches run as one: q and k stacked (the one copy that their products would each make of the
+        head views), one product with [W_e; W_r], one normalisation."""
+        W = self._stacked_weights(x, mask)  # shape: (2, B, H, Dh, r)
+        qk = torch.stack([q, k])  # shape: (2, B, H, T, Dh)
         # φ(q) W_e = (q W_e) / ‖q‖: normalise the r-wide product instead of the Dh-wide input (same value)
-        e = (q @ W_e) * _inv_norm(q)
-        r = (k @ W_r) * _inv_norm(k)
-        return e, r, W_e, W_r
+        e, r = ((qk @ W) * _inv_norm(qk)).unbind(0)
+        return e, r, W[0], W[1]
 
     def objective(self, e, r, mask=None) -> torch.Tensor:
         """The KSVD objective J of :func:`ksvd_objective` with this layer's Λ and ω."""
@@ -539,14 +545,24 @@ class KEPConditional(AmortisedConditional):
         self._device = features["a"].device.type
         self.mean = kep_mean(features["a"], q_u.variational_mean, strategy.out_weight, strategy.out_bias)
 
+    @functools.cached_property
+    def _lam(self) -> torch.Tensor:
+        """Λ, formed once per forward for the KL and J.  # shape: (H, r)"""
+        return self.strategy.ksvd.lam
+
+    @functools.cached_property
+    def _chol(self) -> torch.Tensor:
+        """L_c, formed once per forward for the samples and the KL.  # shape: (H, r_c, r, r)"""
+        return self.strategy.variational_distribution.chol
+
     def _map_args(self):
         q_u, s = self.strategy.variational_distribution, self.strategy
-        return self.features["a"], q_u.variational_mean, q_u.chol, s.out_weight, s.out_bias
+        return self.features["a"], q_u.variational_mean, self._chol, s.out_weight, s.out_bias
 
     @property
     def prior_distribution(self) -> MultivariateNormal:
         """p(u_c) = N(0, Λ²) on the inducing features.  # shape: batch (H, r_c), event r"""
-        var = self.strategy.ksvd.lam.square()[:, None, :].expand(-1, self.strategy.rank, -1)  # shape: (H, r_c, r)
+        var = self._lam.square()[:, None, :].expand(-1, self.strategy.rank, -1)  # shape: (H, r_c, r)
         return MultivariateNormal(torch.zeros_like(var), DiagLinearOperator(var))
 
     @property
@@ -557,8 +573,7 @@ class KEPConditional(AmortisedConditional):
     def kl_divergence(self) -> torch.Tensor:
         """Σ_{h,c} KL(q(u_c) ‖ N(0, Λ²)), a global term (docs/derivations.md §9: the objective divides it by
         N).  # shape: -> ()"""
-        q_u = self.strategy.variational_distribution
-        return kep_kl_divergence(self.strategy.ksvd.lam, q_u.variational_mean, q_u.chol)
+        return kep_kl_divergence(self._lam, self.strategy.variational_distribution.variational_mean, self._chol)
 
     def rsample(self, num_samples=None, generator=None):
         """Exact (or, ``token_independent``, per-token) samples of the head outputs (:func:`kep_sample`).
@@ -582,5 +597,6 @@ class KEPConditional(AmortisedConditional):
         caller's mask, all-padding rows included; default the mask of :meth:`KEPSVGP.condition`)."""
         with gp_algebra(self._device):
             mask = self.mask if mask is None else mask
-            J = self.strategy.ksvd.objective(self.features["e"], self.features["r"], mask)
+            ksvd = self.strategy.ksvd
+            J = ksvd_objective(self.features["e"], self.features["r"], self._lam, ksvd.omega_e, ksvd.omega_r, mask)
             return GlobalKL(self.kl_divergence()), KSVDLoss(J.pow(2))
