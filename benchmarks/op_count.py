@@ -41,8 +41,19 @@ DEFAULT_VARIANTS = ("softmax", "kernel", "sto", "h-sto", "kep-svgp", "scgp", "sg
 #: operators whose result is read back to the host (a device synchronisation on a GPU)
 SYNC_OPS = frozenset(
     "item _local_scalar_dense equal is_nonzero nonzero nonzero_static masked_select unique _unique _unique2 "
-    "unique_consecutive unique_dim tolist allclose repeat_interleave_count".split()
+    "unique_consecutive unique_dim tolist allclose index[bool] index_put[bool] index_put_[bool] _index_put_impl_[bool] "
+    "repeat_interleave[tensor]".split()
 )
+#: operators whose output shape depends on tensor values for some arguments (a read back inside the kernel, not
+#: dispatched on its own): boolean indexing and ``repeat_interleave`` with a tensor of repeats; recorded as
+#: ``name[bool]`` / ``name[tensor]``
+_VALUE_SHAPED = {
+    "index": "bool",
+    "index_put": "bool",
+    "index_put_": "bool",
+    "_index_put_impl_": "bool",
+    "repeat_interleave": "tensor",
+}
 #: operators that make a tensor from Python values alone (each one an allocation, and a fill, per call)
 CONSTANT_OPS = frozenset(
     "arange eye zeros ones full scalar_tensor lift_fresh lift_fresh_copy linspace new_zeros new_ones new_full "
@@ -76,13 +87,28 @@ class OpCounter(TorchDispatchMode):
         self.where, self.phase, self.records = where, PHASES[0], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
+        name = _value_shaped(func._schema.name.split("::")[-1], args, kwargs or {})
         at = ""
         if self.where and (name in CONSTANT_OPS or name in SYNC_OPS or name == "_to_copy"):
             frames = [f for f in traceback.extract_stack()[:-1] if "/gpattn/" in f.filename]
             at = f"{frames[-1].filename.split('/gpattn/')[-1]}:{frames[-1].lineno}" if frames else "autograd"
         self.records.append((self.phase, name, _is_view(func), at))
         return func(*args, **(kwargs or {}))
+
+
+def _value_shaped(name: str, args, kwargs) -> str:
+    """``name``, or ``name[bool]`` / ``name[tensor]`` for a call of :data:`_VALUE_SHAPED` whose output shape is read
+    from tensor values: a boolean index (``x[mask]``), a tensor of repeats without ``output_size``."""
+    kind = _VALUE_SHAPED.get(name)
+    if kind == "bool" and len(args) > 1:
+        indices = args[1] if isinstance(args[1], (list, tuple)) else ()
+        if any(torch.is_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return f"{name}[bool]"
+    if kind == "tensor" and args and kwargs.get("output_size") is None:
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0])
+        if torch.is_tensor(repeats):
+            return f"{name}[tensor]"
+    return name
 
 
 def _summary(records) -> dict:
