@@ -21,10 +21,12 @@ import torch
 import gpattn
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
+for _p in (str(BENCH), str(Path(__file__).resolve().parent)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 op_count = importlib.import_module("op_count")
 common = importlib.import_module("_common")
+padded_inputs = importlib.import_module("test_no_sync")._inputs
 
 #: (kernels, constants) of one forward + backward in training mode, B=2, T=8, H=2, Dh=8, no padding, the
 #: benchmark options (docs/benchmarks.md, "Small-T overhead"); measured with torch 2.13, whose decompositions the
@@ -49,21 +51,13 @@ def test_operator_count_does_not_grow(name):
     assert row["syncs"] == 0
 
 
-def _padded_inputs(B=3, T=6, D=8):
-    x = torch.randn(B, T, D)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    mask[0, 4:] = True  # some padding
-    mask[2] = True  # a sequence that is all padding
-    return x, mask
-
-
 @pytest.mark.parametrize("name", gpattn.list_attention())
 def test_no_host_sync_below_python(name):
     """A training step's forward (with padding, an all-padding sequence, P = 2 draws, and under
     ``gpattn.deterministic()``) and backward dispatch no operator that reads a tensor back to the host."""
     torch.manual_seed(0)
     layer = gpattn.build_attention(name, 8, 2)
-    x, mask = _padded_inputs()
+    x, mask = padded_inputs()  # some padding and a sequence that is all padding
     counter = op_count.OpCounter(where=True)
     with counter:
         y = layer(x, mask, num_samples=2)
