@@ -20,13 +20,16 @@ of ``layer.loss_terms()``, backward; one uncounted call first (lazy one-off work
 
     OMP_NUM_THREADS=1 python benchmarks/op_count.py --markdown ops.md --json ops.json
     OMP_NUM_THREADS=1 python benchmarks/op_count.py --variants kep-svgp --where   # where each constant is made
+    OMP_NUM_THREADS=1 python benchmarks/op_count.py --batch 1 --ts 8 --heads 2 --head-dim 8 --reps 200  # + host ms
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
+import time
 import traceback
 
 import torch
@@ -123,10 +126,20 @@ def _summary(records) -> dict:
 
 
 def count_case(
-    name: str, options: dict, B: int, T: int, heads: int, head_dim: int, seed: int = 0, where: bool = False
+    name: str,
+    options: dict,
+    B: int,
+    T: int,
+    heads: int,
+    head_dim: int,
+    seed: int = 0,
+    where: bool = False,
+    reps: int = 0,
 ) -> dict:
     """The counts of one forward + backward of one layer (after one uncounted call), per phase and in total, and
-    the operators by name (and, with ``where``, the constants, syncs and casts by gpattn source line)."""
+    the operators by name (and, with ``where``, the constants, syncs and casts by gpattn source line); with
+    ``reps``, ``host_ms``: the median wall time of ``reps`` uncounted calls (at a tiny size, the host's cost per
+    step: Python and dispatch, what a launch-bound GPU step waits for; it depends on the machine's load)."""
     torch.manual_seed(seed)
     layer = gpattn.build_attention(name, heads * head_dim, heads, **options).train()
     x = torch.randn(B, T, heads * head_dim)  # shape: (B, T, D)
@@ -149,6 +162,13 @@ def count_case(
     recs = counter.records
     row = {"phase": {p: _summary([r for r in recs if r[0] == p]) for p in PHASES}, **_summary(recs)}
     row["by_op"] = dict(collections.Counter(n for _, n, _, _ in recs).most_common())
+    if reps:
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - start))
+        row["host_ms"] = statistics.median(times)
     if where:
         row["where"] = dict(collections.Counter(f"{n} at {at}" for _, n, _, at in recs if at).most_common())
     return row
@@ -156,20 +176,24 @@ def count_case(
 
 def to_markdown(result: dict) -> str:
     meta, rows = result["meta"], result["rows"]
-    ref = rows[0]
+    ref, timed = rows[0], "host_ms" in rows[0]
     out = [
         f"One forward + backward, training mode, B={meta['B']}, T={meta['T']}, H={meta['heads']}, "
         f"Dh={meta['head_dim']}, fp32; aten operators (benchmarks/op_count.py, torch {meta['torch']})",
         "",
-        "| variant | ops fwd | ops bwd | ops | × softmax | kernels | × softmax | syncs | constants | casts |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | ops fwd | ops bwd | ops | × softmax | kernels | × softmax | syncs | constants | casts |"
+        + (" host ms | × softmax |" if timed else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if timed else ""),
     ]
     for r in rows:
-        out.append(
+        line = (
             f"| {r['variant']} | {r['phase']['forward']['ops']} | {r['phase']['backward']['ops']} | {r['ops']} | "
             f"{r['ops'] / ref['ops']:.2f} | {r['kernels']} | {r['kernels'] / ref['kernels']:.2f} | {r['syncs']} | "
             f"{r['constants']} | {r['casts']} |"
         )
+        if timed:
+            line += f" {r['host_ms']:.2f} | {r['host_ms'] / ref['host_ms']:.2f} |"
+        out.append(line)
     return "\n".join(out) + "\n"
 
 
@@ -186,6 +210,7 @@ def main(argv=None) -> dict:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--top", type=int, default=0, help="print each variant's N most frequent operators")
     p.add_argument("--where", action="store_true", help="print where each constant, sync and cast is made")
+    p.add_argument("--reps", type=int, default=0, help="also time this many calls (median host ms per step)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     args = p.parse_args(argv)
@@ -195,7 +220,16 @@ def main(argv=None) -> dict:
     for cfg in variant_configs(names):
         if cfg["variant"] != cfg["name"] and names is not None and cfg["variant"] not in names:
             continue  # the extra covariance configurations only when asked for by label or with 'all'
-        row = count_case(cfg["name"], cfg["options"], args.batch, args.ts, args.heads, args.head_dim, where=args.where)
+        row = count_case(
+            cfg["name"],
+            cfg["options"],
+            args.batch,
+            args.ts,
+            args.heads,
+            args.head_dim,
+            where=args.where,
+            reps=args.reps,
+        )
         rows.append({"variant": cfg["variant"], "options": cfg["options"], **row})
         for key, top in (("by_op", args.top), ("where", 10**6 if args.where else 0)):
             for what, n in list(row.get(key, {}).items())[:top]:
