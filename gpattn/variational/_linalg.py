@@ -160,18 +160,31 @@ def _ladder(A: torch.Tensor, max_tries: int) -> tuple[torch.Tensor, torch.Tensor
     backward (an escalation per try costs a call each and a backward through every in-place jitter).
     # shape: A (..., n, n) -> L (..., n, n), info (...) (> 0 where every try failed)"""
     jitter = gpytorch.settings.cholesky_jitter.value(A.dtype)
-    diag, previous = A.diagonal(dim1=-2, dim2=-1), 0.0
-    tries = [diag]  # shape: each (..., n): the diagonal of the plain try, then of each jittered one
-    for i in range(max(max_tries, 0)):
-        new = jitter * (10**i)
-        tries.append(tries[-1] + _in_default_dtype(new - previous))  # as psd_safe_cholesky's (info > 0) * step
-        previous = new
-    tries = torch.stack(tries)  # shape: (1 + max_tries, ..., n)
-    with torch.no_grad():
+    with torch.no_grad():  # the jitter is a constant: A's gradient passes the shift unchanged (_ShiftedDiagonal)
+        diag, previous = A.diagonal(dim1=-2, dim2=-1), 0.0
+        tries = [diag]  # shape: each (..., n): the diagonal of the plain try, then of each jittered one
+        for i in range(max(max_tries, 0)):
+            new = jitter * (10**i)
+            tries.append(tries[-1] + _in_default_dtype(new - previous))  # as psd_safe_cholesky's (info > 0) * step
+            previous = new
+        tries = torch.stack(tries)  # shape: (1 + max_tries, ..., n)
         stacked = A.expand(tries.shape[0], *A.shape).diagonal_scatter(tries, dim1=-2, dim2=-1)
         first = torch.linalg.cholesky_ex(stacked)[1].argmin(0)  # the first 0 (a try that fails if none succeeds)
-    chosen = tries.gather(0, first[None, ..., None].expand(1, *diag.shape))[0]  # shape: (..., n)
-    return torch.linalg.cholesky_ex(A.diagonal_scatter(chosen, dim1=-2, dim2=-1))
+        chosen = tries.gather(0, first[None, ..., None].expand(1, *diag.shape))[0]  # shape: (..., n)
+    return torch.linalg.cholesky_ex(_ShiftedDiagonal.apply(A, chosen))
+
+
+class _ShiftedDiagonal(torch.autograd.Function):
+    """A with its diagonal replaced by ``diag``, a constant shift of A's own (a jitter computed without gradients):
+    the gradient passes to A whole, as through A + c·I, without a backward through the shift's arithmetic."""
+
+    @staticmethod
+    def forward(ctx, A, diag):  # shape: A (..., n, n), diag (..., n) -> (..., n, n)
+        return A.diagonal_scatter(diag, dim1=-2, dim2=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _in_default_dtype(x: float) -> float:
