@@ -169,8 +169,8 @@ def finish_call(layer, call: AttentionCall, out: Attended) -> tuple[torch.Tensor
         y = y.masked_fill(empty.all(1), 0)  # a query with no allowed key in any head: output 0
     if out.mean is not None and layer.training:  # the trainer reads them; prediction skips the extra W_o
         real = call.loss_mask if call.context is None else None  # cross-attention: the queries are not padded
-        rows = [t if t is None or drawn == 1 else t.repeat_interleave(drawn, 0) for t in (call.x, real)]
-        layer._diagnostics.update(output_scale(layer.out_proj, *rows, heads, out.mean.repeat_interleave(drawn, 0)))
+        rows = [t if t is None or drawn == 1 else t.repeat_interleave(drawn, 0) for t in (call.x, real, out.mean)]
+        layer._diagnostics.update(output_scale(layer.out_proj, *rows[:2], heads, rows[2]))
     if call.keep is not None:  # all-padding sequences: output 0 (masked arithmetic, no host read)
         y = y.masked_fill_(~call.keep.repeat_interleave(drawn, 0)[:, None, None], 0)  # y is W_o's fresh output
     if call.repeat > drawn:  # this forward did not sample: every draw is the same
