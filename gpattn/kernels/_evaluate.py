@@ -43,7 +43,8 @@ def _rbf(kernel: Kernel, rbf: RBFKernel, x1: torch.Tensor, x2: torch.Tensor, dia
     ``torch.equal(x1, x2)``, a host read that synchronises a CUDA stream and breaks a ``torch.compile`` graph
     in every forward. The same squared distances (gpytorch's ``sq_dist``), told that x1 is not x2.
     # shape: x1 (..., n, d), x2 (..., m, d) -> (..., n, m), or (..., n) with diag=True"""
-    a, b = x1.div(rbf.lengthscale), x2.div(rbf.lengthscale)
+    ell = rbf.lengthscale  # a constraint's transform per read: read once
+    a, b = x1.div(ell), x2.div(ell)
     d2 = (a - b).square().sum(-1) if diag else sq_dist(a, b, x1_eq_x2=False)
     out = d2.div(-2.0).exp()
     if kernel is not rbf:  # ScaleKernel: σ² per batch entry (heads)
@@ -71,11 +72,13 @@ def log_linear_form(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor):
         form = log_linear_form(kernel.base_kernel, x1, x2)
         return None if form is None else (*form[:2], form[2] + kernel.outputscale.log()[..., None], form[3])
     if type(kernel) is ExponentialKernel:
-        a, b = x1 / kernel.lengthscale, x2 / kernel.lengthscale
+        ell = kernel.lengthscale  # a constraint's transform per read: read once
+        a, b = x1 / ell, x2 / ell
         return a, b, kernel.outputscale.log()[..., None].expand(a.shape[:-1]), None
     if type(kernel) is not RBFKernel:
         return None
-    a, b = x1 / kernel.lengthscale, x2 / kernel.lengthscale
+    ell = kernel.lengthscale
+    a, b = x1 / ell, x2 / ell
     shift = b.detach().mean(-2, keepdim=True)  # stationary: centred, a·b loses no digits far from 0 (as sq_dist)
     a, b = a - shift, b - shift
     return a, b, a.square().sum(-1).mul(-0.5), b.square().sum(-1).mul(-0.5)
