@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import gpattn
+from gpattn.kernels import evaluate_kernel, make_kernel
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 for _p in (str(BENCH), str(Path(__file__).resolve().parent)):
@@ -66,6 +67,30 @@ def test_no_host_sync_below_python(name):
         y.backward()
     syncs = [f"{name_} at {at}" for _, name_, _, at in counter.records if name_ in op_count.SYNC_OPS]
     assert syncs == []
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "ard-rbf",
+        "exponential",
+        {"name": "sum", "kernels": ["ard-rbf", "exponential"]},
+        {"name": "product", "kernels": ["ard-rbf", "exponential"]},
+        {"name": "scale", "base": "ard-rbf"},
+    ],
+    ids=["ard-rbf", "exponential", "sum", "product", "scale-of-scale"],
+)
+def test_kernel_blocks_read_nothing_back(spec):
+    """gpattn's kernel evaluation of the RBF and exponential kernels, alone or in gpytorch's sums, products and
+    scalings, skips gpytorch's ``torch.equal(x1, x2)`` (covar_dist, ProductKernel), on distinct and equal inputs.
+    (A Matérn kernel still asks it, once per block: gpytorch's covar_dist.)"""
+    kernel = make_kernel(spec, 2, 4, rbf="ard-rbf")
+    x1, x2 = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 6, 4)
+    counter = op_count.OpCounter(where=True)
+    with counter:
+        evaluate_kernel(kernel, x1, x2)
+        evaluate_kernel(kernel, x1, x1)
+    assert [name for _, name, _, _ in counter.records if name in op_count.SYNC_OPS] == []
 
 
 def test_counter_sees_syncs_and_constants():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
-from gpytorch.kernels import Kernel, RBFKernel, ScaleKernel
+from gpytorch.kernels import AdditiveKernel, Kernel, ProductKernel, RBFKernel, ScaleKernel
 from gpytorch.kernels.kernel import sq_dist
 from linear_operator import to_dense
 
@@ -15,7 +18,10 @@ __all__ = ["evaluate_kernel", "log_linear_form"]
 def evaluate_kernel(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, **params) -> torch.Tensor:
     """Dense kernel block κ(x1, x2) evaluated now (no lazy tensor, so nothing assumes symmetry).
 
-    A plain (ARD) RBF kernel, scaled or not, is evaluated here without gpytorch's host read (:func:`_rbf`).
+    A plain (ARD) RBF kernel, scaled or not, is evaluated here without gpytorch's host read (:func:`_rbf`), and so
+    are gpytorch's sums, products and scalings of kernels (:func:`_composition`: their blocks combined as gpytorch
+    combines them, without ``ProductKernel``'s ``torch.equal``), so that an RBF inside one reads nothing back
+    either (a Matérn kernel still does: gpytorch's ``covar_dist`` asks ``torch.equal(x1, x2)``).
     Otherwise calls ``kernel.forward`` directly when the kernel has no ``active_dims`` (skipping the lazy
     kernel-tensor machinery of ``Kernel.__call__`` halves the cost of small blocks); otherwise
     ``kernel(x1, x2)``. Both give the same values (tested). ``params`` go to the kernel as in gpytorch
@@ -26,8 +32,21 @@ def evaluate_kernel(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor, diag: bo
     if rbf is not None and not params:
         return _rbf(kernel, rbf, x1, x2, diag)
     if kernel.active_dims is None:
+        if not params and type(kernel) in (ScaleKernel, AdditiveKernel, ProductKernel):
+            return _composition(kernel, x1, x2, diag)
         return to_dense(kernel.forward(x1, x2, diag=diag, **params))
     return to_dense(kernel(x1, x2, diag=diag, **params))
+
+
+def _composition(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor, diag: bool) -> torch.Tensor:
+    """gpytorch's ``ScaleKernel`` (σ² per batch entry times its base), ``AdditiveKernel`` (the sum of its kernels,
+    in order) or ``ProductKernel`` (their product, in order), each part evaluated by :func:`evaluate_kernel`.
+    # shape: x1 (..., n, d), x2 (..., m, d) -> (..., n, m), or (..., n) with diag=True"""
+    if type(kernel) is ScaleKernel:
+        scale = kernel.outputscale[..., None] if diag else kernel.outputscale[..., None, None]
+        return evaluate_kernel(kernel.base_kernel, x1, x2, diag) * scale
+    blocks = [evaluate_kernel(k, x1, x2, diag) for k in kernel.kernels]
+    return functools.reduce(operator.add if type(kernel) is AdditiveKernel else operator.mul, blocks)
 
 
 def _plain_rbf(kernel: Kernel) -> RBFKernel | None:
