@@ -257,18 +257,18 @@ def kep_kl_divergence(lam: torch.Tensor, m: torch.Tensor, L: torch.Tensor) -> to
         \tfrac12 \sum_c \big[\operatorname{tr}(\Lambda^{-2} S_c) + m_c^\top \Lambda^{-2} m_c - r
         + \log|\Lambda^2| - \log|S_c|\big],
 
-    with :math:`\operatorname{tr}(\Lambda^{-2} L_c L_c^\top) = \lVert \Lambda^{-1} L_c \rVert_F^2` and
-    :math:`\log|S_c| = 2 \sum_j \log|L_{c,jj}|` — only the diagonal Λ is inverted. A *global* term
+    with :math:`\operatorname{tr}(\Lambda^{-2} L_c L_c^\top) + m_c^\top \Lambda^{-2} m_c = \sum_j \lambda_j^{-2}
+    (\lVert L_{c,j\cdot} \rVert^2 + m_{c,j}^2)` and :math:`\log|\Lambda^2| - \log|S_c| = 2 \sum_j \log(\lambda_j /
+    |L_{c,jj}|)` — only the diagonal Λ is inverted; summed over (h, c) in one reduction each. A *global* term
     (the objective divides it by N).
 
     # shape: lam (H, r), m (H, r_c, r), L (H, r_c, r, r) -> ()
     """
-    inv_lam = lam.reciprocal()  # shape: (H, r)
-    trace = (L * inv_lam[:, None, :, None]).pow(2).sum((-2, -1))  # shape: (H, r_c)
-    maha = (m * inv_lam[:, None, :]).pow(2).sum(-1)  # shape: (H, r_c)
-    logdet_prior = 2.0 * lam.log().sum(-1, keepdim=True)  # shape: (H, 1)
-    logdet_q = 2.0 * torch.diagonal(L, dim1=-2, dim2=-1).abs().log().sum(-1)  # shape: (H, r_c)
-    return 0.5 * (trace + maha - lam.shape[-1] + logdet_prior - logdet_q).sum()
+    rows = L.pow(2).sum(-1) + m.pow(2)  # shape: (H, r_c, r): ‖L_{c,j·}‖² + m_{c,j}²
+    quad = (rows * lam.pow(-2)[:, None, :]).sum()  # Σ_{h,c} tr(Λ⁻² S_c) + m_cᵀ Λ⁻² m_c
+    # ½ Σ_{h,c} (log|Λ²| − log|S_c|)
+    log_ratio = (lam.log()[:, None, :] - torch.diagonal(L, dim1=-2, dim2=-1).abs().log()).sum()
+    return 0.5 * (quad - m.numel()) + log_ratio  # m.numel() = H·r_c·r: the Σ_{h,c} r
 
 
 # ------------------------------------------------------------------------------- q(u) -> q(f)
@@ -497,7 +497,7 @@ class KEPSVGP(AmortisedVariationalStrategy):
         """KSVD projections, merged features ``a = G Λ⁻¹`` and (optional) the residual root.
 
         # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask (B, T) or None -> dict with e, r (B, H, T, r),
-        #        a (B, H, T, r), residual (B, H, T, 2·Dh) or None
+        #        a (B, H, T, r), residual (B, H, T, 2·Dh) or None, lam (H, r) (Λ)
         """
         self.check_length(x.shape[1])
         e, r, W_e, W_r = self.ksvd(x, q, k, mask)
@@ -519,8 +519,9 @@ class KEPSVGP(AmortisedVariationalStrategy):
             G = A_e @ keep(e) + A_r @ keep(r)  # shape: (B, H, T, r)
             if res is not None:
                 res = torch.cat([A_e @ keep(res[0]), A_r @ keep(res[1])], dim=-1)
-        a = G * (-self.ksvd.log_lambda).exp()[:, None, :]  # shape: (B, H, T, r): G Λ⁻¹ (Λ diagonal)
-        return {"e": e, "r": r, "a": a, "residual": res}
+        lam = self.ksvd.lam  # formed once per forward: the features, the KL and J read it (KEPConditional)
+        a = G / lam[:, None, :]  # shape: (B, H, T, r): G Λ⁻¹ (Λ diagonal)
+        return {"e": e, "r": r, "a": a, "residual": res, "lam": lam}
 
     def condition(self, x, q, k, mask=None) -> KEPConditional:
         """Features of a batch of sequences, computed once (float32 at least, autocast off).
@@ -547,8 +548,8 @@ class KEPConditional(AmortisedConditional):
 
     @functools.cached_property
     def _lam(self) -> torch.Tensor:
-        """Λ, formed once per forward for the KL and J.  # shape: (H, r)"""
-        return self.strategy.ksvd.lam
+        """Λ, formed once per forward (by :meth:`KEPSVGP.features`) for the features, the KL and J.  # shape: (H, r)"""
+        return self.features["lam"]
 
     @functools.cached_property
     def _chol(self) -> torch.Tensor:
