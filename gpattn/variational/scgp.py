@@ -192,8 +192,11 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         S_m = K_om.mT @ K_om  # K_mo K_om  # shape: (B, H, m, m)
         P = K_om.mT @ K_ol  # K_mo K_ol  # shape: (B, H, m, l)
         S_k = K_kl.mT @ K_kl  # K_lk K_kl  # shape: (B, H, l, l)
-        L_q = cholesky(s2 * K_mm + S_m, name="scgp: sigma^2 K_mm + K_mo K_om")
-        L_k = cholesky(s2 * K_ll + S_k, name="scgp: sigma^2 K_ll + K_lk K_kl")
+        L_q, L_k = _pairwise(  # B_q = σ² K_mm + K_mo K_om, B_k = σ² K_ll + K_lk K_kl
+            lambda A: cholesky(A, name="scgp: sigma^2 K_mm + K_mo K_om, sigma^2 K_ll + K_lk K_kl"),
+            (s2 * K_mm + S_m,),
+            (s2 * K_ll + S_k,),
+        )
         return DTCTerms(K_qm, K_om, K_ol, K_kl, K_mm, K_ll, S_m, P, L_q, L_k, s2, S_k)
 
     @staticmethod
@@ -216,7 +219,7 @@ class SparseCorrelatedGP(CorrelatedGPBase):
 
     def _dtc_trace(self, G: torch.Tensor, S: torch.Tensor, K_mm: torch.Tensor, L_B: torch.Tensor, s2):
         """:math:`\\mathrm{tr}(B^{-1}SK_{mm}^{-1}SB^{-1}G) + \\sigma^2\\mathrm{tr}(B^{-1}G)` for
-        :math:`B = \\sigma^2K_{mm} + S = L_BL_B^\\top`.  # shape: G, S, K_mm (..., m, m) -> (B, H)"""
+        :math:`B = \\sigma^2K_{mm} + S = L_BL_B^\\top`.  # shape: G, S, K_mm (..., B, H, m, m) -> (..., B, H)"""
         L_mm = cholesky(add_jitter(K_mm, self.jitter), name="scgp: inducing Gram")
         V = tri_solve(L_mm, torch.cholesky_solve(S, L_B).mT)  # L_mm⁻¹ S B⁻¹
         trace_BG = torch.cholesky_solve(G, L_B).diagonal(dim1=-2, dim2=-1).sum(-1)  # tr(B⁻¹ G)
@@ -227,12 +230,15 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         s2 = t.s2[:, 0, 0]  # shape: (H,)
         # the real queries and keys: a count per sequence, or the lengths (Python numbers: no tensor made for them)
         n_q, n_k = (n if m is None else m.sum(-1).to(nu) for m, n in ((valid_q, nu.shape[-2]), (valid, z.shape[-2])))
-        # query part: z_m | z_o is the DTC posterior of the mean (capacitance B_q)
-        tr_q = self._dtc_trace(t.K_qm.mT @ t.K_qm, t.S_m, t.K_mm, t.L_q, t.s2)
+        # query part: z_m | z_o is the DTC posterior of the mean (capacitance B_q);
         # key part: z_l | z_o, the DTC posterior with z_o as observations (B'_k = σ² K_ll + K_lo K_ol)
         S_l = t.K_ol.mT @ t.K_ol  # shape: (B, H, l, l)
         L_kb = cholesky(t.s2 * t.K_ll + S_l, name="scgp: sigma^2 K_ll + K_lo K_ol")
-        tr_k = self._dtc_trace(t.S_k, S_l, t.K_ll, L_kb, t.s2)
+        tr_q, tr_k = _pairwise(
+            lambda G, S, K, L_B: self._dtc_trace(G, S, K, L_B, t.s2),
+            (t.K_qm.mT @ t.K_qm, t.S_m, t.K_mm, t.L_q),
+            (t.S_k, S_l, t.K_ll, L_kb),
+        )
         sq = nu.pow(2).sum(-2) + z.pow(2).sum(-2)  # shape: (B, H, Dv)
         # both parts carry T log σ² (the log-determinant of σ²I over the real tokens)
         return (sq + (tr_q + tr_k)[..., None]) / s2[:, None] + ((n_q + n_k) * s2.log())[..., None]
@@ -259,6 +265,15 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         if valid is not None:
             z = z * valid[..., :, None]
         return self.predictive_mean(t, z).to(dtype)
+
+
+def _pairwise(fn, first: tuple, second: tuple) -> tuple:
+    """``(fn(*first), fn(*second))``, computed as one call of fn on the stacked arguments when their shapes agree
+    (m = l, the default): each of fn's operators runs once for both (batched factorisations and products treat
+    every matrix on its own, so the values are those of the two calls)."""
+    if all(a.shape == b.shape for a, b in zip(first, second)):
+        return tuple(fn(*(torch.stack(pair) for pair in zip(first, second))).unbind(0))
+    return fn(*first), fn(*second)
 
 
 def _algebra_inputs(*tensors: torch.Tensor) -> list[torch.Tensor]:
