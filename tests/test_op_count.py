@@ -93,6 +93,26 @@ def test_kernel_blocks_read_nothing_back(spec):
     assert [name for _, name, _, _ in counter.records if name in op_count.SYNC_OPS] == []
 
 
+# torch 2.13's dynamo instantiates every autograd.Function it traces (kernel attention's fused one too) and warns
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+@pytest.mark.parametrize("name", ["kep-svgp", "scgp", "cgp"])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_rewritten_layers_trace_as_one_graph(name, training):
+    """The layers whose step was rewritten for fewer operators stay one ``torch.compile`` graph, sampling, with and
+    without gradients (``torch._dynamo.explain``: traced, not compiled). A graph break (a lock taken by
+    ``functools.cached_property``, a host read) would cut the fusion that the remaining small-T overhead needs."""
+    import torch._dynamo as dynamo
+
+    torch.manual_seed(0)
+    layer = gpattn.build_attention(name, 16, 2).train(training)
+    x, mask = padded_inputs(D=16)
+    dynamo.reset()
+    with torch.set_grad_enabled(training):
+        explained = dynamo.explain(layer)(x, mask)
+    dynamo.reset()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 def test_counter_sees_syncs_and_constants():
     """The counter's categories on operators of known kind: a read back, a constant, a view, a kernel."""
     t = torch.randn(3, 4)

@@ -22,7 +22,6 @@ Pieces, kept apart as in GPyTorch (q(u) parameterisation vs the q(u) → q(f) ma
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -541,20 +540,24 @@ class KEPConditional(AmortisedConditional):
     """
 
     def __init__(self, strategy: KEPSVGP, features: dict, mask: torch.Tensor | None):
-        self.strategy, self.features, self.mask = strategy, features, mask
+        self.strategy, self.features, self.mask, self._L = strategy, features, mask, None
         q_u = strategy.variational_distribution
         self._device = features["a"].device.type
         self.mean = kep_mean(features["a"], q_u.variational_mean, strategy.out_weight, strategy.out_bias)
 
-    @functools.cached_property
+    @property
     def _lam(self) -> torch.Tensor:
         """Λ, formed once per forward (by :meth:`KEPSVGP.features`) for the features, the KL and J.  # shape: (H, r)"""
         return self.features["lam"]
 
-    @functools.cached_property
+    @property
     def _chol(self) -> torch.Tensor:
-        """L_c, formed once per forward for the samples and the KL.  # shape: (H, r_c, r, r)"""
-        return self.strategy.variational_distribution.chol
+        """L_c, formed once per forward (on first use) for the samples and the KL; a plain attribute of this per-call
+        object (``functools.cached_property`` takes a lock, which breaks a ``torch.compile`` graph).
+        # shape: (H, r_c, r, r)"""
+        if self._L is None:
+            self._L = self.strategy.variational_distribution.chol
+        return self._L
 
     def _map_args(self):
         q_u, s = self.strategy.variational_distribution, self.strategy
