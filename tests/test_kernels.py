@@ -81,8 +81,11 @@ def test_factory():
         ScaleKernel(RBFKernel(ard_num_dims=3, batch_shape=torch.Size([2])), batch_shape=torch.Size([2])),
         MaternKernel(nu=1.5),
         RBFKernel(active_dims=torch.tensor([0, 2])),
+        make_kernel({"name": "sum", "kernels": ["ard-rbf", "matern"]}, 2, 3),
+        make_kernel({"name": "product", "kernels": ["ard-rbf", "exponential", "matern"]}, 2, 3),
+        make_kernel({"name": "scale", "base": "ard-rbf", "outputscale": 0.5}, 2, 3),
     ],
-    ids=["exponential", "scale-rbf", "matern", "rbf-active-dims"],
+    ids=["exponential", "scale-rbf", "matern", "rbf-active-dims", "sum", "product", "scale-of-scale-rbf"],
 )
 def test_evaluate_kernel_equals_gpytorch_call(kernel):
     x1 = torch.randn(4, 2, 5, 3)

@@ -58,6 +58,24 @@ def test_escalation_without_host_reads_gives_the_same_factors(dtype):
     assert torch.equal(L.cholesky(-torch.eye(4, dtype=dtype), max_tries=0).isnan(), torch.ones(4, 4, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_escalation_without_host_reads_has_the_same_gradient(dtype):
+    """The ladder's gradient (one factorisation with gradients, of the try it chose) is psd_safe_cholesky's: the
+    jitter is a constant, so the factor's gradient reaches A unchanged, for the plain and the jittered matrices."""
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(3, 5, 2, dtype=dtype, generator=g)
+    A0 = v @ v.mT  # rank 2: needs jitter
+    A0[0] += 5 * torch.eye(5, dtype=dtype)  # positive definite: the plain factor
+    weights = torch.randn(3, 5, 5, dtype=dtype, generator=g)
+    grads = []
+    for validating in (True, False):
+        A = A0.clone().requires_grad_(True)
+        with gpattn.validation(validating):
+            (L.cholesky(A) * weights).sum().backward()
+        grads.append(A.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
 def test_safe_sqrt_clamps_negative_round_off():
     var = torch.tensor([-1e-9, 0.0, 4.0])
     torch.testing.assert_close(L.safe_sqrt(var), torch.tensor([0.0, 0.0, 2.0]))

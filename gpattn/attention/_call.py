@@ -169,8 +169,8 @@ def finish_call(layer, call: AttentionCall, out: Attended) -> tuple[torch.Tensor
         y = y.masked_fill(empty.all(1), 0)  # a query with no allowed key in any head: output 0
     if out.mean is not None and layer.training:  # the trainer reads them; prediction skips the extra W_o
         real = call.loss_mask if call.context is None else None  # cross-attention: the queries are not padded
-        rows = [t if t is None or drawn == 1 else t.repeat_interleave(drawn, 0) for t in (call.x, real)]
-        layer._diagnostics.update(output_scale(layer.out_proj, *rows, heads, out.mean.repeat_interleave(drawn, 0)))
+        rows = [t if t is None or drawn == 1 else t.repeat_interleave(drawn, 0) for t in (call.x, real, out.mean)]
+        layer._diagnostics.update(output_scale(layer.out_proj, *rows[:2], heads, rows[2]))
     if call.keep is not None:  # all-padding sequences: output 0 (masked arithmetic, no host read)
         y = y.masked_fill_(~call.keep.repeat_interleave(drawn, 0)[:, None, None], 0)  # y is W_o's fresh output
     if call.repeat > drawn:  # this forward did not sample: every draw is the same
@@ -182,18 +182,17 @@ def finish_call(layer, call: AttentionCall, out: Attended) -> tuple[torch.Tensor
 def output_scale(out_proj, x, mask, heads, mean) -> dict[str, torch.Tensor]:
     """A GP layer's output scale against its input, per real token
     (:meth:`~gpattn.attention._records.ForwardRecords.diagnostics`): detached 0-dim tensors, no host synchronisation.
+    One ``W_o`` product for the mean and the spread and one norm for the three (a few operators per forward).
     # shape: x (B, T, D), heads, mean (B, H, T, Dv), mask (B, T) or None"""
     B, H, T, Dv = heads.shape
-
-    def flat(h):
-        return h.transpose(1, 2).reshape(B, T, H * Dv)
-
-    mean_out = out_proj(flat(mean))  # shape: (B, T, D): E[layer output]
-    spread = torch.nn.functional.linear(flat(heads - mean), out_proj.weight)  # W_o (f − E f)
-    real = x.new_ones(B, T) if mask is None else (~mask).to(x.dtype)
-    count = real.sum().clamp_min(1)
-
-    def per_token(t):
-        return (t.float().norm(dim=-1) * real).sum() / count
-
-    return {"input_norm": per_token(x), "mean_norm": per_token(mean_out), "spread_norm": per_token(spread)}
+    parts = torch.stack([mean, heads - mean]).transpose(2, 3).reshape(2, B, T, H * Dv)  # E f, f − E f
+    out = parts @ out_proj.weight.mT  # shape: (2, B, T, D): W_o E f, W_o (f − E f)
+    mean_out = out[0] if out_proj.bias is None else out[0] + out_proj.bias  # E[layer output]
+    norms = torch.stack([x.float(), mean_out.float(), out[1].float()]).norm(dim=-1)  # shape: (3, B, T)
+    norms = norms.to(torch.promote_types(norms.dtype, x.dtype))  # reduced in x's precision if higher
+    if mask is None:
+        per_token = norms.mean((1, 2))
+    else:
+        real = (~mask).to(norms.dtype)
+        per_token = (norms * real).sum((1, 2)) / real.sum().clamp_min(1)
+    return dict(zip(("input_norm", "mean_norm", "spread_norm"), per_token.unbind()))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
-from gpytorch.kernels import Kernel, RBFKernel, ScaleKernel
+from gpytorch.kernels import AdditiveKernel, Kernel, ProductKernel, RBFKernel, ScaleKernel
 from gpytorch.kernels.kernel import sq_dist
 from linear_operator import to_dense
 
@@ -15,7 +18,10 @@ __all__ = ["evaluate_kernel", "log_linear_form", "temperature_lengthscale"]
 def evaluate_kernel(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, **params) -> torch.Tensor:
     """Dense kernel block κ(x1, x2) evaluated now (no lazy tensor, so nothing assumes symmetry).
 
-    A plain (ARD) RBF kernel, scaled or not, is evaluated here without gpytorch's host read (:func:`_rbf`).
+    A plain (ARD) RBF kernel, scaled or not, is evaluated here without gpytorch's host read (:func:`_rbf`), and so
+    are gpytorch's sums, products and scalings of kernels (:func:`_composition`: their blocks combined as gpytorch
+    combines them, without ``ProductKernel``'s ``torch.equal``), so that an RBF inside one reads nothing back
+    either (a Matérn kernel still does: gpytorch's ``covar_dist`` asks ``torch.equal(x1, x2)``).
     Otherwise calls ``kernel.forward`` directly when the kernel has no ``active_dims`` (skipping the lazy
     kernel-tensor machinery of ``Kernel.__call__`` halves the cost of small blocks); otherwise
     ``kernel(x1, x2)``. Both give the same values (tested). ``params`` go to the kernel as in gpytorch
@@ -26,8 +32,21 @@ def evaluate_kernel(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor, diag: bo
     if rbf is not None and not params:
         return _rbf(kernel, rbf, x1, x2, diag)
     if kernel.active_dims is None:
+        if not params and type(kernel) in (ScaleKernel, AdditiveKernel, ProductKernel):
+            return _composition(kernel, x1, x2, diag)
         return to_dense(kernel.forward(x1, x2, diag=diag, **params))
     return to_dense(kernel(x1, x2, diag=diag, **params))
+
+
+def _composition(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor, diag: bool) -> torch.Tensor:
+    """gpytorch's ``ScaleKernel`` (σ² per batch entry times its base), ``AdditiveKernel`` (the sum of its kernels,
+    in order) or ``ProductKernel`` (their product, in order), each part evaluated by :func:`evaluate_kernel`.
+    # shape: x1 (..., n, d), x2 (..., m, d) -> (..., n, m), or (..., n) with diag=True"""
+    if type(kernel) is ScaleKernel:
+        scale = kernel.outputscale[..., None] if diag else kernel.outputscale[..., None, None]
+        return evaluate_kernel(kernel.base_kernel, x1, x2, diag) * scale
+    blocks = [evaluate_kernel(k, x1, x2, diag) for k in kernel.kernels]
+    return functools.reduce(operator.add if type(kernel) is AdditiveKernel else operator.mul, blocks)
 
 
 def _plain_rbf(kernel: Kernel) -> RBFKernel | None:
@@ -43,7 +62,8 @@ def _rbf(kernel: Kernel, rbf: RBFKernel, x1: torch.Tensor, x2: torch.Tensor, dia
     ``torch.equal(x1, x2)``, a host read that synchronises a CUDA stream and breaks a ``torch.compile`` graph
     in every forward. The same squared distances (gpytorch's ``sq_dist``), told that x1 is not x2.
     # shape: x1 (..., n, d), x2 (..., m, d) -> (..., n, m), or (..., n) with diag=True"""
-    a, b = x1.div(rbf.lengthscale), x2.div(rbf.lengthscale)
+    ell = rbf.lengthscale  # a constraint's transform per read: read once
+    a, b = x1.div(ell), x2.div(ell)
     d2 = (a - b).square().sum(-1) if diag else sq_dist(a, b, x1_eq_x2=False)
     out = d2.div(-2.0).exp()
     if kernel is not rbf:  # ScaleKernel: σ² per batch entry (heads)
@@ -71,11 +91,13 @@ def log_linear_form(kernel: Kernel, x1: torch.Tensor, x2: torch.Tensor):
         form = log_linear_form(kernel.base_kernel, x1, x2)
         return None if form is None else (*form[:2], form[2] + kernel.outputscale.log()[..., None], form[3])
     if type(kernel) is ExponentialKernel:
-        a, b = x1 / kernel.lengthscale, x2 / kernel.lengthscale
+        ell = kernel.lengthscale  # a constraint's transform per read: read once
+        a, b = x1 / ell, x2 / ell
         return a, b, kernel.outputscale.log()[..., None].expand(a.shape[:-1]), None
     if type(kernel) is not RBFKernel:
         return None
-    a, b = x1 / kernel.lengthscale, x2 / kernel.lengthscale
+    ell = kernel.lengthscale
+    a, b = x1 / ell, x2 / ell
     shift = b.detach().mean(-2, keepdim=True)  # stationary: centred, a·b loses no digits far from 0 (as sq_dist)
     a, b = a - shift, b - shift
     return a, b, a.square().sum(-1).mul(-0.5), b.square().sum(-1).mul(-0.5)

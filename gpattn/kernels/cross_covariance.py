@@ -70,16 +70,27 @@ class CanonicalRBFKernel(Kernel):
     def is_stationary(self) -> bool:
         return True
 
+    @staticmethod
+    def squared_norm(x: torch.Tensor) -> torch.Tensor:
+        """‖x‖² per point, as :meth:`forward` uses it (pass it as ``sq_norms`` to share it between blocks).
+        # shape: (..., n, d) -> (..., n, 1)"""
+        return x.pow(2).sum(-1, keepdim=True)
+
     # shape: x1 (..., n, d), x2 (..., m, d) -> (..., n, m), or (..., n) with diag=True
-    def forward(self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, **params) -> torch.Tensor:
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, sq_norms=None, **params) -> torch.Tensor:
+        """``sq_norms``: ``(‖x1‖², ‖x2‖²)`` of :meth:`squared_norm` where the caller has them (either may be None),
+        so that blocks over the same points compute them once (the same values)."""
         if diag:
             K = torch.exp(-0.5 * (x1 - x2).pow(2).sum(-1))
         else:
             # -½‖a − b‖² = a·b − ½‖a‖² − ½‖b‖², clamped at 0 against round-off (κ_o ≤ 1)
-            half_a = 0.5 * x1.pow(2).sum(-1, keepdim=True)  # shape: (..., n, 1)
-            half_b = 0.5 * x2.pow(2).sum(-1, keepdim=True)  # shape: (..., m, 1)
-            # in place on the fresh matmul output: one n×m temporary besides the result
-            expo = (x1 @ x2.transpose(-1, -2)).sub_(half_a).sub_(half_b.transpose(-1, -2)).clamp_max_(0.0)
+            sq_a, sq_b = sq_norms or (None, None)
+            sq_a = self.squared_norm(x1) if sq_a is None else sq_a  # shape: (..., n, 1)
+            sq_b = sq_a if sq_b is None and x2 is x1 else (self.squared_norm(x2) if sq_b is None else sq_b)
+            # in place on the fresh matmul output: one n×m temporary besides the result; the ½ rides as the
+            # subtraction's alpha (exact: a power of two), one operator fewer per norm, forward and backward
+            expo = x1 @ x2.transpose(-1, -2)
+            expo = expo.sub_(sq_a, alpha=0.5).sub_(sq_b.transpose(-1, -2), alpha=0.5).clamp_max_(0.0)
             K = torch.exp(expo)
         event = K.shape[-1:] if diag else K.shape[-2:]
         batch = torch.broadcast_shapes(K.shape[: K.dim() - len(event)], self.batch_shape)
@@ -168,19 +179,34 @@ class CrossCovarianceKernel(Kernel):
         raise ValueError(f"role must be one of {list(ROLES)}, got {role!r}")
 
     # ------------------------------------------------------------------ dense evaluation
-    def canonical_block(self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False) -> torch.Tensor:
-        """:math:`\\kappa_o(x_1, x_2)`, dense.  # shape: x1 (..., n, d), x2 (..., m, d) -> (..., n, m)"""
+    def canonical_block(self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, sq_norms=None) -> torch.Tensor:
+        """:math:`\\kappa_o(x_1, x_2)`, dense (``sq_norms``: :meth:`squared_norms` of x1 and x2, or None).
+        # shape: x1 (..., n, d), x2 (..., m, d) -> (..., n, m)"""
         if type(self.canonical) is CanonicalRBFKernel:
-            return self.canonical.forward(x1, x2, diag=diag)
+            return self.canonical.forward(x1, x2, diag=diag, sq_norms=sq_norms)
         return evaluate_kernel(self.canonical, x1, x2, diag=diag)
+
+    def squared_norms(self, *xs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """What blocks over the points ``xs`` share (``sq_norms=`` of :meth:`forward`): their squared norms for the
+        canonical RBF kernel, None for another canonical kernel.  # shape: each (..., n, d) -> (..., n, 1) or None"""
+        if type(self.canonical) is CanonicalRBFKernel:
+            return tuple(CanonicalRBFKernel.squared_norm(x) for x in xs)
+        return (None,) * len(xs)
 
     # shape: x1 (..., n, d), x2 (..., m, d) -> (..., n, m), or (..., n) with diag=True
     def forward(
-        self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, roles: tuple[str, str] = ("q", "k"), **params
+        self,
+        x1: torch.Tensor,
+        x2: torch.Tensor,
+        diag: bool = False,
+        roles: tuple[str, str] = ("q", "k"),
+        sq_norms=None,
+        **params,
     ) -> torch.Tensor:
         """Dense :math:`K_{ab} = \\kappa_{ab}(x_1, x_2)` for ``roles=(a, b)``. ``kernel(x1, x2, roles=...)``
         is gpytorch's lazy version of the same block (its ``.mT`` is :math:`K_{ab}^\\top`);
-        :func:`gpattn.kernels.evaluate_kernel` evaluates it now."""
+        :func:`gpattn.kernels.evaluate_kernel` evaluates it now. ``sq_norms``: :meth:`squared_norms` of x1 and x2
+        (blocks over the same points share them), or None."""
         if len(roles) != 2 or any(r not in ROLES for r in roles):
             raise ValueError(f"roles must be a pair from {list(ROLES)}, got {roles!r}")
         if x1.shape[-1] != x2.shape[-1]:
@@ -189,16 +215,17 @@ class CrossCovarianceKernel(Kernel):
             )
         if diag and x1.shape[-2] != x2.shape[-2]:
             raise ValueError(f"diag=True needs as many points in x1 as in x2, got {x1.shape[-2]} and {x2.shape[-2]}")
-        a, b = roles
-        K = self.canonical_block(x1, x2, diag=diag)
-        scale = self.scale(a) * self.scale(b)
-        if torch.is_tensor(scale):
-            scale = scale[..., None] if diag else scale[..., None, None]
-        return K * scale
+        K = self.canonical_block(x1, x2, diag=diag, sq_norms=sq_norms)
+        scales = [s for s in map(self.scale, roles) if torch.is_tensor(s)]  # σ_o = 1 is left out (exact)
+        if not scales:
+            return K
+        scale = scales[0] if len(scales) == 1 else scales[0] * scales[1]
+        return K * (scale[..., None] if diag else scale[..., None, None])
 
-    def gram(self, x: torch.Tensor, role: str) -> torch.Tensor:
-        """The symmetric PSD Gram block :math:`K_{aa} = \\sigma_a^2 \\kappa_o(x, x)`.  # shape: (..., n, n)"""
-        return self.forward(x, x, roles=(role, role))
+    def gram(self, x: torch.Tensor, role: str, sq_norm=None) -> torch.Tensor:
+        """The symmetric PSD Gram block :math:`K_{aa} = \\sigma_a^2 \\kappa_o(x, x)` (``sq_norm``: x's entry of
+        :meth:`squared_norms`, or None).  # shape: (..., n, n)"""
+        return self.forward(x, x, roles=(role, role), sq_norms=(sq_norm, sq_norm))
 
     def __repr__(self) -> str:  # pragma: no cover - cosmetic
         return f"CrossCovarianceKernel(canonical={self.canonical!r}, batch_shape={tuple(self.batch_shape)})"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import struct
 import warnings
 
 import gpytorch
@@ -90,12 +91,14 @@ def add_jitter(A: torch.Tensor, jitter: float | torch.Tensor) -> torch.Tensor:
     if not torch.is_tensor(jitter):
         if jitter == 0:
             return A
-        jitter = A.new_full((), jitter)  # made on A's device: no host-to-device copy, no synchronisation
-    value = jitter.to(A.dtype)[..., None]  # shape: (..., 1), against the diagonal (..., n)
-    batch = torch.broadcast_shapes(A.shape[:-2], value.shape[:-1])
-    out = A.expand(*batch, *A.shape[-2:]).clone()
-    out.diagonal(dim1=-2, dim2=-1).add_(value)
-    return out
+        value = jitter  # a Python number: no tensor made for it (no host-to-device copy)
+        batch = A.shape[:-2]
+    else:
+        value = jitter.to(A.dtype)[..., None]  # shape: (..., 1), against the diagonal (..., n)
+        batch = torch.broadcast_shapes(A.shape[:-2], value.shape[:-1])
+    A = A.expand(*batch, *A.shape[-2:])
+    # out of place: the backward takes the diagonal apart once (no in-place copy of A to undo)
+    return A.diagonal_scatter(A.diagonal(dim1=-2, dim2=-1) + value, dim1=-2, dim2=-1)
 
 
 def isolate_padding(K: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -128,10 +131,10 @@ def cholesky(A: torch.Tensor, *, max_tries: int = 4, name: str = "") -> torch.Te
     then names the matrix).
     """
     STATS["cholesky_calls"] += 1
-    L, info = torch.linalg.cholesky_ex(A)
     if not is_validating() and A.shape[-1] <= LADDER_MAX_SIZE:
-        L, info = _ladder(A, L, info, max_tries)
-        return torch.where((info > 0)[..., None, None], torch.nan, L)
+        L, info = _ladder(A, max_tries)
+        return L.masked_fill((info > 0)[..., None, None], torch.nan)
+    L, info = torch.linalg.cholesky_ex(A)
     if not bool(info.any()):
         return L
     STATS["jitter_escalations"] += 1
@@ -149,23 +152,46 @@ def cholesky(A: torch.Tensor, *, max_tries: int = 4, name: str = "") -> torch.Te
         ) from err
 
 
-def _ladder(A: torch.Tensor, L: torch.Tensor, info: torch.Tensor, max_tries: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """linear_operator's ``psd_safe_cholesky`` escalation without its host reads: every one of the
-    ``max_tries`` tries is computed, each adding jitter·10^i (cumulatively, in the same float
-    operations) to the diagonals of the matrices that still fail, so each matrix gets the factor of
-    the first try that succeeds for it — the factor ``psd_safe_cholesky`` returns.
-    # shape: A, L (..., n, n), info (...) -> (..., n, n), (...)"""
-    if max_tries < 1:
-        return L, info
+def _ladder(A: torch.Tensor, max_tries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear_operator's ``psd_safe_cholesky`` escalation without its host reads: the plain try and the
+    ``max_tries`` jittered ones (jitter·10^i added cumulatively, in the same float operations) factorised in one
+    batched call without gradients, then the first try that succeeds for each matrix factorised again, with
+    gradients — the factor ``psd_safe_cholesky`` returns, bit for bit, from two factorisation calls and one
+    backward (an escalation per try costs a call each and a backward through every in-place jitter).
+    # shape: A (..., n, n) -> L (..., n, n), info (...) (> 0 where every try failed)"""
     jitter = gpytorch.settings.cholesky_jitter.value(A.dtype)
-    Aprime, previous = A.clone(), 0
-    for i in range(max_tries):
-        new = jitter * (10**i)
-        step = ((info > 0) * (new - previous)).unsqueeze(-1).expand(*Aprime.shape[:-1])
-        Aprime.diagonal(dim1=-1, dim2=-2).add_(step)
-        previous = new
-        L, info = torch.linalg.cholesky_ex(Aprime)
-    return L, info
+    with torch.no_grad():  # the jitter is a constant: A's gradient passes the shift unchanged (_ShiftedDiagonal)
+        diag, previous = A.diagonal(dim1=-2, dim2=-1), 0.0
+        tries = [diag]  # shape: each (..., n): the diagonal of the plain try, then of each jittered one
+        for i in range(max(max_tries, 0)):
+            new = jitter * (10**i)
+            tries.append(tries[-1] + _in_default_dtype(new - previous))  # as psd_safe_cholesky's (info > 0) * step
+            previous = new
+        tries = torch.stack(tries)  # shape: (1 + max_tries, ..., n)
+        stacked = A.expand(tries.shape[0], *A.shape).diagonal_scatter(tries, dim1=-2, dim2=-1)
+        first = torch.linalg.cholesky_ex(stacked)[1].argmin(0)  # the first 0 (a try that fails if none succeeds)
+        chosen = tries.gather(0, first[None, ..., None].expand(1, *diag.shape))[0]  # shape: (..., n)
+    return torch.linalg.cholesky_ex(_ShiftedDiagonal.apply(A, chosen))
+
+
+class _ShiftedDiagonal(torch.autograd.Function):
+    """A with its diagonal replaced by ``diag``, a constant shift of A's own (a jitter computed without gradients):
+    the gradient passes to A whole, as through A + c·I, without a backward through the shift's arithmetic."""
+
+    @staticmethod
+    def forward(ctx, A, diag):  # shape: A (..., n, n), diag (..., n) -> (..., n, n)
+        return A.diagonal_scatter(diag, dim1=-2, dim2=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _in_default_dtype(x: float) -> float:
+    """``x`` rounded to torch's default float dtype, as a Python float (``psd_safe_cholesky`` multiplies its jitter
+    steps by a bool tensor, which makes them default-dtype tensors), without a tensor op."""
+    code = {torch.float32: "f", torch.float16: "e"}.get(torch.get_default_dtype())
+    return x if code is None else struct.unpack(code, struct.pack(code, x))[0]
 
 
 def tri_solve(L: torch.Tensor, B: torch.Tensor, *, upper: bool = False, left: bool = True) -> torch.Tensor:

@@ -161,12 +161,14 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         roles: tuple[str, str],
         rows: torch.Tensor | None = None,
         cols: torch.Tensor | None = None,
+        sq_norms=None,
     ) -> torch.Tensor:
-        """Dense cross-covariance :math:`K_{ab}` with the padded tokens' rows / columns zeroed.
+        """Dense cross-covariance :math:`K_{ab}` with the padded tokens' rows / columns zeroed (``sq_norms``: what
+        blocks over a and b share, :meth:`~gpattn.kernels.CrossCovarianceKernel.squared_norms`, or None).
 
         # shape: a (B, H, n, Dh), b (B, H, p, Dh), rows (B, 1, n) bool, cols (B, 1, p) bool -> (B, H, n, p)
         """
-        K = evaluate_kernel(self.covar, a, b, roles=roles)
+        K = evaluate_kernel(self.covar, a, b, roles=roles, sq_norms=sq_norms)
         if rows is not None:
             K = K.masked_fill(~rows[..., :, None], 0.0)
         if cols is not None:

@@ -188,6 +188,10 @@ class KSVDProjection(nn.Module):
 
     def primal_weights(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """W_e, W_r from the landmarks of x.  # shape: x (B, T, H·Dh) -> each (B, H, Dh, r)"""
+        return self._stacked_weights(x, mask).unbind(0)
+
+    def _stacked_weights(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """[W_e; W_r] = X̃ [ω_e; ω_r] in one product.  # shape: x (B, T, H·Dh) -> (2, B, H, Dh, r)"""
         B, T, _ = x.shape
         idx = landmark_indices(T, self.num_landmarks, mask, device=x.device)  # shape: (B or 1, s)
         if idx.shape[0] == 1:
@@ -195,17 +199,18 @@ class KSVDProjection(nn.Module):
         else:
             lm = x.gather(1, idx[..., None].expand(B, self.num_landmarks, x.shape[-1]))
         lm = lm.view(B, self.num_landmarks, self.num_heads, self.head_dim)  # shape: (B, s, H, Dh) = X̃ᵀ
-        W_e = torch.einsum("bshd,hsr->bhdr", lm, self.omega_e)
-        W_r = torch.einsum("bshd,hsr->bhdr", lm, self.omega_r)
-        return W_e, W_r
+        return torch.einsum("bshd,ghsr->gbhdr", lm, torch.stack([self.omega_e, self.omega_r]))
 
     def forward(self, x, q, k, mask=None):
-        """# shape: x (B, T, H·Dh), q, k (B, H, T, Dh) -> e, r (B, H, T, r), W_e, W_r (B, H, Dh, r)"""
-        W_e, W_r = self.primal_weights(x, mask)
+        """# shape: x (B, T, H·Dh), q, k (B, H, T, Dh) -> e, r (B, H, T, r), W_e, W_r (B, H, Dh, r)
+
+        The two branches run as one: q and k stacked (the one copy that their products would each make of the
+        head views), one product with [W_e; W_r], one normalisation."""
+        W = self._stacked_weights(x, mask)  # shape: (2, B, H, Dh, r)
+        qk = torch.stack([q, k])  # shape: (2, B, H, T, Dh)
         # φ(q) W_e = (q W_e) / ‖q‖: normalise the r-wide product instead of the Dh-wide input (same value)
-        e = (q @ W_e) * _inv_norm(q)
-        r = (k @ W_r) * _inv_norm(k)
-        return e, r, W_e, W_r
+        e, r = ((qk @ W) * _inv_norm(qk)).unbind(0)
+        return e, r, W[0], W[1]
 
     def objective(self, e, r, mask=None) -> torch.Tensor:
         """The KSVD objective J of :func:`ksvd_objective` with this layer's Λ and ω."""
@@ -251,18 +256,18 @@ def kep_kl_divergence(lam: torch.Tensor, m: torch.Tensor, L: torch.Tensor) -> to
         \tfrac12 \sum_c \big[\operatorname{tr}(\Lambda^{-2} S_c) + m_c^\top \Lambda^{-2} m_c - r
         + \log|\Lambda^2| - \log|S_c|\big],
 
-    with :math:`\operatorname{tr}(\Lambda^{-2} L_c L_c^\top) = \lVert \Lambda^{-1} L_c \rVert_F^2` and
-    :math:`\log|S_c| = 2 \sum_j \log|L_{c,jj}|` — only the diagonal Λ is inverted. A *global* term
+    with :math:`\operatorname{tr}(\Lambda^{-2} L_c L_c^\top) + m_c^\top \Lambda^{-2} m_c = \sum_j \lambda_j^{-2}
+    (\lVert L_{c,j\cdot} \rVert^2 + m_{c,j}^2)` and :math:`\log|\Lambda^2| - \log|S_c| = 2 \sum_j \log(\lambda_j /
+    |L_{c,jj}|)` — only the diagonal Λ is inverted; summed over (h, c) in one reduction each. A *global* term
     (the objective divides it by N).
 
     # shape: lam (H, r), m (H, r_c, r), L (H, r_c, r, r) -> ()
     """
-    inv_lam = lam.reciprocal()  # shape: (H, r)
-    trace = (L * inv_lam[:, None, :, None]).pow(2).sum((-2, -1))  # shape: (H, r_c)
-    maha = (m * inv_lam[:, None, :]).pow(2).sum(-1)  # shape: (H, r_c)
-    logdet_prior = 2.0 * lam.log().sum(-1, keepdim=True)  # shape: (H, 1)
-    logdet_q = 2.0 * torch.diagonal(L, dim1=-2, dim2=-1).abs().log().sum(-1)  # shape: (H, r_c)
-    return 0.5 * (trace + maha - lam.shape[-1] + logdet_prior - logdet_q).sum()
+    rows = L.pow(2).sum(-1) + m.pow(2)  # shape: (H, r_c, r): ‖L_{c,j·}‖² + m_{c,j}²
+    quad = (rows * lam.pow(-2)[:, None, :]).sum()  # Σ_{h,c} tr(Λ⁻² S_c) + m_cᵀ Λ⁻² m_c
+    # ½ Σ_{h,c} (log|Λ²| − log|S_c|)
+    log_ratio = (lam.log()[:, None, :] - torch.diagonal(L, dim1=-2, dim2=-1).abs().log()).sum()
+    return 0.5 * (quad - m.numel()) + log_ratio  # m.numel() = H·r_c·r: the Σ_{h,c} r
 
 
 # ------------------------------------------------------------------------------- q(u) -> q(f)
@@ -491,7 +496,7 @@ class KEPSVGP(AmortisedVariationalStrategy):
         """KSVD projections, merged features ``a = G Λ⁻¹`` and (optional) the residual root.
 
         # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask (B, T) or None -> dict with e, r (B, H, T, r),
-        #        a (B, H, T, r), residual (B, H, T, 2·Dh) or None
+        #        a (B, H, T, r), residual (B, H, T, 2·Dh) or None, lam (H, r) (Λ)
         """
         self.check_length(x.shape[1])
         e, r, W_e, W_r = self.ksvd(x, q, k, mask)
@@ -513,8 +518,9 @@ class KEPSVGP(AmortisedVariationalStrategy):
             G = A_e @ keep(e) + A_r @ keep(r)  # shape: (B, H, T, r)
             if res is not None:
                 res = torch.cat([A_e @ keep(res[0]), A_r @ keep(res[1])], dim=-1)
-        a = G * (-self.ksvd.log_lambda).exp()[:, None, :]  # shape: (B, H, T, r): G Λ⁻¹ (Λ diagonal)
-        return {"e": e, "r": r, "a": a, "residual": res}
+        lam = self.ksvd.lam  # formed once per forward: the features, the KL and J read it (KEPConditional)
+        a = G / lam[:, None, :]  # shape: (B, H, T, r): G Λ⁻¹ (Λ diagonal)
+        return {"e": e, "r": r, "a": a, "residual": res, "lam": lam}
 
     def condition(self, x, q, k, mask=None) -> KEPConditional:
         """Features of a batch of sequences, computed once (float32 at least, autocast off).
@@ -534,19 +540,33 @@ class KEPConditional(AmortisedConditional):
     """
 
     def __init__(self, strategy: KEPSVGP, features: dict, mask: torch.Tensor | None):
-        self.strategy, self.features, self.mask = strategy, features, mask
+        self.strategy, self.features, self.mask, self._L = strategy, features, mask, None
         q_u = strategy.variational_distribution
         self._device = features["a"].device.type
         self.mean = kep_mean(features["a"], q_u.variational_mean, strategy.out_weight, strategy.out_bias)
 
+    @property
+    def _lam(self) -> torch.Tensor:
+        """Λ, formed once per forward (by :meth:`KEPSVGP.features`) for the features, the KL and J.  # shape: (H, r)"""
+        return self.features["lam"]
+
+    @property
+    def _chol(self) -> torch.Tensor:
+        """L_c, formed once per forward (on first use) for the samples and the KL; a plain attribute of this per-call
+        object (``functools.cached_property`` takes a lock, which breaks a ``torch.compile`` graph).
+        # shape: (H, r_c, r, r)"""
+        if self._L is None:
+            self._L = self.strategy.variational_distribution.chol
+        return self._L
+
     def _map_args(self):
         q_u, s = self.strategy.variational_distribution, self.strategy
-        return self.features["a"], q_u.variational_mean, q_u.chol, s.out_weight, s.out_bias
+        return self.features["a"], q_u.variational_mean, self._chol, s.out_weight, s.out_bias
 
     @property
     def prior_distribution(self) -> MultivariateNormal:
         """p(u_c) = N(0, Λ²) on the inducing features.  # shape: batch (H, r_c), event r"""
-        var = self.strategy.ksvd.lam.square()[:, None, :].expand(-1, self.strategy.rank, -1)  # shape: (H, r_c, r)
+        var = self._lam.square()[:, None, :].expand(-1, self.strategy.rank, -1)  # shape: (H, r_c, r)
         return MultivariateNormal(torch.zeros_like(var), DiagLinearOperator(var))
 
     @property
@@ -557,8 +577,7 @@ class KEPConditional(AmortisedConditional):
     def kl_divergence(self) -> torch.Tensor:
         """Σ_{h,c} KL(q(u_c) ‖ N(0, Λ²)), a global term (docs/derivations.md §9: the objective divides it by
         N).  # shape: -> ()"""
-        q_u = self.strategy.variational_distribution
-        return kep_kl_divergence(self.strategy.ksvd.lam, q_u.variational_mean, q_u.chol)
+        return kep_kl_divergence(self._lam, self.strategy.variational_distribution.variational_mean, self._chol)
 
     def rsample(self, num_samples=None, generator=None):
         """Exact (or, ``token_independent``, per-token) samples of the head outputs (:func:`kep_sample`).
@@ -582,5 +601,6 @@ class KEPConditional(AmortisedConditional):
         caller's mask, all-padding rows included; default the mask of :meth:`KEPSVGP.condition`)."""
         with gp_algebra(self._device):
             mask = self.mask if mask is None else mask
-            J = self.strategy.ksvd.objective(self.features["e"], self.features["r"], mask)
+            ksvd = self.strategy.ksvd
+            J = ksvd_objective(self.features["e"], self.features["r"], self._lam, ksvd.omega_e, ksvd.omega_r, mask)
             return GlobalKL(self.kl_divergence()), KSVDLoss(J.pow(2))

@@ -49,6 +49,7 @@ class DTCTerms(NamedTuple):
     L_q: torch.Tensor  # chol(B_q), B_q = σ² K_mm + K_mo K_om  # shape: (B, H, m, m)
     L_k: torch.Tensor  # chol(B_k), B_k = σ² K_ll + K_lk K_kl  # shape: (B, H, l, l)
     s2: torch.Tensor  # σ²  # shape: (H, 1, 1)
+    S_k: torch.Tensor  # K_lk K_kl  # shape: (B, H, l, l)
 
 
 class SparseCorrelatedGP(CorrelatedGPBase):
@@ -181,17 +182,22 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         """All token-by-inducing blocks, their T-contractions and the two capacitance factors (``valid_q``: the
         real queries; ``valid`` the real keys and latent inputs)."""
         s2 = self.noise(q)
-        K_qm = self.cross(q, s, ("q", "o"), rows=valid_q)
-        K_om = self.cross(o, s, ("o", "o"), rows=valid)
-        K_ol = self.cross(o, s_keys, ("o", "o"), rows=valid)
-        K_kl = self.cross(k, s_keys, ("k", "o"), rows=valid)
-        K_mm = self.covar.gram(s, "o")
-        K_ll = self.covar.gram(s_keys, "o")
+        n_q, n_o, n_k, n_s, n_l = self.covar.squared_norms(q, o, k, s, s_keys)  # each point set's, once
+        K_qm = self.cross(q, s, ("q", "o"), rows=valid_q, sq_norms=(n_q, n_s))
+        K_om = self.cross(o, s, ("o", "o"), rows=valid, sq_norms=(n_o, n_s))
+        K_ol = self.cross(o, s_keys, ("o", "o"), rows=valid, sq_norms=(n_o, n_l))
+        K_kl = self.cross(k, s_keys, ("k", "o"), rows=valid, sq_norms=(n_k, n_l))
+        K_mm = self.covar.gram(s, "o", n_s)
+        K_ll = self.covar.gram(s_keys, "o", n_l)
         S_m = K_om.mT @ K_om  # K_mo K_om  # shape: (B, H, m, m)
         P = K_om.mT @ K_ol  # K_mo K_ol  # shape: (B, H, m, l)
-        L_q = cholesky(s2 * K_mm + S_m, name="scgp: sigma^2 K_mm + K_mo K_om")
-        L_k = cholesky(s2 * K_ll + K_kl.mT @ K_kl, name="scgp: sigma^2 K_ll + K_lk K_kl")
-        return DTCTerms(K_qm, K_om, K_ol, K_kl, K_mm, K_ll, S_m, P, L_q, L_k, s2)
+        S_k = K_kl.mT @ K_kl  # K_lk K_kl  # shape: (B, H, l, l)
+        L_q, L_k = _pairwise(  # B_q = σ² K_mm + K_mo K_om, B_k = σ² K_ll + K_lk K_kl
+            lambda A: cholesky(A, name="scgp: sigma^2 K_mm + K_mo K_om, sigma^2 K_ll + K_lk K_kl"),
+            (s2 * K_mm + S_m,),
+            (s2 * K_ll + S_k,),
+        )
+        return DTCTerms(K_qm, K_om, K_ol, K_kl, K_mm, K_ll, S_m, P, L_q, L_k, s2, S_k)
 
     @staticmethod
     def predictive_mean(t: DTCTerms, z: torch.Tensor) -> torch.Tensor:
@@ -213,7 +219,7 @@ class SparseCorrelatedGP(CorrelatedGPBase):
 
     def _dtc_trace(self, G: torch.Tensor, S: torch.Tensor, K_mm: torch.Tensor, L_B: torch.Tensor, s2):
         """:math:`\\mathrm{tr}(B^{-1}SK_{mm}^{-1}SB^{-1}G) + \\sigma^2\\mathrm{tr}(B^{-1}G)` for
-        :math:`B = \\sigma^2K_{mm} + S = L_BL_B^\\top`.  # shape: G, S, K_mm (..., m, m) -> (B, H)"""
+        :math:`B = \\sigma^2K_{mm} + S = L_BL_B^\\top`.  # shape: G, S, K_mm (..., B, H, m, m) -> (..., B, H)"""
         L_mm = cholesky(add_jitter(K_mm, self.jitter), name="scgp: inducing Gram")
         V = tri_solve(L_mm, torch.cholesky_solve(S, L_B).mT)  # L_mm⁻¹ S B⁻¹
         trace_BG = torch.cholesky_solve(G, L_B).diagonal(dim1=-2, dim2=-1).sum(-1)  # tr(B⁻¹ G)
@@ -222,14 +228,17 @@ class SparseCorrelatedGP(CorrelatedGPBase):
     def regularizer(self, t: DTCTerms, nu: torch.Tensor, z: torch.Tensor, valid, valid_q) -> torch.Tensor:
         """App. E, per head and value column (see the class docstring).  # shape: (B, H, Dv)"""
         s2 = t.s2[:, 0, 0]  # shape: (H,)
-        n_q, n_k = (torch.full_like(s2, n) if m is None else m.sum(-1).to(nu) for m, n in ((valid_q, nu.shape[-2]),
-                                                                                          (valid, z.shape[-2])))
-        # query part: z_m | z_o is the DTC posterior of the mean (capacitance B_q)
-        tr_q = self._dtc_trace(t.K_qm.mT @ t.K_qm, t.S_m, t.K_mm, t.L_q, t.s2)
+        # the real queries and keys: a count per sequence, or the lengths (Python numbers: no tensor made for them)
+        n_q, n_k = (n if m is None else m.sum(-1).to(nu) for m, n in ((valid_q, nu.shape[-2]), (valid, z.shape[-2])))
+        # query part: z_m | z_o is the DTC posterior of the mean (capacitance B_q);
         # key part: z_l | z_o, the DTC posterior with z_o as observations (B'_k = σ² K_ll + K_lo K_ol)
         S_l = t.K_ol.mT @ t.K_ol  # shape: (B, H, l, l)
         L_kb = cholesky(t.s2 * t.K_ll + S_l, name="scgp: sigma^2 K_ll + K_lo K_ol")
-        tr_k = self._dtc_trace(t.K_kl.mT @ t.K_kl, S_l, t.K_ll, L_kb, t.s2)
+        tr_q, tr_k = _pairwise(
+            lambda G, S, K, L_B: self._dtc_trace(G, S, K, L_B, t.s2),
+            (t.K_qm.mT @ t.K_qm, t.S_m, t.K_mm, t.L_q),
+            (t.S_k, S_l, t.K_ll, L_kb),
+        )
         sq = nu.pow(2).sum(-2) + z.pow(2).sum(-2)  # shape: (B, H, Dv)
         # both parts carry T log σ² (the log-determinant of σ²I over the real tokens)
         return (sq + (tr_q + tr_k)[..., None]) / s2[:, None] + ((n_q + n_k) * s2.log())[..., None]
@@ -244,18 +253,33 @@ class SparseCorrelatedGP(CorrelatedGPBase):
 
     def _condition(self, q, k, o, v, valid, valid_q=None, inducing=None):
         dtype = v.dtype
-        q, k, o, v = (x.to(torch.promote_types(x.dtype, ALGEBRA_DTYPE)) for x in (q, k, o, v))
+        q, k, o, v = _algebra_inputs(q, k, o, v)
         t = self._terms_for(q, k, o, valid, inducing, valid_q)
         z = v if valid is None else v * valid[..., :, None]  # eq. 34: z = v, padded keys removed
         return SCGPConditional(self, self.predictive_mean(t, z).to(dtype), valid, t, z, valid_q)
 
     def _conditional_mean(self, q, k, o, z, valid, inducing=None):
         dtype = z.dtype
-        q, k, o, z = (x.to(torch.promote_types(x.dtype, ALGEBRA_DTYPE)) for x in (q, k, o, z))
+        q, k, o, z = _algebra_inputs(q, k, o, z)
         t = self._terms_for(q, k, o, valid, inducing, valid)
         if valid is not None:
             z = z * valid[..., :, None]
         return self.predictive_mean(t, z).to(dtype)
+
+
+def _pairwise(fn, first: tuple, second: tuple) -> tuple:
+    """``(fn(*first), fn(*second))``, computed as one call of fn on the stacked arguments when their shapes agree
+    (m = l, the default): each of fn's operators runs once for both (batched factorisations and products treat
+    every matrix on its own, so the values are those of the two calls)."""
+    if all(a.shape == b.shape for a, b in zip(first, second)):
+        return tuple(fn(*(torch.stack(pair) for pair in zip(first, second))).unbind(0))
+    return fn(*first), fn(*second)
+
+
+def _algebra_inputs(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The inputs in :data:`ALGEBRA_DTYPE` (or wider), laid out contiguously by the same copy: the head views of the
+    projections would otherwise be copied again by every product they enter.  # shape: each (B, H, T, ·)"""
+    return [t.to(torch.promote_types(t.dtype, ALGEBRA_DTYPE), memory_format=torch.contiguous_format) for t in tensors]
 
 
 class SCGPConditional(CorrelatedConditional):
