@@ -517,3 +517,32 @@ def test_a_run_saved_before_the_swap_defaults_reloads_in_its_own_form(tmp_path, 
     assert run.cfg.attention_options == trained
     with gpattn.deterministic():
         torch.testing.assert_close(run.predict(texts, num_samples=1).probs, before)
+
+
+def test_prior_noise_probe_runs_on_finished_runs(tmp_path):
+    """benchmarks/prior_noise.py on a tiny softmax run and a tiny sgpa run: MSP + TS first (its validation NLL at
+    most MSP's, since the temperature is fitted on it), then one row per factor; a large factor changes the
+    sgpa run's predictions."""
+    import importlib.util as iu
+    from pathlib import Path
+
+    from gpattn.experiments.cli import main
+
+    spec = iu.spec_from_file_location("prior_noise", Path(__file__).parents[1] / "benchmarks" / "prior_noise.py")
+    prior_noise = iu.module_from_spec(spec)
+    spec.loader.exec_module(prior_noise)
+    table = _text_table(tmp_path)
+    enc = tiny_encoder_folder(tmp_path / "enc", table)
+    runs = {}
+    for attention in ("softmax", "sgpa"):
+        runs[attention] = tmp_path / attention
+        argv = ["train", "--dataset", "text_table", "--dataset-option", f"path={table}", "--encoder", str(enc),
+                "--attention", attention, "--attention-layers", "last", "--max-len", "12", *TINY_RUN,
+                "--out", str(runs[attention])]  # fmt: skip
+        with pytest.warns(GPCollapseWarning):
+            assert main(argv) == 0
+    rows = prior_noise.probe(runs["sgpa"], runs["softmax"], [1.0, 1e6], num_samples=4)
+    assert [r["model"] for r in rows] == ["MSP + TS", "c = 1", "c = 1e+06"]
+    preds = torch.load(runs["softmax"] / "predictions.pt", weights_only=False)
+    assert rows[0]["val_nll"] <= prior_noise._nll(preds["val"]["logits"], preds["val"]["labels"]) + 1e-9
+    assert rows[1]["in_nll"] != rows[2]["in_nll"]
