@@ -6,23 +6,20 @@ the attention mean; the RBF: only its per-key factor differs); the fused path ag
 objective (no KL on the mean); the refusal of a kernel without a lengthscale."""
 
 import pytest
+import test_prior_mean as prior_mean_tests
+import test_sgpa_separate as separate_tests
 import torch
 import torch.nn.functional as F
-from test_prior_mean import _layer, _masks, _x, perturb
-from test_sgpa_separate import perturb as perturb_separate
-from test_sgpa_separate import separate_dense_reference
+from test_prior_mean import _layer, _masks, _x
 
 import gpattn
 import gpattn.variational.means as means
-from gpattn.testing import GPAttentionTestCase, layer_loss_terms
+from gpattn.testing import layer_loss_terms
+from gpattn.testing.base_attention_test_case import ATTENTION_INVARIANTS
 from gpattn.testing.references import (
     gram_dense,
     prior_mean_dense,
-    sgpa_attention_dense_posterior,
     sgpa_attention_masked_dense_moments,
-    sgpa_cross_dense_posterior,
-    sgpa_decoupled_attention_dense_posterior,
-    sgpa_decoupled_cross_dense_posterior,
     sgpa_decoupled_global_keys,
     sgpa_heads,
 )
@@ -30,19 +27,12 @@ from gpattn.testing.references import (
 F64 = torch.float64
 
 
-class TestSGPASoftmaxMean(GPAttentionTestCase):
-    """sgpa, softmax prior mean, ARD-RBF kernel, shared map, full covariance."""
+class TestSGPASoftmaxMean(prior_mean_tests.TestSGPAAttentionMean):
+    """sgpa, softmax prior mean, ARD-RBF kernel, shared map, full covariance (the contract's invariants too: this
+    is not a default form, which tests/test_attention_invariants.py covers)."""
 
-    attention = "sgpa"
     options = {"prior_mean": "softmax"}
-    float64_options = {"jitter": 0.0}
-    mean_tolerance = covariance_tolerance = {"rtol": 1e-10, "atol": 1e-10}
-
-    def perturb(self, layer):
-        perturb(layer)
-
-    def dense_reference(self, layer, x, mask):
-        return sgpa_attention_dense_posterior(layer, x, mask)
+    invariants = ATTENTION_INVARIANTS
 
 
 class TestSGPASoftmaxMeanDiag(TestSGPASoftmaxMean):
@@ -51,57 +41,29 @@ class TestSGPASoftmaxMeanDiag(TestSGPASoftmaxMean):
     exact_options = long_padding = None  # the full mode's
 
 
-class TestDecoupledSoftmaxMean(GPAttentionTestCase):
+class TestDecoupledSoftmaxMean(prior_mean_tests.TestDecoupledAttentionMeanDiag):
     """sgpa-decoupled, softmax prior mean, diagonal covariance (its fused path without a (T, T) matrix)."""
 
-    attention = "sgpa-decoupled"
     options = {"prior_mean": "softmax"}
-    float64_options = {"jitter": 0.0, "num_global": 3}
-    reference_padding = {1: (0, 4)}
-    mean_tolerance = covariance_tolerance = {"rtol": 1e-9, "atol": 1e-10}
-    independent_tokens = True
-
-    def perturb(self, layer):
-        perturb(layer)
-
-    def dense_reference(self, layer, x, mask):
-        ref = sgpa_decoupled_attention_dense_posterior(layer, x, mask)
-        return ref._replace(covariance=torch.diag_embed(ref.covariance.diagonal(dim1=-2, dim2=-1)))
+    invariants = ATTENTION_INVARIANTS
+    exact_options = {"num_global": 8, "covariance": "diag", "prior_mean": "softmax"}
 
 
-class TestDecoupledSoftmaxMeanFull(TestDecoupledSoftmaxMean):
+class TestDecoupledSoftmaxMeanFull(prior_mean_tests.TestDecoupledAttentionMean):
     options = {"prior_mean": "softmax", "covariance": "full"}
-    independent_tokens = False
+    invariants = ATTENTION_INVARIANTS
     exact_options = {"num_global": 8, "covariance": "full", "prior_mean": "softmax"}
 
-    def dense_reference(self, layer, x, mask):
-        return sgpa_decoupled_attention_dense_posterior(layer, x, mask)
 
-
-class TestSGPASeparateSoftmaxMean(GPAttentionTestCase):
+class TestSGPASeparateSoftmaxMean(separate_tests.TestSGPASeparate):
     """The encoder swap's form: separate maps (§5d) with the softmax mean; the reference is §13's cross
     reference of a shared-map twin (tests/test_sgpa_separate.py)."""
 
-    attention = "sgpa"
     options = {"qk": "separate", "prior_mean": "softmax"}
-    float64_options = {"jitter": 0.0}
-    mean_tolerance = covariance_tolerance = {"rtol": 1e-9, "atol": 1e-10}
-    reference = staticmethod(sgpa_cross_dense_posterior)
-
-    def perturb(self, layer):
-        perturb_separate(layer)
-
-    def dense_reference(self, layer, x, mask):
-        return separate_dense_reference(layer, x, mask, self.reference)
 
 
-class TestDecoupledSeparateSoftmaxMean(TestSGPASeparateSoftmaxMean):
-    attention = "sgpa-decoupled"
+class TestDecoupledSeparateSoftmaxMean(separate_tests.TestDecoupledSeparateAttentionMean):
     options = {"qk": "separate", "prior_mean": "softmax", "num_global": 3}
-    reference = staticmethod(sgpa_decoupled_cross_dense_posterior)
-    independent_tokens = True
-    exact_options = long_padding = None
-    invariants = ("shape", "padding", "gradients", "posterior", "cross_attention")
 
 
 def _softmax_reference(layer, x, mask=None):
