@@ -2,11 +2,14 @@
 and draws its P samples from that factorisation; the draws are the ones a batch repeated P times
 (B-major) would give with the same seed."""
 
+import inspect
+
 import pytest
 import torch
 
 import gpattn
 from gpattn.attention.registry import attention_class
+from gpattn.variational._linalg import cholesky
 
 VARIANTS = gpattn.list_attention()
 GP_VARIANTS = [n for n in VARIANTS if attention_class(n).is_gp]
@@ -54,7 +57,8 @@ def test_p_draws_equal_the_repeated_batch(name):
 @pytest.mark.parametrize("name", GP_VARIANTS)
 def test_first_gp_layer_factorises_once(name, monkeypatch):
     """With ``num_samples=P`` a GP layer projects its B inputs once and every Cholesky factor it
-    computes has batch B, not B·P."""
+    computes has batch B, not B·P: each batch dimension of a factorisation is 1, H, B or the jitter ladder's
+    stack of tries (gpattn.variational._linalg, 1 + max_tries of them)."""
     layer = _layer(name)
     x, mask = _inputs()
     rows, factor_batches = [], []
@@ -62,13 +66,15 @@ def test_first_gp_layer_factorises_once(name, monkeypatch):
     cholesky_ex = torch.linalg.cholesky_ex
 
     def recording(A, *args, **kwargs):
-        factor_batches.append(A.shape[0] if A.dim() > 2 else 1)
+        factor_batches.append(tuple(A.shape[:-2]))
         return cholesky_ex(A, *args, **kwargs)
 
     monkeypatch.setattr(torch.linalg, "cholesky_ex", recording)
     layer(x, mask, num_samples=P)
     assert rows == [B]
-    assert all(b in (1, H, B) for b in factor_batches), factor_batches
+    tries = 1 + inspect.signature(cholesky).parameters["max_tries"].default
+    assert B * P not in (1, H, B, tries)
+    assert all(b in (1, H, B, tries) for s in factor_batches for b in s), factor_batches
 
 
 @pytest.mark.parametrize("name", GP_VARIANTS)
