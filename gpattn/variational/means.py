@@ -124,9 +124,15 @@ class SoftmaxMean(nn.Module):
         """m(q) through fused attention (key padding ``pad`` (B, S) only), or None where no fused kernel runs."""
         return fused_softmax(*cls.scaled(kernel, queries, keys), values, pad)
 
-    @staticmethod
-    def scaled(kernel, queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @classmethod
+    def scaled(cls, kernel, queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q/ℓ, k/ℓ) with ℓ the kernel's lengthscale."""
+        lengthscale = cls.lengthscale(kernel)
+        return queries / lengthscale, keys / lengthscale
+
+    @staticmethod
+    def lengthscale(kernel) -> torch.Tensor:
+        """The kernel's (ARD) lengthscale, the mean's temperature; a ``ValueError`` for a kernel without one."""
         lengthscale = temperature_lengthscale(kernel)
         if lengthscale is None:
             raise ValueError(
@@ -134,12 +140,12 @@ class SoftmaxMean(nn.Module):
                 f"{type(kernel).__name__} (inside its ScaleKernels) has none: use a kernel with a lengthscale "
                 f"(exponential, ard-rbf, ...) or prior_mean='attention'"
             )
-        return queries / lengthscale, keys / lengthscale
+        return lengthscale
 
 
 def make_prior_mean(prior_mean: str, kernel) -> nn.Module | None:
     """The ``mean_module`` of a prior mean name (:data:`PRIOR_MEANS`) for a strategy with ``kernel``: None for the
     papers' zero mean; ``"softmax"`` needs a kernel with a lengthscale (a ``ValueError`` here, not at a forward)."""
     if check_prior_mean(prior_mean) == "softmax":
-        SoftmaxMean.scaled(kernel, torch.zeros(()), torch.zeros(()))  # raises without a lengthscale
+        SoftmaxMean.lengthscale(kernel)
     return {"attention": AttentionMean, "softmax": SoftmaxMean}.get(prior_mean, lambda: None)()
