@@ -30,8 +30,9 @@ D, H = 16, 2
 
 
 def layer_configs() -> list[tuple[str, str, dict]]:
-    """(label, registry name, options): every variant at its defaults, every non-default ``covariance``,
-    and cgp without the prior samples of its regulariser (the one random loss term under deterministic())."""
+    """(label, registry name, options): every variant at its defaults, every non-default ``covariance``, the
+    SGPA variants in the encoder swap's form (separate maps, the softmax prior mean), and cgp without the prior
+    samples of its regulariser (the one random loss term under deterministic())."""
     configs = []
     for name in gpattn.list_attention():
         configs.append((name, name, {}))
@@ -42,6 +43,9 @@ def layer_configs() -> list[tuple[str, str, dict]]:
                     configs.append((f"{name}[covariance={value}]", name, {"covariance": value}))
         if name == "cgp" and valid.get("prior_samples") is not None:
             configs.append(("cgp[prior_samples=None]", name, {"prior_samples": None}))
+        if valid.get("prior_mean") == "attention":  # the encoder swap's form (docs/derivations.md §5d, §5e)
+            swap = {"qk": "separate", "prior_mean": "softmax"}
+            configs.append((f"{name}[qk=separate,prior_mean=softmax]", name, swap))
         if name in ("sgpa", "kernel") and valid.get("kernel") == "exponential":
             # the image models' kernel (gpattn.models.classifiers.IMAGE_KERNEL): a gpytorch kernel
             configs.append((f"{name}[kernel=ard-rbf]", name, {"kernel": "ard-rbf"}))
@@ -162,9 +166,10 @@ class LayerCase:
 
     def large_and_causal(self) -> None:
         """float64 at T = 160 (factorisations above LADDER_MAX_SIZE keep their host check), and with a causal
-        ``attn_mask`` for the variants with per-query masks."""
+        ``attn_mask`` for the variants with per-query masks (not the SGPA variants' separate maps, which take masks
+        that pad only: docs/derivations.md §5d)."""
         self.cl = self._pair64(self.large, "float64_T160", "float64 T=160")
-        if getattr(self.base, "per_query_masks", False):
+        if getattr(self.base, "per_query_masks", False) and getattr(self.base, "qk", "shared") != "separate":
             T = self.small[0].shape[1]
             causal = torch.ones(T, T, dtype=torch.bool).triu(1)
             self._pair64(self.small, "float64_causal", "float64 causal attn_mask", attn_mask=causal)
