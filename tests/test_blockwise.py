@@ -111,12 +111,14 @@ def test_blocks_draw_independent_noise(monkeypatch):
     "name, fused_path, extra",
     [(name, True, {}) for name in LONG]
     + [(name, False, {}) for name in ("kernel", "kernel-asym", "sgpa-decoupled")]
-    + [("sgpa-decoupled", path, {"prior_mean": "softmax"}) for path in (True, False)],
+    + [("sgpa-decoupled", path, {"prior_mean": "softmax"}) for path in (True, False)]
+    + [("sgpa-decoupled", True, {"qk": "separate", "prior_mean": mean}) for mean in ("softmax", "attention")],
 )
 def test_no_tensor_of_T_by_T_entries_per_head(name, fused_path, extra, monkeypatch):
     """Forward and backward of a long sequence form no tensor with T·T entries per head: every op's output
     is counted (a dispatch mode) and the largest stays at the size of one block (query blocks, or the kernel
-    attentions' fused path); sgpa-decoupled also with the softmax prior mean (docs/derivations.md §5e)."""
+    attentions' fused path); sgpa-decoupled also with the softmax prior mean (docs/derivations.md §5e) and with
+    separate maps (the encoder swap's form: its mean over the keys in fused attention)."""
     if not fused_path:
         monkeypatch.setattr(fused, "fused_available", lambda t: False)
     from torch.utils._python_dispatch import TorchDispatchMode

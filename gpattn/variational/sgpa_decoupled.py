@@ -475,7 +475,6 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
                 values = values.masked_fill(mask[:, None, :, None], 0.0)  # padded keys leave the mean basis
             both, u_tilde = self._global_basis(torch.cat([queries, keys], -2), global_keys)  # one L_g
             A, A_a = both.split([queries.shape[-2], keys.shape[-2]], -2)  # shape: (B, H, T, M), (B, H, S, M)
-            K_qa = evaluate_kernel(self.kernel, queries, keys)  # shape: (B, H, T, S)
             factors = dict(
                 gram=evaluate_kernel(self.kernel, queries, queries) if self.covariance == "full" else None,
                 gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), interp=A, values=values,
@@ -483,16 +482,25 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
                 jitter=self.jitter, covariance=self.covariance,
             )
             if self.mean_module is not None:
-                m = self.mean_module(
-                    K_qa, values, None if mask is None else mask[:, None, None, :], kernel=self.kernel, queries=queries,
-                    keys=keys,
-                )
+                m = self._cross_prior_mean(queries, keys, values, mask)
                 return DecoupledSGPAConditional(mean=m + A @ u_tilde, gram_values=None, proj_values=None, **factors)
+            K_qa = evaluate_kernel(self.kernel, queries, keys)  # shape: (B, H, T, S)
             c = A_a.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
             K_aa_v = evaluate_kernel(self.kernel, keys, keys) @ values  # shape: (B, H, S, Dv), for the γ-part
             return DecoupledSGPAConditional(
                 mean=K_qa @ values + A @ (u_tilde - c), gram_values=K_aa_v, proj_values=c, **factors
             )
+
+    def _cross_prior_mean(self, queries, keys, values, mask) -> torch.Tensor:
+        """m(q) over the context's keys: through fused attention where it runs (no (T, S) matrix; key padding
+        only, docs/derivations.md §12), else from the kernel's (T, S) block (the attention mean) or the dense
+        softmax (the softmax mean).  # shape: queries (B, H, T, Dh), keys (B, H, S, Dh), mask (B, S) or None"""
+        fused = self.mean_module.fused(self.kernel, queries, keys, values, mask)
+        if fused is not None:
+            return fused
+        gram = evaluate_kernel(self.kernel, queries, keys) if self.mean_module.uses_gram else None
+        pad = None if mask is None else mask[:, None, None, :]
+        return self.mean_module(gram, values, pad, kernel=self.kernel, queries=queries, keys=keys)
 
     def _global_basis(self, queries: torch.Tensor, global_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A, ũ)``: A = K_qg L_g⁻ᵀ (L_g = chol(K_gg + jitter)) and ũ = L_gᵀ u, the whitened global basis.
