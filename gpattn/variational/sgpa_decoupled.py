@@ -473,8 +473,11 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             queries, keys, values = full_precision(queries, keys, values)
             if mask is not None:
                 values = values.masked_fill(mask[:, None, :, None], 0.0)  # padded keys leave the mean basis
-            both, u_tilde = self._global_basis(torch.cat([queries, keys], -2), global_keys)  # one L_g
-            A, A_a = both.split([queries.shape[-2], keys.shape[-2]], -2)  # shape: (B, H, T, M), (B, H, S, M)
+            if self.mean_module is None:  # the γ-part needs the keys' global basis too: one L_g for both
+                both, u_tilde = self._global_basis(torch.cat([queries, keys], -2), global_keys)
+                A, A_a = both.split([queries.shape[-2], keys.shape[-2]], -2)  # shape: (B, H, T, M), (B, H, S, M)
+            else:
+                A, u_tilde = self._global_basis(queries, global_keys)  # shape: (B, H, T, M)
             factors = dict(
                 gram=evaluate_kernel(self.kernel, queries, queries) if self.covariance == "full" else None,
                 gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), interp=A, values=values,
