@@ -23,9 +23,8 @@ def _nll(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -
     """NLL of the averaged predictive probabilities of sample logits (N, P, C) on the labelled rows."""
     from gpattn.experiments import metrics as M
 
-    probs = torch.from_numpy(M.average_samples(logits / temperature, average="probs"))
-    known = labels >= 0
-    return float(torch.nn.functional.nll_loss(probs[known].clamp_min(1e-12).log(), labels[known]))
+    known = (labels >= 0).numpy()
+    return M.nll(M.average_samples(logits / temperature, average="probs")[known], labels.numpy()[known])
 
 
 def _row(name: str, preds: dict, bundle, temperature: float = 1.0) -> dict:
