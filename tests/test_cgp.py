@@ -14,6 +14,7 @@ from gpytorch.kernels import MaternKernel
 
 import gpattn
 from gpattn.testing import GPAttentionTestCase, assert_samples_match_moments, layer_loss_terms
+from gpattn.testing.base_attention_test_case import ATTENTION_INVARIANTS
 from gpattn.testing.references import cgp_dense_blocks, cgp_dense_moments, cgp_dense_posterior
 from gpattn.variational.cgp import CorrelatedGP
 
@@ -289,6 +290,7 @@ def test_runs_in_float32_at_moderate_length():
         ("kernel", "exponential", "kernel"),
         ("input_scale", 0.0, "input_scale"),
         ("learn_sigma", 1, "learn_sigma"),
+        ("prior_mean", "attention", "prior_mean"),
     ],
 )
 def test_bad_options_raise(option, value, word):
@@ -369,3 +371,76 @@ def test_rescale_inputs_is_a_layer_built_with_that_input_scale(name):
         torch.testing.assert_close(a(x, key_padding_mask=mask), b(x, key_padding_mask=mask), rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="factor"):
         a.rescale_inputs(0.0)
+
+
+# ------------------------------------------------------------------ the softmax prior mean (docs/derivations.md §7a)
+class TestCGPSoftmaxMean(TestCGP):
+    """``prior_mean="softmax"``: the dense reference adds softmax(q kᵀ) v of the scaled inputs to eq. 25's mean; the
+    covariance is App. B's (the contract's invariants too: this is not the default form)."""
+
+    options = {"prior_mean": "softmax"}
+    invariants = ATTENTION_INVARIANTS
+
+
+def _twins(name, seed=0, **options):
+    """A layer with the zero mean and its softmax-mean twin with the same parameters (float64)."""
+    torch.manual_seed(seed)
+    zero = gpattn.build_attention(name, 8, 2, **options).double()
+    twin = gpattn.build_attention(name, 8, 2, prior_mean="softmax", **options).double()
+    twin.load_state_dict(zero.state_dict(), strict=False)
+    return zero, twin
+
+
+@pytest.mark.parametrize("name", ["cgp", "scgp"])
+def test_softmax_mean_adds_attention_and_changes_nothing_else(name):
+    """mean = the zero-mean layer's mean + softmax(q kᵀ/√Dh) v of the layer's projections over the real keys (0 at
+    padded queries); covariance, samples' spread and the regulariser (exact expectation) are the zero-mean
+    layer's: the prior mean costs nothing in R (§7a)."""
+    options = {"prior_samples": None} if name == "cgp" else {}
+    zero, twin = _twins(name, **options)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6, 8, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    p = zero.project(x)
+    logits = (p["q"] @ p["k"].mT) / zero.head_dim**0.5  # the pretrained-style temperature at input_scale Dh^-1/4
+    logits = logits.masked_fill(mask[:, None, None, :], float("-inf"))
+    softmax = (logits.softmax(-1) @ p["v"]) * (~mask)[:, None, :, None]
+    post0, post1 = zero.posterior(x, mask), twin.posterior(x, mask)
+    torch.testing.assert_close(post1.mean - post0.mean, softmax.transpose(-1, -2), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(post1.covariance_matrix, post0.covariance_matrix, rtol=0, atol=0)
+    with gpattn.deterministic():
+        zero(x, mask)
+        twin(x, mask)
+        torch.testing.assert_close(layer_loss_terms(twin), layer_loss_terms(zero), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["cgp", "scgp"])
+def test_rescale_inputs_keeps_the_softmax_mean(name):
+    """``rescale_inputs(r)`` (the swap's median heuristic) multiplies the canonical inputs by r and divides the mean's
+    temperature by r²: the softmax part of the mean is unchanged, the GP part moves; a state-dict round trip keeps
+    the temperature."""
+    zero, twin = _twins(name)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    before = twin.posterior(x).mean - zero.posterior(x).mean
+    for layer in (zero, twin):
+        layer.rescale_inputs(1.7)
+    torch.testing.assert_close(twin.gp.mean_temperature, torch.tensor(1.7**-2, dtype=torch.float64))
+    after = twin.posterior(x).mean - zero.posterior(x).mean
+    torch.testing.assert_close(after, before, rtol=1e-10, atol=1e-12)
+    reloaded = gpattn.build_attention(name, 8, 2, prior_mean="softmax").double()
+    reloaded.load_state_dict(twin.state_dict())
+    torch.testing.assert_close(reloaded.posterior(x).mean, twin.posterior(x).mean, rtol=0, atol=0)
+
+
+def test_softmax_mean_gradients_match_finite_differences():
+    """The mean's gradient through the fused softmax path (float64, key padding) against finite differences."""
+    _, twin = _twins("cgp", prior_samples=None)
+    x = torch.randn(2, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    mask = torch.tensor([[False] * 4, [False] * 3 + [True]])
+    assert torch.autograd.gradcheck(lambda x: twin.posterior(x, mask).mean, (x,))
+
+
+def test_zero_mean_state_dict_has_no_temperature():
+    """The papers' form keeps its state dict (checkpoints saved before §7a load unchanged)."""
+    assert "strategy.mean_temperature" not in gpattn.build_attention("cgp", 8, 2, prior_mean="zero").state_dict()
+    assert "strategy.mean_temperature" in gpattn.build_attention("cgp", 8, 2, prior_mean="softmax").state_dict()

@@ -123,6 +123,11 @@ GP_CASES = {
     ),
     "cgp": ("cgp", {"prior_samples": None}, cgp_cross_dense_posterior),
     "scgp": ("scgp", {"jitter": 0.0, "num_inducing": 3, "num_inducing_keys": 4}, scgp_cross_dense_posterior),
+    "cgp-softmax": ("cgp", {"prior_samples": None, "prior_mean": "softmax"}, cgp_cross_dense_posterior),
+    "scgp-softmax": (
+        "scgp", {"jitter": 0.0, "num_inducing": 3, "num_inducing_keys": 4, "prior_mean": "softmax"},
+        scgp_cross_dense_posterior,
+    ),
 }
 
 

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 import gpattn
 from gpattn.testing import GPAttentionTestCase, assert_samples_match_moments, layer_loss_terms
+from gpattn.testing.base_attention_test_case import ATTENTION_INVARIANTS
 from gpattn.testing.references import scgp_dense_blocks, scgp_dense_moments, scgp_dense_posterior
 from gpattn.variational.cgp import CorrelatedGP
 from gpattn.variational.scgp import SparseCorrelatedGP
@@ -341,3 +342,11 @@ def test_crowded_inducing_inputs_stay_finite_in_float32():
         mean = layer(x)
         reference = copy.deepcopy(layer).double()(x.double())
     torch.testing.assert_close(mean.double(), reference, rtol=1e-4, atol=1e-5)
+
+
+class TestSCGPSoftmaxMean(TestSCGP):
+    """``prior_mean="softmax"`` (docs/derivations.md §7a): the dense reference adds softmax(q kᵀ) v of the scaled inputs
+    to eq. 33's mean; the covariance is the DTC one (the contract's invariants too: not the default form)."""
+
+    options = {"prior_mean": "softmax"}
+    invariants = ATTENTION_INVARIANTS

@@ -71,6 +71,7 @@ class _CorrelatedGPAttention(GPAttention):
             inducing = getattr(self.strategy, name, None)
             if inducing is not None:
                 inducing *= factor
+        self.strategy.rescale_mean(factor)  # the softmax prior mean stays the attention it was
 
     def query_inputs(self, x):
         """Cross-attention's queries, scaled by ``input_scale``.  # shape: (B, H, T, Dh)"""
@@ -91,6 +92,9 @@ class CGPAttention(_CorrelatedGPAttention):
     :param prior_samples: P_o prior samples of z_o in the regulariser (eqs. 42–44); ``None`` = exact
         expectation.
     :param input_scale: fixed factor on the projected inputs (default Dh^(-1/4), see the Choice above).
+    :param prior_mean: ``"zero"`` (Bui et al.) or ``"softmax"``: softmax attention of the scaled inputs,
+        softmax(q kᵀ/√Dh) v at the default ``input_scale``, as the prior mean of the query and key processes; the
+        correlated GP models the departure from it (docs/derivations.md §7a).
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class CGPAttention(_CorrelatedGPAttention):
         jitter: float = 1e-5,
         prior_samples: int | None = 10,
         input_scale: float | None = None,
+        prior_mean: str = "zero",
         **base,
     ):
         super().__init__(embed_dim, num_heads, **base)
@@ -115,6 +120,7 @@ class CGPAttention(_CorrelatedGPAttention):
             learn_sigma=learn_sigma,
             jitter=jitter,
             prior_samples=prior_samples,
+            prior_mean=prior_mean,
         )
 
 
@@ -129,7 +135,7 @@ class SCGPAttention(_CorrelatedGPAttention):
         default global learnable inducing inputs per head.
     :param seq_len: the fixed T of ``amortize=True``.
 
-    Other options as ``cgp`` (no ``prior_samples``: the regulariser is in closed form, App. E).
+    Other options as ``cgp``, ``prior_mean`` included (no ``prior_samples``: the regulariser is in closed form, App. E).
     """
 
     def __init__(
@@ -146,6 +152,7 @@ class SCGPAttention(_CorrelatedGPAttention):
         amortize: bool = False,
         seq_len: int | None = None,
         input_scale: float | None = None,
+        prior_mean: str = "zero",
         **base,
     ):
         super().__init__(embed_dim, num_heads, **base)
@@ -164,4 +171,5 @@ class SCGPAttention(_CorrelatedGPAttention):
             sigma=sigma,
             learn_sigma=learn_sigma,
             jitter=jitter,
+            prior_mean=prior_mean,
         )

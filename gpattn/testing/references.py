@@ -22,6 +22,7 @@ __all__ = [
     "cgp_dense_moments",
     "cgp_cross_dense_posterior",
     "cgp_dense_posterior",
+    "correlated_prior_mean_dense",
     "exponential_gram",
     "kep_svgp_dense_features",
     "kep_svgp_dense_moments",
@@ -485,6 +486,16 @@ def _correlated_inputs(layer, x):
     return [t.detach() for t in (p["q"] * c, p["k"] * c, p["o"] * c, p["v"])]
 
 
+def correlated_prior_mean_dense(gp, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The prior mean of ``cgp`` / ``scgp`` (docs/derivations.md §7a) by its formula: 0 for the papers' zero mean;
+    for ``prior_mean="softmax"`` exp(t q_i·k_j) v_j normalised over the keys, t the strategy's ``mean_temperature``.
+    No padding (compare truncated sequences).
+    # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv) -> (B, H, T, Dv)"""
+    if gp.prior_mean == "zero":
+        return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=v.dtype)
+    return attention_mean_dense(torch.exp(gp.mean_temperature.detach() * (q @ k.mT)), v)
+
+
 def _sigmas(gp):
     sigma = gp.sigma.detach()
     return gp.covar.sigma_q.detach(), gp.covar.sigma_k.detach(), sigma if sigma.dim() == 0 else sigma[:, None, None]
@@ -496,9 +507,10 @@ def cgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None
     dense quantity (no loss terms)."""
     if mask is not None:
         raise ValueError("cgp_dense_posterior takes no key_padding_mask (got one): compare truncated sequences")
-    nu, cov, _, _ = cgp_dense_moments(*_correlated_inputs(layer, x), *_sigmas(layer.gp))
+    q, k, o, v = _correlated_inputs(layer, x)
+    nu, cov, _, _ = cgp_dense_moments(q, k, o, v, *_sigmas(layer.gp))
     jitter = layer.gp.jitter * torch.eye(x.shape[1], dtype=x.dtype)  # the layer's posterior carries it
-    return DenseReference(nu.transpose(-1, -2), cov + jitter, {})
+    return DenseReference((nu + correlated_prior_mean_dense(layer.gp, q, k, v)).transpose(-1, -2), cov + jitter, {})
 
 
 def scgp_dense_blocks(q, k, o, s, s_keys, sigma_q, sigma_k) -> dict:
@@ -548,8 +560,9 @@ def scgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = Non
         raise ValueError("scgp_dense_posterior takes no key_padding_mask (got one): compare truncated sequences")
     gp = layer.gp
     s, s_keys = gp.inducing_latent.detach()[None], gp.inducing_keys.detach()[None]
-    nu, cov, _ = scgp_dense_moments(*_correlated_inputs(layer, x), s, s_keys, *_sigmas(gp))
-    return DenseReference(nu.transpose(-1, -2), cov, {})
+    q, k, o, v = _correlated_inputs(layer, x)
+    nu, cov, _ = scgp_dense_moments(q, k, o, v, s, s_keys, *_sigmas(gp))
+    return DenseReference((nu + correlated_prior_mean_dense(gp, q, k, v)).transpose(-1, -2), cov, {})
 
 
 # ------------------------------------------------------------------ cross-attention (docs/derivations.md §13)
@@ -605,10 +618,12 @@ def cgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) -> 
     posterior carries; with ``prior_samples=None`` also the regulariser (eqs. 42–44 in expectation over z_o,
     T queries and S keys) as the loss term ``cgp`` (mean over the batch of Σ_{h,d} R / 2). No padding."""
     sigmas = _sigmas(layer.gp)
-    nu, cov, z, K = cgp_dense_moments(*_cross_correlated_inputs(layer, x, context), *sigmas)
+    q, k, o, v = _cross_correlated_inputs(layer, x, context)
+    nu, cov, z, K = cgp_dense_moments(q, k, o, v, *sigmas)
     jitter = layer.gp.jitter * torch.eye(x.shape[1], dtype=x.dtype)
+    mean = (nu + correlated_prior_mean_dense(layer.gp, q, k, v)).transpose(-1, -2)  # R reads ν alone (§7a)
     if layer.gp.prior_samples is not None:
-        return DenseReference(nu.transpose(-1, -2), cov + jitter, {})
+        return DenseReference(mean, cov + jitter, {})
     s2 = sigmas[2] ** 2
     A = K["K_o"] + s2 * torch.eye(K["K_o"].shape[-1], dtype=x.dtype)
     R = 0
@@ -618,7 +633,7 @@ def cgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) -> 
         # E_{z_o ~ N(0, K_o)} (f − H_f z_o)ᵀ Σ⁻¹ (f − H_f z_o) = fᵀ Σ⁻¹ f + tr(Σ⁻¹ H_f K_o H_fᵀ)
         trace = torch.linalg.solve(Sig, H_f @ K["K_o"] @ H_f.mT).diagonal(dim1=-2, dim2=-1).sum(-1)
         R = R + (f * torch.linalg.solve(Sig, f)).sum(-2) + (trace + torch.linalg.slogdet(Sig)[1])[..., None]
-    return DenseReference(nu.transpose(-1, -2), cov + jitter, {"cgp": R.sum((1, 2)).mean(0) / 2})
+    return DenseReference(mean, cov + jitter, {"cgp": R.sum((1, 2)).mean(0) / 2})
 
 
 def scgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) -> DenseReference:
@@ -638,4 +653,5 @@ def scgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) ->
         s2_hd = torch.as_tensor(s2).reshape(-1, 1)  # shape: (H or 1, 1), against (B, H, ·)
         trace = trace[..., None] + s2_hd * torch.linalg.solve(C, G).diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True)
         R = R + (f.square().sum(-2) + trace) / s2_hd + f.shape[-2] * s2_hd.log()
-    return DenseReference(nu.transpose(-1, -2), cov, {"cgp": R.sum((1, 2)).mean(0) / 2})
+    mean = nu + correlated_prior_mean_dense(gp, inputs[0], inputs[1], z)  # R reads ν alone (§7a)
+    return DenseReference(mean.transpose(-1, -2), cov, {"cgp": R.sum((1, 2)).mean(0) / 2})

@@ -44,11 +44,17 @@ from gpattn.variational._strategy import (
     check_query_inputs,
     sequence_mean,
 )
+from gpattn.variational.means import softmax_attention
 
 #: lower bound of a learned σ: keeps the regulariser's bound 2T log σ² finite
 SIGMA_FLOOR = 1e-3
 
+#: the prior means of ``cgp`` and ``scgp`` (docs/derivations.md §7a): softmax attention of the canonical inputs, or
+#: the papers' zero mean
+CGP_PRIOR_MEANS = ("softmax", "zero")
+
 __all__ = [
+    "CGP_PRIOR_MEANS",
     "SIGMA_FLOOR",
     "CGPConditional",
     "CorrelatedConditional",
@@ -85,6 +91,11 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         :math:`2T\log\sigma^2` would otherwise run to −∞ with σ.
     :param jitter: added to the diagonal of the matrices that are PSD only in exact arithmetic
         before their Cholesky factorisation (the numerics policy escalates it on failure).
+    :param prior_mean: ``"zero"`` (the papers' form) or ``"softmax"``: the query and key processes have the prior
+        mean :math:`m(x) = \sum_j \mathrm{softmax}_j(t\, x \cdot k_j)\, v_j`, softmax attention of the canonical
+        inputs at temperature :math:`t` (the buffer ``mean_temperature``, 1 until :meth:`rescale_mean` moves it),
+        and the correlated GP models the departure from it (docs/derivations.md §7a). The covariance and the
+        regulariser are the zero-mean model's; the mean of z_q | z_k is :math:`m(q) + \nu`.
     """
 
     def __init__(
@@ -95,6 +106,7 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         sigma: float = 0.1,
         learn_sigma: bool = False,
         jitter: float = 1e-5,
+        prior_mean: str = "zero",
     ):
         super().__init__()
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
@@ -116,7 +128,16 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
             raise ValueError(f"learn_sigma must be True or False, got {learn_sigma!r}")
         if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or jitter < 0:
             raise ValueError(f"jitter must be a float >= 0, got {jitter!r}")
+        if prior_mean not in CGP_PRIOR_MEANS:
+            raise ValueError(
+                f"prior_mean must be one of {list(CGP_PRIOR_MEANS)} ('softmax': softmax attention of the canonical "
+                f"inputs as the prior mean of z_q and z_k, docs/derivations.md §7a; 'zero': the paper's form), "
+                f"got {prior_mean!r}"
+            )
         self.num_heads = num_heads
+        self.prior_mean = prior_mean
+        if prior_mean == "softmax":  # in the state dict: rescale_mean's changes survive a reload
+            self.register_buffer("mean_temperature", torch.ones(()))
         self.jitter = float(jitter)
         self.covar = CrossCovarianceKernel(
             canonical, batch_shape=torch.Size([num_heads]), sigma_q=CGP_SIGMA, sigma_k=CGP_SIGMA
@@ -145,6 +166,21 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         if sigma is None:
             sigma = like.new_full((self.num_heads,), self._sigma_value)
         return sigma.to(like).pow(2)[:, None, None]
+
+    @torch.no_grad()
+    def rescale_mean(self, factor: float) -> None:
+        """Divide the softmax mean's temperature by ``factor``² (nothing for the zero mean): the mean is then
+        unchanged when the canonical inputs are multiplied by ``factor`` (the layers' ``rescale_inputs``)."""
+        if self.prior_mean == "softmax":
+            self.mean_temperature /= factor**2
+
+    def _softmax_mean(self, q, k, v, valid, valid_q) -> torch.Tensor:
+        """m(q) = Σ_j softmax_j(t q·k_j) v_j over the real keys, 0 at padded queries (as ν is there).
+        # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv), valid (B, 1, S), valid_q (B, 1, T)
+        # -> (B, H, T, Dv)"""
+        root = self.mean_temperature.to(q).sqrt()
+        m = softmax_attention(q * root, k * root, v, None if valid is None else ~valid[:, :, None, :])
+        return m if valid_q is None else m * valid_q[..., None]
 
     @torch.no_grad()
     def _scale_prior(self, factor: float) -> None:
@@ -217,6 +253,8 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
             valid, (q, k, o, v32) = self._prepare(mask, q if query_inputs is None else query_inputs, k, o, v)
             valid_q = valid if query_inputs is None else None  # cross-attention: the queries are not padded
             cond = self._condition(q, k, o, v32, valid, valid_q=valid_q, **options)
+            if self.prior_mean == "softmax":
+                cond.add_prior_mean(self._softmax_mean(q, k, v32, valid, valid_q))
         cond.output_dtype = v.dtype  # the layer hands on the values' dtype (autocast)
         return cond
 
@@ -224,7 +262,8 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
     posterior = AmortisedVariationalStrategy.forward
 
     def conditional_mean(self, q, k, o, z, mask=None, **options) -> torch.Tensor:
-        """:math:`E[z_q \\mid z_k = z]` for given observations ``z`` of the key process.
+        """:math:`E[z_q \\mid z_k = z]` for given observations ``z`` of the key process, of the zero-mean correlated GP
+        (with ``prior_mean="softmax"``: of the departure from the prior mean, z = z_k − m(k)).
 
         # shape: q, k, o (B, H, T, Dh), z (B, H, T, Dv) -> (B, H, T, Dv)"""
         self._check(q, k, o, z, mask)
@@ -249,8 +288,14 @@ class CorrelatedConditional(AmortisedConditional):
     Every method runs in ``gp_algebra()`` on the device of the inputs."""
 
     def __init__(self, gp: CorrelatedGPBase, nu: torch.Tensor, valid: torch.Tensor | None, valid_q=None):
-        self.gp, self.mean, self.valid, self.valid_q = gp, nu, valid, valid_q  # valid_q: the real queries
+        # nu: the zero-mean GP's predictive mean, which the regulariser reads; mean: what the layer outputs
+        self.gp, self.nu, self.mean, self.valid, self.valid_q = gp, nu, nu, valid, valid_q  # valid_q: the real queries
         self._device = nu.device.type
+
+    def add_prior_mean(self, prior: torch.Tensor) -> None:
+        """The predictive mean becomes m(q) + ν (docs/derivations.md §7a); the covariance and R do not change.
+        # shape: prior (B, H, T, Dv)"""
+        self.mean = self.nu + prior.to(self.nu.dtype)
 
     def regularizer(self) -> torch.Tensor:
         """R per head and value column (a fresh Monte-Carlo estimate per call where R samples).
@@ -457,4 +502,4 @@ class CGPConditional(CorrelatedConditional):
         G = self._G
         if G is None and self.gp.prior_samples is None:
             G = tri_solve(Kb["L_o"].mT, Kb["W"], upper=True)
-        return self.gp._regularizer(self._v, self.valid, self.mean, self.gp.noise(self._q), Kb, G, self.valid_q)
+        return self.gp._regularizer(self._v, self.valid, self.nu, self.gp.noise(self._q), Kb, G, self.valid_q)

@@ -33,7 +33,7 @@ from gpattn._settings import is_validating
 from gpattn.kernels._evaluate import evaluate_kernel, temperature_lengthscale
 from gpattn.variational._fused import fused_kernel_attention, fused_softmax
 
-__all__ = ["PRIOR_MEANS", "AttentionMean", "SoftmaxMean", "check_prior_mean", "make_prior_mean"]
+__all__ = ["PRIOR_MEANS", "AttentionMean", "SoftmaxMean", "check_prior_mean", "make_prior_mean", "softmax_attention"]
 
 #: the prior means of the SGPA variants: normalised kernel attention (default), softmax attention with the
 #: kernel's temperature, or zero (the papers')
@@ -107,17 +107,7 @@ class SoftmaxMean(nn.Module):
         """``gram`` is not read (the mean is not a function of it).
         # shape: queries (B, H, T, Dh), keys (B, H, S, Dh), values (B, H, S, Dv), excluded broadcastable to
         (B, H, T, S) (True = key j not in A_i) or None -> (B, H, T, Dv)"""
-        a, b = self.scaled(kernel, queries, keys)
-        if excluded is None or (excluded.dim() == 4 and excluded.shape[1] == excluded.shape[2] == 1):  # key padding
-            fused = fused_softmax(a, b, values, None if excluded is None else excluded[:, 0, 0, :])
-            if fused is not None:
-                return fused
-        logits = a @ b.mT  # shape: (B, H, T, S)
-        if excluded is None:
-            return logits.softmax(-1) @ values
-        logits = logits.masked_fill(excluded, torch.finfo(logits.dtype).min)
-        some = (~excluded).any(-1, keepdim=True)  # shape: (.., T, 1); A_i ≠ ∅
-        return (logits.softmax(-1) @ values) * some
+        return softmax_attention(*self.scaled(kernel, queries, keys), values, excluded)
 
     @classmethod
     def fused(cls, kernel, queries, keys, values, pad=None) -> torch.Tensor | None:
@@ -141,6 +131,23 @@ class SoftmaxMean(nn.Module):
                 f"(exponential, ard-rbf, ...) or prior_mean='attention'"
             )
         return lengthscale
+
+
+def softmax_attention(a: torch.Tensor, b: torch.Tensor, values: torch.Tensor, excluded=None) -> torch.Tensor:
+    """Σ_{j∈A_i} softmax_j(a_i · b_j) v_j (0 where A_i = ∅): one fused attention call under key padding or no mask
+    (no (T, S) matrix, docs/derivations.md §12), the dense masked softmax otherwise.
+    # shape: a (B, H, T, d), b (B, H, S, d), values (B, H, S, Dv), excluded broadcastable to (B, H, T, S)
+    (True = key j not in A_i) or None -> (B, H, T, Dv)"""
+    if excluded is None or (excluded.dim() == 4 and excluded.shape[1] == excluded.shape[2] == 1):  # key padding
+        fused = fused_softmax(a, b, values, None if excluded is None else excluded[:, 0, 0, :])
+        if fused is not None:
+            return fused
+    logits = a @ b.mT  # shape: (B, H, T, S)
+    if excluded is None:
+        return logits.softmax(-1) @ values
+    logits = logits.masked_fill(excluded, torch.finfo(logits.dtype).min)
+    some = (~excluded).any(-1, keepdim=True)  # shape: (.., T, 1); A_i ≠ ∅
+    return (logits.softmax(-1) @ values) * some
 
 
 def make_prior_mean(prior_mean: str, kernel) -> nn.Module | None:

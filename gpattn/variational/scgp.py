@@ -320,5 +320,5 @@ class SCGPConditional(CorrelatedConditional):
             return MultivariateNormal(nu.transpose(-1, -2), covar)
 
     def _regularizer(self):
-        nu = self.mean.to(self._z.dtype)
+        nu = self.nu.to(self._z.dtype)  # the zero-mean GP's: the prior mean costs nothing (§7a)
         return self.gp.regularizer(self.terms, nu, self._z, self.valid, self.valid_q).to(self.mean.dtype)
