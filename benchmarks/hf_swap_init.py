@@ -1,6 +1,6 @@
-"""SGPA swapped into MiniLM's last layer, at initialisation: how each start reproduces the pretrained attention
-and how much noise its prior adds (docs/derivations.md §5d, docs/results.md "CoLA on MiniLM with separate query
-and key maps").
+"""GP attention (SGPA, cgp, scgp) swapped into MiniLM's last layer, at initialisation: how each start reproduces
+the pretrained attention and how much noise its prior adds (docs/derivations.md §5d, §7a, docs/results.md "CoLA on
+MiniLM with separate query and key maps").
 
 For each candidate (variant, options) the last layer of all-MiniLM-L6-v2 is swapped as ``HFClassifier`` does
 (frozen trunk, the prior matched to the stream by ``match_prior_to_stream``) and measured on the first
@@ -34,6 +34,10 @@ CANDIDATES = [
     ("sgpa-decoupled", {"qk": "separate", "kernel": "exponential"}),
     ("sgpa", {"qk": "separate", "prior_mean": "softmax"}),
     ("sgpa-decoupled", {"qk": "separate", "prior_mean": "softmax"}),
+    ("cgp", {"prior_mean": "zero"}),
+    ("cgp", {"prior_mean": "softmax"}),
+    ("scgp", {"prior_mean": "zero"}),
+    ("scgp", {"prior_mean": "softmax"}),
 ]
 
 
@@ -91,6 +95,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", default=os.environ.get("GPATTN_DATA_DIR", "."))
     parser.add_argument("--sentences", type=int, default=256)
+    parser.add_argument("--variants", default=None, help="comma-separated variant names (default: every candidate)")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -104,7 +109,10 @@ def main(argv=None) -> None:
                                               return_tensors="pt")
     ids, pad = enc["input_ids"], ~enc["attention_mask"].bool()
     reference, rows = None, []
+    wanted = None if args.variants is None else set(args.variants.split(","))
     for name, options in CANDIDATES:
+        if wanted is not None and name not in wanted:
+            continue
         row, reference = measure(path, name, options, ids, pad, reference)
         rows.append(row)
     keys = list(rows[0])

@@ -255,7 +255,7 @@ def test_layer_loss_term_and_deterministic_mean():
 
 def test_any_gpytorch_kernel_as_canonical():
     kern = MaternKernel(nu=2.5, batch_shape=torch.Size([2]))
-    layer = gpattn.build_attention("cgp", 8, 2, kernel=kern, prior_samples=None).double()
+    layer = gpattn.build_attention("cgp", 8, 2, kernel=kern, prior_samples=None, prior_mean="zero").double()
     assert layer.gp.covar.canonical is kern
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     post = layer.posterior(x)
@@ -352,13 +352,14 @@ def test_learned_sigma_has_a_floor():
 def test_rescale_inputs_is_a_layer_built_with_that_input_scale(name):
     """``rescale_inputs(r)`` (q, k, o rows of in_proj and scgp's inducing inputs × r) computes, in float64,
     what the same parameters compute with ``input_scale`` × r and the inducing inputs × r — the
-    reparametrisation W ← cW of the canonical space — and keeps the value rows."""
+    reparametrisation W ← cW of the canonical space — and keeps the value rows. With the zero mean: the softmax prior
+    mean keeps its attention instead (test_rescale_inputs_keeps_the_softmax_mean)."""
     torch.manual_seed(0)
     x = torch.randn(3, 6, 16, dtype=torch.float64)
     mask = torch.zeros(3, 6, dtype=torch.bool)
     mask[1, 4:] = True
-    a = gpattn.build_attention(name, 16, 2).double()
-    b = gpattn.build_attention(name, 16, 2, input_scale=a.input_scale * 0.37).double()
+    a = gpattn.build_attention(name, 16, 2, prior_mean="zero").double()
+    b = gpattn.build_attention(name, 16, 2, input_scale=a.input_scale * 0.37, prior_mean="zero").double()
     b.load_state_dict(a.state_dict())
     with torch.no_grad():  # inducing inputs live in the canonical space: the same points, scaled with it
         for inducing in (getattr(b.strategy, n, None) for n in ("inducing_latent", "inducing_keys")):
@@ -374,18 +375,19 @@ def test_rescale_inputs_is_a_layer_built_with_that_input_scale(name):
 
 
 # ------------------------------------------------------------------ the softmax prior mean (docs/derivations.md §7a)
-class TestCGPSoftmaxMean(TestCGP):
-    """``prior_mean="softmax"``: the dense reference adds softmax(q kᵀ) v of the scaled inputs to eq. 25's mean; the
-    covariance is App. B's (the contract's invariants too: this is not the default form)."""
+class TestCGPZeroMean(TestCGP):
+    """The papers' form, ``prior_mean="zero"``: eq. 25's mean alone, App. B's covariance (the contract's invariants
+    too: this is not the default form). TestCGP runs the default, the softmax prior mean of §7a, whose dense
+    reference adds softmax(q kᵀ) v of the scaled inputs to eq. 25's mean."""
 
-    options = {"prior_mean": "softmax"}
+    options = {"prior_mean": "zero"}
     invariants = ATTENTION_INVARIANTS
 
 
 def _twins(name, seed=0, **options):
     """A layer with the zero mean and its softmax-mean twin with the same parameters (float64)."""
     torch.manual_seed(seed)
-    zero = gpattn.build_attention(name, 8, 2, **options).double()
+    zero = gpattn.build_attention(name, 8, 2, prior_mean="zero", **options).double()
     twin = gpattn.build_attention(name, 8, 2, prior_mean="softmax", **options).double()
     twin.load_state_dict(zero.state_dict(), strict=False)
     return zero, twin

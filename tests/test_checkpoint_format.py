@@ -12,6 +12,7 @@ from _cli_helpers import TINY_DIGITS
 import gpattn
 from gpattn.experiments._io import CHECKPOINT_FORMAT, checkpoint_format
 from gpattn.experiments.cli import main
+from gpattn.experiments.diagnostics import GPCollapseWarning
 from gpattn.experiments.training import TrainConfig, load_run_with_data, train
 
 TINY = dict(embed_dim=16, num_heads=2, num_layers=1, epochs=1, batch_size=256, patch_size=4, num_samples=2,
@@ -129,3 +130,24 @@ def test_compare_retrains_a_cached_run_of_an_older_format(tmp_path):
     assert "trained (no finished run)" in runs[0]
     assert "trained (written by an older gpattn: another checkpoint format)" in runs[1], runs
     assert "reused" in runs[2], runs
+
+
+def test_a_cgp_run_saved_before_the_softmax_mean_reloads_in_its_own_form(tmp_path):
+    """cgp's default prior mean changed from the papers' zero mean to the softmax mean (docs/derivations.md §7a,
+    ``CHANGED_DEFAULTS``): a config records ``prior_mean``; a checkpoint whose config lacks it (written before)
+    trained the zero mean and reloads with it, predicting what it predicted."""
+    assert TrainConfig(dataset="digits", attention="cgp", **TINY).attention_options == {"prior_mean": "softmax"}
+    assert TrainConfig(dataset="digits", attention="sgpa", **TINY).attention_options == {}
+    out, images = tmp_path / "run", torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(GPCollapseWarning):  # one epoch of a tiny model
+        train(TrainConfig(dataset="digits", attention="cgp", attention_options={"prior_mean": "zero"}, **TINY), out)
+    with gpattn.deterministic():
+        before = gpattn.experiments.load_run(out).predict(images, num_samples=1).probs
+    path = out / "checkpoint.pt"
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["config"]["attention_options"] = {}  # as gpattn wrote it before the change
+    torch.save(ckpt, path)
+    run = gpattn.experiments.load_run(out)
+    assert run.cfg.attention_options == {"prior_mean": "zero"}
+    with gpattn.deterministic():
+        torch.testing.assert_close(run.predict(images, num_samples=1).probs, before)

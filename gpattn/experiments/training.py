@@ -108,6 +108,13 @@ def _same_run(saved: dict, cfg: TrainConfig) -> tuple[bool, list]:
     return saved == mine, sorted(k for k in mine if saved.get(k) != mine[k])
 
 
+#: attention options whose library default changed after runs were saved, by variant: the value that a config
+#: written before the change trained with. ``TrainConfig`` records the current default of each in
+#: ``attention_options`` (so config.json says which form ran, and ``compare`` retrains an older run rather than
+#: reuse it); ``TrainConfig.from_saved`` fills the old value into a saved config that lacks it, so a checkpoint
+#: reloads as the model it is. cgp: the softmax prior mean (docs/derivations.md §7a) since 2026-11-27.
+CHANGED_DEFAULTS: dict[str, dict[str, object]] = {"cgp": {"prior_mean": "zero"}}
+
 #: how a pretrained encoder is trained (``TrainConfig.encoder_recipe``)
 ENCODER_RECIPES = ("full", "frozen-trunk")
 
@@ -191,6 +198,12 @@ class TrainConfig:
 
             # the swap's defaults written out, so config.json (and compare's reuse check) says which form ran
             self.attention_options = encoder_swap_options(self.attention, self.attention_options)
+        changed = CHANGED_DEFAULTS.get(self.attention) if isinstance(self.attention, str) else None
+        if changed and isinstance(self.attention_options, dict):
+            from gpattn.attention.registry import attention_options
+
+            defaults = attention_options(self.attention)
+            self.attention_options = {**{k: defaults[k] for k in changed}, **self.attention_options}
         if self.batch_size is None:
             recipe = ENCODER_DEFAULTS.get(self.encoder_recipe, {}) if self.encoder is not None else {}
             self.batch_size = recipe.get("batch_size", DEFAULT_BATCH_SIZE)
@@ -267,12 +280,19 @@ class TrainConfig:
 
     @classmethod
     def from_saved(cls, d: dict) -> TrainConfig:
-        """A run's saved config (its checkpoint's): as ``from_dict``, except that an encoder run saved
-        before the swap's defaults were written out keeps the form it trained (``saved_swap_options``)."""
-        if d.get("encoder") is not None and isinstance(d.get("attention_options", {}), dict):
-            from gpattn.integrations.huggingface import saved_swap_options
+        """A run's saved config (its checkpoint's): as ``from_dict``, except that a run saved before a default
+        changed keeps the form it trained: an encoder run saved before the swap's defaults were written out
+        (``saved_swap_options``), and any run of a variant in :data:`CHANGED_DEFAULTS` saved before its new
+        default was recorded."""
+        options = d.get("attention_options", {})
+        if isinstance(options, dict):
+            if d.get("encoder") is not None:
+                from gpattn.integrations.huggingface import saved_swap_options
 
-            d = {**d, "attention_options": saved_swap_options(d.get("attention"), d.get("attention_options", {}))}
+                options = saved_swap_options(d.get("attention"), options)
+            attention = d.get("attention")
+            options = {**CHANGED_DEFAULTS.get(attention if isinstance(attention, str) else None, {}), **options}
+            d = {**d, "attention_options": options}
         return cls.from_dict(d)
 
     def to_dict(self) -> dict:
