@@ -62,13 +62,17 @@ print(f"SIZE={SIZE}, T={T}, plots -> {OUT}")
 # %% [markdown]
 # ## A CGP layer and its per-head inputs
 #
+# 5. the **softmax prior mean** of §7a (`cgp`'s default): the layer's mean is softmax attention plus ν, with
+#    the zero-mean layer's covariance and regulariser.
+#
+# Sections 1–4 check the papers' form, `prior_mean="zero"`, where ν is the whole mean.
 # A two-head layer of width 16 in float64 with non-trivial $\sigma_q, \sigma_k$ per head. The shim
 # scales the projections by a fixed `input_scale` before $\kappa_o$ (a reparametrisation of $W$);
 # everything below works on those scaled per-head inputs $q, k, x_o$ and the values $v$.
 
 # %%
 H, D = 2, 16
-layer = gpattn.build_attention("cgp", D, H, prior_samples=None, jitter=0.0).double()
+layer = gpattn.build_attention("cgp", D, H, prior_samples=None, jitter=0.0, prior_mean="zero").double()
 gp = layer.gp
 gp.covar.sigma_q = torch.tensor([1.4, 0.8], dtype=F64)
 gp.covar.sigma_k = torch.tensor([0.7, 1.3], dtype=F64)
@@ -220,7 +224,7 @@ print(f"CGP regulariser: exact {R_exact[0, 0]:.4f}, dense MC {R_mc[0, 0]:.4f}; m
 P_list = [1, 10, 100] if CI else [1, 10, 100, 1000]
 spread, bias = [], []
 for P in P_list:
-    est = gpattn.build_attention("cgp", D, H, prior_samples=P, jitter=0.0).double().gp
+    est = gpattn.build_attention("cgp", D, H, prior_samples=P, jitter=0.0, prior_mean="zero").double().gp
     est.load_state_dict(gp.state_dict())
     with torch.no_grad():
         r = torch.stack([est.condition(q, k, o, v).regularizer()[0, 0, 0] for _ in range(REPEATS)])
@@ -303,7 +307,7 @@ eye_v = torch.eye(T, dtype=F64).expand(1, H, T, T)
 with torch.no_grad():
     K_cgp = gp.condition(q, k, o, eye_v).mean
     K_scgp = scgp.condition(q, k, o, eye_v).mean
-    tied = gpattn.build_attention("cgp", D, H, jitter=0.0).double().gp
+    tied = gpattn.build_attention("cgp", D, H, jitter=0.0, prior_mean="zero").double().gp
     K_tied = tied.condition(q, q, q, eye_v).mean
     sym_layer = gpattn.build_attention("kernel", D, H).double()
     ps = sym_layer.project(x)
@@ -341,6 +345,24 @@ fig.savefig(OUT / "attention_asymmetry.png", dpi=120)
 # Standardised errors are compared with 5 (a |z| above 5 has probability < 6e-7 per entry); the
 # SCGP → CGP limit is exact up to float64 round-off.
 
+# %% [markdown]
+# ## 5. The softmax prior mean (docs/derivations.md §7a)
+#
+# With `prior_mean="softmax"` the query and key processes have the prior mean
+# $m(q_i) = \sum_j \mathrm{softmax}_j(q_i\cdot k_j)\,v_j$ (scaled inputs), so the layer's mean is $m(q) + \nu$; a mean
+# function leaves every covariance block, hence $\Sigma$ and the regulariser (evaluated at $\nu$), unchanged.
+
+# %%
+twin = gpattn.build_attention("cgp", D, H, prior_samples=None, jitter=0.0, prior_mean="softmax").double()
+twin.load_state_dict(layer.state_dict(), strict=False)
+with torch.no_grad():
+    out0, out1 = gp.condition(q, k, o, v), twin.gp.condition(q, k, o, v)
+    m_dense = torch.softmax(q @ k.mT, -1) @ v  # written here: exp(q·k) normalised over the keys
+    mean_err = (out1.mean - out0.mean - m_dense).abs().max().item()
+    cov_err = (twin.posterior(x).covariance_matrix - layer.posterior(x).covariance_matrix).abs().max().item()
+    reg_err = (out1.regularizer() - out0.regularizer()).abs().max().item()
+print(f"softmax mean: |mean − ν − m| {mean_err:.1e}, |Σ − Σ_zero| {cov_err:.1e}, |R − R_zero| {reg_err:.1e}")
+
 # %%
 assert z_mean.abs().max() < 5 and z_cov.abs().max() < 5, "CGP moments disagree with nested Monte Carlo"
 assert same_cols < 1e-9, "the per-column App. B covariance differs from the layer's shared Σ"
@@ -357,4 +379,5 @@ assert z_reg_scgp.abs().max() < 5, "SCGP closed-form regulariser disagrees with 
 # %%
 assert scores["cgp"] > 1e-2 and scores["kernel-asym"] > 1e-2, "asymmetric attention came out symmetric"
 assert scores["cgp, tied W"] < 1e-10 and scores["kernel (sym.)"] < 1e-10, "symmetric attention came out asymmetric"
+assert max(mean_err, cov_err, reg_err) < 1e-10, "the softmax prior mean changed more than the mean"
 print("all checks passed")
