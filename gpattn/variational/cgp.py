@@ -57,11 +57,23 @@ __all__ = [
     "CGP_PRIOR_MEANS",
     "SIGMA_FLOOR",
     "CGPConditional",
+    "check_cgp_prior_mean",
     "CorrelatedConditional",
     "CorrelatedGP",
     "CorrelatedGPBase",
     "logdet_from_cholesky",
 ]
+
+
+def check_cgp_prior_mean(prior_mean) -> str:
+    """``prior_mean`` must be one of :data:`CGP_PRIOR_MEANS`."""
+    if prior_mean not in CGP_PRIOR_MEANS:
+        raise ValueError(
+            f"prior_mean must be one of {list(CGP_PRIOR_MEANS)} ('softmax': softmax attention of the canonical "
+            f"inputs as the prior mean of z_q and z_k, docs/derivations.md §7a; 'zero': the paper's form), "
+            f"got {prior_mean!r}"
+        )
+    return prior_mean
 
 
 def logdet_from_cholesky(L: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -128,14 +140,8 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
             raise ValueError(f"learn_sigma must be True or False, got {learn_sigma!r}")
         if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or jitter < 0:
             raise ValueError(f"jitter must be a float >= 0, got {jitter!r}")
-        if prior_mean not in CGP_PRIOR_MEANS:
-            raise ValueError(
-                f"prior_mean must be one of {list(CGP_PRIOR_MEANS)} ('softmax': softmax attention of the canonical "
-                f"inputs as the prior mean of z_q and z_k, docs/derivations.md §7a; 'zero': the paper's form), "
-                f"got {prior_mean!r}"
-            )
         self.num_heads = num_heads
-        self.prior_mean = prior_mean
+        self.prior_mean = check_cgp_prior_mean(prior_mean)
         if prior_mean == "softmax":  # in the state dict: rescale_mean's changes survive a reload
             self.register_buffer("mean_temperature", torch.ones(()))
         self.jitter = float(jitter)
