@@ -44,7 +44,7 @@ from gpattn.variational._strategy import (
     check_query_inputs,
     sequence_mean,
 )
-from gpattn.variational.means import softmax_attention
+from gpattn.variational.means import check_prior_mean, softmax_attention
 
 #: lower bound of a learned σ: keeps the regulariser's bound 2T log σ² finite
 SIGMA_FLOOR = 1e-3
@@ -57,23 +57,11 @@ __all__ = [
     "CGP_PRIOR_MEANS",
     "SIGMA_FLOOR",
     "CGPConditional",
-    "check_cgp_prior_mean",
     "CorrelatedConditional",
     "CorrelatedGP",
     "CorrelatedGPBase",
     "logdet_from_cholesky",
 ]
-
-
-def check_cgp_prior_mean(prior_mean) -> str:
-    """``prior_mean`` must be one of :data:`CGP_PRIOR_MEANS`."""
-    if prior_mean not in CGP_PRIOR_MEANS:
-        raise ValueError(
-            f"prior_mean must be one of {list(CGP_PRIOR_MEANS)} ('softmax': softmax attention of the canonical "
-            f"inputs as the prior mean of z_q and z_k, docs/derivations.md §7a; 'zero': the paper's form), "
-            f"got {prior_mean!r}"
-        )
-    return prior_mean
 
 
 def logdet_from_cholesky(L: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -141,7 +129,10 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or jitter < 0:
             raise ValueError(f"jitter must be a float >= 0, got {jitter!r}")
         self.num_heads = num_heads
-        self.prior_mean = check_cgp_prior_mean(prior_mean)
+        self.prior_mean = check_prior_mean(
+            prior_mean, CGP_PRIOR_MEANS, "'softmax': softmax attention of the canonical inputs as the prior mean of "
+            "z_q and z_k, docs/derivations.md §7a; 'zero': the paper's form",
+        )
         if prior_mean == "softmax":  # in the state dict: rescale_mean's changes survive a reload
             self.register_buffer("mean_temperature", torch.ones(()))
         self.jitter = float(jitter)

@@ -40,14 +40,18 @@ __all__ = ["PRIOR_MEANS", "AttentionMean", "SoftmaxMean", "check_prior_mean", "m
 PRIOR_MEANS = ("attention", "softmax", "zero")
 
 
-def check_prior_mean(prior_mean) -> str:
-    """``prior_mean`` must be one of :data:`PRIOR_MEANS`."""
-    if prior_mean not in PRIOR_MEANS:
-        raise ValueError(
-            f"prior_mean must be one of {list(PRIOR_MEANS)} ('attention': normalised kernel attention as the GP's "
-            f"prior mean, docs/derivations.md §5c; 'softmax': softmax attention with the kernel's lengthscale, §5e; "
-            f"'zero': the paper's form), got {prior_mean!r}"
-        )
+#: what each of the SGPA variants' prior means is, for the error message
+_SGPA_MEANS = (
+    "'attention': normalised kernel attention as the GP's prior mean, docs/derivations.md §5c; 'softmax': softmax "
+    "attention with the kernel's lengthscale, §5e; 'zero': the paper's form"
+)
+
+
+def check_prior_mean(prior_mean, choices: tuple[str, ...] = PRIOR_MEANS, meanings: str = _SGPA_MEANS) -> str:
+    """``prior_mean`` must be one of ``choices`` (default :data:`PRIOR_MEANS`, the SGPA variants'); the error lists them
+    with their ``meanings``."""
+    if prior_mean not in choices:
+        raise ValueError(f"prior_mean must be one of {list(choices)} ({meanings}), got {prior_mean!r}")
     return prior_mean
 
 
