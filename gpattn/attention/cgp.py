@@ -140,8 +140,9 @@ class SCGPAttention(_CorrelatedGPAttention):
 
     :param prior_mean: ``"zero"`` (default, Bui et al.) or ``"softmax"`` (docs/derivations.md §7a; the default of
         ``cgp``). The sparse model's ν is not small beside the mean on a pretrained stream (on MiniLM's last layer
-        the softmax mean leaves the swap 0.72 away from the pretrained heads, against cgp's 0.04), and scgp attends
-        on the suite and on digits at the zero mean.
+        the softmax mean leaves the swap 0.72 away from the pretrained heads, against cgp's 0.04); scgp attends on
+        the suite and on digits at the zero mean, and on CoLA from scratch neither mean keeps its second layer
+        attending at the α the validation split chooses (docs/results.md).
 
     Other options as ``cgp`` (no ``prior_samples``: the regulariser is in closed form, App. E).
     """

@@ -175,8 +175,7 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         """m(q) = Σ_j softmax_j(t q·k_j) v_j over the real keys, 0 at padded queries (as ν is there).
         # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv), valid (B, 1, S), valid_q (B, 1, T)
         # -> (B, H, T, Dv)"""
-        root = self.mean_temperature.to(q).sqrt()
-        m = softmax_attention(q * root, k * root, v, None if valid is None else ~valid[:, :, None, :])
+        m = softmax_attention(q * self.mean_temperature.to(q), k, v, None if valid is None else ~valid[:, :, None, :])
         return m if valid_q is None else m * valid_q[..., None]
 
     @torch.no_grad()
