@@ -38,6 +38,8 @@ CANDIDATES = [
     ("cgp", {"prior_mean": "softmax"}),
     ("scgp", {"prior_mean": "zero"}),
     ("scgp", {"prior_mean": "softmax"}),
+    ("cgp", {"prior_mean": "softmax-separate"}),
+    ("scgp", {"prior_mean": "softmax-separate"}),
 ]
 
 

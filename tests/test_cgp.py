@@ -384,29 +384,48 @@ class TestCGPZeroMean(TestCGP):
     invariants = ATTENTION_INVARIANTS
 
 
-def _twins(name, seed=0, **options):
-    """A layer with the zero mean and its softmax-mean twin with the same parameters (float64)."""
+class TestCGPSeparateMean(TestCGP):
+    """``prior_mean="softmax-separate"`` (§7a): the softmax mean over the layer's own values W_vm x (the ``v_mean``
+    projection), which the regulariser does not read."""
+
+    options = {"prior_mean": "softmax-separate"}
+    invariants = ATTENTION_INVARIANTS
+
+
+SOFTMAX_MEANS = ["softmax", "softmax-separate"]
+
+
+def _twins(name, seed=0, mean="softmax", **options):
+    """A layer with the zero mean and its twin with the softmax mean ``mean``, with the same parameters (float64;
+    the separate mean's own value rows ``v_mean`` keep their initialisation)."""
     torch.manual_seed(seed)
     zero = gpattn.build_attention(name, 8, 2, prior_mean="zero", **options).double()
-    twin = gpattn.build_attention(name, 8, 2, prior_mean="softmax", **options).double()
-    twin.load_state_dict(zero.state_dict(), strict=False)
+    twin = gpattn.build_attention(name, 8, 2, prior_mean=mean, **options).double()
+    state = {k: v for k, v in zero.state_dict().items() if not k.startswith("in_proj.")}
+    twin.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        for name_, param in zero.in_proj.named_parameters():  # the zero-mean rows come first in the twin's in_proj
+            getattr(twin.in_proj, name_)[: param.shape[0]] = param
     return zero, twin
 
 
+@pytest.mark.parametrize("mean", SOFTMAX_MEANS)
 @pytest.mark.parametrize("name", ["cgp", "scgp"])
-def test_softmax_mean_adds_attention_and_changes_nothing_else(name):
-    """mean = the zero-mean layer's mean + softmax(q kᵀ/√Dh) v of the layer's projections over the real keys (0 at
-    padded queries); covariance, samples' spread and the regulariser (exact expectation) are the zero-mean
-    layer's: the prior mean costs nothing in R (§7a)."""
+def test_softmax_mean_adds_attention_and_changes_nothing_else(name, mean):
+    """mean = the zero-mean layer's mean + softmax(q kᵀ/√Dh) u of the layer's projections over the real keys (0 at
+    padded queries), u = the values v, or the separate mean's own ``v_mean``; covariance, samples' spread and the
+    regulariser (exact expectation) are the zero-mean layer's: the prior mean costs nothing in R (§7a)."""
     options = {"prior_samples": None} if name == "cgp" else {}
-    zero, twin = _twins(name, **options)
+    zero, twin = _twins(name, mean=mean, **options)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 6, 8, generator=g, dtype=torch.float64)
     mask = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
-    p = zero.project(x)
+    p = twin.project(x)
     logits = (p["q"] @ p["k"].mT) / zero.head_dim**0.5  # the pretrained-style temperature at input_scale Dh^-1/4
     logits = logits.masked_fill(mask[:, None, None, :], float("-inf"))
-    softmax = (logits.softmax(-1) @ p["v"]) * (~mask)[:, None, :, None]
+    u = p["v_mean"] if mean == "softmax-separate" else p["v"]
+    assert mean == "softmax" or not torch.allclose(p["v_mean"], p["v"])  # the separate values are not v
+    softmax = (logits.softmax(-1) @ u) * (~mask)[:, None, :, None]
     post0, post1 = zero.posterior(x, mask), twin.posterior(x, mask)
     torch.testing.assert_close(post1.mean - post0.mean, softmax.transpose(-1, -2), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(post1.covariance_matrix, post0.covariance_matrix, rtol=0, atol=0)
@@ -416,12 +435,13 @@ def test_softmax_mean_adds_attention_and_changes_nothing_else(name):
         torch.testing.assert_close(layer_loss_terms(twin), layer_loss_terms(zero), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("mean", SOFTMAX_MEANS)
 @pytest.mark.parametrize("name", ["cgp", "scgp"])
-def test_rescale_inputs_keeps_the_softmax_mean(name):
+def test_rescale_inputs_keeps_the_softmax_mean(name, mean):
     """``rescale_inputs(r)`` (the swap's median heuristic) multiplies the canonical inputs by r and divides the mean's
     temperature by r²: the softmax part of the mean is unchanged, the GP part moves; a state-dict round trip keeps
     the temperature."""
-    zero, twin = _twins(name)
+    zero, twin = _twins(name, mean=mean)
     x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     before = twin.posterior(x).mean - zero.posterior(x).mean
     for layer in (zero, twin):
@@ -429,20 +449,54 @@ def test_rescale_inputs_keeps_the_softmax_mean(name):
     torch.testing.assert_close(twin.gp.mean_temperature, torch.tensor(1.7**-2, dtype=torch.float64))
     after = twin.posterior(x).mean - zero.posterior(x).mean
     torch.testing.assert_close(after, before, rtol=1e-10, atol=1e-12)
-    reloaded = gpattn.build_attention(name, 8, 2, prior_mean="softmax").double()
+    reloaded = gpattn.build_attention(name, 8, 2, prior_mean=mean).double()
     reloaded.load_state_dict(twin.state_dict())
     torch.testing.assert_close(reloaded.posterior(x).mean, twin.posterior(x).mean, rtol=0, atol=0)
 
 
-def test_softmax_mean_gradients_match_finite_differences():
+@pytest.mark.parametrize("mean", SOFTMAX_MEANS)
+def test_softmax_mean_gradients_match_finite_differences(mean):
     """The mean's gradient through the fused softmax path (float64, key padding) against finite differences."""
-    _, twin = _twins("cgp", prior_samples=None)
+    _, twin = _twins("cgp", mean=mean, prior_samples=None)
     x = torch.randn(2, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(6), requires_grad=True)
     mask = torch.tensor([[False] * 4, [False] * 3 + [True]])
     assert torch.autograd.gradcheck(lambda x: twin.posterior(x, mask).mean, (x,))
 
 
+def test_separate_mean_values_are_trained_by_the_output_alone():
+    """The separate mean's own values get their gradient from the layer's output, never from the regulariser R
+    (which reads ν and v, §7a): R's gradient is zero on the ``v_mean`` rows and nonzero on the ``v`` rows."""
+    _, twin = _twins("cgp", mean="softmax-separate", prior_samples=None)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    with gpattn.deterministic():
+        twin(x)
+    sum(layer_loss_terms(twin).values()).backward()
+    rows, grad = twin.projection_rows(), twin.in_proj.weight.grad
+    assert grad[rows["v_mean"]].abs().max() == 0 and grad[rows["v"]].abs().max() > 0
+    twin.zero_grad()
+    with gpattn.deterministic():
+        twin(x).sum().backward()
+    assert twin.in_proj.weight.grad[rows["v_mean"]].abs().max() > 0
+
+
+@pytest.mark.parametrize("name", ["cgp", "scgp"])
+def test_mean_values_only_with_the_separate_mean(name):
+    """The strategy takes ``mean_values`` exactly when its prior mean reads them, shaped like the values."""
+    q, k, o, v = (torch.randn(1, 2, 4, 4) for _ in range(4))
+    separate = gpattn.build_attention(name, 8, 2, prior_mean="softmax-separate").strategy
+    with pytest.raises(ValueError, match="mean_values: prior_mean='softmax-separate' reads values of its own"):
+        separate.condition(q, k, o, v)
+    shapes = r"mean_values must be a tensor shaped like v \(1, 2, 4, 4\), got \(1, 2, 3, 4\)"
+    with pytest.raises(ValueError, match=shapes):
+        separate.condition(q, k, o, v, mean_values=v[:, :, :3])
+    for mean in ("softmax", "zero"):
+        strategy = gpattn.build_attention(name, 8, 2, prior_mean=mean).strategy
+        with pytest.raises(ValueError, match=f"only prior_mean='softmax-separate' reads them, not '{mean}'"):
+            strategy.condition(q, k, o, v, mean_values=v)
+
+
 def test_zero_mean_state_dict_has_no_temperature():
     """The papers' form keeps its state dict (checkpoints saved before §7a load unchanged)."""
     assert "strategy.mean_temperature" not in gpattn.build_attention("cgp", 8, 2, prior_mean="zero").state_dict()
-    assert "strategy.mean_temperature" in gpattn.build_attention("cgp", 8, 2, prior_mean="softmax").state_dict()
+    for mean in SOFTMAX_MEANS:
+        assert "strategy.mean_temperature" in gpattn.build_attention("cgp", 8, 2, prior_mean=mean).state_dict()

@@ -128,6 +128,11 @@ GP_CASES = {
         "scgp", {"jitter": 0.0, "num_inducing": 3, "num_inducing_keys": 4, "prior_mean": "softmax"},
         scgp_cross_dense_posterior,
     ),
+    "cgp-separate": ("cgp", {"prior_samples": None, "prior_mean": "softmax-separate"}, cgp_cross_dense_posterior),
+    "scgp-separate": (
+        "scgp", {"jitter": 0.0, "num_inducing": 3, "num_inducing_keys": 4, "prior_mean": "softmax-separate"},
+        scgp_cross_dense_posterior,
+    ),
 }
 
 

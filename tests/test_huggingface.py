@@ -119,6 +119,37 @@ def test_sgpa_swap_with_separate_maps_and_the_exponential_kernel_keeps_the_pretr
         assert (outs[other][real] - ref[real]).abs().max() > 1e-2, other
 
 
+@pytest.mark.parametrize("name", ["cgp", "scgp"])
+def test_correlated_swap_with_the_separate_mean_is_the_pretrained_encoder(name):
+    """``prior_mean="softmax-separate"``: the swap copies the pretrained values into the mean's own ``v_mean`` rows
+    and zeroes the GP's values, so ν = 0 and the posterior mean is softmax(q kᵀ/√Dh) v of the pretrained maps: the
+    swapped encoder's mean is the original (real tokens; docs/derivations.md §7a). The shared softmax mean keeps
+    the pretrained values in v (its ν reads them)."""
+    ids, mask = batch()
+    real = mask.bool()
+    for mean in ("softmax-separate", "softmax"):
+        torch.manual_seed(0)
+        model = transformers.BertModel(tiny_config()).eval()
+        with torch.no_grad(), gpattn.deterministic():
+            old = model.encoder.layer[1].attention.self
+            for linear in (old.query, old.key, old.value):
+                linear.weight.normal_(0, 0.3)
+                linear.bias.normal_(0, 0.5)
+            ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            adapter = swap_attention(model, name, "last", prior_mean=mean)[1]
+            out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        layer = adapter.attention
+        v = layer.in_proj.weight[layer.projection_rows()["v"]]
+        if mean == "softmax":
+            assert adapter.transferred["in_proj[v]"] == "value" and torch.equal(v, old.value.weight)
+            continue
+        assert adapter.transferred["in_proj[v]"].startswith("zero")
+        assert adapter.transferred["in_proj[v_mean]"] == "value"
+        bias = layer.in_proj.bias[layer.projection_rows()["v"]]
+        assert torch.count_nonzero(v) == 0 and torch.count_nonzero(bias) == 0
+        torch.testing.assert_close(out[real], ref[real], atol=1e-5, rtol=1e-5)
+
+
 def test_decoder_swap_keeps_the_shared_map():
     """The separate maps take no causal mask: a decoder swap keeps qk="shared" and refuses "separate" by name."""
     config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2)

@@ -350,3 +350,11 @@ class TestSCGPSoftmaxMean(TestSCGP):
 
     options = {"prior_mean": "softmax"}
     invariants = ATTENTION_INVARIANTS
+
+
+class TestSCGPSeparateMean(TestSCGP):
+    """``prior_mean="softmax-separate"`` (§7a): the softmax mean over the layer's own values W_vm x (the ``v_mean``
+    projection), which the regulariser does not read."""
+
+    options = {"prior_mean": "softmax-separate"}
+    invariants = ATTENTION_INVARIANTS

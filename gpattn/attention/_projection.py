@@ -1,6 +1,7 @@
 """The fused input projection of an attention layer: one linear map ``in_proj`` for every named per-head
 projection in the layer's ``projections`` (``("q", "k", "v")``, ``("qk", "v")``, ...), stacked in that order,
-each H·Dh rows wide (H·Dv for ``"v"``). :meth:`FusedProjection.projection_rows` says where each one sits;
+each H·Dh rows wide (H·Dv for the value projections, ``"v"`` and the correlated GPs' ``"v_mean"``).
+:meth:`FusedProjection.projection_rows` says where each one sits;
 read it rather than walking the widths by hand.
 """
 
@@ -13,7 +14,10 @@ import torch.nn as nn
 
 from gpattn.attention._call import AttentionCall
 
-__all__ = ["FusedProjection"]
+__all__ = ["VALUE_PROJECTIONS", "FusedProjection"]
+
+#: the projections H·Dv wide: the values, and the separate values of cgp/scgp's softmax prior mean
+VALUE_PROJECTIONS = ("v", "v_mean")
 
 
 class FusedProjection:
@@ -27,7 +31,8 @@ class FusedProjection:
 
     def _build_in_proj(self, bias: bool) -> None:
         """``in_proj``: one matmul for every named projection (W_v maps to H·Dv); None without projections."""
-        widths = [self.value_dim * self.num_heads if p == "v" else self.embed_dim for p in self.projections]
+        value_width = self.value_dim * self.num_heads
+        widths = [value_width if p in VALUE_PROJECTIONS else self.embed_dim for p in self.projections]
         self._proj_widths = widths
         self.in_proj = nn.Linear(self.embed_dim, sum(widths), bias=bias) if widths else None
 

@@ -30,6 +30,11 @@ class _CorrelatedGPAttention(GPAttention):
     query_projection = "q"
     cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
 
+    def __init__(self, embed_dim: int, num_heads: int, prior_mean: str, **base):
+        if prior_mean == "softmax-separate":  # the mean's own values, before AttentionBase sizes the fused in_proj
+            self.projections = (*type(self).projections, "v_mean")
+        super().__init__(embed_dim, num_heads, **base)
+
     def _init_scale(self, input_scale):
         if input_scale is None:
             input_scale = self.head_dim**-0.25
@@ -49,9 +54,20 @@ class _CorrelatedGPAttention(GPAttention):
 
     def strategy_inputs(self, x):
         """The projections, q, k and o scaled by ``input_scale``.  # shape: each (B, H, T, Dh), v (B, H, T, Dv)"""
-        q, k, o, v = super().strategy_inputs(x)
+        return self._scaled(self.project(x))
+
+    def _scaled(self, p: dict) -> tuple:
         c = self.input_scale
-        return q * c, k * c, o * c, v
+        return p["q"] * c, p["k"] * c, p["o"] * c, p["v"]
+
+    def _condition(self, x, mask, context=None):
+        """As :class:`GPAttention`'s, with the mean's own values (``prior_mean="softmax-separate"``: the
+        ``v_mean`` projection of x, or of the context in cross-attention) as ``mean_values``."""
+        p = self.project(x if context is None else context)
+        options = {} if context is None else {"query_inputs": self.query_inputs(x)}
+        if "v_mean" in p:
+            options["mean_values"] = p["v_mean"]
+        return self.strategy.condition(*self._scaled(p), mask=mask, **options)
 
     @torch.no_grad()
     def rescale_inputs(self, factor: float) -> None:
@@ -114,7 +130,7 @@ class CGPAttention(_CorrelatedGPAttention):
         prior_mean: str = "softmax",
         **base,
     ):
-        super().__init__(embed_dim, num_heads, **base)
+        super().__init__(embed_dim, num_heads, prior_mean, **base)
         self._init_scale(input_scale)
         self.strategy = CorrelatedGP(
             num_heads,
@@ -164,7 +180,7 @@ class SCGPAttention(_CorrelatedGPAttention):
         prior_mean: str = "zero",
         **base,
     ):
-        super().__init__(embed_dim, num_heads, **base)
+        super().__init__(embed_dim, num_heads, prior_mean, **base)
         self._init_scale(input_scale)
         # initial inducing inputs spread like the scaled projections of unit-variance tokens under
         # nn.Linear's default initialisation (coordinate std 1/√3 before scaling)

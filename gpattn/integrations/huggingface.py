@@ -102,8 +102,9 @@ _ARCHITECTURES: dict[str, tuple[str, tuple[str, str, str, str | None]]] = {
     "RobertaSelfAttention": ("attention.self", ("query", "key", "value", None)),
     "DistilBertSelfAttention": ("attention", ("q_lin", "k_lin", "v_lin", "out_lin")),
 }
-#: the pretrained map (by role: q, k, v) each gpattn projection takes; others stay new
-_SOURCES = {"q": "q", "k": "k", "v": "v", "qk": "k"}
+#: the pretrained map (by role: q, k, v) each gpattn projection takes; others stay new (the correlated GPs' separate
+#: prior mean, ``v_mean``, takes the pretrained values, and their GP's values start at zero: :func:`_transfer`)
+_SOURCES = {"q": "q", "k": "k", "v": "v", "qk": "k", "v_mean": "v"}
 #: an encoder swap's options by variant, unless given: the SGPA variants keep both pretrained maps (separate
 #: query and key maps, docs/derivations.md §5d; the shared map would drop W_q, docs/huggingface.md) and take the
 #: softmax prior mean (§5e), so that the swapped layer's mean starts at the pretrained attention
@@ -344,6 +345,10 @@ def _transfer(layer: nn.Module, sources: dict) -> tuple[dict[str, str], list[str
             transferred[f"in_proj[{proj}]"] = source[1]
         else:
             new.append(f"in_proj[{proj}]")
+    if "in_proj[v_mean]" in transferred:  # the mean is the pretrained attention; the GP's ν = 0 (its values) at first
+        rows = layer.projection_rows()["v"]
+        _copy(layer.in_proj, rows, (torch.zeros_like(layer.in_proj.weight[rows]), None))
+        transferred["in_proj[v]"] = "zero (prior_mean='softmax-separate' reads the pretrained values; ν starts at 0)"
     out, W, rows = layer.out_proj, layer.out_proj.weight, slice(None)
     if "v" not in layer.projections:  # no values (kep-svgp): its output is not the pretrained attention's
         _copy(out, rows, (torch.zeros_like(W), None))

@@ -486,10 +486,16 @@ def _correlated_inputs(layer, x):
     return [t.detach() for t in (p["q"] * c, p["k"] * c, p["o"] * c, p["v"])]
 
 
+def _mean_values(layer, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The values the correlated GPs' prior mean reads: the layer's own ``v_mean`` projection of ``x`` with
+    ``prior_mean="softmax-separate"``, else the GP's values ``v``."""
+    return layer.project(x)["v_mean"].detach() if "v_mean" in layer.projections else v
+
+
 def correlated_prior_mean_dense(gp, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The prior mean of ``cgp`` / ``scgp`` (docs/derivations.md §7a) by its formula: 0 for the papers' zero mean;
-    for ``prior_mean="softmax"`` exp(t q_i·k_j) v_j normalised over the keys, t the strategy's ``mean_temperature``.
-    No padding (compare truncated sequences).
+    for ``prior_mean="softmax"`` exp(t q_i·k_j) v_j normalised over the keys, t the strategy's ``mean_temperature``
+    (``"softmax-separate"``: pass the mean's own values u as ``v``). No padding (compare truncated sequences).
     # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv) -> (B, H, T, Dv)"""
     if gp.prior_mean == "zero":
         return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=v.dtype)
@@ -510,7 +516,8 @@ def cgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None
     q, k, o, v = _correlated_inputs(layer, x)
     nu, cov, _, _ = cgp_dense_moments(q, k, o, v, *_sigmas(layer.gp))
     jitter = layer.gp.jitter * torch.eye(x.shape[1], dtype=x.dtype)  # the layer's posterior carries it
-    return DenseReference((nu + correlated_prior_mean_dense(layer.gp, q, k, v)).transpose(-1, -2), cov + jitter, {})
+    m = correlated_prior_mean_dense(layer.gp, q, k, _mean_values(layer, x, v))
+    return DenseReference((nu + m).transpose(-1, -2), cov + jitter, {})
 
 
 def scgp_dense_blocks(q, k, o, s, s_keys, sigma_q, sigma_k) -> dict:
@@ -562,7 +569,8 @@ def scgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = Non
     s, s_keys = gp.inducing_latent.detach()[None], gp.inducing_keys.detach()[None]
     q, k, o, v = _correlated_inputs(layer, x)
     nu, cov, _ = scgp_dense_moments(q, k, o, v, s, s_keys, *_sigmas(gp))
-    return DenseReference((nu + correlated_prior_mean_dense(gp, q, k, v)).transpose(-1, -2), cov, {})
+    m = correlated_prior_mean_dense(gp, q, k, _mean_values(layer, x, v))
+    return DenseReference((nu + m).transpose(-1, -2), cov, {})
 
 
 # ------------------------------------------------------------------ cross-attention (docs/derivations.md §13)
@@ -621,7 +629,8 @@ def cgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) -> 
     q, k, o, v = _cross_correlated_inputs(layer, x, context)
     nu, cov, z, K = cgp_dense_moments(q, k, o, v, *sigmas)
     jitter = layer.gp.jitter * torch.eye(x.shape[1], dtype=x.dtype)
-    mean = (nu + correlated_prior_mean_dense(layer.gp, q, k, v)).transpose(-1, -2)  # R reads ν alone (§7a)
+    m = correlated_prior_mean_dense(layer.gp, q, k, _mean_values(layer, context, v))
+    mean = (nu + m).transpose(-1, -2)  # R reads ν alone (§7a)
     if layer.gp.prior_samples is not None:
         return DenseReference(mean, cov + jitter, {})
     s2 = sigmas[2] ** 2
@@ -653,5 +662,6 @@ def scgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) ->
         s2_hd = torch.as_tensor(s2).reshape(-1, 1)  # shape: (H or 1, 1), against (B, H, ·)
         trace = trace[..., None] + s2_hd * torch.linalg.solve(C, G).diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True)
         R = R + (f.square().sum(-2) + trace) / s2_hd + f.shape[-2] * s2_hd.log()
-    mean = nu + correlated_prior_mean_dense(gp, inputs[0], inputs[1], z)  # R reads ν alone (§7a)
+    m = correlated_prior_mean_dense(gp, inputs[0], inputs[1], _mean_values(layer, context, z))
+    mean = nu + m  # R reads ν alone (§7a)
     return DenseReference(mean.transpose(-1, -2), cov, {"cgp": R.sum((1, 2)).mean(0) / 2})

@@ -49,9 +49,9 @@ from gpattn.variational.means import check_prior_mean, softmax_attention
 #: lower bound of a learned σ: keeps the regulariser's bound 2T log σ² finite
 SIGMA_FLOOR = 1e-3
 
-#: the prior means of ``cgp`` and ``scgp`` (docs/derivations.md §7a): softmax attention of the canonical inputs, or
-#: the papers' zero mean
-CGP_PRIOR_MEANS = ("softmax", "zero")
+#: the prior means of ``cgp`` and ``scgp`` (docs/derivations.md §7a): softmax attention of the canonical inputs over
+#: the GP's values or over values of its own (``mean_values``), or the papers' zero mean
+CGP_PRIOR_MEANS = ("softmax", "softmax-separate", "zero")
 
 __all__ = [
     "CGP_PRIOR_MEANS",
@@ -96,6 +96,8 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         inputs at temperature :math:`t` (the buffer ``mean_temperature``, 1 until :meth:`rescale_mean` moves it),
         and the correlated GP models the departure from it (docs/derivations.md §7a). The covariance and the
         regulariser are the zero-mean model's; the mean of z_q | z_k is :math:`m(q) + \nu`.
+        ``"softmax-separate"``: the same mean over values of its own, :math:`u_j` (``condition``'s
+        ``mean_values``), which the regulariser does not read (§7a).
     """
 
     def __init__(
@@ -133,7 +135,7 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
             prior_mean, CGP_PRIOR_MEANS, "'softmax': softmax attention of the canonical inputs as the prior mean of "
             "z_q and z_k, docs/derivations.md §7a; 'zero': the paper's form",
         )
-        if prior_mean == "softmax":  # in the state dict: rescale_mean's changes survive a reload
+        if prior_mean != "zero":  # in the state dict: rescale_mean's changes survive a reload
             self.register_buffer("mean_temperature", torch.ones(()))
         self.jitter = float(jitter)
         self.covar = CrossCovarianceKernel(
@@ -168,7 +170,7 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
     def rescale_mean(self, factor: float) -> None:
         """Divide the softmax mean's temperature by ``factor``² (nothing for the zero mean): the mean is then
         unchanged when the canonical inputs are multiplied by ``factor`` (the layers' ``rescale_inputs``)."""
-        if self.prior_mean == "softmax":
+        if self.prior_mean != "zero":
             self.mean_temperature /= factor**2
 
     def _softmax_mean(self, q, k, v, valid, valid_q) -> torch.Tensor:
@@ -227,30 +229,50 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
                 f"got {mask.dtype} {tuple(mask.shape)}"
             )
 
+    def _check_mean_values(self, mean_values, v) -> None:
+        """``mean_values`` given exactly when ``prior_mean="softmax-separate"``, shaped like the values."""
+        separate = self.prior_mean == "softmax-separate"
+        if separate and mean_values is None:
+            raise ValueError(
+                "mean_values: prior_mean='softmax-separate' reads values of its own (B, H, T, Dv); pass them, or use "
+                "prior_mean='softmax' (the mean reads the GP's values v)"
+            )
+        if not separate and mean_values is not None:
+            raise ValueError(f"mean_values: only prior_mean='softmax-separate' reads them, not {self.prior_mean!r}")
+        if separate and (not torch.is_tensor(mean_values) or mean_values.shape != v.shape):
+            shape = tuple(mean_values.shape) if torch.is_tensor(mean_values) else type(mean_values).__name__
+            raise ValueError(f"mean_values must be a tensor shaped like v {tuple(v.shape)}, got {shape}")
+
     @staticmethod
     def _prepare(mask, *tensors):
         """Upcast to float32 at least (autocast is off inside); mask (B, T) -> valid (B, 1, T) or None."""
         valid = None if mask is None else (~mask)[:, None, :]
         return valid, full_precision(*tensors)
 
-    def condition(self, q, k, o, v, mask=None, query_inputs=None, **options) -> AmortisedConditional:
+    def condition(
+        self, q, k, o, v, mask=None, query_inputs=None, mean_values=None, **options
+    ) -> AmortisedConditional:
         """Factorise once for a batch of sequences: the predictive mean ν now, the covariance
         factor and the regulariser on demand (samples: ``rsample(num_samples)``, P draws from the one
         factorisation on a leading axis; the layer's loss term: ``added_loss_terms(mask)``).
         ``query_inputs`` (B, H, T', Dh): cross-attention, z_q evaluated at these queries instead of ``q``;
-        k, x_o and v are the context's, ``mask`` pads them (docs/derivations.md §13).
+        k, x_o and v are the context's, ``mask`` pads them (docs/derivations.md §13). ``mean_values``: the
+        values u of ``prior_mean="softmax-separate"`` (required there, refused otherwise).
 
-        # shape: q, k, o (B, H, T, Dh) projected inputs, v (B, H, T, Dv), mask (B, T) bool (True = padding)
+        # shape: q, k, o (B, H, T, Dh) projected inputs, v (B, H, T, Dv), mask (B, T) bool (True = padding),
+        # mean_values (B, H, T, Dv)
         """
         self._check(q, k, o, v, mask)
+        self._check_mean_values(mean_values, v)
         if query_inputs is not None:
             check_query_inputs(query_inputs, k)
         with gp_algebra(q.device.type):
             valid, (q, k, o, v32) = self._prepare(mask, q if query_inputs is None else query_inputs, k, o, v)
             valid_q = valid if query_inputs is None else None  # cross-attention: the queries are not padded
             cond = self._condition(q, k, o, v32, valid, valid_q=valid_q, **options)
-            if self.prior_mean == "softmax":
-                cond.add_prior_mean(self._softmax_mean(q, k, v32, valid, valid_q))
+            if self.prior_mean != "zero":
+                u = v32 if mean_values is None else full_precision(mean_values)[0]
+                cond.add_prior_mean(self._softmax_mean(q, k, u, valid, valid_q))
         cond.output_dtype = v.dtype  # the layer hands on the values' dtype (autocast)
         return cond
 
