@@ -363,6 +363,20 @@ with torch.no_grad():
     reg_err = (out1.regularizer() - out0.regularizer()).abs().max().item()
 print(f"softmax mean: |mean − ν − m| {mean_err:.1e}, |Σ − Σ_zero| {cov_err:.1e}, |R − R_zero| {reg_err:.1e}")
 
+# %% [markdown]
+# `prior_mean="softmax-separate"` (scgp's default) reads values of its own, $u = x W_{vm}$: the mean is
+# $\sum_j \mathrm{softmax}_j(q_i\cdot k_j)\,u_j + \nu$, and $R$ still reads $\nu$ and $v$ alone.
+
+# %%
+u = torch.randn_like(v)
+sep = gpattn.build_attention("cgp", D, H, prior_samples=None, jitter=0.0, prior_mean="softmax-separate").double().gp
+sep.load_state_dict(twin.gp.state_dict())
+with torch.no_grad():
+    out2 = sep.condition(q, k, o, v, mean_values=u)
+    sep_mean_err = (out2.mean - out0.mean - torch.softmax(q @ k.mT, -1) @ u).abs().max().item()
+    sep_reg_err = (out2.regularizer() - out0.regularizer()).abs().max().item()
+print(f"separate mean: |mean − ν − m(u)| {sep_mean_err:.1e}, |R − R_zero| {sep_reg_err:.1e}")
+
 # %%
 assert z_mean.abs().max() < 5 and z_cov.abs().max() < 5, "CGP moments disagree with nested Monte Carlo"
 assert same_cols < 1e-9, "the per-column App. B covariance differs from the layer's shared Σ"
@@ -380,4 +394,5 @@ assert z_reg_scgp.abs().max() < 5, "SCGP closed-form regulariser disagrees with 
 assert scores["cgp"] > 1e-2 and scores["kernel-asym"] > 1e-2, "asymmetric attention came out symmetric"
 assert scores["cgp, tied W"] < 1e-10 and scores["kernel (sym.)"] < 1e-10, "symmetric attention came out asymmetric"
 assert max(mean_err, cov_err, reg_err) < 1e-10, "the softmax prior mean changed more than the mean"
+assert max(sep_mean_err, sep_reg_err) < 1e-10, "the separate softmax mean is not m(u) + ν, or R moved"
 print("all checks passed")

@@ -132,15 +132,16 @@ def test_compare_retrains_a_cached_run_of_an_older_format(tmp_path):
     assert "reused" in runs[2], runs
 
 
-def test_a_cgp_run_saved_before_the_softmax_mean_reloads_in_its_own_form(tmp_path):
-    """cgp's default prior mean changed from the papers' zero mean to the softmax mean (docs/derivations.md §7a,
-    ``CHANGED_DEFAULTS``): a config records ``prior_mean``; a checkpoint whose config lacks it (written before)
+@pytest.mark.parametrize("name, default", [("cgp", "softmax"), ("scgp", "softmax-separate")])
+def test_a_correlated_gp_run_saved_before_the_softmax_mean_reloads_in_its_own_form(tmp_path, name, default):
+    """cgp's and scgp's default prior means changed from the papers' zero mean to a softmax mean (docs/derivations.md
+    §7a, ``CHANGED_DEFAULTS``): a config records ``prior_mean``; a checkpoint whose config lacks it (written before)
     trained the zero mean and reloads with it, predicting what it predicted."""
-    assert TrainConfig(dataset="digits", attention="cgp", **TINY).attention_options == {"prior_mean": "softmax"}
+    assert TrainConfig(dataset="digits", attention=name, **TINY).attention_options == {"prior_mean": default}
     assert TrainConfig(dataset="digits", attention="sgpa", **TINY).attention_options == {}
     out, images = tmp_path / "run", torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
     with pytest.warns(GPCollapseWarning):  # one epoch of a tiny model
-        train(TrainConfig(dataset="digits", attention="cgp", attention_options={"prior_mean": "zero"}, **TINY), out)
+        train(TrainConfig(dataset="digits", attention=name, attention_options={"prior_mean": "zero"}, **TINY), out)
     with gpattn.deterministic():
         before = gpattn.experiments.load_run(out).predict(images, num_samples=1).probs
     path = out / "checkpoint.pt"

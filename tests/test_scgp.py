@@ -282,7 +282,7 @@ def test_layer_loss_term_and_options():
     layer(x)
     p = layer.project(x)
     c = layer.input_scale
-    res = layer.gp.condition(p["q"] * c, p["k"] * c, p["o"] * c, p["v"])
+    res = layer.gp.condition(p["q"] * c, p["k"] * c, p["o"] * c, p["v"], mean_values=p["v_mean"])  # the default mean
     torch.testing.assert_close(layer_loss_terms(layer)["cgp"], res.regularizer().sum((1, 2)).mean() / 2)
     with gpattn.deterministic():
         torch.testing.assert_close(layer.posterior(x).mean, res.mean.transpose(-1, -2))
@@ -324,11 +324,12 @@ def test_bad_options_raise(options, word):
 def test_crowded_inducing_inputs_stay_finite_in_float32():
     """Inducing inputs crowded together (K_mm ≈ all ones, σ² = 0.01) make the m×m capacitances nearly
     singular: scgp's algebra runs in float64 (``ALGEBRA_DTYPE``), so a float32 layer's mean, samples and
-    regulariser stay finite and its mean matches the same layer in float64; the outputs keep float32."""
+    regulariser stay finite and its mean matches the same layer in float64; the outputs keep float32. (The papers'
+    zero mean: the algebra under test is the GP's, whatever mean is added to ν.)"""
     import copy
 
     torch.manual_seed(0)
-    layer = gpattn.build_attention("scgp", 32, 2)
+    layer = gpattn.build_attention("scgp", 32, 2, prior_mean="zero")
     with torch.no_grad():
         for p in (layer.strategy.inducing_latent, layer.strategy.inducing_keys):
             p.copy_(p[:, :1] + 1e-3 * torch.randn_like(p))
@@ -352,9 +353,9 @@ class TestSCGPSoftmaxMean(TestSCGP):
     invariants = ATTENTION_INVARIANTS
 
 
-class TestSCGPSeparateMean(TestSCGP):
-    """``prior_mean="softmax-separate"`` (§7a): the softmax mean over the layer's own values W_vm x (the ``v_mean``
-    projection), which the regulariser does not read."""
+class TestSCGPZeroMean(TestSCGP):
+    """The papers' form, ``prior_mean="zero"``: eq. 33's mean alone. TestSCGP runs the default, the separate softmax
+    mean of §7a (over the layer's own values W_vm x, the ``v_mean`` projection, which the regulariser does not read)."""
 
-    options = {"prior_mean": "softmax-separate"}
+    options = {"prior_mean": "zero"}
     invariants = ATTENTION_INVARIANTS

@@ -3,8 +3,9 @@ on top of :class:`GPAttention` — its projections, its strategy (``self.strateg
 :class:`gpattn.variational._strategy.AmortisedVariationalStrategy`) and, where it needs more than the
 projections, :meth:`GPAttention.strategy_inputs`.
 
-A forward projects, conditions once (``strategy.condition(*inputs, mask)``), draws from the conditional
-(P draws from the one factorisation with ``num_samples=P``: ``native_samples = True``) or takes its mean
+A forward projects, conditions once (``strategy.condition(*args, mask=mask, **kwargs)``, the arguments from
+:meth:`GPAttention.strategy_call`), draws from the conditional (P draws from the one factorisation with
+``num_samples=P``: ``native_samples = True``) or takes its mean
 under ``gpattn.deterministic()``, and records the conditional's loss terms as GPyTorch added loss terms
 (reduced once, :func:`gpattn.variational._strategy.sequence_mean`). ``posterior()`` is the conditional's.
 """
@@ -48,6 +49,12 @@ class GPAttention(AttentionBase):
         p = self.project(x)
         return tuple(p[name] for name in self.projections)
 
+    def strategy_call(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], dict]:
+        """``(args, kwargs)`` for x: the strategy's positional inputs (:meth:`strategy_inputs`) and its keyword
+        inputs other than ``mask`` (none by default; cgp/scgp's separate prior mean: ``mean_values``), so that
+        ``strategy(*args, mask=mask, **kwargs)`` is the layer's conditional in gpytorch's idiom."""
+        return self.strategy_inputs(x), {}
+
     def query_inputs(self, x: torch.Tensor) -> torch.Tensor:
         """Cross-attention's queries: x through the rows of ``in_proj`` of ``query_projection`` alone
         (docs/derivations.md §13).  # shape: x (B, T, D) -> (B, H, T, Dh)"""
@@ -58,9 +65,10 @@ class GPAttention(AttentionBase):
     def _condition(self, x, mask, context=None) -> AmortisedConditional:
         """Self-attention: the strategy's inputs of x. Cross-attention: its inputs of the context (keys,
         values, ...) and the queries of x (``query_inputs=``, where q(f) is evaluated)."""
-        if context is None:
-            return self.strategy.condition(*self.strategy_inputs(x), mask=mask)
-        return self.strategy.condition(*self.strategy_inputs(context), mask=mask, query_inputs=self.query_inputs(x))
+        args, kwargs = self.strategy_call(x if context is None else context)
+        if context is not None:
+            kwargs = {**kwargs, "query_inputs": self.query_inputs(x)}
+        return self.strategy.condition(*args, mask=mask, **kwargs)
 
     def _attend(self, call):
         cond = self._condition(call.x, call.mask, call.context)

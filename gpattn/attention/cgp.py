@@ -60,14 +60,11 @@ class _CorrelatedGPAttention(GPAttention):
         c = self.input_scale
         return p["q"] * c, p["k"] * c, p["o"] * c, p["v"]
 
-    def _condition(self, x, mask, context=None):
-        """As :class:`GPAttention`'s, with the mean's own values (``prior_mean="softmax-separate"``: the
-        ``v_mean`` projection of x, or of the context in cross-attention) as ``mean_values``."""
-        p = self.project(x if context is None else context)
-        options = {} if context is None else {"query_inputs": self.query_inputs(x)}
-        if "v_mean" in p:
-            options["mean_values"] = p["v_mean"]
-        return self.strategy.condition(*self._scaled(p), mask=mask, **options)
+    def strategy_call(self, x):
+        """The scaled inputs and, with ``prior_mean="softmax-separate"``, the mean's own values (the ``v_mean``
+        projection) as ``mean_values``: one projection of x for both."""
+        p = self.project(x)
+        return self._scaled(p), ({"mean_values": p["v_mean"]} if "v_mean" in p else {})
 
     @torch.no_grad()
     def rescale_inputs(self, factor: float) -> None:
@@ -113,7 +110,7 @@ class CGPAttention(_CorrelatedGPAttention):
     :param prior_mean: ``"softmax"`` (default): softmax attention of the scaled inputs, softmax(q kᵀ/√Dh) v at
         the default ``input_scale``, as the prior mean of the query and key processes; the correlated GP models the
         departure from it (docs/derivations.md §7a). ``"zero"``: Bui et al.'s form, where ν carries the whole
-        attention. (``scgp`` takes the option too, with the papers' ``"zero"`` as its default.)
+        attention. ``"softmax-separate"``: the mean over values of its own (``scgp``'s default, §7a).
     """
 
     def __init__(
@@ -154,11 +151,11 @@ class SCGPAttention(_CorrelatedGPAttention):
         default global learnable inducing inputs per head.
     :param seq_len: the fixed T of ``amortize=True``.
 
-    :param prior_mean: ``"zero"`` (default, Bui et al.) or ``"softmax"`` (docs/derivations.md §7a; the default of
-        ``cgp``). The sparse model's ν is not small beside the mean on a pretrained stream (on MiniLM's last layer
-        the softmax mean leaves the swap 0.72 away from the pretrained heads, against cgp's 0.04); scgp attends on
-        the suite and on digits at the zero mean, and on CoLA from scratch neither mean keeps its second layer
-        attending at the α the validation split chooses (docs/results.md).
+    :param prior_mean: ``"softmax-separate"`` (default): softmax attention of the scaled inputs over values of its
+        own (the ``v_mean`` projection), softmax(q kᵀ/√Dh) W_vm x at the default ``input_scale``, as the prior mean;
+        the regulariser reads the GP's values alone (docs/derivations.md §7a). ``"softmax"``: the same mean over the
+        GP's values v (``cgp``'s default); on CoLA from scratch α·R shrank those values, and the mean with them,
+        until scgp was flagged inert (docs/results.md). ``"zero"``: Bui et al.'s form.
 
     Other options as ``cgp`` (no ``prior_samples``: the regulariser is in closed form, App. E).
     """
@@ -177,7 +174,7 @@ class SCGPAttention(_CorrelatedGPAttention):
         amortize: bool = False,
         seq_len: int | None = None,
         input_scale: float | None = None,
-        prior_mean: str = "zero",
+        prior_mean: str = "softmax-separate",
         **base,
     ):
         super().__init__(embed_dim, num_heads, prior_mean, **base)

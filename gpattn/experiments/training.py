@@ -112,8 +112,9 @@ def _same_run(saved: dict, cfg: TrainConfig) -> tuple[bool, list]:
 #: written before the change trained with. ``TrainConfig`` records the current default of each in
 #: ``attention_options`` (so config.json says which form ran, and ``compare`` retrains an older run rather than
 #: reuse it); ``TrainConfig.from_saved`` fills the old value into a saved config that lacks it, so a checkpoint
-#: reloads as the model it is. cgp: the softmax prior mean (docs/derivations.md §7a) since 2026-11-27.
-CHANGED_DEFAULTS: dict[str, dict[str, object]] = {"cgp": {"prior_mean": "zero"}}
+#: reloads as the model it is. cgp: the softmax prior mean (docs/derivations.md §7a) since 2026-11-27; scgp: the
+#: separate softmax mean (§7a) since 2026-11-27 (session 6).
+CHANGED_DEFAULTS: dict[str, dict[str, object]] = {"cgp": {"prior_mean": "zero"}, "scgp": {"prior_mean": "zero"}}
 
 #: how a pretrained encoder is trained (``TrainConfig.encoder_recipe``)
 ENCODER_RECIPES = ("full", "frozen-trunk")
