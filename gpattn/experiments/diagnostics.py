@@ -55,8 +55,9 @@ BASE_RATE_MARGIN = 0.01
 #: what a collapsed or inert GP layer's message suggests
 _ADVICE = (
     "What helps: the SGPA variants' default prior_mean='attention' (the papers' prior_mean='zero' pays a "
-    "per-sequence KL for attending, docs/derivations.md §5c); for cgp/scgp prior_mean='softmax' (cgp's default: the "
-    "correlated GP models the departure from softmax attention, §7a) or a smaller --alpha; compare with "
+    "per-sequence KL for attending, docs/derivations.md §5c); for cgp/scgp a softmax prior mean (the correlated GP "
+    "models the departure from softmax attention, §7a: cgp's default prior_mean='softmax', scgp's "
+    "prior_mean='softmax-separate', whose values the regulariser does not shrink) or a smaller --alpha; compare with "
     "softmax on a task that needs attention (gpattn.experiments.data.attention_tasks, docs/results.md)"
 )
 
