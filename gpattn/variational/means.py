@@ -33,12 +33,28 @@ from gpattn._settings import is_validating
 from gpattn.kernels._evaluate import evaluate_kernel, temperature_lengthscale
 from gpattn.variational._fused import fused_kernel_attention, fused_softmax
 
-__all__ = ["PRIOR_MEANS", "AttentionMean", "SoftmaxMean", "check_prior_mean", "make_prior_mean", "softmax_attention"]
+__all__ = [
+    "CGP_PRIOR_MEANS",
+    "PRIOR_MEANS",
+    "AttentionMean",
+    "CorrelatedSoftmaxMean",
+    "SoftmaxMean",
+    "ZeroMean",
+    "add_means",
+    "check_prior_mean",
+    "make_correlated_mean",
+    "make_prior_mean",
+    "softmax_attention",
+]
 
 #: the prior means of the SGPA variants: normalised kernel attention (default), softmax attention with the
 #: kernel's temperature, or zero (the papers')
 PRIOR_MEANS = ("attention", "softmax", "zero")
 
+
+#: the prior means of ``cgp`` and ``scgp`` (docs/derivations.md §7a): softmax attention of the canonical inputs over
+#: the GP's values or over values of its own (``mean_values``), or the papers' zero mean
+CGP_PRIOR_MEANS = ("softmax", "softmax-separate", "zero")
 
 #: what each of the SGPA variants' prior means is, for the error message
 _SGPA_MEANS = (
@@ -53,6 +69,46 @@ def check_prior_mean(prior_mean, choices: tuple[str, ...] = PRIOR_MEANS, meaning
     if prior_mean not in choices:
         raise ValueError(f"prior_mean must be one of {list(choices)} ({meanings}), got {prior_mean!r}")
     return prior_mean
+
+
+class ZeroMean(nn.Module):
+    """m = 0, the papers' prior mean (Chen & Li 2023; Bui et al.): the strategy's q(ũ) then carries the amortised mean
+    (docs/derivations.md §5a), and the correlated GPs' ν the whole attention (§7). Its value is None, the zero that
+    :func:`add_means` leaves out (no operation); it reads no values of its own (``projections`` is empty)."""
+
+    #: the mean is a function of no Gram
+    uses_gram = False
+    #: the value projections this mean owns (none)
+    projections = ()
+    #: the public spelling of this mean (``prior_mean=``)
+    name = "zero"
+
+    def forward(self, *inputs, **kernel_inputs) -> None:
+        """0, as None."""
+        return None
+
+    @staticmethod
+    def fused(kernel, queries, keys, values, pad=None) -> None:
+        """0, as None (nothing to fuse)."""
+        return None
+
+    def register_state(self, strategy) -> None:
+        """Nothing: the zero mean has no state."""
+
+    def rescale(self, strategy, factor: float) -> None:
+        """Nothing: the zero mean has no temperature."""
+
+
+def add_means(*terms: torch.Tensor | None) -> torch.Tensor | None:
+    """The sum of the terms of a posterior mean (a prior mean m(q), a q(ũ) update, ...) or of a KL, None (the zero
+    of :class:`ZeroMean` and of a centred q(ũ)) left out, so a zero costs no operation; None if all are."""
+    present = [t for t in terms if t is not None]
+    if not present:
+        return None
+    total = present[0]
+    for term in present[1:]:
+        total = total + term
+    return total
 
 
 class AttentionMean(nn.Module):
@@ -160,3 +216,53 @@ def make_prior_mean(prior_mean: str, kernel) -> nn.Module | None:
     if check_prior_mean(prior_mean) == "softmax":
         SoftmaxMean.lengthscale(kernel)
     return {"attention": AttentionMean, "softmax": SoftmaxMean}.get(prior_mean, lambda: None)()
+
+
+class CorrelatedSoftmaxMean(nn.Module):
+    r"""The correlated GPs' softmax prior mean (docs/derivations.md §7a): m(x) = Σ_j softmax_j(t x·k_j) u_j over the
+    real keys, 0 at padded queries, with t the strategy's ``mean_temperature`` buffer (kept there: its state-dict
+    key). ``separate=False``: u = the GP's values v (``prior_mean="softmax"``); ``separate=True``: values of the
+    mean's own, the ``v_mean`` projection (``prior_mean="softmax-separate"``), passed as ``mean_values``."""
+
+    def __init__(self, separate: bool = False):
+        super().__init__()
+        self.separate = bool(separate)
+        #: the public spelling of this mean (``prior_mean=``)
+        self.name = "softmax-separate" if self.separate else "softmax"
+        #: the value projections this mean owns: rows of the layer's fused ``in_proj`` (docs/derivations.md §7a)
+        self.projections = ("v_mean",) if self.separate else ()
+
+    def forward(self, strategy, q, k, values, valid=None, valid_q=None) -> torch.Tensor:
+        """m(q) with the temperature t of ``strategy``.
+        # shape: q (B, H, T, Dh), k (B, H, S, Dh), values (B, H, S, Dv), valid (B, 1, S), valid_q (B, 1, T)
+        # -> (B, H, T, Dv)"""
+        m = softmax_attention(q * strategy.mean_temperature.to(q), k, values, None if valid is None else ~valid[:, :, None, :])
+        return m if valid_q is None else m * valid_q[..., None]
+
+    @staticmethod
+    def register_state(strategy) -> None:
+        """The temperature t as the buffer ``mean_temperature`` of ``strategy``, 1 at first (in the state dict:
+        :meth:`rescale`'s changes survive a reload)."""
+        strategy.register_buffer("mean_temperature", torch.ones(()))
+
+    @staticmethod
+    def rescale(strategy, factor: float) -> None:
+        """Divide the strategy's temperature by ``factor``² (the mean is unchanged when the canonical inputs are
+        multiplied by ``factor``)."""
+        strategy.mean_temperature /= factor**2
+
+
+def make_correlated_mean(prior_mean) -> nn.Module:
+    """The ``mean_module`` of a correlated GP's prior mean name (:data:`CGP_PRIOR_MEANS`); a mean module is returned
+    as it is."""
+    if isinstance(prior_mean, nn.Module):
+        return prior_mean
+    check_prior_mean(
+        prior_mean, CGP_PRIOR_MEANS, "'softmax': softmax attention of the canonical inputs as the prior mean of "
+        "z_q and z_k, docs/derivations.md §7a; 'zero': the paper's form",
+    )
+    return {
+        "softmax": lambda: CorrelatedSoftmaxMean(),
+        "softmax-separate": lambda: CorrelatedSoftmaxMean(separate=True),
+        "zero": ZeroMean,
+    }[prior_mean]()
