@@ -7,7 +7,7 @@ key padding, a causal mask, a general per-query mask and cross-attention (an err
 form refuses a mask); ``loss_terms()``; the gradient of a scalar of both w.r.t. every parameter; and the state
 dict (keys, shapes, values); a GP variant's ``posterior(x)`` mean and variance.
 
-    python tools/fingerprint.py /tmp/fp_before.pt          # record
+    python tools/fingerprint.py /tmp/fp_before.pt          # record (gpattn imported from this checkout)
     python tools/fingerprint.py /tmp/fp_after.pt --compare /tmp/fp_before.pt
 """
 
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import pathlib
 import sys
 
-import torch
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout this script lives in
+import torch  # noqa: E402
 
-import gpattn
+import gpattn  # noqa: E402
 
 #: the options that select a model, per variant (small sizes for speed)
 FORMS = {
@@ -153,6 +155,7 @@ def main(argv=None) -> int:
     parser.add_argument("--compare", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    print(f"gpattn from {gpattn.__file__}")
     result = fingerprint()
     torch.save(result, args.out)
     print(f"saved {len(result)} cases to {args.out}")

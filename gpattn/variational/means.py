@@ -36,7 +36,9 @@ from gpattn.variational._fused import fused_kernel_attention, fused_softmax
 __all__ = [
     "CGP_PRIOR_MEANS",
     "PRIOR_MEANS",
+    "AmortisedValueMean",
     "AttentionMean",
+    "CentredVariationalMean",
     "CorrelatedSoftmaxMean",
     "SoftmaxMean",
     "ZeroMean",
@@ -45,6 +47,7 @@ __all__ = [
     "make_correlated_mean",
     "make_prior_mean",
     "softmax_attention",
+    "variational_mean_for",
 ]
 
 #: the prior means of the SGPA variants: normalised kernel attention (default), softmax attention with the
@@ -124,6 +127,8 @@ class AttentionMean(nn.Module):
 
     #: the mean is a function of the Gram κ(q, k): callers that have it pass it
     uses_gram = True
+    #: the public spelling of this mean (``prior_mean=``)
+    name = "attention"
 
     def forward(
         self, gram: torch.Tensor | None, values: torch.Tensor, excluded: torch.Tensor | None = None, *,
@@ -159,6 +164,8 @@ class SoftmaxMean(nn.Module):
 
     #: the mean needs no Gram: callers need not evaluate one for it
     uses_gram = False
+    #: the public spelling of this mean (``prior_mean=``)
+    name = "softmax"
 
     def forward(
         self, gram: torch.Tensor | None, values: torch.Tensor, excluded: torch.Tensor | None = None, *,
@@ -210,12 +217,90 @@ def softmax_attention(a: torch.Tensor, b: torch.Tensor, values: torch.Tensor, ex
     return (logits.softmax(-1) @ values) * some
 
 
-def make_prior_mean(prior_mean: str, kernel) -> nn.Module | None:
-    """The ``mean_module`` of a prior mean name (:data:`PRIOR_MEANS`) for a strategy with ``kernel``: None for the
-    papers' zero mean; ``"softmax"`` needs a kernel with a lengthscale (a ``ValueError`` here, not at a forward)."""
+def make_prior_mean(prior_mean, kernel) -> nn.Module:
+    """The ``mean_module`` of a prior mean name (:data:`PRIOR_MEANS`) for a strategy with ``kernel`` (a module is
+    returned as it is): :class:`ZeroMean` for the papers' zero mean; ``"softmax"`` needs a kernel with a lengthscale
+    (a ``ValueError`` here, not at a forward)."""
+    if isinstance(prior_mean, nn.Module):
+        return prior_mean
     if check_prior_mean(prior_mean) == "softmax":
         SoftmaxMean.lengthscale(kernel)
-    return {"attention": AttentionMean, "softmax": SoftmaxMean}.get(prior_mean, lambda: None)()
+    return {"attention": AttentionMean, "softmax": SoftmaxMean, "zero": ZeroMean}[prior_mean]()
+
+
+# ---------------------------------------------------------------------- q(ũ)'s mean (SGPA, docs/derivations.md §5a, §5c)
+class AmortisedValueMean:
+    r"""q(ũ) = N(Lᵀ v, ·): the sequence's values are q(u)'s mean, m_u = K v (Chen & Li 2023, docs/derivations.md §5a),
+    the pairing of the papers' zero prior mean. It adds K̂ v to the posterior mean and ½‖Lᵀv‖² = ½ vᵀK̂v to the KL,
+    in the form each conditioning path (self, cross, causal, general mask) has the factors for."""
+
+    #: q(ũ) is not centred: the sequence's values enter the posterior and the KL (the decoupled γ-basis too)
+    centred = False
+
+    @staticmethod
+    def whitened(chol: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """m̃ = Lᵀ v.  # shape: chol (B, H, T, T), values (B, H, T, Dv) -> (B, H, T, Dv)"""
+        return chol.mT @ values
+
+    @staticmethod
+    def update(gram: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The posterior mean's part K̂ v, ``gram`` with the keys out of the basis zeroed.
+        # shape: gram (B, H, T, S), values (B, H, S, Dv) -> (B, H, T, Dv)"""
+        return gram @ values
+
+    @staticmethod
+    def quadratic(values: torch.Tensor, update: torch.Tensor, jitter_abs: torch.Tensor) -> torch.Tensor:
+        """‖Lᵀv‖² = vᵀ(K + jI)v, reusing the mean K v (self-attention).  # shape: -> (B, H, Dv)"""
+        return (values * update).sum(-2) + jitter_abs[..., 0] * values.square().sum(-2)
+
+    @staticmethod
+    def cross_quadratic(chol: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """‖Lᵀv‖² of the context's keys (cross-attention).  # shape: -> (B, H, Dv)"""
+        return (chol.mT @ values).square().sum(-2)
+
+    @staticmethod
+    def causal(gram: torch.Tensor, values: torch.Tensor, jit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ_{j≤i} K_ij v_j, ½ v_{≤i}ᵀ K̂_{≤i} v_{≤i}) under the causal mask, the second a prefix sum of v_j
+        (2 Σ_{k<j} K_jk v_k + (K_jj + c_j) v_j).  # shape: gram (B, H, T, T), jit (B, H, T) -> (B, H, T, Dv) twice"""
+        mean = gram.tril() @ values  # shape: (B, H, T, Dv)
+        diag = gram.diagonal(dim1=-2, dim2=-1)[..., None]  # shape: (B, H, T, 1)
+        return mean, 0.5 * (values * (2 * mean - (diag - jit[..., None]) * values)).cumsum(-2)
+
+    @staticmethod
+    def query_quadratic(chol: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """½‖L_Sᵀ v_S‖² = ½ v_Sᵀ K̂_SS v_S per query (a general per-query mask).
+        # shape: chol (B, H, T, T, T), allowed (B, H, T, T) -> (B, H, T, Dv)"""
+        w = allowed[..., None] * values[:, :, None]  # shape: (B, H, T, T, Dv): v_S per query, 0 elsewhere
+        return 0.5 * (chol.mT @ w).square().sum(-2)
+
+
+class CentredVariationalMean:
+    """q(ũ) = N(0, ·) with ũ = L⁻¹(u − m(k)): centred at the prior mean (docs/derivations.md §5c), the pairing of a
+    prior mean that attends. It adds nothing to the posterior mean or the KL (None, which :func:`add_means` leaves
+    out)."""
+
+    centred = True
+
+    @staticmethod
+    def whitened(chol: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """m̃ = 0.  # shape: -> (B, H, T, Dv)"""
+        return torch.zeros_like(values)
+
+    @staticmethod
+    def update(*factors) -> None:
+        return None
+
+    quadratic = cross_quadratic = query_quadratic = update
+
+    @staticmethod
+    def causal(*factors) -> tuple[None, None]:
+        return None, None
+
+
+def variational_mean_for(mean_module: nn.Module):
+    """The q(ũ)-mean the SGPA variants pair with a prior mean: amortised on the values for the zero mean (the
+    papers'), centred for a mean that attends (docs/derivations.md §5c)."""
+    return AmortisedValueMean() if isinstance(mean_module, ZeroMean) else CentredVariationalMean()
 
 
 class CorrelatedSoftmaxMean(nn.Module):
