@@ -25,7 +25,9 @@ import gpattn  # noqa: E402
 
 #: the options that select a model, per variant (small sizes for speed)
 FORMS = {
-    "sgpa": {"prior_mean": ["attention", "softmax", "zero"], "qk": ["shared", "separate"], "covariance": ["full", "diag"]},
+    "sgpa": {
+        "prior_mean": ["attention", "softmax", "zero"], "qk": ["shared", "separate"], "covariance": ["full", "diag"],
+    },
     "sgpa-decoupled": {
         "prior_mean": ["attention", "softmax", "zero"], "qk": ["shared", "separate"], "covariance": ["full", "diag"],
     },

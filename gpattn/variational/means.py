@@ -228,7 +228,7 @@ def make_prior_mean(prior_mean, kernel) -> nn.Module:
     return {"attention": AttentionMean, "softmax": SoftmaxMean, "zero": ZeroMean}[prior_mean]()
 
 
-# ---------------------------------------------------------------------- q(ũ)'s mean (SGPA, docs/derivations.md §5a, §5c)
+# ------------------------------------------------------------- q(ũ)'s mean (SGPA, docs/derivations.md §5a, §5c)
 class AmortisedValueMean:
     r"""q(ũ) = N(Lᵀ v, ·): the sequence's values are q(u)'s mean, m_u = K v (Chen & Li 2023, docs/derivations.md §5a),
     the pairing of the papers' zero prior mean. It adds K̂ v to the posterior mean and ½‖Lᵀv‖² = ½ vᵀK̂v to the KL,
@@ -321,7 +321,8 @@ class CorrelatedSoftmaxMean(nn.Module):
         """m(q) with the temperature t of ``strategy``.
         # shape: q (B, H, T, Dh), k (B, H, S, Dh), values (B, H, S, Dv), valid (B, 1, S), valid_q (B, 1, T)
         # -> (B, H, T, Dv)"""
-        m = softmax_attention(q * strategy.mean_temperature.to(q), k, values, None if valid is None else ~valid[:, :, None, :])
+        excluded = None if valid is None else ~valid[:, :, None, :]
+        m = softmax_attention(q * strategy.mean_temperature.to(q), k, values, excluded)
         return m if valid_q is None else m * valid_q[..., None]
 
     @staticmethod

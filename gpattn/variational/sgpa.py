@@ -562,7 +562,8 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         L = cholesky(torch.where(both, Kj[:, :, None], eye), name="sgpa (K_SS per query)")  # shape: (B, H, T, T, T)
         # the prior mean over A_i (§5c) + q(ũ)'s part: masked kernel attention where q(ũ) is amortised on the values
         mean = add_means(
-            self._prior_mean(K, values, keys, keys, excluded), self.variational_mean.update(K.masked_fill(excluded, 0.0), values)
+            self._prior_mean(K, values, keys, keys, excluded),
+            self.variational_mean.update(K.masked_fill(excluded, 0.0), values),
         )
         # L_S⁻¹ K̂_{S,i} per query i (the jittered column: with i ∈ A_i it is row i of L_S)
         a = tri_solve(L, Kj.masked_fill(excluded, 0.0)[..., None])[..., 0]  # shape: (B, H, T, T)
@@ -574,7 +575,8 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         s2 = std.square()
         variance = residual[..., None] + a.square() @ s2  # shape: (B, H, T, Dv)
         query_kl = add_means(  # shape: (B, H, T, Dv); + ½‖L_Sᵀ v_S‖² with q(ũ) amortised on the values
-            0.5 * (allowed.to(s2.dtype) @ (s2 - 1 - s2.log())), self.variational_mean.query_quadratic(L, allowed, values)
+            0.5 * (allowed.to(s2.dtype) @ (s2 - 1 - s2.log())),
+            self.variational_mean.query_quadratic(L, allowed, values),
         )
         real = allowed.any(-1) & ~pad[:, None, :]  # shape: (B, H, T)
         return MaskedSGPAConditional(mean, variance, query_kl, real, self.covariance)

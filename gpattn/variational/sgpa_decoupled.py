@@ -490,7 +490,8 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             )
             if self.variational_mean.centred:
                 m = self._cross_prior_mean(queries, keys, values, mask)
-                return DecoupledSGPAConditional(mean=add_means(m, A @ u_tilde), gram_values=None, proj_values=None, **factors)
+                mean = add_means(m, A @ u_tilde)
+                return DecoupledSGPAConditional(mean=mean, gram_values=None, proj_values=None, **factors)
             K_qa = evaluate_kernel(self.kernel, queries, keys)  # shape: (B, H, T, S)
             c = A_a.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
             K_aa_v = evaluate_kernel(self.kernel, keys, keys) @ values  # shape: (B, H, S, Dv), for the γ-part
