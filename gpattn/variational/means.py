@@ -95,6 +95,10 @@ class ZeroMean(nn.Module):
         """0, as None (nothing to fuse)."""
         return None
 
+    @staticmethod
+    def check_kernel(kernel) -> None:
+        """Nothing: every kernel goes with the zero mean."""
+
     def register_state(self, strategy) -> None:
         """Nothing: the zero mean has no state."""
 
@@ -129,6 +133,10 @@ class AttentionMean(nn.Module):
     uses_gram = True
     #: the public spelling of this mean (``prior_mean=``)
     name = "attention"
+
+    @staticmethod
+    def check_kernel(kernel) -> None:
+        """Nothing at build time (a kernel's positivity is checked at a forward, under ``gpattn.validation()``)."""
 
     def forward(
         self, gram: torch.Tensor | None, values: torch.Tensor, excluded: torch.Tensor | None = None, *,
@@ -187,6 +195,11 @@ class SoftmaxMean(nn.Module):
         lengthscale = cls.lengthscale(kernel)
         return queries / lengthscale, keys / lengthscale
 
+    @classmethod
+    def check_kernel(cls, kernel) -> None:
+        """A ``ValueError`` for a kernel without a lengthscale, at build time rather than at a forward."""
+        cls.lengthscale(kernel)
+
     @staticmethod
     def lengthscale(kernel) -> torch.Tensor:
         """The kernel's (ARD) lengthscale, the mean's temperature; a ``ValueError`` for a kernel without one."""
@@ -223,9 +236,9 @@ def make_prior_mean(prior_mean, kernel) -> nn.Module:
     (a ``ValueError`` here, not at a forward)."""
     if isinstance(prior_mean, nn.Module):
         return prior_mean
-    if check_prior_mean(prior_mean) == "softmax":
-        SoftmaxMean.lengthscale(kernel)
-    return {"attention": AttentionMean, "softmax": SoftmaxMean, "zero": ZeroMean}[prior_mean]()
+    mean = {"attention": AttentionMean, "softmax": SoftmaxMean, "zero": ZeroMean}[check_prior_mean(prior_mean)]()
+    mean.check_kernel(kernel)
+    return mean
 
 
 # ------------------------------------------------------------- q(ũ)'s mean (SGPA, docs/derivations.md §5a, §5c)
