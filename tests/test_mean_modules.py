@@ -1,4 +1,4 @@
-"""Prior means are modules the strategies receive, and q(ũ)'s mean a second object (issue 41, docs/derivations.md
+"""Prior means are modules the strategies receive, and q(ũ)'s mean a second object (docs/derivations.md
 §5c, §7a): the ``prior_mean`` strings are parsed once where a variant is built, never tested in a conditioning path."""
 
 import ast

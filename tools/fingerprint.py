@@ -1,4 +1,4 @@
-"""Fingerprint every attention variant × form, to prove a refactor changes no number (issue 41).
+"""Fingerprint every attention variant × form, to prove a refactor changes no number.
 
 For each variant of ``gpattn.list_attention()`` and each of its forms (the option values that select a model:
 ``prior_mean``, ``qk``, ``covariance``, ``learn_sigma``, ``amortize``), in float32 and float64, under fixed
