@@ -21,7 +21,7 @@ from gpattn.testing.references import (
     sgpa_heads,
     sgpa_masked_dense_moments,
 )
-from gpattn.variational.means import AttentionMean
+from gpattn.variational.means import AmortisedValueMean, AttentionMean, CentredVariationalMean, ZeroMean
 
 F64 = torch.float64
 D, H = 8, 2
@@ -200,10 +200,12 @@ def test_defaults_and_options():
     (softmax's temperature) and ℓ = √Dh for the paper's form; a bad prior_mean names the choices."""
     layer = gpattn.build_attention("sgpa", 16, 2)
     assert layer.strategy.prior_mean == "attention" and isinstance(layer.strategy.mean_module, AttentionMean)
+    assert isinstance(layer.strategy.variational_mean, CentredVariationalMean)  # q(ũ) centred at the prior mean
     assert isinstance(layer.kernel, ScaleKernel) and isinstance(layer.kernel.base_kernel, RBFKernel)
     torch.testing.assert_close(layer.kernel.base_kernel.lengthscale, torch.full((2, 1, 8), 8**0.25))
     paper = gpattn.build_attention("sgpa-decoupled", 16, 2, prior_mean="zero")
-    assert paper.strategy.mean_module is None and isinstance(paper.kernel, ExponentialKernel)
+    assert isinstance(paper.strategy.mean_module, ZeroMean) and isinstance(paper.kernel, ExponentialKernel)
+    assert isinstance(paper.strategy.variational_mean, AmortisedValueMean)  # the paper's q(ũ) = N(Lᵀv, ·)
     torch.testing.assert_close(paper.kernel.lengthscale, torch.full((2, 1, 8), math.sqrt(8)))
     for name in ("sgpa", "sgpa-decoupled"):
         with pytest.raises(ValueError, match="prior_mean must be one of"):

@@ -10,6 +10,7 @@ from gpattn.attention._gp import GPAttention
 from gpattn.attention.registry import register
 from gpattn.kernels import make_kernel
 from gpattn.variational.cgp import CorrelatedGP
+from gpattn.variational.means import make_correlated_mean
 from gpattn.variational.scgp import SparseCorrelatedGP
 
 __all__ = ["CGPAttention", "SCGPAttention"]
@@ -30,9 +31,9 @@ class _CorrelatedGPAttention(GPAttention):
     query_projection = "q"
     cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
 
-    def __init__(self, embed_dim: int, num_heads: int, prior_mean: str, **base):
-        if prior_mean == "softmax-separate":  # the mean's own values, before AttentionBase sizes the fused in_proj
-            self.projections = (*type(self).projections, "v_mean")
+    def __init__(self, embed_dim: int, num_heads: int, mean_module, **base):
+        if mean_module.projections:  # the mean's own values, before AttentionBase sizes the fused in_proj
+            self.projections = (*type(self).projections, *mean_module.projections)
         super().__init__(embed_dim, num_heads, **base)
 
     def _init_scale(self, input_scale):
@@ -63,8 +64,8 @@ class _CorrelatedGPAttention(GPAttention):
     def strategy_call(self, x):
         """The scaled inputs and, with ``prior_mean="softmax-separate"``, the mean's own values (the ``v_mean``
         projection) as ``mean_values``: one projection of x for both."""
-        p = self.project(x)
-        return self._scaled(p), ({"mean_values": p["v_mean"]} if "v_mean" in p else {})
+        p, own = self.project(x), self.strategy.mean_module.projections
+        return self._scaled(p), ({"mean_values": p[own[0]]} if own else {})
 
     @torch.no_grad()
     def rescale_inputs(self, factor: float) -> None:
@@ -127,6 +128,7 @@ class CGPAttention(_CorrelatedGPAttention):
         prior_mean: str = "softmax",
         **base,
     ):
+        prior_mean = make_correlated_mean(prior_mean)  # the name parsed once: the strategy takes the module
         super().__init__(embed_dim, num_heads, prior_mean, **base)
         self._init_scale(input_scale)
         self.strategy = CorrelatedGP(
@@ -177,6 +179,7 @@ class SCGPAttention(_CorrelatedGPAttention):
         prior_mean: str = "softmax-separate",
         **base,
     ):
+        prior_mean = make_correlated_mean(prior_mean)  # the name parsed once: the strategy takes the module
         super().__init__(embed_dim, num_heads, prior_mean, **base)
         self._init_scale(input_scale)
         # initial inducing inputs spread like the scaled projections of unit-variance tokens under

@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from gpattn.variational.means import AttentionMean, ZeroMean
+
 __all__ = [
     "DenseReference",
     "canonical_rbf",
@@ -294,14 +296,14 @@ def attention_mean_dense(K: torch.Tensor, v: torch.Tensor, excluded: torch.Tenso
 
 
 def prior_mean_dense(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, excluded=None) -> torch.Tensor:
-    """The SGPA prior mean m(q) of ``layer.strategy.prior_mean`` by its formula (docs/derivations.md §5c, §5e):
+    """The SGPA prior mean m(q) of ``layer.strategy.mean_module`` by its formula (docs/derivations.md §5c, §5e):
     ``"attention"`` normalises the kernel's Gram κ(q_i, k_j) over A_i; ``"softmax"`` normalises
     exp((q_i/ℓ)·(k_j/ℓ)) with ℓ the lengthscale of the kernel (inside its ScaleKernel) (0 where A_i = ∅).
 
     # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv), excluded (B, H, T, S) or None -> (B, H, T, Dv)
     """
     kernel = layer.kernel
-    if layer.strategy.prior_mean == "attention":
+    if isinstance(layer.strategy.mean_module, AttentionMean):
         return attention_mean_dense(gram_dense(kernel, q, k), v, excluded)
     base = kernel.base_kernel if hasattr(kernel, "base_kernel") else kernel
     ell = base.lengthscale.detach()  # shape: (H, 1, Dh)
@@ -489,7 +491,8 @@ def _correlated_inputs(layer, x):
 def _mean_values(layer, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The values the correlated GPs' prior mean reads: the layer's own ``v_mean`` projection of ``x`` with
     ``prior_mean="softmax-separate"``, else the GP's values ``v``."""
-    return layer.project(x)["v_mean"].detach() if "v_mean" in layer.projections else v
+    own = layer.strategy.mean_module.projections  # the mean's own value projection, if it has one
+    return layer.project(x)[own[0]].detach() if own else v
 
 
 def correlated_prior_mean_dense(gp, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -497,7 +500,7 @@ def correlated_prior_mean_dense(gp, q: torch.Tensor, k: torch.Tensor, v: torch.T
     for ``prior_mean="softmax"`` exp(t q_i·k_j) v_j normalised over the keys, t the strategy's ``mean_temperature``
     (``"softmax-separate"``: pass the mean's own values u as ``v``). No padding (compare truncated sequences).
     # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv) -> (B, H, T, Dv)"""
-    if gp.prior_mean == "zero":
+    if isinstance(gp.mean_module, ZeroMean):
         return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=v.dtype)
     return attention_mean_dense(torch.exp(gp.mean_temperature.detach() * (q @ k.mT)), v)
 
@@ -593,7 +596,7 @@ def sgpa_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) ->
     if layer.strategy.covariance == "diag":
         cov = torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
     kl = 0.5 * (s.square() - 1 - s.square().log()).sum(-1)  # shape: (B, H, Dv)
-    if layer.strategy.prior_mean != "zero":
+    if not isinstance(layer.strategy.mean_module, ZeroMean):
         mean = prior_mean_dense(layer, q, k, v)
     else:
         mean, kl = Kqk @ v, kl + 0.5 * (v * (Kj @ v)).sum(-2)
@@ -605,7 +608,7 @@ def sgpa_decoupled_cross_dense_posterior(layer, x: torch.Tensor, context: torch.
     the layer's, q(f) at x's queries (§5b's formulas with K_qa, K_ga, K_aa of the context); with the attention
     prior mean, m(q) over the context's keys + K_qg v_g. No padding: compare a truncated context."""
     mean, cov, gamma, beta = _decoupled(layer, x, None, context)
-    if layer.strategy.prior_mean == "zero":
+    if isinstance(layer.strategy.mean_module, ZeroMean):
         return DenseReference(mean, cov, {"kl_seq": gamma.sum((1, 2)).mean(0), "kl_global": beta.sum()})
     q, _ = sgpa_heads(layer, x)
     k, v = sgpa_heads(layer, context)

@@ -44,14 +44,10 @@ from gpattn.variational._strategy import (
     check_query_inputs,
     sequence_mean,
 )
-from gpattn.variational.means import check_prior_mean, softmax_attention
+from gpattn.variational.means import CGP_PRIOR_MEANS, add_means, make_correlated_mean
 
 #: lower bound of a learned σ: keeps the regulariser's bound 2T log σ² finite
 SIGMA_FLOOR = 1e-3
-
-#: the prior means of ``cgp`` and ``scgp`` (docs/derivations.md §7a): softmax attention of the canonical inputs over
-#: the GP's values or over values of its own (``mean_values``), or the papers' zero mean
-CGP_PRIOR_MEANS = ("softmax", "softmax-separate", "zero")
 
 __all__ = [
     "CGP_PRIOR_MEANS",
@@ -108,7 +104,7 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         sigma: float = 0.1,
         learn_sigma: bool = False,
         jitter: float = 1e-5,
-        prior_mean: str = "zero",
+        prior_mean: str | nn.Module = "zero",
     ):
         super().__init__()
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
@@ -131,12 +127,10 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or jitter < 0:
             raise ValueError(f"jitter must be a float >= 0, got {jitter!r}")
         self.num_heads = num_heads
-        self.prior_mean = check_prior_mean(
-            prior_mean, CGP_PRIOR_MEANS, "'softmax': softmax attention of the canonical inputs as the prior mean of "
-            "z_q and z_k, docs/derivations.md §7a; 'zero': the paper's form",
-        )
-        if prior_mean != "zero":  # in the state dict: rescale_mean's changes survive a reload
-            self.register_buffer("mean_temperature", torch.ones(()))
+        #: the prior mean function (GPyTorch's ``mean_module``), built once from its name ``prior_mean`` (or given)
+        self.mean_module = make_correlated_mean(prior_mean)
+        self.prior_mean = self.mean_module.name  # the public spelling
+        self.mean_module.register_state(self)  # the softmax mean's temperature, a buffer of the strategy
         self.jitter = float(jitter)
         self.covar = CrossCovarianceKernel(
             canonical, batch_shape=torch.Size([num_heads]), sigma_q=CGP_SIGMA, sigma_k=CGP_SIGMA
@@ -170,15 +164,7 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
     def rescale_mean(self, factor: float) -> None:
         """Divide the softmax mean's temperature by ``factor``² (nothing for the zero mean): the mean is then
         unchanged when the canonical inputs are multiplied by ``factor`` (the layers' ``rescale_inputs``)."""
-        if self.prior_mean != "zero":
-            self.mean_temperature /= factor**2
-
-    def _softmax_mean(self, q, k, v, valid, valid_q) -> torch.Tensor:
-        """m(q) = Σ_j softmax_j(t q·k_j) v_j over the real keys, 0 at padded queries (as ν is there).
-        # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv), valid (B, 1, S), valid_q (B, 1, T)
-        # -> (B, H, T, Dv)"""
-        m = softmax_attention(q * self.mean_temperature.to(q), k, v, None if valid is None else ~valid[:, :, None, :])
-        return m if valid_q is None else m * valid_q[..., None]
+        self.mean_module.rescale(self, factor)
 
     @torch.no_grad()
     def _scale_prior(self, factor: float) -> None:
@@ -231,7 +217,7 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
 
     def _check_mean_values(self, mean_values, v) -> None:
         """``mean_values`` given exactly when ``prior_mean="softmax-separate"``, shaped like the values."""
-        separate = self.prior_mean == "softmax-separate"
+        separate = bool(self.mean_module.projections)  # the mean owns values (the v_mean rows)
         if separate and mean_values is None:
             raise ValueError(
                 "mean_values: prior_mean='softmax-separate' reads values of its own (B, H, T, Dv); pass them, or use "
@@ -270,9 +256,8 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
             valid, (q, k, o, v32) = self._prepare(mask, q if query_inputs is None else query_inputs, k, o, v)
             valid_q = valid if query_inputs is None else None  # cross-attention: the queries are not padded
             cond = self._condition(q, k, o, v32, valid, valid_q=valid_q, **options)
-            if self.prior_mean != "zero":
-                u = v32 if mean_values is None else full_precision(mean_values)[0]
-                cond.add_prior_mean(self._softmax_mean(q, k, u, valid, valid_q))
+            u = v32 if mean_values is None else full_precision(mean_values)[0]
+            cond.add_prior_mean(self.mean_module(self, q, k, u, valid, valid_q))  # m(q) + ν, once
         cond.output_dtype = v.dtype  # the layer hands on the values' dtype (autocast)
         return cond
 
@@ -310,10 +295,10 @@ class CorrelatedConditional(AmortisedConditional):
         self.gp, self.nu, self.mean, self.valid, self.valid_q = gp, nu, nu, valid, valid_q  # valid_q: the real queries
         self._device = nu.device.type
 
-    def add_prior_mean(self, prior: torch.Tensor) -> None:
+    def add_prior_mean(self, prior: torch.Tensor | None) -> None:
         """The predictive mean becomes m(q) + ν (docs/derivations.md §7a); the covariance and R do not change.
-        # shape: prior (B, H, T, Dv)"""
-        self.mean = self.nu + prior.to(self.nu.dtype)
+        # shape: prior (B, H, T, Dv), or None: the zero mean (nothing added)"""
+        self.mean = add_means(self.nu, None if prior is None else prior.to(self.nu.dtype))
 
     def regularizer(self) -> torch.Tensor:
         """R per head and value column (a fresh Monte-Carlo estimate per call where R samples).

@@ -33,12 +33,31 @@ from gpattn._settings import is_validating
 from gpattn.kernels._evaluate import evaluate_kernel, temperature_lengthscale
 from gpattn.variational._fused import fused_kernel_attention, fused_softmax
 
-__all__ = ["PRIOR_MEANS", "AttentionMean", "SoftmaxMean", "check_prior_mean", "make_prior_mean", "softmax_attention"]
+__all__ = [
+    "CGP_PRIOR_MEANS",
+    "PRIOR_MEANS",
+    "AmortisedValueMean",
+    "AttentionMean",
+    "CentredVariationalMean",
+    "CorrelatedSoftmaxMean",
+    "SoftmaxMean",
+    "ZeroMean",
+    "add_means",
+    "check_prior_mean",
+    "make_correlated_mean",
+    "make_prior_mean",
+    "softmax_attention",
+    "variational_mean_for",
+]
 
 #: the prior means of the SGPA variants: normalised kernel attention (default), softmax attention with the
 #: kernel's temperature, or zero (the papers')
 PRIOR_MEANS = ("attention", "softmax", "zero")
 
+
+#: the prior means of ``cgp`` and ``scgp`` (docs/derivations.md §7a): softmax attention of the canonical inputs over
+#: the GP's values or over values of its own (``mean_values``), or the papers' zero mean
+CGP_PRIOR_MEANS = ("softmax", "softmax-separate", "zero")
 
 #: what each of the SGPA variants' prior means is, for the error message
 _SGPA_MEANS = (
@@ -55,6 +74,50 @@ def check_prior_mean(prior_mean, choices: tuple[str, ...] = PRIOR_MEANS, meaning
     return prior_mean
 
 
+class ZeroMean(nn.Module):
+    """m = 0, the papers' prior mean (Chen & Li 2023; Bui et al.): the strategy's q(ũ) then carries the amortised mean
+    (docs/derivations.md §5a), and the correlated GPs' ν the whole attention (§7). Its value is None, the zero that
+    :func:`add_means` leaves out (no operation); it reads no values of its own (``projections`` is empty)."""
+
+    #: the mean is a function of no Gram
+    uses_gram = False
+    #: the value projections this mean owns (none)
+    projections = ()
+    #: the public spelling of this mean (``prior_mean=``)
+    name = "zero"
+
+    def forward(self, *inputs, **kernel_inputs) -> None:
+        """0, as None."""
+        return None
+
+    @staticmethod
+    def fused(kernel, queries, keys, values, pad=None) -> None:
+        """0, as None (nothing to fuse)."""
+        return None
+
+    @staticmethod
+    def check_kernel(kernel) -> None:
+        """Nothing: every kernel goes with the zero mean."""
+
+    def register_state(self, strategy) -> None:
+        """Nothing: the zero mean has no state."""
+
+    def rescale(self, strategy, factor: float) -> None:
+        """Nothing: the zero mean has no temperature."""
+
+
+def add_means(*terms: torch.Tensor | None) -> torch.Tensor | None:
+    """The sum of the terms of a posterior mean (a prior mean m(q), a q(ũ) update, ...) or of a KL, None (the zero
+    of :class:`ZeroMean` and of a centred q(ũ)) left out, so a zero costs no operation; None if all are."""
+    present = [t for t in terms if t is not None]
+    if not present:
+        return None
+    total = present[0]
+    for term in present[1:]:
+        total = total + term
+    return total
+
+
 class AttentionMean(nn.Module):
     r"""m(q_i) = Σ_{j∈A_i} κ(q_i, k_j) v_j / Σ_{j∈A_i} κ(q_i, k_j): normalised kernel attention with the
     GP's own kernel (docs/derivations.md §5c). It takes the Gram matrix the strategy has already evaluated,
@@ -68,6 +131,12 @@ class AttentionMean(nn.Module):
 
     #: the mean is a function of the Gram κ(q, k): callers that have it pass it
     uses_gram = True
+    #: the public spelling of this mean (``prior_mean=``)
+    name = "attention"
+
+    @staticmethod
+    def check_kernel(kernel) -> None:
+        """Nothing at build time (a kernel's positivity is checked at a forward, under ``gpattn.validation()``)."""
 
     def forward(
         self, gram: torch.Tensor | None, values: torch.Tensor, excluded: torch.Tensor | None = None, *,
@@ -103,6 +172,8 @@ class SoftmaxMean(nn.Module):
 
     #: the mean needs no Gram: callers need not evaluate one for it
     uses_gram = False
+    #: the public spelling of this mean (``prior_mean=``)
+    name = "softmax"
 
     def forward(
         self, gram: torch.Tensor | None, values: torch.Tensor, excluded: torch.Tensor | None = None, *,
@@ -123,6 +194,11 @@ class SoftmaxMean(nn.Module):
         """(q/ℓ, k/ℓ) with ℓ the kernel's lengthscale."""
         lengthscale = cls.lengthscale(kernel)
         return queries / lengthscale, keys / lengthscale
+
+    @classmethod
+    def check_kernel(cls, kernel) -> None:
+        """A ``ValueError`` for a kernel without a lengthscale, at build time rather than at a forward."""
+        cls.lengthscale(kernel)
 
     @staticmethod
     def lengthscale(kernel) -> torch.Tensor:
@@ -154,9 +230,138 @@ def softmax_attention(a: torch.Tensor, b: torch.Tensor, values: torch.Tensor, ex
     return (logits.softmax(-1) @ values) * some
 
 
-def make_prior_mean(prior_mean: str, kernel) -> nn.Module | None:
-    """The ``mean_module`` of a prior mean name (:data:`PRIOR_MEANS`) for a strategy with ``kernel``: None for the
-    papers' zero mean; ``"softmax"`` needs a kernel with a lengthscale (a ``ValueError`` here, not at a forward)."""
-    if check_prior_mean(prior_mean) == "softmax":
-        SoftmaxMean.lengthscale(kernel)
-    return {"attention": AttentionMean, "softmax": SoftmaxMean}.get(prior_mean, lambda: None)()
+def make_prior_mean(prior_mean, kernel) -> nn.Module:
+    """The ``mean_module`` of a prior mean name (:data:`PRIOR_MEANS`) for a strategy with ``kernel`` (a module is
+    returned as it is): :class:`ZeroMean` for the papers' zero mean; ``"softmax"`` needs a kernel with a lengthscale
+    (a ``ValueError`` here, not at a forward)."""
+    if isinstance(prior_mean, nn.Module):
+        return prior_mean
+    mean = {"attention": AttentionMean, "softmax": SoftmaxMean, "zero": ZeroMean}[check_prior_mean(prior_mean)]()
+    mean.check_kernel(kernel)
+    return mean
+
+
+# ------------------------------------------------------------- q(ũ)'s mean (SGPA, docs/derivations.md §5a, §5c)
+class AmortisedValueMean:
+    r"""q(ũ) = N(Lᵀ v, ·): the sequence's values are q(u)'s mean, m_u = K v (Chen & Li 2023, docs/derivations.md §5a),
+    the pairing of the papers' zero prior mean. It adds K̂ v to the posterior mean and ½‖Lᵀv‖² = ½ vᵀK̂v to the KL,
+    in the form each conditioning path (self, cross, causal, general mask) has the factors for."""
+
+    #: q(ũ) is not centred: the sequence's values enter the posterior and the KL (the decoupled γ-basis too)
+    centred = False
+
+    @staticmethod
+    def whitened(chol: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """m̃ = Lᵀ v.  # shape: chol (B, H, T, T), values (B, H, T, Dv) -> (B, H, T, Dv)"""
+        return chol.mT @ values
+
+    @staticmethod
+    def update(gram: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The posterior mean's part K̂ v, ``gram`` with the keys out of the basis zeroed.
+        # shape: gram (B, H, T, S), values (B, H, S, Dv) -> (B, H, T, Dv)"""
+        return gram @ values
+
+    @staticmethod
+    def quadratic(values: torch.Tensor, update: torch.Tensor, jitter_abs: torch.Tensor) -> torch.Tensor:
+        """‖Lᵀv‖² = vᵀ(K + jI)v, reusing the mean K v (self-attention).  # shape: -> (B, H, Dv)"""
+        return (values * update).sum(-2) + jitter_abs[..., 0] * values.square().sum(-2)
+
+    @staticmethod
+    def cross_quadratic(chol: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """‖Lᵀv‖² of the context's keys (cross-attention).  # shape: -> (B, H, Dv)"""
+        return (chol.mT @ values).square().sum(-2)
+
+    @staticmethod
+    def causal(gram: torch.Tensor, values: torch.Tensor, jit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ_{j≤i} K_ij v_j, ½ v_{≤i}ᵀ K̂_{≤i} v_{≤i}) under the causal mask, the second a prefix sum of v_j
+        (2 Σ_{k<j} K_jk v_k + (K_jj + c_j) v_j).  # shape: gram (B, H, T, T), jit (B, H, T) -> (B, H, T, Dv) twice"""
+        mean = gram.tril() @ values  # shape: (B, H, T, Dv)
+        diag = gram.diagonal(dim1=-2, dim2=-1)[..., None]  # shape: (B, H, T, 1)
+        return mean, 0.5 * (values * (2 * mean - (diag - jit[..., None]) * values)).cumsum(-2)
+
+    @staticmethod
+    def query_quadratic(chol: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """½‖L_Sᵀ v_S‖² = ½ v_Sᵀ K̂_SS v_S per query (a general per-query mask).
+        # shape: chol (B, H, T, T, T), allowed (B, H, T, T) -> (B, H, T, Dv)"""
+        w = allowed[..., None] * values[:, :, None]  # shape: (B, H, T, T, Dv): v_S per query, 0 elsewhere
+        return 0.5 * (chol.mT @ w).square().sum(-2)
+
+
+class CentredVariationalMean:
+    """q(ũ) = N(0, ·) with ũ = L⁻¹(u − m(k)): centred at the prior mean (docs/derivations.md §5c), the pairing of a
+    prior mean that attends. It adds nothing to the posterior mean or the KL (None, which :func:`add_means` leaves
+    out)."""
+
+    centred = True
+
+    @staticmethod
+    def whitened(chol: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """m̃ = 0.  # shape: -> (B, H, T, Dv)"""
+        return torch.zeros_like(values)
+
+    @staticmethod
+    def update(*factors) -> None:
+        return None
+
+    quadratic = cross_quadratic = query_quadratic = update
+
+    @staticmethod
+    def causal(*factors) -> tuple[None, None]:
+        return None, None
+
+
+def variational_mean_for(mean_module: nn.Module):
+    """The q(ũ)-mean the SGPA variants pair with a prior mean: amortised on the values for the zero mean (the
+    papers'), centred for a mean that attends (docs/derivations.md §5c)."""
+    return AmortisedValueMean() if isinstance(mean_module, ZeroMean) else CentredVariationalMean()
+
+
+class CorrelatedSoftmaxMean(nn.Module):
+    r"""The correlated GPs' softmax prior mean (docs/derivations.md §7a): m(x) = Σ_j softmax_j(t x·k_j) u_j over the
+    real keys, 0 at padded queries, with t the strategy's ``mean_temperature`` buffer (kept there: its state-dict
+    key). ``separate=False``: u = the GP's values v (``prior_mean="softmax"``); ``separate=True``: values of the
+    mean's own, the ``v_mean`` projection (``prior_mean="softmax-separate"``), passed as ``mean_values``."""
+
+    def __init__(self, separate: bool = False):
+        super().__init__()
+        self.separate = bool(separate)
+        #: the public spelling of this mean (``prior_mean=``)
+        self.name = "softmax-separate" if self.separate else "softmax"
+        #: the value projections this mean owns: rows of the layer's fused ``in_proj`` (docs/derivations.md §7a)
+        self.projections = ("v_mean",) if self.separate else ()
+
+    def forward(self, strategy, q, k, values, valid=None, valid_q=None) -> torch.Tensor:
+        """m(q) with the temperature t of ``strategy``.
+        # shape: q (B, H, T, Dh), k (B, H, S, Dh), values (B, H, S, Dv), valid (B, 1, S), valid_q (B, 1, T)
+        # -> (B, H, T, Dv)"""
+        excluded = None if valid is None else ~valid[:, :, None, :]
+        m = softmax_attention(q * strategy.mean_temperature.to(q), k, values, excluded)
+        return m if valid_q is None else m * valid_q[..., None]
+
+    @staticmethod
+    def register_state(strategy) -> None:
+        """The temperature t as the buffer ``mean_temperature`` of ``strategy``, 1 at first (in the state dict:
+        :meth:`rescale`'s changes survive a reload)."""
+        strategy.register_buffer("mean_temperature", torch.ones(()))
+
+    @staticmethod
+    def rescale(strategy, factor: float) -> None:
+        """Divide the strategy's temperature by ``factor``² (the mean is unchanged when the canonical inputs are
+        multiplied by ``factor``)."""
+        strategy.mean_temperature /= factor**2
+
+
+def make_correlated_mean(prior_mean) -> nn.Module:
+    """The ``mean_module`` of a correlated GP's prior mean name (:data:`CGP_PRIOR_MEANS`); a mean module is returned
+    as it is."""
+    if isinstance(prior_mean, nn.Module):
+        return prior_mean
+    check_prior_mean(
+        prior_mean, CGP_PRIOR_MEANS, "'softmax': softmax attention of the canonical inputs as the prior mean of "
+        "z_q and z_k, docs/derivations.md §7a; 'zero': the paper's form",
+    )
+    return {
+        "softmax": lambda: CorrelatedSoftmaxMean(),
+        "softmax-separate": lambda: CorrelatedSoftmaxMean(separate=True),
+        "zero": ZeroMean,
+    }[prior_mean]()

@@ -68,7 +68,7 @@ from gpattn.variational._linalg import (
     with_policy,
 )
 from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, check_query_inputs
-from gpattn.variational.means import check_prior_mean, make_prior_mean
+from gpattn.variational.means import add_means, make_prior_mean, variational_mean_for
 
 __all__ = [
     "COVARIANCE_MODES",
@@ -199,7 +199,7 @@ class SGPAConditional(AmortisedConditional):
     :ivar std: whitened standard deviations s (1 at padded tokens).  # shape: (B, H, T, Dv)
     """
 
-    def __init__(self, chol, gram, values, std, jitter_abs, covariance, prior_mean=None):
+    def __init__(self, chol, gram, values, std, jitter_abs, covariance, prior_mean, variational_mean):
         self.chol = chol  # shape: (B, H, T, T)
         self.values = values  # shape: (B, H, T, Dv), 0 at padded tokens
         self.std = std  # shape: (B, H, T, Dv)
@@ -207,10 +207,10 @@ class SGPAConditional(AmortisedConditional):
         self._jitter_abs = jitter_abs  # shape: (B, H, 1, 1)
         #: m(q) of the prior (docs/derivations.md §5c), or None: the paper's zero mean
         self.prior_mean = prior_mean  # shape: (B, H, T, Dv) or None
-        if prior_mean is None:
-            self.mean = gram @ values  # shape: (B, H, T, Dv); K̂ v̂ (padded columns of K are out of the basis)
-        else:
-            self.mean = prior_mean  # q(ũ) has mean 0: the posterior mean is the prior mean
+        #: q(ũ)'s mean: amortised Lᵀv or centred at 0 (:mod:`gpattn.variational.means`)
+        self.variational_mean = variational_mean
+        # shape: (B, H, T, Dv); m(q) + K̂ v̂ (padded columns of K are out of the basis), each term where it is not 0
+        self.mean = add_means(prior_mean, variational_mean.update(gram, values))
 
     # -- GPyTorch vocabulary (whitened u-space: ũ = L⁻¹u at the T keys)
     @property
@@ -223,7 +223,7 @@ class SGPAConditional(AmortisedConditional):
     def variational_distribution(self) -> MultivariateNormal:
         """q(ũ) = N(Lᵀ v, diag s²) (zero prior mean), N(0, diag s²) (attention prior mean, ũ = L⁻¹(u − m(k))).
         # shape: batch (B, H, Dv), event T"""
-        m_tilde = self.chol.mT @ self.values if self.prior_mean is None else torch.zeros_like(self.values)
+        m_tilde = self.variational_mean.whitened(self.chol, self.values)
         return MultivariateNormal(m_tilde.transpose(-1, -2), DiagLinearOperator(self.std.square().transpose(-1, -2)))
 
     def kl_divergence(self) -> torch.Tensor:
@@ -238,11 +238,8 @@ class SGPAConditional(AmortisedConditional):
         """
         s2 = self.std.square()
         trace_logdet = (s2 - 1 - s2.log()).sum(-2)  # shape: (B, H, Dv)
-        if self.prior_mean is not None:
-            return 0.5 * trace_logdet
-        # ‖Lᵀv‖² = vᵀ(K + jI)v, reusing the mean K v
-        mahalanobis = (self.values * self.mean).sum(-2) + self._jitter_abs[..., 0] * self.values.square().sum(-2)
-        return 0.5 * (trace_logdet + mahalanobis)
+        # + ‖Lᵀv‖² = vᵀ(K + jI)v with q(ũ) amortised on the values, reusing the mean K v
+        return 0.5 * add_means(trace_logdet, self.variational_mean.quadratic(self.values, self.mean, self._jitter_abs))
 
     # -- q(f)
     def variance(self) -> torch.Tensor:
@@ -288,10 +285,11 @@ class CrossSGPAConditional(SGPAConditional):
     """
 
     def __init__(self, chol, values, std, jitter_abs, covariance, *, mean, interp, gram_diag, gram, jitter,
-                 prior_mean=None):
+                 prior_mean, variational_mean):
         self.chol, self.values, self.std = chol, values, std  # shapes: (B, H, S, S), (B, H, S, Dv), (B, H, S, Dv)
         self.covariance, self._jitter_abs, self.jitter = covariance, jitter_abs, jitter
         self.prior_mean, self.mean, self.interp = prior_mean, mean, interp  # mean (B, H, T, Dv)
+        self.variational_mean = variational_mean
         self.gram_diag, self.gram = gram_diag, gram  # diag K_qq (B, H, T); K_qq (B, H, T, T) or None ("diag")
 
     def kl_divergence(self) -> torch.Tensor:
@@ -299,9 +297,7 @@ class CrossSGPAConditional(SGPAConditional):
         with the zero prior mean only).  # shape: -> (B, H, Dv)"""
         s2 = self.std.square()
         trace_logdet = (s2 - 1 - s2.log()).sum(-2)
-        if self.prior_mean is not None:
-            return 0.5 * trace_logdet
-        return 0.5 * (trace_logdet + (self.chol.mT @ self.values).square().sum(-2))
+        return 0.5 * add_means(trace_logdet, self.variational_mean.cross_quadratic(self.chol, self.values))
 
     def variance(self) -> torch.Tensor:
         """diag Σ_d = K_tt − ‖A_t‖² + Σ_j A_tj² s_jd² (the residual clamped at 0).  # shape: -> (B, H, T, Dv)"""
@@ -432,16 +428,19 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         *,
         jitter: float = 1e-6,
         covariance: str = "full",
-        prior_mean: str = "attention",
+        prior_mean: str | nn.Module = "attention",
+        variational_mean=None,
     ):
         super().__init__()
         self.kernel = kernel
         self.variational_distribution = variational_distribution
         self.jitter = check_jitter(jitter)
         self.covariance = check_covariance(covariance)
-        self.prior_mean = check_prior_mean(prior_mean)
-        #: the prior mean function (GPyTorch's ``mean_module``): None is the paper's zero mean
+        #: the prior mean function (GPyTorch's ``mean_module``), built once from its name ``prior_mean`` (or given)
         self.mean_module = make_prior_mean(prior_mean, kernel)
+        self.prior_mean = self.mean_module.name  # the public spelling
+        #: q(ũ)'s mean (docs/derivations.md §5a, §5c); by default the one the prior mean pairs with
+        self.variational_mean = variational_mean_for(self.mean_module) if variational_mean is None else variational_mean
 
     def condition(
         self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None, query_inputs=None
@@ -464,7 +463,7 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         with gp_algebra(keys.device.type):
             L, K, values, std, jit = self._factorise(keys, values, mask)
             m = self._prior_mean(K, values, keys, keys, None if mask is None else mask[:, None, None, :])
-            return SGPAConditional(L, K, values, std, jit, self.covariance, prior_mean=m)
+            return SGPAConditional(L, K, values, std, jit, self.covariance, m, self.variational_mean)
 
     def _condition_cross(self, queries, keys, values, mask) -> CrossSGPAConditional:
         """Cross-attention (docs/derivations.md §13): the keys' factorisation as in self-attention, then
@@ -481,16 +480,14 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
             m = self._prior_mean(K_qk, values, queries, keys, None if mask is None else mask[:, None, None, :])
             gram = evaluate_kernel(self.kernel, queries, queries) if self.covariance == "full" else None
             return CrossSGPAConditional(
-                L, values, std, jit, self.covariance, mean=K_qk @ values if m is None else m, interp=A,
-                gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), gram=gram, jitter=self.jitter,
-                prior_mean=m,
+                L, values, std, jit, self.covariance, mean=add_means(m, self.variational_mean.update(K_qk, values)),
+                interp=A, gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), gram=gram,
+                jitter=self.jitter, prior_mean=m, variational_mean=self.variational_mean,
             )
 
     def _prior_mean(self, gram, values, queries, keys, excluded=None) -> torch.Tensor | None:
         """m(q) of the prior mean function (None: the papers' zero mean), the keys in ``excluded`` left out.
         # shape: gram (B, H, T, S) = κ(q, k), excluded broadcastable to it or None"""
-        if self.mean_module is None:
-            return None
         return self.mean_module(gram, values, excluded, kernel=self.kernel, queries=queries, keys=keys)
 
     def _factorise(self, keys, values, mask):
@@ -538,17 +535,14 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
             tok = pad[:, None, :, None]  # shape: (B, 1, T, 1)
             std = std.masked_fill(tok, 1.0)  # padded keys are in no query's inducing set
             values = values.masked_fill(tok, 0.0)
-        mean = K.tril() @ values  # shape: (B, H, T, Dv); Σ_{j≤i} K_ij v_j
+        update, quadratic = self.variational_mean.causal(K, values, jit)  # Σ_{j≤i} K_ij v_j, ½ v_{≤i}ᵀ K̂ v_{≤i}
         s2 = std.square()
         variance = L.square() @ s2  # Σ_{j≤i} L_ij² s_j²: row i of L is row i of the prefix's factor
-        query_kl = 0.5 * (s2 - 1 - s2.log()).cumsum(-2)  # shape: (B, H, T, Dv)
-        if self.mean_module is not None:  # q_i(ũ_S) has mean 0 (docs/derivations.md §5c)
-            T = K.shape[-1]
-            later = torch.ones(T, T, dtype=torch.bool, device=K.device).triu(1)  # j > i
-            mean = self._prior_mean(K, values, keys, keys, later if pad is None else later | pad[:, None, None, :])
-        else:  # + ½ v_{≤i}ᵀ K̂_{≤i} v_{≤i}, a prefix sum of v_j (2 Σ_{k<j} K_jk v_k + (K_jj + c_j) v_j)
-            diag = K.diagonal(dim1=-2, dim2=-1)[..., None]  # shape: (B, H, T, 1)
-            query_kl = query_kl + 0.5 * (values * (2 * mean - (diag - jit[..., None]) * values)).cumsum(-2)
+        query_kl = add_means(0.5 * (s2 - 1 - s2.log()).cumsum(-2), quadratic)  # shape: (B, H, T, Dv)
+        T = K.shape[-1]
+        later = torch.ones(T, T, dtype=torch.bool, device=K.device).triu(1)  # j > i
+        prior = self._prior_mean(K, values, keys, keys, later if pad is None else later | pad[:, None, None, :])
+        mean = add_means(prior, update)  # m(q) over A_i (docs/derivations.md §5c) + q(ũ)'s part
         real = keys.new_ones(keys.shape[:3], dtype=torch.bool) if pad is None else ~pad[:, None, :].expand(
             keys.shape[:3]
         )
@@ -566,9 +560,11 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         both = allowed[..., :, None] & allowed[..., None, :]  # shape: (B, H, T, T, T): A_i × A_i
         eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
         L = cholesky(torch.where(both, Kj[:, :, None], eye), name="sgpa (K_SS per query)")  # shape: (B, H, T, T, T)
-        mean = K.masked_fill(excluded, 0.0) @ values  # masked kernel attention
-        if self.mean_module is not None:  # the prior mean over A_i; q_i(ũ_S) has mean 0 (§5c)
-            mean = self._prior_mean(K, values, keys, keys, excluded)
+        # the prior mean over A_i (§5c) + q(ũ)'s part: masked kernel attention where q(ũ) is amortised on the values
+        mean = add_means(
+            self._prior_mean(K, values, keys, keys, excluded),
+            self.variational_mean.update(K.masked_fill(excluded, 0.0), values),
+        )
         # L_S⁻¹ K̂_{S,i} per query i (the jittered column: with i ∈ A_i it is row i of L_S)
         a = tri_solve(L, Kj.masked_fill(excluded, 0.0)[..., None])[..., 0]  # shape: (B, H, T, T)
         own = allowed.diagonal(dim1=-2, dim2=-1)  # shape: (B, H, T): i ∈ A_i
@@ -578,9 +574,9 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         std = self.variational_distribution(keys)  # shape: (B, H, T, Dv)
         s2 = std.square()
         variance = residual[..., None] + a.square() @ s2  # shape: (B, H, T, Dv)
-        query_kl = 0.5 * (allowed.to(s2.dtype) @ (s2 - 1 - s2.log()))  # shape: (B, H, T, Dv)
-        if self.mean_module is None:
-            w = allowed[..., None] * values[:, :, None]  # shape: (B, H, T, T, Dv): v_S per query, 0 elsewhere
-            query_kl = query_kl + 0.5 * (L.mT @ w).square().sum(-2)  # ½‖L_Sᵀ v_S‖² = ½ v_Sᵀ K̂_SS v_S
+        query_kl = add_means(  # shape: (B, H, T, Dv); + ½‖L_Sᵀ v_S‖² with q(ũ) amortised on the values
+            0.5 * (allowed.to(s2.dtype) @ (s2 - 1 - s2.log())),
+            self.variational_mean.query_quadratic(L, allowed, values),
+        )
         real = allowed.any(-1) & ~pad[:, None, :]  # shape: (B, H, T)
         return MaskedSGPAConditional(mean, variance, query_kl, real, self.covariance)

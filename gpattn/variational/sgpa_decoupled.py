@@ -59,7 +59,7 @@ from gpattn.variational._strategy import (
     check_query_inputs,
     sequence_mean,
 )
-from gpattn.variational.means import check_prior_mean, make_prior_mean
+from gpattn.variational.means import add_means, make_prior_mean, variational_mean_for
 from gpattn.variational.sgpa import (
     check_covariance,
     check_jitter,
@@ -385,7 +385,8 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         *,
         jitter: float = 1e-6,
         covariance: str = "diag",
-        prior_mean: str = "attention",
+        prior_mean: str | nn.Module = "attention",
+        variational_mean=None,
     ):
         super().__init__()
         if inducing_inputs.dim() != 3 or inducing_inputs.shape[1] != variational_distribution.num_global:
@@ -398,10 +399,13 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         self.inducing_inputs = nn.Parameter(inducing_inputs.clone())  # shape: (H, M, D)
         self.jitter = check_jitter(jitter)
         self.covariance = check_covariance(covariance)
-        self.prior_mean = check_prior_mean(prior_mean)
-        #: the prior mean function (GPyTorch's ``mean_module``; docs/derivations.md §5c): with it the sequence's
-        #: keys and values leave the posterior (no γ-basis, no per-sequence KL); None is the paper's zero mean
+        #: the prior mean function (GPyTorch's ``mean_module``; docs/derivations.md §5c), built once from its name
+        #: ``prior_mean`` (or given); :class:`~gpattn.variational.means.ZeroMean` is the paper's zero mean
         self.mean_module = make_prior_mean(prior_mean, kernel)
+        self.prior_mean = self.mean_module.name  # the public spelling
+        #: the mean basis γ: amortised on the sequence's keys and values (the paper's, with the zero mean), or
+        #: centred (a prior mean that attends: the sequence leaves the posterior, no γ-basis, no per-sequence KL)
+        self.variational_mean = variational_mean_for(self.mean_module) if variational_mean is None else variational_mean
 
     def global_keys(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """k_g[h] = Z_g[h] W_qk[h]ᵀ + b_qk[h]: each head's global inputs through *that head's* rows of
@@ -454,7 +458,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
                 whitened_values=u_tilde, scale_tril=self.variational_distribution.scale_tril(), mask=mask,
                 jitter=self.jitter, covariance=self.covariance,
             )
-            if self.mean_module is not None:
+            if self.variational_mean.centred:
                 return self._condition_attention_mean(factors, excluded, queries, plan)
             if excluded is not None:
                 return self._condition_per_query(factors, excluded, causal)
@@ -473,7 +477,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             queries, keys, values = full_precision(queries, keys, values)
             if mask is not None:
                 values = values.masked_fill(mask[:, None, :, None], 0.0)  # padded keys leave the mean basis
-            if self.mean_module is None:  # the γ-part needs the keys' global basis too: one L_g for both
+            if not self.variational_mean.centred:  # the γ-part needs the keys' global basis too: one L_g for both
                 both, u_tilde = self._global_basis(torch.cat([queries, keys], -2), global_keys)
                 A, A_a = both.split([queries.shape[-2], keys.shape[-2]], -2)  # shape: (B, H, T, M), (B, H, S, M)
             else:
@@ -484,9 +488,10 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
                 whitened_values=u_tilde, scale_tril=self.variational_distribution.scale_tril(), mask=None,
                 jitter=self.jitter, covariance=self.covariance,
             )
-            if self.mean_module is not None:
+            if self.variational_mean.centred:
                 m = self._cross_prior_mean(queries, keys, values, mask)
-                return DecoupledSGPAConditional(mean=m + A @ u_tilde, gram_values=None, proj_values=None, **factors)
+                mean = add_means(m, A @ u_tilde)
+                return DecoupledSGPAConditional(mean=mean, gram_values=None, proj_values=None, **factors)
             K_qa = evaluate_kernel(self.kernel, queries, keys)  # shape: (B, H, T, S)
             c = A_a.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
             K_aa_v = evaluate_kernel(self.kernel, keys, keys) @ values  # shape: (B, H, S, Dv), for the γ-part
@@ -518,7 +523,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
     def _blockwise_mean(self, excluded) -> bool:
         """Whether this strategy can condition without the (T, T) Gram: the attention mean, the diagonal
         covariance, key padding only."""
-        return self.mean_module is not None and self.covariance == "diag" and excluded is None
+        return self.variational_mean.centred and self.covariance == "diag" and excluded is None
 
     def _mean_without_gram(self, queries, values, mask, excluded) -> torch.Tensor | int | None:
         """The attention mean with the diagonal covariance needs no (T, T) Gram (docs/derivations.md §12): its
@@ -557,7 +562,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             mean = blockwise(
                 self._attention_mean_rows, queries, queries, factors["values"], rows=rows, per_query=(not_allowed,)
             )
-        mean = mean + factors["interp"] @ factors["whitened_values"]
+        mean = add_means(mean, factors["interp"] @ factors["whitened_values"])
         if excluded is not None:
             return MaskedDecoupledSGPAConditional(mean=mean, query_gamma=None, real=None, **factors)
         return DecoupledSGPAConditional(mean=mean, gram_values=None, proj_values=None, **factors)
