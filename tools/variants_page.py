@@ -58,7 +58,7 @@ VARIANTS = {
         "section": "3",
         "cost": "O(T²·D), plus the T × T Gumbel noise",
         "options": ("tau", "hard"),
-        "pick": "stochastic attention without a GP; a Monte-Carlo predictive at softmax's memory.",
+        "pick": "stochastic attention without a GP: a Monte-Carlo predictive from sampled attention.",
     },
     "h-sto": {
         "what": "H-STO-TRANS: keys assigned to c learnable centroids by Gumbel-softmax, then Gumbel attention "
@@ -139,8 +139,9 @@ SITUATIONS = (
     ),
     (
         "long sequences",
-        "`kep-svgp`, `scgp`, `sgpa-decoupled`",
-        "linear in T (time and memory); `cgp` and `sgpa` are cubic",
+        "`kep-svgp`, `scgp`; `sgpa-decoupled` for its memory",
+        "`kep-svgp` and `scgp` are linear in T; `sgpa-decoupled`'s attention mean runs fused, in linear memory; "
+        "`cgp` and `sgpa` are cubic",
         "cost",
     ),
     (
