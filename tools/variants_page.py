@@ -268,14 +268,13 @@ def render(data: dict, names: list[str], options: dict[str, dict]) -> str:
         "",
         "## The variants",
         "",
-        "| variant | what it is | paper | derivation | cost | pick it for |",
-        "|---|---|---|---|---|---|",
+        "| variant | what it is (paper; derivation) | cost | pick it for |",
+        "|---|---|---|---|",
     ]
     for name in names:
         v = VARIANTS[name]
-        lines.append(
-            f"| `{name}` | {v['what']} | {v['paper']} | [§{v['section']}](derivations.md) | {v['cost']} | {v['pick']} |"
-        )
+        what = f"{v['what']} ({v['paper']}; [§{v['section']}](derivations.md))"
+        lines.append(f"| `{name}` | {what} | {v['cost']} | {v['pick']} |")
     lines += [
         "",
         "## Defaults and the options that matter",
