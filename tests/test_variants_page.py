@@ -141,3 +141,21 @@ def test_the_command_line_refresh_writes_both_files(vp, data, tmp_path):
     assert vp.main(argv + ["--check"]) == 0
     with pytest.raises(SystemExit, match="not measured by gpattn compare"):
         vp.main(argv + ["--refresh", "suite", *refresh[2:]])
+
+
+def test_every_number_on_the_page_is_in_the_results_or_benchmarks_page(vp, data):
+    """The result file holds the latest tables' numbers, not numbers of its own: each cell (its mean ± std or
+    difference, before the seed count) is in docs/results.md or docs/benchmarks.md. After --refresh, put the
+    run's table into those pages too."""
+    pages = "".join((ROOT / "docs" / name).read_text() for name in ("results.md", "benchmarks.md"))
+    pages = pages.replace("−", "-")
+    absent = []
+    for key, entry in data["claims"].items():
+        for run in entry["runs"]:
+            for variant, cells in run["rows"].items():
+                for column, value in cells.items():
+                    number = value.split(" (")[0].replace("−", "-")
+                    if number not in {"0", "–"} and number not in pages:
+                        absent.append(f"{key}: {variant}, {column}: {value}")
+            assert run["commit"] in pages, f"{key}: the commit {run['commit']} is named on no results page"
+    assert not absent, absent
