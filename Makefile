@@ -43,6 +43,7 @@ bench: $(STAMP)
 # the full size), warnings (broken references, public names without docstrings) are errors
 docs: $(STAMP)
 	rm -rf build/docs docs/api
+	$(BIN)/python tools/variants_page.py --check
 	$(BIN)/python -m sphinx -b html -n -W --keep-going -c docs . build/docs/html
 	@echo "the site: build/docs/html/index.html"
 

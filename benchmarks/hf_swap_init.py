@@ -1,6 +1,6 @@
 """GP attention (SGPA, cgp, scgp) swapped into MiniLM's last layer, at initialisation: how each start reproduces
-the pretrained attention and how much noise its prior adds (docs/derivations.md §5d, §7a, docs/results.md "CoLA on
-MiniLM with separate query and key maps").
+the pretrained attention and how much noise its prior adds (docs/derivations.md §5d, §7a,
+docs/archive/results-2026-11.md "CoLA on MiniLM with separate query and key maps").
 
 For each candidate (variant, options) the last layer of all-MiniLM-L6-v2 is swapped as ``HFClassifier`` does
 (frozen trunk, the prior matched to the stream by ``match_prior_to_stream``) and measured on the first

@@ -1,5 +1,5 @@
-"""Can a swapped GP layer's noise do what temperature scaling does? A post-hoc probe (docs/results.md, "The softmax
-prior mean on MiniLM").
+"""Can a swapped GP layer's noise do what temperature scaling does? A post-hoc probe
+(docs/archive/results-2026-11.md, "The softmax prior mean on MiniLM").
 
 For a finished ``--encoder`` run with GP layers (``RUN``) and the softmax run of the same seed and data
 (``SOFTMAX``), the GP layers' prior variance is multiplied by each factor c of ``--factors`` in turn (cumulative

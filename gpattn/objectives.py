@@ -61,7 +61,7 @@ __all__ = [
 #: Default weight α of the CGP regulariser, everywhere (DeepGPELBO, TrainConfig, the CLI). R (Bui et al. eqs.
 #: 28, 44) is not an ELBO term and α is a hyperparameter chosen on validation data (Bui et al. Remark 3):
 #: ``compare`` chooses it from a grid (``--alpha-grid``; the presets' ``PRESET_ALPHA_GRID``). How this default
-#: was measured: docs/derivations.md §9 and docs/results.md ("cgp and scgp: the regulariser weight α").
+#: was measured: docs/derivations.md §9 and docs/archive/results-2026-11.md ("cgp and scgp: the regulariser weight α").
 DEFAULT_ALPHA = 1e-6
 
 #: keys of the loss parts that belong to the objective, never to a term or a weight (the weights in force

@@ -130,8 +130,8 @@ def test_an_encoder_run_from_before_the_defaults_is_not_reused():
 
 def test_the_batch_size_defaults_per_recipe_and_is_stored_as_a_number():
     """Unset, the batch size is 32 from scratch, 16 for full fine-tuning (the one-epoch CoLA measurement,
-    docs/results.md "Fine-tuning defaults") and 32 for the frozen trunk; config.json holds the number; a given
-    one is kept."""
+    docs/archive/results-2026-11.md "Fine-tuning defaults") and 32 for the frozen trunk; config.json holds the
+    number; a given one is kept."""
     assert TrainConfig(dataset="text_table").batch_size == 32
     full = TrainConfig(dataset="text_table", encoder="unused")
     assert full.batch_size == 16 and full.to_dict()["batch_size"] == 16

@@ -65,6 +65,62 @@ def test_derivations_and_results_pages_with_their_figures(site):
     assert all((html / "_images" / name).is_file() for name in FIGURES)
 
 
+_HREF = re.compile(r'<a\s[^>]*href="([^"]*)"')
+_ID = re.compile(r'\bid="([^"]*)"')
+
+
+def broken_links(html: Path) -> list[str]:
+    """Every internal link of the built site (an href to a local page, file or #anchor) whose file or anchor does
+    not exist, as "page: href". The anchors of the highlighted sources' "[docs]" links (``_modules/``, written by
+    sphinx.ext.viewcode) are not checked: viewcode names an object by the module that defines it, and the
+    reference describes a private module's names on the public module that exports them (their files are checked)."""
+    ids, broken = {}, []
+    pages = sorted(html.rglob("*.html"))
+    for page in pages:
+        sources = page.relative_to(html).parts[0] == "_modules"
+        for href in _HREF.findall(page.read_text()):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", href) or href.startswith("//"):  # http:, mailto:, javascript:
+                continue
+            path, _, anchor = href.partition("#")
+            target = (page.parent / path.split("?")[0]).resolve() if path else page.resolve()
+            if target.is_dir():
+                target = target / "index.html"
+            if not target.is_file():
+                broken.append(f"{page.relative_to(html)}: {href}")
+            elif anchor and target.suffix == ".html" and not sources:
+                if target not in ids:
+                    ids[target] = set(_ID.findall(target.read_text()))
+                if anchor not in ids[target]:
+                    broken.append(f"{page.relative_to(html)}: {href}")
+    return broken
+
+
+def test_the_link_check_finds_missing_pages_and_anchors(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "a.html").write_text(
+        '<h1 id="top">a</h1><a href="docs/b.html#here">b</a><a class="x" href="#top">top</a>'
+        '<a href="https://example.org/x.html">out</a><a href="docs/c.html">gone</a><a href="docs/b.html#nowhere">x</a>'
+    )
+    (tmp_path / "docs" / "b.html").write_text('<p id="here"></p><a href="../a.html#top">back</a>')
+    (tmp_path / "_modules").mkdir()
+    (tmp_path / "_modules" / "m.html").write_text('<a href="../docs/b.html#gone">[docs]</a><a href="../d.html">x</a>')
+    expected = ["_modules/m.html: ../d.html", "a.html: docs/c.html", "a.html: docs/b.html#nowhere"]
+    assert broken_links(tmp_path) == expected
+
+
+@pytest.mark.slow
+def test_the_variants_page_and_every_internal_link(site):
+    html, _ = site
+    variants = (html / "docs" / "variants.html").read_text()
+    assert variants.count("<table") >= 4 and "Which variant for what" in variants
+    for name in __import__("gpattn").list_attention():
+        assert f'<span class="pre">{name}</span>' in variants, name
+    readme = (html / "README.html").read_text()
+    assert 'href="docs/variants.html"' in readme  # in the navigation of every page
+    broken = broken_links(html)
+    assert not broken, "\n".join(broken[:50])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_pages_show_their_executed_plots(site, name):

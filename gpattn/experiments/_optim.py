@@ -6,7 +6,7 @@ at ``cfg.encoder_lr`` with decoupled weight decay ``cfg.encoder_weight_decay`` o
 biases or LayerNorm), the new parameters (the head, the GP parameters, projections that came from no
 pretrained weight) at ``cfg.lr`` without decay — a linear warm-up over ``cfg.warmup`` of the steps, then
 cosine decay. Unset (None), those three take :data:`ENCODER_DEFAULTS`, and so does an unset batch size
-(``TrainConfig`` resolves it); the reasons and the measurement are in docs/results.md ("Fine-tuning
+(``TrainConfig`` resolves it); the reasons and the measurement are in docs/archive/results-2026-11.md ("Fine-tuning
 defaults"). :func:`describe` is the line the run prints.
 """
 
@@ -26,9 +26,10 @@ __all__ = [
 ]
 
 #: what an ``--encoder`` run uses for a setting left unset (None), per recipe; chosen on CoLA with MiniLM
-#: (docs/results.md, "Fine-tuning defaults"): full fine-tuning as BERT-family encoders are fine-tuned (AdamW,
-#: warm-up, decay) at the lr and batch size that left the class prior in one epoch in every seed tried; the
-#: frozen trunk's top layer at the cola-minilm preset's measured recipe (one lr, no warm-up, no decay)
+#: (docs/archive/results-2026-11.md, "Fine-tuning defaults"): full fine-tuning as BERT-family encoders are
+#: fine-tuned (AdamW, warm-up, decay) at the lr and batch size that left the class prior in one epoch in every
+#: seed tried; the frozen trunk's top layer at the cola-minilm preset's measured recipe (one lr, no warm-up, no
+#: decay)
 ENCODER_DEFAULTS = {
     "full": {"encoder_lr": 1e-4, "encoder_weight_decay": 0.01, "warmup": 0.1, "batch_size": 16},
     "frozen-trunk": {"encoder_lr": 5e-4, "encoder_weight_decay": 0.0, "warmup": 0.0, "batch_size": 32},

@@ -36,7 +36,7 @@ _IMAGE_POOLING = dict(pooling="cls")
 
 # Objective weights (docs/derivations.md §9). beta = 1: the ELBO itself. Since the GP layers start on the residual
 # stream's scale (gpattn.variational._scale), the exact ELBO trains sgpa, sgpa-decoupled and kep-svgp on cola and
-# digits (docs/results.md "The exact objective", 3 seeds, 2026-11-24); before that initialisation every
+# digits (docs/archive/results-2026-11.md "The exact objective", 3 seeds, 2026-11-24); before that initialisation every
 # all-layer GP model collapsed at beta = 1, and the presets used beta = 1e-4.
 # alpha is the CGP regulariser's weight, which is not part of an ELBO but a hyperparameter chosen on validation
 # data (Bui et al. Remark 3): `compare --preset` trains cgp and scgp once per value of PRESET_ALPHA_GRID and keeps,

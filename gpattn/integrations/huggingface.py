@@ -28,7 +28,7 @@ DistilBERT the swapped module is ``attention`` itself, which holds ``out_lin``, 
 ``out_proj``. A variant without a value projection (``kep-svgp``, whose output is built from global inducing
 variables) starts with ``out_proj`` = 0 instead: its output at initialisation is a random function, not
 the pretrained attention's, and with ``out_proj`` = 0 the block starts as the pretrained block without
-its attention branch (docs/results.md, "CoLA on a pretrained encoder", measures both starts).
+its attention branch (docs/archive/results-2026-11.md, "CoLA on a pretrained encoder", measures both starts).
 With the ``softmax`` variant everything is transferred and the swapped encoder computes
 the original function (tests/test_huggingface.py checks it to 1e-5).
 
