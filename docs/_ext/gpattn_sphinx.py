@@ -45,7 +45,10 @@ API_DIR = Path("docs") / "api"
 
 #: the site's navigation, added to the README (home page) when it is read: (caption, documents)
 NAVIGATION = (
-    ("Guides", ("docs/variants", "GLOSSARY", "docs/cli", "docs/kernels", "docs/new_variant", "docs/huggingface", "docs/development")),
+    (
+        "Guides",
+        ("docs/variants", "GLOSSARY", "docs/cli", "docs/kernels", "docs/new_variant", "docs/huggingface", "docs/development"),
+    ),
     ("Mathematics", ("docs/derivations",)),
     ("Measurements", ("docs/results", "docs/benchmarks")),
     (
