@@ -47,7 +47,15 @@ API_DIR = Path("docs") / "api"
 NAVIGATION = (
     (
         "Guides",
-        ("docs/variants", "GLOSSARY", "docs/cli", "docs/kernels", "docs/new_variant", "docs/huggingface", "docs/development"),
+        (
+            "docs/variants",
+            "GLOSSARY",
+            "docs/cli",
+            "docs/kernels",
+            "docs/new_variant",
+            "docs/huggingface",
+            "docs/development",
+        ),
     ),
     ("Mathematics", ("docs/derivations",)),
     ("Measurements", ("docs/results", "docs/benchmarks")),

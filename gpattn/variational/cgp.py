@@ -44,13 +44,12 @@ from gpattn.variational._strategy import (
     check_query_inputs,
     sequence_mean,
 )
-from gpattn.variational.means import CGP_PRIOR_MEANS, add_means, make_correlated_mean
+from gpattn.variational.means import add_means, make_correlated_mean
 
 #: lower bound of a learned σ: keeps the regulariser's bound 2T log σ² finite
 SIGMA_FLOOR = 1e-3
 
 __all__ = [
-    "CGP_PRIOR_MEANS",
     "SIGMA_FLOOR",
     "CGPConditional",
     "CorrelatedConditional",
