@@ -513,7 +513,9 @@ def test_a_run_saved_before_the_swap_defaults_reloads_in_its_own_form(tmp_path, 
     ckpt = torch.load(out / CHECKPOINT, weights_only=False)
     ckpt["config"]["attention_options"] = saved  # as the older gpattn wrote it
     torch.save(ckpt, out / CHECKPOINT)
-    run = gpattn.experiments.load_run(out)
+    migrated = ".*; ".join(f"{k}={v!r}" for k, v in trained.items() if k not in saved)
+    with pytest.warns(gpattn.OldVersionWarning, match=f"migrated its config to the form it trained: {migrated}"):
+        run = gpattn.experiments.load_run(out)
     assert run.cfg.attention_options == trained
     with gpattn.deterministic():
         torch.testing.assert_close(run.predict(texts, num_samples=1).probs, before)

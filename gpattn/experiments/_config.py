@@ -8,6 +8,8 @@ import dataclasses
 import json
 import math
 
+from gpattn.attention.registry import recipe_options
+from gpattn.experiments._migrate import migrate_config
 from gpattn.experiments._optim import DEFAULT_BATCH_SIZE, ENCODER_DEFAULTS
 from gpattn.experiments._runs import valid_device
 from gpattn.kernels import require_kernel_spec
@@ -38,14 +40,6 @@ def _same_run(saved: dict, cfg: TrainConfig) -> tuple[bool, list]:
     saved, mine = json.loads(json.dumps(saved)), json.loads(json.dumps(mine))
     return saved == mine, sorted(k for k in mine if saved.get(k) != mine[k])
 
-
-#: attention options whose library default changed after runs were saved, by variant: the value that a config
-#: written before the change trained with. ``TrainConfig`` records the current default of each in
-#: ``attention_options`` (so config.json says which form ran, and ``compare`` retrains an older run rather than
-#: reuse it); ``TrainConfig.from_saved`` fills the old value into a saved config that lacks it, so a checkpoint
-#: reloads as the model it is. cgp: the softmax prior mean (docs/derivations.md §7a) since 2026-11-27; scgp: the
-#: separate softmax mean (§7a) since 2026-11-27 (session 6).
-CHANGED_DEFAULTS: dict[str, dict[str, object]] = {"cgp": {"prior_mean": "zero"}, "scgp": {"prior_mean": "zero"}}
 
 #: how a pretrained encoder is trained (``TrainConfig.encoder_recipe``)
 ENCODER_RECIPES = ("full", "frozen-trunk")
@@ -125,17 +119,11 @@ class TrainConfig:
         def is_int(v):  # plain ints only (not data._images.is_int's NumPy ints): config.json must serialise
             return isinstance(v, int) and not isinstance(v, bool)
 
-        if self.encoder is not None and isinstance(self.attention_options, dict):
-            from gpattn.integrations.huggingface import encoder_swap_options
-
-            # the swap's defaults written out, so config.json (and compare's reuse check) says which form ran
-            self.attention_options = encoder_swap_options(self.attention, self.attention_options)
-        changed = CHANGED_DEFAULTS.get(self.attention) if isinstance(self.attention, str) else None
-        if changed and isinstance(self.attention_options, dict):
-            from gpattn.attention.registry import attention_options
-
-            defaults = attention_options(self.attention)
-            self.attention_options = {**{k: defaults[k] for k in changed}, **self.attention_options}
+        if isinstance(self.attention, str) and isinstance(self.attention_options, dict):
+            # the recipe's options written out (gpattn.attention.recipe_options), so config.json (and compare's
+            # reuse check) says which form ran
+            recipe = "encoder-swap" if self.encoder is not None else "scratch"
+            self.attention_options = {**recipe_options(self.attention, recipe), **self.attention_options}
         if self.batch_size is None:
             recipe = ENCODER_DEFAULTS.get(self.encoder_recipe, {}) if self.encoder is not None else {}
             self.batch_size = recipe.get("batch_size", DEFAULT_BATCH_SIZE)
@@ -212,20 +200,10 @@ class TrainConfig:
 
     @classmethod
     def from_saved(cls, d: dict) -> TrainConfig:
-        """A run's saved config (its checkpoint's): as ``from_dict``, except that a run saved before a default
-        changed keeps the form it trained: an encoder run saved before the swap's defaults were written out
-        (``saved_swap_options``), and any run of a variant in :data:`CHANGED_DEFAULTS` saved before its new
-        default was recorded."""
-        options = d.get("attention_options", {})
-        if isinstance(options, dict):
-            if d.get("encoder") is not None:
-                from gpattn.integrations.huggingface import saved_swap_options
-
-                options = saved_swap_options(d.get("attention"), options)
-            attention = d.get("attention")
-            options = {**CHANGED_DEFAULTS.get(attention if isinstance(attention, str) else None, {}), **options}
-            d = {**d, "attention_options": options}
-        return cls.from_dict(d)
+        """A run's saved config (its checkpoint's): as ``from_dict``, after
+        :func:`gpattn.experiments._migrate.migrate_config` (a config written by an older gpattn keeps the form it
+        trained, with an ``OldVersionWarning``)."""
+        return cls.from_dict(migrate_config(d))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

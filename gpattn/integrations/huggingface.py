@@ -62,7 +62,7 @@ import torch
 import torch.nn as nn
 
 from gpattn._settings import deterministic
-from gpattn.attention import attention_class, attention_options, build_attention, list_attention
+from gpattn.attention import attention_class, attention_options, build_attention, list_attention, recipe_options
 from gpattn.integrations._decoders import (
     DECODERS,
     CausalLMELBO,
@@ -106,30 +106,6 @@ _ARCHITECTURES: dict[str, tuple[str, tuple[str, str, str, str | None]]] = {
 #: the pretrained map (by role: q, k, v) each gpattn projection takes; others stay new (the correlated GPs' separate
 #: prior mean, ``v_mean``, takes the pretrained values, and their GP's values start at zero: :func:`_transfer`)
 _SOURCES = {"q": "q", "k": "k", "v": "v", "qk": "k", "v_mean": "v"}
-#: an encoder swap's options by variant, unless given: the SGPA variants keep both pretrained maps (separate
-#: query and key maps, docs/derivations.md §5d; the shared map would drop W_q, docs/huggingface.md) and take the
-#: softmax prior mean (§5e), so that the swapped layer's mean starts at the pretrained attention
-_ENCODER_SWAP_DEFAULTS = {
-    name: {"qk": "separate", "prior_mean": "softmax"} for name in ("sgpa", "sgpa-decoupled")
-}
-
-
-def encoder_swap_options(attention, options: dict) -> dict:
-    """``options`` for swapping ``attention`` into an encoder, with the encoder swap's defaults for those not
-    given (:data:`_ENCODER_SWAP_DEFAULTS`: the SGPA variants take ``qk="separate"`` and ``prior_mean="softmax"``).
-    ``TrainConfig`` records
-    the result, so a run's config.json says which form it trained."""
-    return {**_ENCODER_SWAP_DEFAULTS.get(attention if isinstance(attention, str) else None, {}), **options}
-
-
-def saved_swap_options(attention, options: dict) -> dict:
-    """The options of a swap saved before an encoder swap default was written into run configs: an option the
-    defaults set but the saved ``options`` lack had the layer's own default then, which is what the saved weights
-    are: ``qk="shared"`` (configs of gpattn 0.2), ``prior_mean="attention"`` (configs written before the softmax
-    prior mean became the swap's default)."""
-    before = {"qk": "shared", "prior_mean": "attention"}  # the layer default of every option in the defaults
-    defaults = _ENCODER_SWAP_DEFAULTS.get(attention if isinstance(attention, str) else None, {})
-    return {**{k: before[k] for k in defaults}, **options}
 
 
 def supported_architectures() -> list[str]:
@@ -304,7 +280,7 @@ def swap_attention(
         )
     encoder_layers, cls = _encoder_layers(model)
     attr, names = _ARCHITECTURES[cls]
-    options = encoder_swap_options(attention, options)
+    options = {**recipe_options(attention, "encoder-swap"), **options}  # the swap's defaults (gpattn.attention)
     swapped = {}
     for i in _layer_indices(layers, len(encoder_layers)):
         parent, child, old = _module_at(encoder_layers[i], attr, cls, i)
