@@ -1,7 +1,8 @@
 """sgpa-decoupled's prior means at long T on the CPU: time and peak extra memory of one layer's forward + backward
 (B = 1, H = 2, Dh = 32, fp32, one thread; issue #30's CPU setting), each case in a child process through
-``benchmarks/attention_scaling.py``'s ``measure_case`` (resident-set high-water mark; run with ``MALLOC_MMAP_THRESHOLD_=131072`` as
-docs/benchmarks.md explains, which this script sets for its children). docs/benchmarks.md, "Prior means at long T".
+``benchmarks/attention_scaling.py``'s ``measure_case`` (resident-set high-water mark; run with
+``MALLOC_MMAP_THRESHOLD_=131072`` as docs/benchmarks.md explains, which this script sets for its children).
+docs/benchmarks.md, "Prior means at long T".
 
 Run: ``python research/prior_mean_memory.py``.
 """
