@@ -54,7 +54,7 @@ dist: $(STAMP)
 	$(BIN)/python -m twine check --strict dist/*
 
 lint: $(STAMP)
-	$(BIN)/ruff check gpattn tests benchmarks notebooks
+	$(BIN)/ruff check gpattn tests benchmarks research notebooks
 
 clean:
 	rm -rf $(VENV) build dist docs/api *.egg-info runs

@@ -3,7 +3,8 @@
 Public API: :func:`build_attention`, :func:`list_attention`, :func:`attention_options`,
 :class:`deterministic`, :class:`validation` / :func:`set_validation` (opt-in value checks), and the
 subpackages (``kernels``, ``variational``, ``attention``, ``models``, ``objectives``, ``testing``),
-imported on first use. The library core needs torch, gpytorch, linear_operator and numpy only.
+imported on first use, and :class:`OldVersionWarning` (something an older gpattn wrote was migrated on load).
+The library core needs torch, gpytorch, linear_operator and numpy only.
 
 ``experiments`` is the experiment application (data sets, training, compare, presets, Laplace,
 metrics, plots, the ``gpattn`` command, and ``gpattn.experiments.load_run``, which scores new inputs
@@ -14,6 +15,7 @@ changes no gpytorch / linear_operator / matplotlib global setting.
 import importlib
 
 from gpattn._settings import deterministic, is_deterministic, is_validating, set_validation, validation
+from gpattn._warnings import OldVersionWarning
 from gpattn.attention import attention_options, build_attention, list_attention
 
 #: gpattn's version (the package metadata reads it from here; CHANGELOG.md lists every version)
@@ -30,6 +32,7 @@ _SUBMODULES = (
 )
 
 __all__ = [
+    "OldVersionWarning",
     "__version__",
     "attention",
     "attention_options",

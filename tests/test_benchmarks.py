@@ -395,17 +395,3 @@ def test_gpu_check_sync_counter_without_a_gpu(monkeypatch):
     assert got["by_location"] == {"gpattn/fake_layer.py:3 (f)": 2, sync.BACKWARD: 1}
     assert got["by_op"] == {"gpattn/fake_layer.py:3 (f)": 2, "backward": 1}
     assert got["native_thread_lines"] == ["[W] called a synchronizing CUDA operation (native thread)"]
-
-
-def test_gumbel_floor_smoke():
-    """benchmarks/gumbel_floor.py at a tiny size: every case timed, the floor is the softmax layer plus the noise
-    plus the mask read, and the ratios divide by it and by the softmax layer."""
-    floor = importlib.import_module("gumbel_floor")
-    result = floor.main(["--smoke", "--threads", "1"])
-    med = result["ms_median"]
-    assert set(med) == {"softmax layer", "sto layer", "h-sto layer", "noise (B, H, T, T)", "SDPA core",
-                        "SDPA core + float mask"} and all(ms > 0 for ms in med.values())
-    expected = med["softmax layer"] + med["noise (B, H, T, T)"] + med["SDPA core + float mask"] - med["SDPA core"]
-    assert math.isclose(result["floor_ms"], expected)
-    assert math.isclose(result["ratios"]["sto"]["x_floor"], med["sto layer"] / expected)
-    assert math.isclose(result["ratios"]["h-sto"]["x_softmax"], med["h-sto layer"] / med["softmax layer"])

@@ -135,8 +135,8 @@ def test_compare_retrains_a_cached_run_of_an_older_format(tmp_path):
 @pytest.mark.parametrize("name, default", [("cgp", "softmax"), ("scgp", "softmax-separate")])
 def test_a_correlated_gp_run_saved_before_the_softmax_mean_reloads_in_its_own_form(tmp_path, name, default):
     """cgp's and scgp's default prior means changed from the papers' zero mean to a softmax mean (docs/derivations.md
-    §7a, ``CHANGED_DEFAULTS``): a config records ``prior_mean``; a checkpoint whose config lacks it (written before)
-    trained the zero mean and reloads with it, predicting what it predicted."""
+    §7a): a config records ``prior_mean``; a checkpoint whose config lacks it (written before) trained the zero mean
+    and reloads with it (gpattn.experiments._migrate), predicting what it predicted and saying what it migrated."""
     assert TrainConfig(dataset="digits", attention=name, **TINY).attention_options == {"prior_mean": default}
     assert TrainConfig(dataset="digits", attention="sgpa", **TINY).attention_options == {}
     out, images = tmp_path / "run", torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
@@ -148,7 +148,8 @@ def test_a_correlated_gp_run_saved_before_the_softmax_mean_reloads_in_its_own_fo
     ckpt = torch.load(path, weights_only=True)
     ckpt["config"]["attention_options"] = {}  # as gpattn wrote it before the change
     torch.save(ckpt, path)
-    run = gpattn.experiments.load_run(out)
+    with pytest.warns(gpattn.OldVersionWarning, match=f"a {name} run written by an older gpattn: .*prior_mean='zero'"):
+        run = gpattn.experiments.load_run(out)
     assert run.cfg.attention_options == {"prior_mean": "zero"}
     with gpattn.deterministic():
         torch.testing.assert_close(run.predict(images, num_samples=1).probs, before)

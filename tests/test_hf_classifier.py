@@ -513,14 +513,16 @@ def test_a_run_saved_before_the_swap_defaults_reloads_in_its_own_form(tmp_path, 
     ckpt = torch.load(out / CHECKPOINT, weights_only=False)
     ckpt["config"]["attention_options"] = saved  # as the older gpattn wrote it
     torch.save(ckpt, out / CHECKPOINT)
-    run = gpattn.experiments.load_run(out)
+    migrated = ".*; ".join(f"{k}={v!r}" for k, v in trained.items() if k not in saved)
+    with pytest.warns(gpattn.OldVersionWarning, match=f"migrated its config to the form it trained: {migrated}"):
+        run = gpattn.experiments.load_run(out)
     assert run.cfg.attention_options == trained
     with gpattn.deterministic():
         torch.testing.assert_close(run.predict(texts, num_samples=1).probs, before)
 
 
 def test_prior_noise_probe_runs_on_finished_runs(tmp_path):
-    """benchmarks/prior_noise.py on a tiny softmax run and a tiny sgpa run: MSP + TS first (its validation NLL at
+    """research/prior_noise.py on a tiny softmax run and a tiny sgpa run: MSP + TS first (its validation NLL at
     most MSP's, since the temperature is fitted on it), then one row per factor; a large factor changes the
     sgpa run's predictions."""
     import importlib.util as iu
@@ -528,7 +530,7 @@ def test_prior_noise_probe_runs_on_finished_runs(tmp_path):
 
     from gpattn.experiments.cli import main
 
-    spec = iu.spec_from_file_location("prior_noise", Path(__file__).parents[1] / "benchmarks" / "prior_noise.py")
+    spec = iu.spec_from_file_location("prior_noise", Path(__file__).parents[1] / "research" / "prior_noise.py")
     prior_noise = iu.module_from_spec(spec)
     spec.loader.exec_module(prior_noise)
     table = _text_table(tmp_path)

@@ -12,10 +12,13 @@ from gpattn.attention._gp import GPAttention
 from gpattn.attention._masks import excluded_keys
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import (
+    RECIPES,
+    VariantEntry,
     attention_class,
     attention_options,
     build_attention,
     list_attention,
+    recipe_options,
     register,
 )
 
@@ -28,10 +31,13 @@ __all__ = [
     "AttentionBase",
     "AttentionCall",
     "GPAttention",
+    "RECIPES",
+    "VariantEntry",
     "attention_class",
     "attention_options",
     "build_attention",
     "excluded_keys",
     "list_attention",
+    "recipe_options",
     "register",
 ]

@@ -2,17 +2,59 @@
 
 Every module in ``gpattn/attention/`` whose name does not start with ``_`` is imported by the
 package, so a new variant needs no edit anywhere else.
+
+A variant's defaults are data: its layer's keyword defaults (the papers'), and its entry in :data:`_ENTRIES`, which
+holds the options each named recipe (:data:`RECIPES`) sets on top of them and the options a run's config records
+even at their default. :func:`attention_options` ``(name, recipe=...)`` returns the resolved options;
+:func:`recipe_options` the part a config writes out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch.nn as nn
 
-__all__ = ["attention_class", "attention_options", "build_attention", "list_attention", "register"]
+__all__ = [
+    "RECIPES",
+    "VariantEntry",
+    "attention_class",
+    "attention_options",
+    "build_attention",
+    "list_attention",
+    "recipe_options",
+    "register",
+]
 
 _REGISTRY: dict[str, type[nn.Module]] = {}
+
+#: the named recipes: ``"scratch"`` (a model trained from scratch: the layer's defaults) and ``"encoder-swap"`` (the
+#: layer swapped into a pretrained encoder, gpattn.integrations.huggingface.swap_attention)
+RECIPES = ("scratch", "encoder-swap")
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantEntry:
+    """A variant's defaults beyond its layer's signature: ``recipes`` maps a recipe of :data:`RECIPES` to the options
+    it sets; ``recorded`` names options a run's config writes out at their default, so that config.json says which
+    form ran (their default changed once; gpattn.experiments._migrate reads configs written before)."""
+
+    recipes: dict = dataclasses.field(default_factory=dict)
+    recorded: tuple = ()
+
+
+#: the encoder swap of the SGPA variants keeps both pretrained maps (separate query and key maps,
+#: docs/derivations.md §5d; the shared map would drop W_q, docs/huggingface.md) and takes the softmax prior mean
+#: (§5e), so that the swapped layer's mean starts at the pretrained attention
+_SGPA_SWAP = {"qk": "separate", "prior_mean": "softmax"}
+#: every variant's entry (a variant without one has only its signature's defaults)
+_ENTRIES: dict[str, VariantEntry] = {
+    "sgpa": VariantEntry(recipes={"encoder-swap": _SGPA_SWAP}),
+    "sgpa-decoupled": VariantEntry(recipes={"encoder-swap": _SGPA_SWAP}),
+    "cgp": VariantEntry(recorded=("prior_mean",)),
+    "scgp": VariantEntry(recorded=("prior_mean",)),
+}
 
 
 def register(name: str):
@@ -44,9 +86,8 @@ def attention_class(name) -> type[nn.Module]:
     return _REGISTRY[name]
 
 
-def attention_options(name: str) -> dict[str, object]:
-    """The keyword options of a variant and their defaults (the papers' defaults), from its signature
-    and those of its base classes."""
+def _signature_options(name) -> dict[str, object]:
+    """The keyword options of a variant's layer and their defaults, from its signature and its base classes'."""
     options: dict[str, object] = {}
     for klass in attention_class(name).__mro__:
         init = klass.__dict__.get("__init__")
@@ -61,6 +102,32 @@ def attention_options(name: str) -> dict[str, object]:
     return options
 
 
+def _entry(name, recipe: str) -> VariantEntry:
+    """The registry entry of ``name`` (an empty one for a variant without one, or a layer class), ``recipe``
+    checked against :data:`RECIPES`."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; valid recipes: {', '.join(RECIPES)}")
+    return _ENTRIES.get(name, VariantEntry()) if isinstance(name, str) else VariantEntry()
+
+
+def attention_options(name, recipe: str = "scratch") -> dict[str, object]:
+    """The keyword options of a variant and their defaults (the papers'), as the named ``recipe`` of
+    :data:`RECIPES` sets them (``"scratch"``: the layer's own defaults; ``"encoder-swap"``: in a pretrained encoder)."""
+    options = _signature_options(name)
+    options.update(_entry(name, recipe).recipes.get(recipe, {}))
+    return options
+
+
+def recipe_options(name, recipe: str = "scratch") -> dict[str, object]:
+    """The options a run's config records for ``name`` under ``recipe``: those the recipe sets and those the
+    variant's entry records at their default (:class:`VariantEntry`), resolved."""
+    entry = _entry(name, recipe)
+    if not entry.recipes.get(recipe) and not entry.recorded:
+        return {}
+    resolved = attention_options(name, recipe)
+    return {k: resolved[k] for k in (*entry.recipes.get(recipe, {}), *entry.recorded)}
+
+
 def build_attention(name, embed_dim: int, num_heads: int, **options) -> nn.Module:
     """Build the attention layer ``name`` (a registered name, or a layer class) for inputs of width
     ``embed_dim`` with ``num_heads`` heads.
@@ -68,7 +135,7 @@ def build_attention(name, embed_dim: int, num_heads: int, **options) -> nn.Modul
     An unknown name or option is a ``ValueError`` that lists the valid ones.
     """
     cls = attention_class(name)
-    valid = attention_options(name)
+    valid = _signature_options(name)
     unknown = sorted(set(options) - set(valid))
     if unknown:
         shown = name if isinstance(name, str) else cls.name or cls.__name__

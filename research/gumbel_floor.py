@@ -14,8 +14,8 @@ and prints their medians, the floor = softmax layer + noise + (core with mask �
 to the softmax layer and to the floor (issue #30's CPU bar: sto and h-sto ≤ 1.5× softmax at T = 1024, or within
 10 % of a floor shown above 1.5×).
 
-    python benchmarks/gumbel_floor.py                     # B=8, T=1024, H=4, Dh=32, 15 rounds, 2 threads
-    python benchmarks/gumbel_floor.py --smoke             # T=32, 2 rounds (tests)
+    python research/gumbel_floor.py                     # B=8, T=1024, H=4, Dh=32, 15 rounds, 2 threads
+    python research/gumbel_floor.py --smoke             # T=32, 2 rounds (tests)
 """
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""A variant's defaults are data (gpattn.attention.registry's entries: named recipes, recorded options), and what an
+older gpattn wrote migrates in one place (gpattn.experiments._migrate) with an OldVersionWarning naming it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import gpattn
+from gpattn.attention import RECIPES, attention_options, recipe_options
+from gpattn.experiments._migrate import OLD_DEFAULTS, migrate_config
+from gpattn.experiments.training import TrainConfig
+
+
+@pytest.mark.parametrize("name", gpattn.list_attention())
+def test_the_scratch_recipe_is_the_layers_own_defaults(name):
+    """Every variant's ``"scratch"`` options are its layer's keyword defaults: the layer built with them is the
+    default layer (an option the recipe changed would show in ``recipe_options``)."""
+    options = attention_options(name, recipe="scratch")
+    assert options == attention_options(name)
+    assert set(recipe_options(name)) <= set(options)
+
+
+@pytest.mark.parametrize("name", ["sgpa", "sgpa-decoupled"])
+def test_the_encoder_swap_recipe_of_sgpa_keeps_both_maps_and_the_softmax_mean(name):
+    swap = attention_options(name, recipe="encoder-swap")
+    assert (swap["qk"], swap["prior_mean"]) == ("separate", "softmax")
+    assert (attention_options(name)["qk"], attention_options(name)["prior_mean"]) == ("shared", "attention")
+    assert recipe_options(name, "encoder-swap") == {"qk": "separate", "prior_mean": "softmax"}
+    assert recipe_options(name) == {}
+
+
+def test_an_unknown_recipe_names_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown recipe 'nope'; valid recipes: scratch, encoder-swap"):
+        attention_options("sgpa", recipe="nope")
+    assert RECIPES == ("scratch", "encoder-swap")
+
+
+@pytest.mark.parametrize("encoder", [None, "minilm"])
+@pytest.mark.parametrize("name", gpattn.list_attention())
+def test_a_config_records_its_recipes_resolved_options(name, encoder):
+    """config.json says which form ran: the options the recipe sets, and the recorded ones (cgp's, scgp's prior
+    mean), resolved from the registry; given options win."""
+    recipe = "encoder-swap" if encoder else "scratch"
+    assert TrainConfig(attention=name, encoder=encoder).attention_options == recipe_options(name, recipe)
+    assert TrainConfig(attention=name, encoder=encoder, attention_options={"qk": "x"}).attention_options == {
+        **recipe_options(name, recipe),
+        "qk": "x",
+    }
+
+
+def test_a_config_learns_the_swaps_defaults_without_importing_the_integrations():
+    code = (
+        "import sys; from gpattn.experiments.training import TrainConfig; "
+        "c = TrainConfig(attention='sgpa', encoder='minilm'); "
+        "assert c.attention_options == {'qk': 'separate', 'prior_mean': 'softmax'}, c.attention_options; "
+        "assert 'gpattn.integrations' not in sys.modules, 'imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("row", OLD_DEFAULTS, ids=lambda r: f"{r[1][0]}-{r[3]}")
+def test_every_old_default_migrates_and_says_so(row):
+    """A config written before each default change (it lacks the option) gets the value it trained with, and the
+    warning names the option, its value and the change."""
+    what, variants, encoder_only, option, old = row
+    for name in variants:
+        saved = {**TrainConfig(attention=name, encoder="minilm" if encoder_only else None).to_dict()}
+        saved["attention_options"] = {k: v for k, v in saved["attention_options"].items() if k != option}
+        said = rf"a {name} run .*{option}={old!r} \(saved before {re.escape(what)}"
+        with pytest.warns(gpattn.OldVersionWarning, match=said):
+            migrated = migrate_config(saved)
+        assert migrated["attention_options"][option] == old
+        assert TrainConfig.from_dict(migrated).attention_options[option] == old
+
+
+@pytest.mark.parametrize("name", gpattn.list_attention())
+def test_a_current_config_needs_no_migration(name):
+    for encoder in (None, "minilm"):
+        saved = TrainConfig(attention=name, encoder=encoder).to_dict()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert migrate_config(saved) is saved
+
+
+def test_an_encoder_row_leaves_a_run_from_scratch_alone():
+    """The swap's old defaults concern encoder runs only: an sgpa run from scratch lacking ``qk`` trained today's
+    default and is not migrated."""
+    saved = TrainConfig(attention="sgpa").to_dict()
+    assert saved["attention_options"] == {}
+    assert migrate_config(saved) is saved
+
+
+@pytest.mark.parametrize(
+    ("name", "encoder", "saved", "trained"),
+    [
+        ("sgpa", "minilm", {}, {"qk": "shared", "prior_mean": "attention"}),  # gpattn 0.2
+        ("sgpa-decoupled", "minilm", {"qk": "separate"}, {"qk": "separate", "prior_mean": "attention"}),
+        ("cgp", None, {}, {"prior_mean": "zero"}),  # before the softmax mean
+        ("scgp", "minilm", {"v_dim": 4}, {"prior_mean": "zero", "v_dim": 4}),  # before the separate softmax mean
+    ],
+)
+def test_each_older_config_reads_as_the_model_it_trained(name, encoder, saved, trained):
+    old = {**TrainConfig(attention=name, encoder=encoder).to_dict(), "attention_options": saved}
+    with pytest.warns(gpattn.OldVersionWarning, match=f"a {name} run written by an older gpattn"):
+        assert migrate_config(old)["attention_options"] == trained
