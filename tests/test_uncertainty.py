@@ -151,3 +151,33 @@ def test_paired_difference_against_scipy():
     assert (out["a_lower"], out["a_higher"], out["n"]) == (4, 1, 5)
     with pytest.raises(ValueError):
         U.paired_difference([0.1], [0.2])
+
+
+# ------------------------------------------------------------------------------------------ metrics.json hook
+def test_evaluate_predictions_records_the_new_metrics():
+    from types import SimpleNamespace
+
+    import torch
+
+    from gpattn.experiments.training import evaluate_predictions
+
+    z_in, z_out = _constructed_logits(distance_aware=False, n=300, p=8)
+    rng = np.random.default_rng(5)
+    y_in = torch.as_tensor(z_in.mean(1).argmax(1))
+    val = z_in[:150] + 0.3 * rng.standard_normal(z_in[:150].shape)
+    preds = {
+        "val": {"logits": torch.as_tensor(val), "labels": torch.as_tensor(val.mean(1).argmax(1))},
+        "test": {"logits": torch.as_tensor(z_in), "labels": y_in},
+        "ood": {"logits": torch.as_tensor(z_out), "labels": torch.full((len(z_out),), -1)},
+    }
+    bundle = SimpleNamespace(eval_splits={"in_domain": "test", "ood": "ood"}, ood_splits=("ood",), num_classes=3,
+                             info={})
+    result = evaluate_predictions(preds, bundle)
+    row = result["in_domain"]
+    probs = M.average_samples(z_in)
+    assert row["adaptive_ece"] == pytest.approx(U.adaptive_ece(probs, y_in.numpy()))
+    lac = U.conformal_sets(M.average_samples(val), preds["val"]["labels"].numpy(), probs, y_in.numpy())
+    assert row["conformal_coverage_lac"] == pytest.approx(lac["coverage"])
+    assert row["conformal_set_size_lac"] == pytest.approx(lac["set_size"])
+    assert "conformal_coverage_aps" in row and "adaptive_ece" not in result["ood"]
+    assert result["ood"][U.MATCHED_KEYS[1]] == pytest.approx(U.temperature_diagnostic(z_in, z_out)[U.MATCHED_KEYS[1]])

@@ -31,12 +31,15 @@ import math
 
 import numpy as np
 from scipy import special, stats
+
 from gpattn.experiments import metrics as M
 
 __all__ = [
+    "CONFORMAL_ALPHA",
     "MATCHED_KEYS",
     "TEMPERATURE_AUROC",
     "adaptive_ece",
+    "add_uncertainty_metrics",
     "conformal_sets",
     "entropy_matched_auroc",
     "is_temperature",
@@ -164,3 +167,39 @@ def paired_difference(a, b, confidence: float = 0.95) -> dict:
     half = float(stats.t.ppf(0.5 + confidence / 2, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size))
     return {"mean": mean, "low": mean - half, "high": mean + half, "n": int(d.size),
             "a_lower": int(np.sum(d < 0)), "a_higher": int(np.sum(d > 0))}
+
+
+#: the conformal level of metrics.json (coverage and mean set size at 90 %)
+CONFORMAL_ALPHA = 0.1
+
+
+def add_uncertainty_metrics(result: dict, preds: dict, bundle, average: str = "probs", temperature: float = 1.0) -> dict:
+    """Add to the rows of :func:`gpattn.experiments.training.evaluate_predictions`'s ``result`` (in place, and
+    returned): ``adaptive_ece`` on every labelled evaluation split; ``conformal_coverage_<score>`` and
+    ``conformal_set_size_<score>`` (LAC, APS at 1 − :data:`CONFORMAL_ALPHA`) calibrated on ``preds["val"]``
+    where it is present and labelled; and :data:`MATCHED_KEYS` on every OOD split (against ``in_domain``)."""
+
+    def logits_of(key):
+        return M._as_float64(preds[key]["logits"], "logits") / temperature
+
+    cal = None
+    if "val" in preds and len(preds["val"]["labels"]):
+        y_val = np.asarray(preds["val"]["labels"])
+        if np.all(y_val >= 0):
+            cal = (M.average_samples(logits_of("val"), average), y_val)
+    z_in = logits_of(bundle.eval_splits["in_domain"])
+    for name, key in bundle.eval_splits.items():
+        row = result[name]
+        z = logits_of(key)
+        labels = np.asarray(preds[key]["labels"])
+        known = labels >= 0
+        if known.any():
+            probs = M.average_samples(z[known], average)
+            row["adaptive_ece"] = adaptive_ece(probs, labels[known])
+            for score in ("lac", "aps") if cal is not None else ():
+                sets = conformal_sets(cal[0], cal[1], probs, labels[known], CONFORMAL_ALPHA, score)
+                row[f"conformal_coverage_{score}"] = sets["coverage"]
+                row[f"conformal_set_size_{score}"] = sets["set_size"]
+        if name in bundle.ood_splits:
+            row.update({k: (None if math.isnan(v) else float(v)) for k, v in temperature_diagnostic(z_in, z).items()})
+    return result
