@@ -181,3 +181,12 @@ def test_evaluate_predictions_records_the_new_metrics():
     assert row["conformal_set_size_lac"] == pytest.approx(lac["set_size"])
     assert "conformal_coverage_aps" in row and "adaptive_ece" not in result["ood"]
     assert result["ood"][U.MATCHED_KEYS[1]] == pytest.approx(U.temperature_diagnostic(z_in, z_out)[U.MATCHED_KEYS[1]])
+
+
+def test_compare_label_flags_a_temperature_gp():
+    from gpattn.experiments.compare import _label
+
+    flagged = {"ood": {U.MATCHED_KEYS[0]: 0.52, U.MATCHED_KEYS[1]: 0.51}}
+    fine = {"ood": {U.MATCHED_KEYS[0]: 0.9, U.MATCHED_KEYS[1]: 0.8}}
+    assert _label("sgpa", {"0": flagged, "1": fine}, [0, 1]) == "sgpa (variance ≈ temperature: 1/2 seeds)"
+    assert _label("sgpa", {"0": fine, "1": fine}, [0, 1]) == "sgpa"

@@ -46,6 +46,7 @@ __all__ = [
     "logit_variance",
     "paired_difference",
     "temperature_diagnostic",
+    "temperature_flags",
     "temperature_seeds",
 ]
 
@@ -155,6 +156,12 @@ def temperature_seeds(per_seed: dict, seeds) -> list:
     ]
 
 
+def temperature_flags(per_seed: dict, seeds) -> list[str]:
+    """compare's row flag for :func:`temperature_seeds`: ``["variance ≈ temperature: k/n seeds"]`` or ``[]``."""
+    flagged = temperature_seeds(per_seed, seeds)
+    return [f"variance ≈ temperature: {len(flagged)}/{len(seeds)} seeds"] if flagged else []
+
+
 def paired_difference(a, b, confidence: float = 0.95) -> dict:
     """Paired comparison of one metric of models a and b over the same seeds (arrays (S,), S ≥ 2):
     ``{"mean", "low", "high", "n", "a_lower", "a_higher"}`` with mean = mean(a − b), [low, high] its
@@ -173,7 +180,7 @@ def paired_difference(a, b, confidence: float = 0.95) -> dict:
 CONFORMAL_ALPHA = 0.1
 
 
-def add_uncertainty_metrics(result: dict, preds: dict, bundle, average: str = "probs", temperature: float = 1.0) -> dict:
+def add_uncertainty_metrics(result: dict, preds: dict, bundle, average: str = "probs", temperature: float = 1.0):
     """Add to the rows of :func:`gpattn.experiments.training.evaluate_predictions`'s ``result`` (in place, and
     returned): ``adaptive_ece`` on every labelled evaluation split; ``conformal_coverage_<score>`` and
     ``conformal_set_size_<score>`` (LAC, APS at 1 − :data:`CONFORMAL_ALPHA`) calibrated on ``preds["val"]``
