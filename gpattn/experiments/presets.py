@@ -122,7 +122,7 @@ PRESETS: dict[str, dict] = {
         variant_options={"kep-svgp": {"rank": _KEP_RANK_COLA}}, variant_settings={"kep-svgp": _KEP_SETTINGS_COLA},
         budget_minutes=_BUDGET_MINILM, **_GP_WEIGHTS,
     ),
-    # CLINC150 out-of-scope detection on the pretrained MiniLM, frozen trunk (oos_test as `ood`; issue 42): the
+    # CLINC150 out-of-scope detection on the pretrained MiniLM, frozen trunk (oos_test as `ood`): the
     # cola-minilm recipe, NOT yet measured on this set (full fine-tuning neither); 5 seeds for paired intervals
     "clinc150-minilm": dict(
         dataset="clinc150", encoder="minilm", encoder_recipe="frozen-trunk", attention_layers="last", epochs=3,

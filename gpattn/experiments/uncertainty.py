@@ -1,4 +1,4 @@
-"""Uncertainty metrics beside :mod:`gpattn.experiments.metrics` (issue 42): adaptive ECE, split-conformal
+"""Uncertainty metrics beside :mod:`gpattn.experiments.metrics`: adaptive ECE, split-conformal
 prediction sets, the "this GP is a temperature" diagnostic, and paired statistics over seeds.
 
 Same conventions as :mod:`gpattn.experiments.metrics` (float64 numpy in, python floats out; ``probs`` (N, C),
