@@ -190,3 +190,10 @@ def test_compare_label_flags_a_temperature_gp():
     fine = {"ood": {U.MATCHED_KEYS[0]: 0.9, U.MATCHED_KEYS[1]: 0.8}}
     assert _label("sgpa", {"0": flagged, "1": fine}, [0, 1]) == "sgpa (variance ≈ temperature: 1/2 seeds)"
     assert _label("sgpa", {"0": fine, "1": fine}, [0, 1]) == "sgpa"
+
+
+def test_aps_scores_in_chunks_match_the_dense_form():
+    probs, _ = _dirichlet_case(n=700, c=90, seed=4)  # 90^2 entries a row: several chunks
+    probs[:5, :2] = probs[:5, :2].mean(axis=1, keepdims=True)  # ties count as "at least as probable"
+    dense = np.sum(probs[:, None, :] * (probs[:, None, :] >= probs[:, :, None]), axis=2)
+    np.testing.assert_allclose(U._scores_all(probs, "aps"), dense, rtol=0, atol=1e-12)

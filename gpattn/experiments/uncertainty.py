@@ -75,8 +75,10 @@ def _scores_all(p: np.ndarray, score: str) -> np.ndarray:
     if score == "lac":
         return 1.0 - p
     if score == "aps":
-        # mass of the classes at least as probable as k: Σ_j p_j 1[p_j ≥ p_k]
-        return np.sum(p[:, None, :] * (p[:, None, :] >= p[:, :, None]), axis=2)
+        # mass of the classes at least as probable as k: Σ_j p_j 1[p_j ≥ p_k], in row chunks of ≤ 2^22 entries
+        step = max(1, (1 << 22) // max(1, p.shape[1] ** 2))
+        chunks = np.split(p, range(step, len(p), step))
+        return np.concatenate([np.sum(q[:, None, :] * (q[:, None, :] >= q[:, :, None]), axis=2) for q in chunks])
     raise ValueError(f"score must be 'lac' or 'aps', got {score!r}")
 
 
