@@ -57,6 +57,7 @@ from gpattn.experiments.training import (
     evaluate_predictions,
     train,
 )
+from gpattn.experiments.uncertainty import temperature_flags
 from gpattn.objectives import DEFAULT_ALPHA, CGPRegulariser, named_added_loss_terms
 
 __all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "split_variants", "write_report"]
@@ -517,6 +518,7 @@ def _label(spec: str, per_seed: dict, seeds) -> str:
     collapsed = _collapsed_seeds(per_seed, seeds)
     if collapsed:
         flags.append(f"collapse: {len(collapsed)}/{len(seeds)} seeds")
+    flags += temperature_flags(per_seed, seeds)  # a GP whose variance adds nothing beyond entropy out of domain
     return f"{spec} ({'; '.join(flags)})" if flags else spec
 
 

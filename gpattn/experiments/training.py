@@ -205,7 +205,9 @@ def evaluate_predictions(preds: dict, bundle, average: str = "probs", temperatur
         result[name].update(
             n=len(labels), n_labelled=int(known.sum()), class_counts={c: k for c, k in zip(names, counts)}
         )
-    return result
+    from gpattn.experiments.uncertainty import add_uncertainty_metrics  # adaptive ECE, conformal, matched AUROC
+
+    return add_uncertainty_metrics(result, preds, bundle, average, temperature)
 
 
 # ----------------------------------------------------------------------------- checkpoints
