@@ -54,6 +54,7 @@ NAVIGATION = (
             "docs/kernels",
             "docs/new_variant",
             "docs/huggingface",
+            "docs/uncertainty",
             "docs/development",
         ),
     ),
