@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from gpattn.experiments.data._bundle import DataNotFoundError, DatasetBundle, register_dataset
+from gpattn.experiments.data._label_checks import check_label_spellings
 from gpattn.experiments.data._split import check_fraction, stratified_split
 from gpattn.experiments.data._text import build_text_bundle
 
@@ -79,6 +80,9 @@ OPTION_HELP = {
     "disjoint_labels": "pooled files (path a list) whose label sets share no label (e.g. 0/1 in one file, "
     "neg/pos in the other): 'error' (default, naming the files and their labels) or 'allow' (one file per "
     "class, say).",
+    "label_spellings": "training labels equal as numbers (1 / 1.0), equal up to case or whitespace (Positive / "
+    "positive), or spelling a missing value (nan, NA, null, None): 'error' (default, naming the spellings and "
+    "lines) or 'allow' (each spelling is a class of its own, on purpose).",
 }
 
 
@@ -430,6 +434,7 @@ def load_text_table(
     bad_rows: str = "error",
     min_class_count: int = MIN_CLASS_COUNT,
     disjoint_labels: str = "error",
+    label_spellings: str = "error",
 ) -> DatasetBundle:
     """A (text, label) table split stratified and seeded into train / val / test.
 
@@ -478,6 +483,7 @@ def load_text_table(
         file_labels.append(raw)
         file_lines.append(lines)
     _check_pooled(tables, files)
+    check_label_spellings(tables, file_labels, file_lines, label_spellings)
     _check_labels(tables, file_labels, file_lines, min_class_count, disjoint_labels)
     # later files use the first file's columns: by name with a header, else by index
     col_text = names[text_idx] if names is not None and not isinstance(text_column, int) else text_idx

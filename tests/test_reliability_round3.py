@@ -1,0 +1,40 @@
+"""Reliability, round three (issue #46): label spellings inside one file, a lock on a run folder, and the
+other traps a new user met; each test names what happened before the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpattn.experiments.data import load_dataset
+from gpattn.experiments.data.fixtures import make_text_table
+
+
+def _table(tmp_path, name="t.tsv", n=60, **kw):
+    return make_text_table(tmp_path / name, n=n, class_names=("0", "1"), **kw)
+
+
+def _relabel(path, every: int, old: str, new: str) -> None:
+    """Rewrite the label ``old`` as ``new`` on every ``every``-th data row."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for i in range(1, len(lines), every):
+        text, label = lines[i].rsplit("\t", 1)
+        if label == old:
+            lines[i] = f"{text}\t{new}"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    "old, new, why",
+    [("1", "1.0", "equal as numbers"), ("1", " One", None), ("0", "nan", "spells a missing value")],
+)
+def test_label_spellings_inside_one_file_are_an_error_naming_spellings_and_lines(tmp_path, old, new, why):
+    # before: '1' and '1.0' (or 'Positive' and 'positive') in one file became 4 classes; 'nan' a third class
+    path = make_text_table(tmp_path / "t.tsv", n=60, class_names=("0", "1") if new != " One" else ("0", "one"))
+    if new == " One":
+        old, new, why = "one", "One", "equal up to case and whitespace"
+    _relabel(path, 3, old, new)
+    with pytest.raises(ValueError, match=r"t.tsv lines? \d+.*label_spellings='allow'") as caught:
+        load_dataset("text_table", path=path)
+    assert why in str(caught.value) and repr(new) in str(caught.value)
+    bundle = load_dataset("text_table", path=path, label_spellings="allow", min_class_count=1)
+    assert new in bundle.info["class_names"]
