@@ -38,3 +38,40 @@ def test_label_spellings_inside_one_file_are_an_error_naming_spellings_and_lines
     assert why in str(caught.value) and repr(new) in str(caught.value)
     bundle = load_dataset("text_table", path=path, label_spellings="allow", min_class_count=1)
     assert new in bundle.info["class_names"]
+
+
+def _tiny_train(out, bundle):
+    from gpattn.experiments.training import TrainConfig, train
+
+    cfg = TrainConfig(attention="softmax", embed_dim=8, num_heads=2, num_layers=1, epochs=1, num_samples=1,
+                      progress=False)
+    return train(cfg, out, bundle=bundle)
+
+
+def test_a_second_writer_of_a_run_folder_gets_an_error_naming_the_holders_pid(tmp_path):
+    # before: two `train` processes on one --out both exited 0, one run's files lost
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from gpattn.experiments._runlock import LOCK_NAME, RunFolderLockedError
+
+    bundle = load_dataset("digits", seed=0)
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / LOCK_NAME).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname()}))
+        with pytest.raises(RunFolderLockedError, match=rf"another run \(process {holder.pid} on .*choose another --out"):
+            _tiny_train(out, bundle)
+        assert not (out / "metrics.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder is gone: its lock is stale, replaced with a warning, and removed when the run ends
+    with pytest.warns(UserWarning, match=rf"stale lock of process {holder.pid}"):
+        _tiny_train(out, bundle)
+    assert (out / "metrics.json").is_file() and not (out / LOCK_NAME).exists()
+    assert os.getpid() != holder.pid

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from gpattn import __version__
 from gpattn._settings import is_validating
 from gpattn.experiments._io import CHECKPOINT_FORMAT
+from gpattn.experiments._runlock import locked_run
 from gpattn.experiments._optim import DEFAULT_BATCH_SIZE, ENCODER_DEFAULTS, build_optimizer
 from gpattn.experiments._runs import (
     CHECKPOINT,
@@ -705,11 +706,9 @@ def _match_prior_to_stream(model, split, device) -> list[dict]:
         return model.match_prior_to_stream(inputs, mask)
 
 
+@locked_run  # one writer per run folder: a second gets RunFolderLockedError naming the holder's pid
 def train(
-    cfg: TrainConfig,
-    out: str | os.PathLike | None = None,
-    resume: bool = False,
-    bundle=None,
+    cfg: TrainConfig, out: str | os.PathLike | None = None, resume: bool = False, bundle=None,
     stop_after_steps: int | None = None,
 ) -> dict:
     """Fit, checkpoint and evaluate one run; returns the metrics dict (also ``out/metrics.json``).
