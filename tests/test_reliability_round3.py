@@ -75,3 +75,22 @@ def test_a_second_writer_of_a_run_folder_gets_an_error_naming_the_holders_pid(tm
         _tiny_train(out, bundle)
     assert (out / "metrics.json").is_file() and not (out / LOCK_NAME).exists()
     assert os.getpid() != holder.pid
+
+
+def test_compare_refuses_to_replace_finished_runs_and_names_rows_it_drops(tmp_path, capsys):
+    # before: another configuration into a finished --out retrained ("trained (configuration changed)") and
+    # report.md / results.json held only the new call, the earlier rows dropped without a word
+    from gpattn.experiments.cli import main
+
+    out = tmp_path / "cmp"
+    tiny = ["--dataset", "digits", "--embed-dim", "8", "--num-heads", "2", "--num-layers", "1", "--epochs", "1",
+            "--num-samples", "1", "--no-progress", "--out", str(out)]
+    assert main(["compare", "--attention", "softmax", "--seeds", "0,1", *tiny]) == 0
+    capsys.readouterr()
+    assert main(["compare", "--attention", "softmax", "--seeds", "0", "--lr", "0.02", *tiny]) == 2
+    err = capsys.readouterr().err
+    assert "softmax seed 0:" in err and "(configuration changed). Pass --overwrite" in err
+    assert main(["compare", "--attention", "softmax", "--seeds", "0", "--lr", "0.02", "--overwrite", *tiny]) == 0
+    log = capsys.readouterr().out
+    assert "1 of its rows are not in this call (softmax seed 1)" in log
+    assert "softmax seed 1" in (out / "report.md").read_text()

@@ -332,6 +332,7 @@ def cmd_compare(args) -> int:
             variants, seeds, args.out, cfg, progress=cfg.progress, ood_scores=args.ood_score,
             variant_options=preset.get("variant_options"), budget_minutes=preset.get("budget_minutes"),
             variant_settings=_unflagged(args, preset.get("variant_settings")), alpha_grid=grid,
+            overwrite=getattr(args, "overwrite", False),
         )
     print(f"wrote {Path(args.out) / 'report.md'}")
     return 0
@@ -420,6 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true",
         help="the default, accepted as train takes it: finished runs are reused, an interrupted run (same "
         "configuration and data) resumes from its checkpoint, and the log says which",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="retrain finished runs under --out whose configuration or data changed (else compare stops, naming them)",
     )
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_compare)
