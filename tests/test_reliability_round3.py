@@ -94,3 +94,31 @@ def test_compare_refuses_to_replace_finished_runs_and_names_rows_it_drops(tmp_pa
     log = capsys.readouterr().out
     assert "1 of its rows are not in this call (softmax seed 1)" in log
     assert "softmax seed 1" in (out / "report.md").read_text()
+
+
+def test_evaluate_names_the_changed_data_file_and_finds_relative_paths_from_another_folder(tmp_path, capsys,
+                                                                                          monkeypatch):
+    # before: a state-dict size-mismatch traceback that never said the data changed; and a relative path,
+    # stored relative to the training command's folder, was not found by evaluate run from another folder
+    from gpattn.experiments.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    make_text_table(data / "train.tsv", n=60, class_names=("0", "1"))
+    make_text_table(data / "shift.tsv", n=20, seed=3, class_names=("0", "1"))
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    assert main(["train", "--dataset", "text_table", "--dataset-option", "path=data/train.tsv",
+                 "--dataset-option", "shift_file=data/shift.tsv", "--attention", "softmax", "--embed-dim", "8",
+                 "--num-heads", "2", "--num-layers", "1", "--epochs", "1", "--num-samples", "1", "--no-progress",
+                 "--out", str(run)]) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["evaluate", "--checkpoint", str(run / "checkpoint.pt")]) == 0
+    capsys.readouterr()
+    shift = data / "shift.tsv"
+    shift.write_text(shift.read_text() + "a new and much much longer sentence than any other one in here\t1\n")
+    assert main(["evaluate", "--checkpoint", str(run / "checkpoint.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "changed since the run was trained" in err and "shift.tsv (shift: 20 rows" in err and "21 rows" in err

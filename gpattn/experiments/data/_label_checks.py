@@ -28,7 +28,8 @@ def _lines_of(tables, file_labels, file_lines, value, limit: int = 3) -> str:
     for table, labels, lines in zip(tables, file_labels, file_lines):
         found = [line for label, line in zip(labels, lines) if label == value]
         if found:
-            shown = ", ".join(map(str, found[:limit])) + (f" and {len(found) - limit} more" if len(found) > limit else "")
+            more = f" and {len(found) - limit} more" if len(found) > limit else ""
+            shown = ", ".join(map(str, found[:limit])) + more
             at.append(f"{table} line{'s' if len(found) > 1 else ''} {shown}")
     return "; ".join(at)
 
