@@ -122,3 +122,24 @@ def test_evaluate_names_the_changed_data_file_and_finds_relative_paths_from_anot
     assert main(["evaluate", "--checkpoint", str(run / "checkpoint.pt")]) == 2
     err = capsys.readouterr().err
     assert "changed since the run was trained" in err and "shift.tsv (shift: 20 rows" in err and "21 rows" in err
+
+
+def test_a_cp1252_file_read_as_latin1_is_an_error_suggesting_cp1252(tmp_path):
+    # before: curly quotes became C1 control characters (U+0093) and vocabulary tokens, without a word
+    path = _table(tmp_path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    lines[3] = lines[3].replace("The film", "The \u201cfilm\u201d", 1)
+    path.write_bytes(("\n".join(lines) + "\n").encode("cp1252"))
+    with pytest.raises(ValueError, match=r"t.tsv line 4: decoded with encoding='latin-1'.*U\+0093.*encoding=cp1252"):
+        load_dataset("text_table", path=path, encoding="latin-1")
+    bundle = load_dataset("text_table", path=path, encoding="cp1252")
+    assert "\u201c" in " ".join(bundle.vocab) or "film" in bundle.vocab
+
+
+def test_a_one_row_shift_file_warns_with_the_count(tmp_path):
+    # before: shift metrics on 1 example without a word
+    path = _table(tmp_path)
+    shift = tmp_path / "shift.tsv"
+    shift.write_text("text\tlabel\na fine film\t1\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match=r"evaluation split 'shift' has 1 row\(s\) \(1 labelled\)"):
+        load_dataset("text_table", path=path, shift_file=shift)

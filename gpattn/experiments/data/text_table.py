@@ -14,6 +14,7 @@ from gpattn.experiments.data._bundle import DataNotFoundError, DatasetBundle, re
 from gpattn.experiments.data._label_checks import check_label_spellings
 from gpattn.experiments.data._split import check_fraction, stratified_split
 from gpattn.experiments.data._text import build_text_bundle
+from gpattn.experiments.data._text_checks import check_c1, warn_small_splits
 
 __all__ = ["load_text_table", "read_table"]
 
@@ -165,14 +166,14 @@ def decode_file(path, encoding: str = "utf-8") -> str:
         line = data.count(b"\n", 0, err.start) + 1
         start = data.rfind(b"\n", 0, err.start) + 1
         column = len(data[start : err.start].decode(encoding, errors="replace")) + 1
-        suggest = "encoding='latin-1' or encoding='cp1252'" if encoding.lower().replace("_", "-") in (
+        suggest = "encoding='cp1252' or encoding='latin-1'" if encoding.lower().replace("_", "-") in (
             "utf-8", "utf8", "utf-8-sig") else "encoding='utf-8'"
         raise ValueError(
             f"{path} line {line}, column {column}: bytes {data[err.start:err.end]!r} are not valid {encoding} "
             f"({err.reason}). Pass the file's encoding as a data set option, e.g. {suggest} "
             f"(--dataset-option encoding=latin-1), or re-save the file as UTF-8."
         ) from None
-    return text[1:] if text.startswith("\ufeff") else text
+    return check_c1(path, text[1:] if text.startswith("\ufeff") else text, encoding)  # latin-1 on a cp1252 file
 
 
 def _numbered(reader):
@@ -523,6 +524,7 @@ def load_text_table(
         info[f"{split}_source"] = str(table)
         info[f"{split}_labelled"] = e_raw is not None
         eval_splits[split] = split
+    warn_small_splits({k: split_labels[k] for k in ("shift", "ood") if k in split_labels}, ", ".join(sources))
     if ood_file is not None:
         info["ood_unknown_labels"] = sum(v == -1 for v in split_labels["ood"])
         ood_splits = ("ood",)
