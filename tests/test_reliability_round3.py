@@ -143,3 +143,54 @@ def test_a_one_row_shift_file_warns_with_the_count(tmp_path):
     shift.write_text("text\tlabel\na fine film\t1\n", encoding="utf-8")
     with pytest.warns(UserWarning, match=r"evaluation split 'shift' has 1 row\(s\) \(1 labelled\)"):
         load_dataset("text_table", path=path, shift_file=shift)
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    from gpattn.experiments.inference import load_run
+    from gpattn.experiments.training import TrainConfig, train
+
+    root = tmp_path_factory.mktemp("textrun")
+    path = make_text_table(root / "t.tsv", n=60, class_names=("0", "1"))
+    cfg = TrainConfig(dataset="text_table", dataset_options={"path": str(path)}, attention="softmax", embed_dim=8,
+                      num_heads=2, num_layers=1, epochs=1, num_samples=1, progress=False)
+    train(cfg, root / "run")
+    return load_run(root / "run")
+
+
+@pytest.mark.parametrize("inputs, words", [
+    (None, r"inputs must be a list of strings .*got NoneType"),
+    (123, r"inputs must be a list of strings .*got int 123"),
+    (["ok", 5], r"1 of 2 are not \(position 1: int 5\)"),
+])
+def test_predict_with_inputs_that_are_not_texts_is_a_type_error_naming_them(text_run, inputs, words):
+    # before: "TypeError: 'NoneType' object is not iterable"; ["ok", 5] named neither the position nor the type
+    with pytest.raises(TypeError, match=words):
+        text_run.predict(inputs)
+
+
+def test_out_naming_a_regular_file_and_an_interrupt_without_a_reason(tmp_path, capsys, monkeypatch):
+    # before: a FileExistsError traceback; and "interrupted ()" when the interrupt carried no message
+    from gpattn.experiments import cli
+
+    file = tmp_path / "results.txt"
+    file.write_text("not a folder\n")
+    assert cli.main(["train", "--dataset", "digits", "--attention", "softmax", "--out", str(file)]) == 2
+    assert "--out " + str(file) + " is an existing file, not a folder" in capsys.readouterr().err
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_train", interrupted)
+    monkeypatch.setattr(cli, "build_parser", lambda real=cli.build_parser: _with_func(real(), interrupted))
+    assert cli.main(["train", "--dataset", "digits", "--attention", "softmax", "--out", str(tmp_path / "r")]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; the last checkpoint" in err and "()" not in err
+
+
+def _with_func(parser, func):
+    parser.set_defaults(func=func)
+    for action in parser._subparsers._group_actions:
+        for sub in action.choices.values():
+            sub.set_defaults(func=func)
+    return parser

@@ -16,6 +16,15 @@ from pathlib import Path
 OVERWRITE = contextvars.ContextVar("gpattn_compare_overwrite", default=False)
 
 
+def check_out_folder(out, flag: str = "--out") -> Path:
+    """``out`` as a Path, or a ``ValueError`` when it names an existing file that is not a folder."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{flag} {out} is an existing file, not a folder; pass a folder path (it is created if "
+                         f"missing) or remove that file")
+    return out
+
+
 def check_replace(folder: Path, label: str, why: str, finished: bool) -> None:
     """Refuse to retrain the finished run in ``folder`` (``finished``) for reason ``why`` unless the call
     passed ``overwrite``; a run that never finished (or diverged) is retrained as before."""

@@ -263,6 +263,9 @@ def cmd_train(args) -> int:
 
 def _check_out(out: Path, args) -> None:
     """``--out`` holding a finished or interrupted run is not overwritten unless asked (``--overwrite``)."""
+    from gpattn.experiments._compare_guard import check_out_folder
+
+    check_out_folder(out)  # a regular file at --out: an error, not a FileExistsError traceback
     if args.resume or args.overwrite:
         return
     if (out / "metrics.json").is_file():
@@ -479,5 +482,5 @@ def _run(argv) -> int:
         else:
             then = ("rerun the same command to continue: finished runs are reused, the interrupted run resumes "
                     "from its checkpoint (the log says 'resumed'), the others train")
-        print(f"gpattn {args.command}: interrupted ({err}); the last checkpoint is kept — {then}", file=sys.stderr)
+        print(f"gpattn {args.command}: interrupted{f' ({err})' if str(err) else ''}; the last checkpoint is kept — {then}", file=sys.stderr)
         return 130

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from gpattn.attention.registry import attention_class, attention_options, build_attention, list_attention
-from gpattn.experiments._compare_guard import OVERWRITE, check_replace, earlier_rows_note
+from gpattn.experiments._compare_guard import OVERWRITE, check_replace, check_out_folder, earlier_rows_note
 from gpattn.experiments._io import CHECKPOINT_FORMAT, checkpoint_format, load_file
 from gpattn.experiments._runs import CHECKPOINT, load_checkpoint, resolve_device
 from gpattn.experiments.sngp import SNGP_DEFAULTS
@@ -359,7 +359,7 @@ def compare(
         notes.append("`+laplace`: laplace-torch is not installed, so the last-layer Laplace was fitted with gpattn's "
                      "dense float64 back end (full Hessian of the last layer; laplace-torch would use K-FAC).")
         log(f"[compare] {notes[-1]}")
-    out = Path(out)
+    out = check_out_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict]] = {}
     plot_preds: dict[str, dict] = {}

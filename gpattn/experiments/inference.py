@@ -76,6 +76,22 @@ def _warn_empty(texts) -> None:
         )
 
 
+def _as_texts(inputs) -> list[str]:
+    """``inputs`` as a list of texts (a bare string is one), or a ``TypeError`` naming what is not a text."""
+    if isinstance(inputs, str):
+        return [inputs]
+    if inputs is None or isinstance(inputs, (bytes, torch.Tensor)) or not hasattr(inputs, "__iter__"):
+        raise TypeError(f"predict: inputs must be a list of strings (or one string) for a text run, got "
+                        f"{type(inputs).__name__} {inputs!r:.60}")
+    texts = list(inputs)
+    bad = [(i, t) for i, t in enumerate(texts) if not isinstance(t, str)]
+    if bad:
+        shown = ", ".join(f"position {i}: {type(t).__name__} {t!r:.40}" for i, t in bad[:5])
+        raise TypeError(f"predict: every input must be a string; {len(bad)} of {len(texts)} are not ({shown}"
+                        f"{' ...' if len(bad) > 5 else ''}). Convert them with str() or leave them out.")
+    return texts
+
+
 class Run:
     """A trained run: its config, model (eval mode) and data metadata. Use :func:`load_run`."""
 
@@ -120,7 +136,7 @@ class Run:
         if isinstance(P, bool) or not isinstance(P, int) or P < 1:
             raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
         if self.meta["kind"] == "text":
-            texts = [inputs] if isinstance(inputs, str) else list(inputs)  # a bare string is one text
+            texts = _as_texts(inputs)  # a bare string is one text
             _warn_empty(texts)
             ids, mask = self.encode(texts)
         else:
