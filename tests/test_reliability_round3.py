@@ -194,3 +194,22 @@ def _with_func(parser, func):
         for sub in action.choices.values():
             sub.set_defaults(func=func)
     return parser
+
+
+def test_predict_bounds_rows_by_samples_times_tokens(text_run, monkeypatch):
+    # before: every forward pass took batch_size=256 rows whatever num_samples and the text length (cgp, 300
+    # texts at num_samples=50: killed at about 20 GB)
+    from gpattn.experiments.inference import PREDICT_PAIR_BUDGET, PREDICT_TOKEN_BUDGET
+
+    seen, forward = [], text_run.model.forward
+
+    def recording(x, mask=None, num_samples=1):
+        seen.append(x.shape[0] * num_samples * x.shape[1])
+        return forward(x, mask, num_samples=num_samples)
+
+    monkeypatch.setattr(text_run.model, "forward", recording)
+    texts = [" ".join(["a fine film"] * 20)] * 300
+    pred = text_run.predict(texts, num_samples=50)
+    tokens = text_run.encode(texts[:1])[0].shape[1]
+    assert pred.probs.shape[0] == 300 and len(seen) > 1
+    assert max(seen) <= PREDICT_TOKEN_BUDGET and max(seen) * tokens <= PREDICT_PAIR_BUDGET
