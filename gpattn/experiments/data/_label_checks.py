@@ -12,7 +12,7 @@ from collections import defaultdict
 #: ``label_spellings``: labels equal as numbers or up to case/whitespace, or spelling a missing value
 LABEL_SPELLINGS = ("error", "allow")
 #: cells (compared case-insensitively) that spell a missing value rather than a label
-MISSING_SPELLINGS = ("nan", "na", "n/a", "null", "none", "nil", "missing", "?", "-", "")
+MISSING_SPELLINGS = ("nan", "na", "n/a", "null", "none", "nil", "missing", "")
 
 
 def _number(value: str):
