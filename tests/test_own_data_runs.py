@@ -74,10 +74,13 @@ def test_readme_recipe_three_files_report_and_cache(tmp_path, capsys):
     assert _recipe(data, out) == 0
     log = capsys.readouterr().out
     assert "softmax seed 0: reused" in log and "sto[tau=2.0] seed 0: reused" in log and "trained" not in log
-    # ... and editing a data file in place retrains (before: the stale runs were silently reused)
+    # ... and editing a data file in place is refused without --overwrite (#46), then retrains with it
+    # (before #28: the stale runs were silently reused; before #46: replaced without asking)
     text = (data / "shift.tsv").read_text().replace("The film", "A film", 1)
     (data / "shift.tsv").write_text(text)
-    assert _recipe(data, out) == 0
+    assert _recipe(data, out) == 2
+    assert "holds a finished run that compare would replace (data changed). Pass --overwrite" in capsys.readouterr().err
+    assert _recipe(data, out, "--overwrite") == 0
     log = capsys.readouterr().out
     assert "softmax seed 0: trained (data changed)" in log and "sto[tau=2.0] seed 0: trained (data changed)" in log
 

@@ -263,6 +263,9 @@ def cmd_train(args) -> int:
 
 def _check_out(out: Path, args) -> None:
     """``--out`` holding a finished or interrupted run is not overwritten unless asked (``--overwrite``)."""
+    from gpattn.experiments._compare_guard import check_out_folder
+
+    check_out_folder(out)  # a regular file at --out: an error, not a FileExistsError traceback
     if args.resume or args.overwrite:
         return
     if (out / "metrics.json").is_file():
@@ -332,6 +335,7 @@ def cmd_compare(args) -> int:
             variants, seeds, args.out, cfg, progress=cfg.progress, ood_scores=args.ood_score,
             variant_options=preset.get("variant_options"), budget_minutes=preset.get("budget_minutes"),
             variant_settings=_unflagged(args, preset.get("variant_settings")), alpha_grid=grid,
+            overwrite=getattr(args, "overwrite", False),
         )
     print(f"wrote {Path(args.out) / 'report.md'}")
     return 0
@@ -421,6 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the default, accepted as train takes it: finished runs are reused, an interrupted run (same "
         "configuration and data) resumes from its checkpoint, and the log says which",
     )
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="retrain finished runs under --out whose configuration or data changed (else compare stops, naming them)",
+    )
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_compare)
 
@@ -474,5 +482,6 @@ def _run(argv) -> int:
         else:
             then = ("rerun the same command to continue: finished runs are reused, the interrupted run resumes "
                     "from its checkpoint (the log says 'resumed'), the others train")
-        print(f"gpattn {args.command}: interrupted ({err}); the last checkpoint is kept — {then}", file=sys.stderr)
+        why = f" ({err})" if str(err) else ""
+        print(f"gpattn {args.command}: interrupted{why}; the last checkpoint is kept — {then}", file=sys.stderr)
         return 130

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from gpattn.attention.registry import attention_class, attention_options, build_attention
+from gpattn.experiments._compare_guard import OVERWRITE, check_out_folder, check_replace, earlier_rows_note
 from gpattn.experiments._io import CHECKPOINT_FORMAT, checkpoint_format, load_file
 from gpattn.experiments._runs import CHECKPOINT, load_checkpoint, resolve_device
 from gpattn.experiments._variants import (  # noqa: F401  (BASELINES re-exported)
@@ -118,6 +119,7 @@ def _run(
         )
         if not done.is_file() and (folder / CHECKPOINT).is_file():
             why += "; its checkpoint is from another configuration or data, so it starts from scratch"
+        check_replace(folder, label, why, done.is_file() and not old_format)  # finished: replaced with overwrite
         log(f"[compare]   {label}: trained ({why}) -> {folder}")
         train(cfg, folder, bundle=bundle)
         trained.add(folder)
@@ -204,7 +206,7 @@ def _log(message: str) -> None:
 def compare(
     variants, seeds, out, base: TrainConfig, progress: bool = True, log=_log, ood_scores=("msp",),
     variant_options: dict | None = None, budget_minutes: float | None = None, variant_settings: dict | None = None,
-    alpha_grid=None,
+    alpha_grid=None, overwrite: bool = False,
 ) -> dict:
     """Train / evaluate every variant spec for every seed; write ``results.json``, ``data.json``,
     ``report.md`` and the plots under ``out``; return the results dict ``{spec: {seed: metrics}}``.
@@ -216,13 +218,14 @@ def compare(
     per-variant ``TrainConfig`` fields (a preset's, ``{name: {field: value}}``) for every run of that
     attention, its post-hoc and ensemble modifiers included; report.md lists them. ``alpha_grid``: candidate
     values of the CGP regulariser weight α, chosen per run on the validation NLL for the variants whose
-    objective has the regulariser (the module docstring); None = ``base.alpha`` for every run."""
+    objective has the regulariser (the module docstring); None = ``base.alpha`` for every run. ``overwrite``: replace
+    finished runs of another configuration or data (else an error)."""
     from gpattn.experiments import metrics as M
     from gpattn.experiments.data import load_dataset
     from gpattn.experiments.data.summary import data_summary, summary_lines
     from gpattn.experiments.laplace import laplace_torch_available
 
-    started = time.perf_counter()
+    started, _ = time.perf_counter(), OVERWRITE.set(overwrite)
     runs, trained = set(), set()  # every run folder of this call, and those trained by it (not reused)
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds) or len(set(seeds)) < len(seeds):
@@ -248,12 +251,10 @@ def compare(
     for note in notes:
         log(f"[compare] {note}")
     if any(s.laplace for s in specs) and not laplace_torch_available():
-        notes.append(
-            "`+laplace`: laplace-torch is not installed, so the last-layer Laplace was fitted with gpattn's dense "
-            "float64 back end (full Hessian of the last layer; laplace-torch would use K-FAC)."
-        )
+        notes.append("`+laplace`: laplace-torch is not installed, so the last-layer Laplace was fitted with gpattn's "
+                     "dense float64 back end (full Hessian of the last layer; laplace-torch would use K-FAC).")
         log(f"[compare] {notes[-1]}")
-    out = Path(out)
+    out = check_out_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict]] = {}
     plot_preds: dict[str, dict] = {}
@@ -300,10 +301,8 @@ def compare(
                 }
                 continue
             # deep ensemble: pool every member's samples (equal P, so this averages member predictions)
-            preds = {
-                k: {"logits": torch.cat([m[k]["logits"] for m in members], dim=1), "labels": members[0][k]["labels"]}
-                for k in members[0]
-            }
+            preds = {k: {"logits": torch.cat([m[k]["logits"] for m in members], dim=1),
+                         "labels": members[0][k]["labels"]} for k in members[0]}
             temperature = 1.0
             if spec.ts:
                 temperature = float(M.temperature_scale(preds["val"]["logits"], preds["val"]["labels"]))
@@ -319,6 +318,7 @@ def compare(
                 log(f"[compare] {spec.spec} seed {seed}: collapse: " + "; ".join(collapse))
             results[spec.spec][str(seed)] = metrics
             plot_preds.setdefault(spec.spec, {})[seed] = (preds, temperature, bundle)
+    notes += earlier_rows_note(out / "results.json", results, log)  # rows of an earlier call not in this one
     (out / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     data = {"seeds": {str(s): summaries[s] for s in seeds}, "ood_scores": ood_scores, "notes": notes}
     (out / "data.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -59,6 +59,21 @@ class Prediction:
         return self.mutual_information
 
 
+#: Run.predict's memory bound: rows per forward pass such that rows × samples × tokens and rows × samples ×
+#: tokens² stay below these (a GP layer holds a T × T covariance per head and sample; issue #46: 300 texts at
+#: num_samples=50 and batch_size=256 took about 20 GB with cgp)
+PREDICT_TOKEN_BUDGET, PREDICT_PAIR_BUDGET = 2**16, 2**21
+
+
+def predict_rows(batch_size: int, num_samples: int, tokens: int) -> int:
+    """At most ``batch_size`` rows, fewer where :data:`PREDICT_TOKEN_BUDGET` / :data:`PREDICT_PAIR_BUDGET` bound
+    them; at least 1."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    per_row = num_samples * max(tokens, 1)
+    return max(1, min(batch_size, PREDICT_TOKEN_BUDGET // per_row, PREDICT_PAIR_BUDGET // (per_row * max(tokens, 1))))
+
+
 class EmptyTextWarning(UserWarning):
     """``Run.predict`` was given texts with no words: what it returns for them is the model's answer to an
     empty input, not a judgement of any text."""
@@ -74,6 +89,22 @@ def _warn_empty(texts) -> None:
             EmptyTextWarning,
             stacklevel=3,
         )
+
+
+def _as_texts(inputs) -> list[str]:
+    """``inputs`` as a list of texts (a bare string is one), or a ``TypeError`` naming what is not a text."""
+    if isinstance(inputs, str):
+        return [inputs]
+    if inputs is None or isinstance(inputs, (bytes, torch.Tensor)) or not hasattr(inputs, "__iter__"):
+        raise TypeError(f"predict: inputs must be a list of strings (or one string) for a text run, got "
+                        f"{type(inputs).__name__} {inputs!r:.60}")
+    texts = list(inputs)
+    bad = [(i, t) for i, t in enumerate(texts) if not isinstance(t, str)]
+    if bad:
+        shown = ", ".join(f"position {i}: {type(t).__name__} {t!r:.40}" for i, t in bad[:5])
+        raise TypeError(f"predict: every input must be a string; {len(bad)} of {len(texts)} are not ({shown}"
+                        f"{' ...' if len(bad) > 5 else ''}). Convert them with str() or leave them out.")
+    return texts
 
 
 class Run:
@@ -113,14 +144,15 @@ class Run:
     def predict(self, inputs, num_samples: int | None = None, batch_size: int = 256) -> Prediction:
         """Predictive probabilities and their entropy split for a list of texts (text runs; a single string
         is one text, N = 1) or an image tensor (N, C, Hpx, Wpx) in [0, 1] (image runs); ``num_samples``
-        defaults to the run's. An empty or whitespace-only text is scored, with an :class:`EmptyTextWarning`."""
+        defaults to the run's. An empty or whitespace-only text is scored, with an :class:`EmptyTextWarning`.
+        ``batch_size`` rows per forward pass at most: fewer for many samples or long texts (:func:`predict_rows`)."""
         from gpattn.experiments import metrics as M
 
         P = num_samples or self.cfg.num_samples
         if isinstance(P, bool) or not isinstance(P, int) or P < 1:
             raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
         if self.meta["kind"] == "text":
-            texts = [inputs] if isinstance(inputs, str) else list(inputs)  # a bare string is one text
+            texts = _as_texts(inputs)  # a bare string is one text
             _warn_empty(texts)
             ids, mask = self.encode(texts)
         else:
@@ -132,6 +164,7 @@ class Run:
         self.model.eval()
         device = self.device
         chunks = []
+        batch_size = predict_rows(batch_size, P, ids.shape[1] if mask is not None else 1)
         for start in range(0, ids.shape[0], batch_size):
             x = ids[start : start + batch_size].to(device)
             m = None if mask is None else mask[start : start + batch_size].to(device)

@@ -42,10 +42,12 @@ from tqdm.auto import tqdm
 from gpattn import __version__
 from gpattn._settings import is_validating
 from gpattn.experiments._config import RUN_SETTINGS, TrainConfig, _same_run  # noqa: F401  (re-exported)
+from gpattn.experiments._data_check import load_checked_data
 from gpattn.experiments._dist import _Dist, _rng_state, _set_rng_state
 from gpattn.experiments._guard import TrainingDivergedError, _DivergenceGuard
 from gpattn.experiments._io import CHECKPOINT_FORMAT
 from gpattn.experiments._optim import build_optimizer
+from gpattn.experiments._runlock import locked_run
 from gpattn.experiments._runs import (
     CHECKPOINT,
     as_device,
@@ -267,15 +269,10 @@ def load_run_with_data(path, device=None) -> tuple[TrainConfig, torch.nn.Module,
     """Load a checkpoint file (or a run folder) and reload its data set -> (config, model, data bundle,
     checkpoint dict), the model on ``device`` (``auto``/``cpu``/``cuda[:N]`` or a ``torch.device``; default:
     the CPU). To score new inputs without the data files: :func:`gpattn.experiments.inference.load_run`."""
-    from gpattn.experiments.data import load_dataset
-
     device = torch.device("cpu") if device is None else as_device(device)
     path, ckpt = run_checkpoint(path, map_location=device)
     cfg = TrainConfig.from_saved(ckpt["config"])
-    bundle = load_dataset(
-        cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
-    )
-    bundle = _for_model(cfg, bundle, device)
+    bundle = load_checked_data(path, cfg, lambda b: _for_model(cfg, b, device))  # data.json: paths, fingerprint
     model = build_model(cfg, bundle).to(device)
     model.load_state_dict(ckpt["model"])
     return cfg, model, bundle, ckpt
@@ -309,11 +306,9 @@ def _match_prior_to_stream(model, split, device) -> list[dict]:
         return model.match_prior_to_stream(inputs, mask)
 
 
+@locked_run  # one writer per run folder: a second gets RunFolderLockedError naming the holder's pid
 def train(
-    cfg: TrainConfig,
-    out: str | os.PathLike | None = None,
-    resume: bool = False,
-    bundle=None,
+    cfg: TrainConfig, out: str | os.PathLike | None = None, resume: bool = False, bundle=None,
     stop_after_steps: int | None = None,
 ) -> dict:
     """Fit, checkpoint and evaluate one run; returns the metrics dict (also ``out/metrics.json``).

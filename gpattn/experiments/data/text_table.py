@@ -11,8 +11,10 @@ from collections import Counter
 from pathlib import Path
 
 from gpattn.experiments.data._bundle import DataNotFoundError, DatasetBundle, register_dataset
+from gpattn.experiments.data._label_checks import check_label_spellings
 from gpattn.experiments.data._split import check_fraction, stratified_split
 from gpattn.experiments.data._text import build_text_bundle
+from gpattn.experiments.data._text_checks import check_c1, warn_small_splits
 
 __all__ = ["load_text_table", "read_table"]
 
@@ -79,6 +81,9 @@ OPTION_HELP = {
     "disjoint_labels": "pooled files (path a list) whose label sets share no label (e.g. 0/1 in one file, "
     "neg/pos in the other): 'error' (default, naming the files and their labels) or 'allow' (one file per "
     "class, say).",
+    "label_spellings": "training labels equal as numbers (1 / 1.0), equal up to case or whitespace (Positive / "
+    "positive), or spelling a missing value (nan, NA, null, None): 'error' (default, naming the spellings and "
+    "lines) or 'allow' (each spelling is a class of its own, on purpose).",
 }
 
 
@@ -161,14 +166,14 @@ def decode_file(path, encoding: str = "utf-8") -> str:
         line = data.count(b"\n", 0, err.start) + 1
         start = data.rfind(b"\n", 0, err.start) + 1
         column = len(data[start : err.start].decode(encoding, errors="replace")) + 1
-        suggest = "encoding='latin-1' or encoding='cp1252'" if encoding.lower().replace("_", "-") in (
+        suggest = "encoding='cp1252' or encoding='latin-1'" if encoding.lower().replace("_", "-") in (
             "utf-8", "utf8", "utf-8-sig") else "encoding='utf-8'"
         raise ValueError(
             f"{path} line {line}, column {column}: bytes {data[err.start:err.end]!r} are not valid {encoding} "
             f"({err.reason}). Pass the file's encoding as a data set option, e.g. {suggest} "
             f"(--dataset-option encoding=latin-1), or re-save the file as UTF-8."
         ) from None
-    return text[1:] if text.startswith("\ufeff") else text
+    return check_c1(path, text[1:] if text.startswith("\ufeff") else text, encoding)  # latin-1 on a cp1252 file
 
 
 def _numbered(reader):
@@ -430,6 +435,7 @@ def load_text_table(
     bad_rows: str = "error",
     min_class_count: int = MIN_CLASS_COUNT,
     disjoint_labels: str = "error",
+    label_spellings: str = "error",
 ) -> DatasetBundle:
     """A (text, label) table split stratified and seeded into train / val / test.
 
@@ -478,6 +484,7 @@ def load_text_table(
         file_labels.append(raw)
         file_lines.append(lines)
     _check_pooled(tables, files)
+    check_label_spellings(tables, file_labels, file_lines, label_spellings)
     _check_labels(tables, file_labels, file_lines, min_class_count, disjoint_labels)
     # later files use the first file's columns: by name with a header, else by index
     col_text = names[text_idx] if names is not None and not isinstance(text_column, int) else text_idx
@@ -517,6 +524,7 @@ def load_text_table(
         info[f"{split}_source"] = str(table)
         info[f"{split}_labelled"] = e_raw is not None
         eval_splits[split] = split
+    warn_small_splits({k: split_labels[k] for k in ("shift", "ood") if k in split_labels}, ", ".join(sources))
     if ood_file is not None:
         info["ood_unknown_labels"] = sum(v == -1 for v in split_labels["ood"])
         ood_splits = ("ood",)
