@@ -59,11 +59,10 @@ def _fresh_dynamo():
 
 # the slowest to trace (> 20 s on a loaded 2-core machine): in the slow run
 SLOW_TO_TRACE = {"cgp", "scgp", "sgpa-decoupled"}
+TRACED = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TO_TRACE else n for n in VARIANTS]
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TO_TRACE else n for n in VARIANTS]
-)
+@pytest.mark.parametrize("name", TRACED)
 def test_compiled_training_step_equals_eager(name):
     eager = _model(name).train()
     compiled_model = copy.deepcopy(eager)
@@ -79,7 +78,7 @@ def test_compiled_training_step_equals_eager(name):
         torch.testing.assert_close(got_grads[key], want_grads[key], rtol=1e-3, atol=1e-5, msg=f"{name}: d{key}")
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", TRACED)
 def test_compiled_training_steps_do_not_recompile(name):
     model = _model(name).train()
     compiled = torch.compile(model, backend="eager")  # guards and recompiles are Dynamo's, whatever the backend
