@@ -139,9 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not set(cfg.modes) <= set(MODES):
         p.error(f"--modes must name {' or '.join(MODES)}, got {cfg.modes}")
     names = gpattn.list_attention()
-    cfg.variants = parse_variants(cfg.variants) or names
-    if "softmax" not in cfg.variants:
-        cfg.variants = ["softmax", *cfg.variants]  # the reference of every ratio
+    # softmax first, the reference of every ratio: a run cut short still has it
+    cfg.variants = ["softmax", *(v for v in parse_variants(cfg.variants) or names if v != "softmax")]
     return cfg
 
 
