@@ -1,5 +1,5 @@
 """Whole-model training step (forward + backward + Adam) per registered variant, eager and compiled, as a
-ratio to softmax's step at the same T in the same mode and run (issue 44).
+ratio to softmax's step at the same T in the same mode and run.
 
 The model: ``TransformerClassifier`` over token ids, 2 blocks, width 64, 4 heads, dropout 0.1, every layer the
 variant, batch B = 64 with a quarter of the sequences padded to half length; the step is ``DeepGPELBO``'s loss

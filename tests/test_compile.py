@@ -1,6 +1,6 @@
 """``torch.compile`` of a whole model, every registered variant, in training: one graph with no break, the same
 outputs, loss terms and gradients as eager to round-off (same seed: the same draws), and no recompilation over
-steps of a fixed shape once the layers' records of their last forward exist (issue 44).
+steps of a fixed shape once the layers' records of their last forward exist.
 
 The equality tests use ``backend="aot_eager"``, which traces what Inductor would (Dynamo's graph and
 AOTAutograd's joint forward/backward) without its C++ build, so the tests stay cheap (the recompile test
