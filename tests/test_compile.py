@@ -57,7 +57,7 @@ def _fresh_dynamo():
     dynamo.reset()
 
 
-# the slowest to trace (> 20 s on a loaded 2-core machine): in the slow run
+# the slowest to trace (4-8 s each on a quiet core, 16-95 s on the loaded 2-core machine): in the slow run
 SLOW_TO_TRACE = {"cgp", "scgp", "sgpa-decoupled"}
 TRACED = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TO_TRACE else n for n in VARIANTS]
 
