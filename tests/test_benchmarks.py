@@ -395,3 +395,24 @@ def test_gpu_check_sync_counter_without_a_gpu(monkeypatch):
     assert got["by_location"] == {"gpattn/fake_layer.py:3 (f)": 2, sync.BACKWARD: 1}
     assert got["by_op"] == {"gpattn/fake_layer.py:3 (f)": 2, "backward": 1}
     assert got["native_thread_lines"] == ["[W] called a synchronizing CUDA operation (native thread)"]
+
+
+def test_train_step_smoke_schema(tmp_path):
+    """benchmarks/train_step.py --quick: a row per (variant, mode) with softmax's step as every ratio's divisor,
+    and the table (a kernel variant and a Gumbel one, both modes; Dynamo's eager backend keeps the C++ build out
+    of the test; tests/test_compile.py covers every variant compiled)."""
+    train_step = importlib.import_module("train_step")
+    out = tmp_path / "step.json"
+    train_step.main(
+        ["--quick", "--backend", "eager", "--variants", "kernel,sto", "--threads", "1"]
+        + ["--json", str(out), "--markdown", str(tmp_path / "step.md")]
+    )
+    data = json.loads(out.read_text())
+    rows = {(r["variant"], r["mode"]): r for r in data["rows"]}
+    assert set(rows) == {(v, m) for v in ("softmax", "kernel", "sto") for m in ("eager", "compiled")}
+    for (_, mode), r in rows.items():
+        assert r["status"] == "ok", r["reason"]
+        assert r["T"] == 8 and r["steps_timed"] == 2 and r["step_ms"] > 0
+        assert r["ratio_to_softmax"] == pytest.approx(r["step_ms"] / rows[("softmax", mode)]["step_ms"], rel=1e-12)
+    table = (tmp_path / "step.md").read_text()
+    assert "| variant | T=8 eager | T=8 compiled |" in table and "| kernel |" in table

@@ -142,6 +142,24 @@ def _cpu_gumbel(n: int, dtype: torch.dtype, scale: float, generator: torch.Gener
     return out
 
 
+#: a token each compiled draw mutates: in a graph the draws then form a chain, taken in program order, as eager takes
+#: them (operators without inputs could be scheduled in any order, and two layers' noise swapped)
+_DRAW_ORDER = torch.zeros((), dtype=torch.int64)
+
+
+@torch.library.custom_op("gpattn::cpu_gumbel", mutates_args=("order",), tags=(torch.Tag.nondeterministic_seeded,))
+def _compiled_cpu_gumbel(order: torch.Tensor, n: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """:func:`_cpu_gumbel` from torch's default generator as one opaque operator: ``torch.compile`` keeps it in
+    the graph (NumPy's draw would break it) and draws the same bits as eager (seeded: never merged by CSE)."""
+    order.add_(1)
+    return _cpu_gumbel(n, dtype, scale, None)
+
+
+@_compiled_cpu_gumbel.register_fake
+def _(order, n, dtype, scale):
+    return torch.empty(n, dtype=dtype)
+
+
 def gumbel_noise(
     shape,
     *,
@@ -161,7 +179,10 @@ def gumbel_noise(
     n = shape.numel()
     work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
     if device.type == "cpu":
-        x = _cpu_gumbel(n, work, scale, generator).view(shape)
+        if generator is None and torch.compiler.is_compiling():
+            x = _compiled_cpu_gumbel(_DRAW_ORDER, n, work, float(scale)).view(shape)
+        else:
+            x = _cpu_gumbel(n, work, scale, generator).view(shape)
     else:
         x = torch.empty(shape, dtype=work, device=device).exponential_(generator=generator)
         x.clamp_(min=torch.finfo(work).tiny).log_().mul_(-scale)  # scale * G = -scale * log E

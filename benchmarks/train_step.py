@@ -1,0 +1,159 @@
+"""Whole-model training step (forward + backward + Adam) per registered variant, eager and compiled, as a
+ratio to softmax's step at the same T in the same mode and run.
+
+The model: ``TransformerClassifier`` over token ids, 2 blocks, width 64, 4 heads, dropout 0.1, every layer the
+variant, batch B = 64 with a quarter of the sequences padded to half length; the step is ``DeepGPELBO``'s loss
+(N = 10,000), backward, ``torch.optim.Adam``. "compiled" is ``torch.compile(model)`` (``--backend``, default
+Inductor), the objective and optimizer eager; its first step (compilation included) is reported apart and
+``--warmup`` steps are not timed. Each row is the median of ``--steps`` timed steps, in one process, with
+``--threads`` torch threads. ``--quick``: a tiny smoke run (B = 4, T = 8, width 16, 2 steps).
+
+    python benchmarks/train_step.py --ts 16,128 --steps 5 --json train_step.json --markdown train_step.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+from _common import machine_info, parse_variants, write_outputs
+
+import gpattn
+from gpattn.models import TransformerClassifier
+from gpattn.objectives import DeepGPELBO
+
+MODES = ("eager", "compiled")
+
+
+def _batch(B: int, T: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (B, T), generator=g)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[: B // 4, max(1, T // 2) :] = True
+    ids[mask] = 0
+    return ids, mask, torch.randint(0, 2, (B,), generator=g)
+
+
+def time_steps(name: str, T: int, mode: str, cfg: argparse.Namespace) -> dict:
+    """One variant at one (T, mode): first step and the median of the timed steps, in ms."""
+    torch.manual_seed(0)
+    model = TransformerClassifier(
+        2, vocab_size=cfg.vocab, max_len=T, embed_dim=cfg.width, num_heads=cfg.heads, num_layers=2, attention=name
+    ).train()
+    forward = torch.compile(model, backend=cfg.backend) if mode == "compiled" else model
+    objective = DeepGPELBO(model, num_data=10_000)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ids, mask, y = _batch(cfg.batch_size, T, cfg.vocab)
+
+    def step() -> float:
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = objective(forward(ids, mask), y)
+        loss.backward()
+        optimizer.step()
+        if not torch.isfinite(loss):
+            raise FloatingPointError("non-finite loss")
+        return (time.perf_counter() - start) * 1e3
+
+    first = step()
+    for _ in range(cfg.warmup):
+        step()
+    times = [step() for _ in range(cfg.steps)]
+    return {"first_step_ms": first, "step_ms": statistics.median(times), "steps_timed": len(times)}
+
+
+def run(cfg: argparse.Namespace) -> list[dict]:
+    rows = []
+    for T in cfg.ts:
+        for mode in cfg.modes:
+            for name in cfg.variants:
+                row = {"variant": name, "T": T, "mode": mode, "status": "ok", "reason": ""}
+                torch._dynamo.reset()
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        row.update(time_steps(name, T, mode, cfg))
+                except Exception as err:  # a failing variant is a row, not the end of the run
+                    row.update(status="error", reason=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+                rows.append(row)
+                print(f"T={T} {mode} {name}: {row.get('step_ms', float('nan')):.1f} ms {row['reason']}", flush=True)
+    add_ratios(rows)
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """``ratio_to_softmax``: the step over softmax's at the same T and mode (None where either failed)."""
+    ref = {(r["T"], r["mode"]): r.get("step_ms") for r in rows if r["variant"] == "softmax" and r["status"] == "ok"}
+    for r in rows:
+        base = ref.get((r["T"], r["mode"]))
+        r["ratio_to_softmax"] = r["step_ms"] / base if base and r["status"] == "ok" else None
+
+
+def to_markdown(result: dict) -> str:
+    rows, meta = result["rows"], result["meta"]
+    cols = [(T, mode) for T in meta["ts"] for mode in meta["modes"]]
+    cell = {(r["variant"], r["T"], r["mode"]): r for r in rows}
+    out = ["| variant | " + " | ".join(f"T={T} {mode}" for T, mode in cols) + " |", "|---" + "|---:" * len(cols) + "|"]
+    for name in meta["variants"]:
+        parts = []
+        for T, mode in cols:
+            r = cell[(name, T, mode)]
+            if r["status"] != "ok":
+                parts.append("error")
+            elif name == "softmax":
+                parts.append(f"{r['step_ms']:.1f} ms")
+            else:
+                parts.append(f"{r['ratio_to_softmax']:.2f}×")
+        out.append(f"| {name} | " + " | ".join(parts) + " |")
+    head = (
+        f"B={meta['batch_size']}, width {meta['width']}, {meta['heads']} heads, 2 blocks, {meta['threads']} threads, "
+        f"backend {meta['backend']}, median of {meta['steps']} steps; softmax in ms, the others as its multiple\n\n"
+    )
+    return head + "\n".join(out) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ts", default="16,64,256,1024", help="comma-separated sequence lengths")
+    p.add_argument("--modes", default=",".join(MODES), help="eager, compiled or both")
+    p.add_argument("--variants", default=None, help="comma-separated registry names (default: all)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="tiny smoke run: B=4, T=8, width 16, 2 steps")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    cfg = p.parse_args(argv)
+    if cfg.quick:
+        cfg.batch_size, cfg.ts, cfg.width, cfg.heads, cfg.steps, cfg.warmup = 4, "8", 16, 2, 2, 1
+    cfg.ts = [int(t) for t in cfg.ts.split(",")]
+    cfg.modes = [m for m in cfg.modes.split(",") if m]
+    if not set(cfg.modes) <= set(MODES):
+        p.error(f"--modes must name {' or '.join(MODES)}, got {cfg.modes}")
+    names = gpattn.list_attention()
+    # softmax first, the reference of every ratio: a run cut short still has it
+    cfg.variants = ["softmax", *(v for v in parse_variants(cfg.variants) or names if v != "softmax")]
+    return cfg
+
+
+def main(argv=None) -> dict:
+    cfg = parse_args(argv)
+    torch.set_num_threads(cfg.threads)
+    rows = run(cfg)
+    keys = ("ts", "modes", "variants", "backend", "batch_size", "width", "heads", "steps", "warmup", "threads")
+    result = {"rows": rows, "meta": {**machine_info(cfg.threads), **{k: getattr(cfg, k) for k in keys}}}
+    write_outputs(result, cfg.json, cfg.markdown, to_markdown)
+    print(to_markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

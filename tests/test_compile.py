@@ -1,0 +1,102 @@
+"""``torch.compile`` of a whole model, every registered variant, in training: one graph with no break, the same
+outputs, loss terms and gradients as eager to round-off (same seed: the same draws), and no recompilation over
+steps of a fixed shape once the layers' records of their last forward exist.
+
+The equality tests use ``backend="aot_eager"``, which traces what Inductor would (Dynamo's graph and
+AOTAutograd's joint forward/backward) without its C++ build, so the tests stay cheap (the recompile test
+needs only Dynamo: ``backend="eager"``); ``benchmarks/train_step.py`` times Inductor.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from torch._dynamo.utils import counters
+
+import gpattn
+from gpattn.models import TransformerClassifier
+from gpattn.objectives import DeepGPELBO
+
+VARIANTS = gpattn.list_attention()
+
+
+def _batch(B=3, T=6, F=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, F, generator=g)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, T - 2 :] = True
+    return x, mask, torch.randint(0, 3, (B,), generator=g)
+
+
+def _model(name):
+    torch.manual_seed(0)
+    return TransformerClassifier(3, input_dim=5, max_len=8, embed_dim=16, num_heads=2, attention=name, dropout=0.0)
+
+
+def _step(model, forward, x, mask, y):
+    """One training forward + backward from seed 1: ``(logits, loss parts, grads by name)``."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    parts = DeepGPELBO(model, num_data=50, combine_terms=False)(forward(x, mask), y)
+    parts["loss"].backward()
+    return parts, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    dynamo.reset()
+    counters.clear()
+    with warnings.catch_warnings():
+        # Dynamo's tracing of a training forward reads .grad of non-leaf tensors and warns about it
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        # torch 2.13's Dynamo instantiates the autograd.Function it traces (_linalg's _ShiftedDiagonal), then warns
+        warnings.filterwarnings("ignore", message=".*should not be instantiated", category=DeprecationWarning)
+        yield
+    dynamo.reset()
+
+
+# the slowest to trace (4-8 s each on a quiet core, 16-95 s on the loaded 2-core machine): in the slow run
+SLOW_TO_TRACE = {"cgp", "scgp", "sgpa-decoupled"}
+TRACED = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TO_TRACE else n for n in VARIANTS]
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_compiled_training_step_equals_eager(name):
+    eager = _model(name).train()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)  # fullgraph: a break fails
+    x, mask, y = _batch()
+    want, want_grads = _step(eager, eager, x, mask, y)
+    got, got_grads = _step(compiled_model, compiled, x, mask, y)
+    assert set(got) == set(want) and set(got_grads) == set(want_grads)
+    assert len(want_grads) == len([p for p in eager.parameters() if p.requires_grad]) or name == "softmax"
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+    for key in want_grads:
+        torch.testing.assert_close(got_grads[key], want_grads[key], rtol=1e-3, atol=1e-5, msg=f"{name}: d{key}")
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_compiled_training_steps_do_not_recompile(name):
+    model = _model(name).train()
+    compiled = torch.compile(model, backend="eager")  # guards and recompiles are Dynamo's, whatever the backend
+    x, mask, y = _batch()
+    # the first forward creates the layers' records (loss-term names, diagnostics): one recompile, then none
+    for _ in range(2):
+        _step(model, compiled, x, mask, y)
+    after_warmup = counters["stats"]["unique_graphs"]
+    for seed in range(1, 9):  # 10 steps in all: new data of the same shape, new draws
+        x, mask, y = _batch(seed=seed)
+        _step(model, compiled, x, mask, y)
+    assert counters["stats"]["unique_graphs"] == after_warmup
+    assert after_warmup <= 2 and not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_compiled_eval_prediction_equals_eager():
+    model = _model("sgpa").eval()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, mask, _ = _batch()
+    with torch.no_grad(), gpattn.deterministic():
+        torch.testing.assert_close(compiled(x, mask, num_samples=2), model(x, mask, num_samples=2))
