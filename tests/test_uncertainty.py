@@ -197,3 +197,15 @@ def test_aps_scores_in_chunks_match_the_dense_form():
     probs[:5, :2] = probs[:5, :2].mean(axis=1, keepdims=True)  # ties count as "at least as probable"
     dense = np.sum(probs[:, None, :] * (probs[:, None, :] >= probs[:, :, None]), axis=2)
     np.testing.assert_allclose(U._scores_all(probs, "aps"), dense, rtol=0, atol=1e-12)
+
+
+def test_a_model_without_sampling_variance_is_not_judged():
+    """P equal draws (softmax in eval mode, repeated): no variance to judge, so NaN and no flag — not a
+    'variance ≈ temperature' verdict on a model that has no variance at all."""
+    rng = np.random.default_rng(3)
+    z_in = np.repeat(rng.normal(size=(50, 1, 4)), 5, axis=1)
+    z_out = np.repeat(rng.normal(size=(40, 1, 4)), 5, axis=1)
+    row = U.temperature_diagnostic(z_in, z_out)
+    assert all(math.isnan(row[k]) for k in U.MATCHED_KEYS) and not U.is_temperature(row)
+    z_out[0, 1, 0] += 1.0  # one input with spread: judged again
+    assert all(math.isfinite(U.temperature_diagnostic(z_in, z_out)[k]) for k in U.MATCHED_KEYS)

@@ -1,4 +1,4 @@
-"""One writer per run folder (issue #46 item 3).
+"""One writer per run folder.
 
 Two ``train`` processes on one ``--out`` both exited 0, one run's files lost and mixed files possible. A run
 takes ``out/run.lock`` (its pid and host) for as long as it writes; a second writer gets
@@ -55,6 +55,7 @@ def run_lock(out):
         yield
         return
     out = Path(out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_NAME
     mine = {"pid": os.getpid(), "host": socket.gethostname()}
@@ -81,6 +82,8 @@ def run_lock(out):
     finally:
         if _holder(path) == mine:
             path.unlink(missing_ok=True)
+        if created and not any(out.iterdir()):  # refused before writing anything: leave no folder behind
+            out.rmdir()
 
 
 def locked_run(fn):
