@@ -51,6 +51,7 @@ __all__ = [
     "CGP_SIGMA",
     "KEP_COVARIANCE_STD",
     "KEP_MEAN_STD",
+    "KEP_PRIOR_VARIANCE",
     "NATIVE_OUTPUT_GAIN",
     "PRIOR_VARIANCE",
     "attention_lengthscale",
@@ -66,6 +67,9 @@ KEP_MEAN_STD = 0.1
 
 #: initial Cholesky diagonal of KEP-SVGP's q(u_c) covariance (the released value is 0.5; the prior's is 1)
 KEP_COVARIANCE_STD = 0.1
+
+#: σ², the outputscale of KEP-SVGP's attention kernel: p(u_c) = N(0, σ²Λ²) (1.0 is Chen et al.'s prior)
+KEP_PRIOR_VARIANCE = 1.0
 
 #: initial σ_q = σ_k of the correlated GPs (prior variance σ_q² = 0.1 of z_q at a token)
 CGP_SIGMA = math.sqrt(0.1)
