@@ -84,21 +84,52 @@ def test_kl_matches_torch_distributions():
     torch.testing.assert_close(kep_kl_divergence(lam, m, L2), ref, rtol=1e-12, atol=1e-12)
 
 
-def test_layer_kl_global_is_the_summed_kl_of_its_parameters():
-    layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3).double()
+@pytest.mark.parametrize("prior_variance", [1.0, 0.05])
+def test_layer_kl_global_is_the_summed_kl_of_its_parameters(prior_variance):
+    """kl_global = Σ_{h,c} KL(q(u_c) ‖ N(0, σ²Λ²)); σ² = 1 is Chen et al.'s prior N(0, Λ²)."""
+    torch.manual_seed(0)
+    layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3, prior_variance=prior_variance).double()
+    with torch.no_grad():
+        layer.kep.ksvd.log_lambda.normal_(0.0, 0.3)  # Λ ≠ I, so that σ² and Λ² are told apart
     x = torch.randn(2, 5, 8, dtype=DT)
     layer(x)
     v, ksvd = layer.kep.variational_distribution, layer.kep.ksvd
     lam = ksvd.log_lambda.exp()
+    prior = [
+        TorchMVN(torch.zeros(3, dtype=DT), covariance_matrix=torch.diag(prior_variance * lam[h] ** 2)) for h in (0, 1)
+    ]
     ref = sum(
-        kl_divergence(
-            TorchMVN(v.variational_mean[h, c], scale_tril=v.chol[h, c]),
-            TorchMVN(torch.zeros(3, dtype=DT), covariance_matrix=torch.diag(lam[h] ** 2)),
-        )
+        kl_divergence(TorchMVN(v.variational_mean[h, c], scale_tril=v.chol[h, c]), prior[h])
         for h in range(2)
         for c in range(3)
     )
     torch.testing.assert_close(layer_loss_terms(layer)["kl_global"], ref)
+
+
+def test_prior_variance_scales_the_prior_and_nothing_else():
+    """σ² is the attention kernel's outputscale: p(u_c) = N(0, σ²Λ²) and K_fu K_uu⁻¹ = GΛ⁻¹ unchanged, so the
+    posterior (mean and covariance of the head outputs) does not depend on it; scale_prior multiplies it."""
+    torch.manual_seed(3)
+    paper = gpattn.build_attention("kep-svgp", 8, 2, rank=3, prior_variance=1.0).double()
+    scaled = gpattn.build_attention("kep-svgp", 8, 2, rank=3, prior_variance=1.0).double()
+    scaled.load_state_dict(paper.state_dict())
+    scaled.scale_prior(0.2)
+    assert float(scaled.kep.prior_variance) == pytest.approx(0.2, rel=1e-12)
+    x = torch.randn(2, 5, 8, dtype=DT)
+    cond_p, cond_s = (layer.kep.condition(x, *layer.strategy_inputs(x)[1:]) for layer in (paper, scaled))
+    torch.testing.assert_close(cond_s.posterior().mean, cond_p.posterior().mean, rtol=0, atol=0)
+    torch.testing.assert_close(
+        cond_s.posterior().covariance_matrix, cond_p.posterior().covariance_matrix, rtol=0, atol=0
+    )
+    torch.testing.assert_close(
+        cond_s.prior_distribution.covariance_matrix,
+        0.2 * cond_p.prior_distribution.covariance_matrix,
+        rtol=1e-12,
+        atol=0,
+    )
+    for bad in (0, -1.0, True, "1"):
+        with pytest.raises(ValueError, match="prior_variance must be a float > 0"):
+            gpattn.build_attention("kep-svgp", 8, 2, prior_variance=bad)
 
 
 # --------------------------------------------------------------------------------- sampling
@@ -440,3 +471,15 @@ def test_flops_grow_linearly_in_t():
     assert f[0] > 0 and f[2] - 2 * f[1] + f[0] == 0
     fc = [flops(T, merge="concat", seq_len=T) for T in (64, 128, 192)]
     assert fc[2] - 2 * fc[1] + fc[0] > 0
+
+
+def test_a_state_dict_from_before_the_outputscale_loads_with_the_papers_prior():
+    """One load hook: a state dict without ``prior_variance`` (saved before it existed) loads with σ² = 1, with a
+    warning; everything else loads as saved."""
+    layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3)
+    old = {k: v for k, v in layer.state_dict().items() if not k.endswith("prior_variance")}
+    fresh = gpattn.build_attention("kep-svgp", 8, 2, rank=3)
+    with pytest.warns(UserWarning, match="prior_variance=1.0"):
+        fresh.load_state_dict(old)
+    assert float(fresh.strategy.prior_variance) == 1.0
+    torch.testing.assert_close(fresh.strategy.out_weight, layer.strategy.out_weight, rtol=0, atol=0)

@@ -102,9 +102,15 @@ def test_scale_prior_multiplies_the_prior_variance_and_keeps_its_shape(name):
         torch.testing.assert_close(a, 0.3 * b, rtol=1e-10, atol=0)
 
 
-def test_scale_prior_of_kep_svgp_says_why_it_has_none():
-    with pytest.raises(ValueError, match="Lambda"):
-        gpattn.build_attention("kep-svgp", 16, 2).scale_prior(0.5)
+def test_scale_prior_of_kep_svgp_multiplies_its_outputscale():
+    """kep-svgp's prior p(u_c) = N(0, σ²Λ²): scale_prior(c) multiplies σ² (Λ, in its mean too, is untouched)."""
+    layer = gpattn.build_attention("kep-svgp", 16, 2)
+    before, lam = float(layer.strategy.prior_variance), layer.strategy.ksvd.lam.detach().clone()
+    with pytest.raises(ValueError, match="factor must be a finite number > 0"):
+        layer.scale_prior(-1.0)
+    layer.scale_prior(0.5)
+    assert float(layer.strategy.prior_variance) == pytest.approx(0.5 * before, rel=1e-6)
+    torch.testing.assert_close(layer.strategy.ksvd.lam, lam, rtol=0, atol=0)
 
 
 def test_scale_prior_variance_of_kernel_compositions():

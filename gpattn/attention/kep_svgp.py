@@ -7,6 +7,7 @@ import torch
 
 from gpattn.attention._gp import GPAttention
 from gpattn.attention.registry import register
+from gpattn.variational._scale import KEP_PRIOR_VARIANCE
 from gpattn.variational.kep_svgp import KEPSVGP, MERGES
 
 __all__ = ["KEPSVGPAttention"]
@@ -72,6 +73,10 @@ class KEPSVGPAttention(GPAttention):
     :param token_independent: sample one ε per token (the released scheme; same per-token marginals)
         instead of the exact low-rank sample with ε shared by the tokens.
     :param include_residual: add back the :math:`K_{ff} - Q_{ff}` term that Remark 3.1 drops.
+    :param prior_variance: σ², the outputscale of the attention kernel, so that :math:`p(u_c) = N(0, σ^2\Lambda^2)`
+        (the mean map :math:`G\Lambda^{-1}` does not change); 1.0 is Chen et al.'s (2024) prior, the default puts
+        the prior's noise on the stream's scale (docs/derivations.md §6, "The prior's outputscale").
+        ``scale_prior`` multiplies it.
     :param jitter: constant diagonal added to the covariance that ``posterior()`` returns (makes it
         non-singular for ``log_prob``); samples and means never include it.
     """
@@ -97,6 +102,7 @@ class KEPSVGPAttention(GPAttention):
         token_independent: bool = False,
         include_residual: bool = False,
         jitter: float = 1e-6,
+        prior_variance: float = KEP_PRIOR_VARIANCE,
         **base,
     ):
         super().__init__(embed_dim, num_heads, **base)
@@ -118,6 +124,8 @@ class KEPSVGPAttention(GPAttention):
                 raise ValueError(f"{name} must be True or False, got {val!r}")
         if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not jitter >= 0:
             raise ValueError(f"jitter must be a float >= 0, got {jitter!r}")
+        if isinstance(prior_variance, bool) or not isinstance(prior_variance, (int, float)) or not prior_variance > 0:
+            raise ValueError(f"prior_variance must be a float > 0 (1.0: Chen et al.'s prior), got {prior_variance!r}")
         self.strategy = KEPSVGP(
             num_heads,
             self.head_dim,
@@ -129,6 +137,7 @@ class KEPSVGPAttention(GPAttention):
             token_independent=token_independent,
             include_residual=include_residual,
             jitter=float(jitter),
+            prior_variance=float(prior_variance),
         )
 
     @property
@@ -150,4 +159,5 @@ class KEPSVGPAttention(GPAttention):
             f"{super().extra_repr()}, rank={k.rank}, num_landmarks={k.ksvd.num_landmarks}, merge={k.merge!r}"
             + (f", seq_len={k.seq_len}" if k.merge == "concat" else "")
             + f", token_independent={k.token_independent}, include_residual={k.include_residual}"
+            + f", prior_variance={float(k.prior_variance):g}"
         )

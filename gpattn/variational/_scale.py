@@ -24,11 +24,13 @@ How each variant reaches it (a change of parameterisation only: the models are t
   the ARD-RBF kernel already has κ(q, q) = σ². A kernel instance passed by the user is used as given.
 * ``kep-svgp``: Λ = I and ω_r = ω_e at initialisation, so that the KSVD objective J starts near its
   stationary value 0 (with the landmark features of LayerNorm-ed tokens, E e_c² ≈ 1, so
-  ½ E‖eΛ^{-1/2}‖² + ½ E‖rΛ^{-1/2}‖² ≈ r = tr(ω_eᵀω_r)); the prior N(0, Λ²) then gives f a prior
-  variance O(1); q(u_c) starts near-deterministic, m_c ~ N(0, 0.1² I) (:data:`KEP_MEAN_STD`; released:
+  ½ E‖eΛ^{-1/2}‖² + ½ E‖rΛ^{-1/2}‖² ≈ r = tr(ω_eᵀω_r)); the paper's prior N(0, Λ²) then gives f a prior
+  spread 1.5× the input, so the kernel gets the outputscale σ² = :data:`KEP_PRIOR_VARIANCE`, p(u_c) =
+  N(0, σ²Λ²) (docs/derivations.md §6, "The prior's outputscale"); q(u_c) starts near-deterministic,
+  m_c ~ N(0, 0.1² I) (:data:`KEP_MEAN_STD`; released:
   N(0, I)) and S_c = 0.01 I (:data:`KEP_COVARIANCE_STD`; released: I/4), as Salimbeni & Deisenroth
-  initialise inner layers. KEP's only KL is global (÷ N), so the initial variance is largely where
-  training leaves it.
+  initialise inner layers. KEP's only KL is global (÷ N), yet under Adam it still pulls S_c to the prior in
+  training: that is why the prior itself is scaled.
 * ``cgp``, ``scgp``: σ_q = σ_k = √0.1 (:data:`CGP_SIGMA`), since K_q = σ_q² κ_o with κ_o(q, q) = 1 sets
   the prior variance of z_q directly.
 
@@ -37,8 +39,8 @@ The fractions above assume a unit-variance input and a fresh W_o of gain :data:`
 Inside a pretrained encoder the input has the stream's own variance v_s per coordinate and the swapped
 ``out_proj`` starts as the identity (gain g_o = 1), so the same prior adds more noise than designed.
 ``scale_prior(v_s · (1/3) / g_o)`` on every GP layer's strategy (``HFClassifier.match_prior_to_stream``)
-restores the designed fraction; kep-svgp has no separate prior variance (p(u_c) = N(0, Λ²), Λ also in its
-mean) and starts with ``out_proj`` = 0 there instead.
+restores the designed fraction; kep-svgp's ``scale_prior`` multiplies σ² (its swap starts with ``out_proj`` = 0,
+which ``match_prior_to_stream`` leaves as it is).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ __all__ = [
     "CGP_SIGMA",
     "KEP_COVARIANCE_STD",
     "KEP_MEAN_STD",
+    "KEP_PRIOR_VARIANCE",
     "NATIVE_OUTPUT_GAIN",
     "PRIOR_VARIANCE",
     "attention_lengthscale",
@@ -66,6 +69,9 @@ KEP_MEAN_STD = 0.1
 
 #: initial Cholesky diagonal of KEP-SVGP's q(u_c) covariance (the released value is 0.5; the prior's is 1)
 KEP_COVARIANCE_STD = 0.1
+
+#: σ², the outputscale of KEP-SVGP's attention kernel: p(u_c) = N(0, σ²Λ²) (1.0 is Chen et al.'s prior)
+KEP_PRIOR_VARIANCE = 0.1
 
 #: initial σ_q = σ_k of the correlated GPs (prior variance σ_q² = 0.1 of z_q at a token)
 CGP_SIGMA = math.sqrt(0.1)

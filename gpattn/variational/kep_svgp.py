@@ -23,6 +23,7 @@ Pieces, kept apart as in GPyTorch (q(u) parameterisation vs the q(u) → q(f) ma
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn as nn
@@ -259,7 +260,8 @@ def kep_kl_divergence(lam: torch.Tensor, m: torch.Tensor, L: torch.Tensor) -> to
     with :math:`\operatorname{tr}(\Lambda^{-2} L_c L_c^\top) + m_c^\top \Lambda^{-2} m_c = \sum_j \lambda_j^{-2}
     (\lVert L_{c,j\cdot} \rVert^2 + m_{c,j}^2)` and :math:`\log|\Lambda^2| - \log|S_c| = 2 \sum_j \log(\lambda_j /
     |L_{c,jj}|)` — only the diagonal Λ is inverted; summed over (h, c) in one reduction each. A *global* term
-    (the objective divides it by N).
+    (the objective divides it by N). ``lam`` is the prior's standard deviation per feature: Λ in the paper's
+    form, σΛ with the kernel's outputscale σ² (:class:`KEPSVGP` ``prior_variance``).
 
     # shape: lam (H, r), m (H, r_c, r), L (H, r_c, r, r) -> ()
     """
@@ -400,6 +402,20 @@ def residual_root(phi_q: torch.Tensor, phi_k: torch.Tensor, W: torch.Tensor, mas
 
 
 # ------------------------------------------------------------------------------------ the layer
+def _paper_prior_for_old_state(state_dict, prefix, *args) -> None:
+    """Load hook: a state dict saved before ``prior_variance`` existed was trained under Chen et al.'s prior
+    N(0, Λ²), so it loads with σ² = 1 (and says so) instead of failing on the missing key."""
+    key = prefix + "prior_variance"
+    if key not in state_dict and prefix + "out_weight" in state_dict:
+        warnings.warn(
+            f"{key} missing from the state dict (saved before kep-svgp had a prior outputscale): loaded with "
+            f"prior_variance=1.0, the prior it was trained under (docs/derivations.md §6)",
+            UserWarning,
+            stacklevel=2,
+        )
+        state_dict[key] = torch.ones((), dtype=state_dict[prefix + "out_weight"].dtype)
+
+
 class KEPSVGP(AmortisedVariationalStrategy):
     r"""Kernel-eigen pair SVGP attention of one layer (Chen et al. (2024) §4, eqs. 16–21; docs/derivations.md §6).
 
@@ -454,9 +470,13 @@ class KEPSVGP(AmortisedVariationalStrategy):
         token_independent: bool = False,
         include_residual: bool = False,
         jitter: float = 0.0,
+        prior_variance: float = 1.0,
     ):
         super().__init__()
         self.jitter = jitter
+        # σ², the kernel's outputscale: p(u_c) = N(0, σ²Λ²); a buffer, so that scale_prior is saved with the model
+        self.register_buffer("prior_variance", torch.tensor(float(prior_variance)))
+        self._register_load_state_dict_pre_hook(_paper_prior_for_old_state)
         self.num_heads, self.head_dim, self.value_dim, self.rank = num_heads, head_dim, value_dim, rank
         self.merge, self.seq_len = merge, seq_len
         self.token_independent, self.include_residual = token_independent, include_residual
@@ -479,11 +499,9 @@ class KEPSVGP(AmortisedVariationalStrategy):
 
     # ---------------------------------------------------------------- pieces
     def _scale_prior(self, factor: float) -> None:
-        raise ValueError(
-            "kep-svgp has no prior variance to scale: its prior p(u_c) = N(0, Lambda^2) is tied to the KSVD "
-            "singular values Lambda that also form its mean (f_c = G Lambda^-1 u_c); scale its output map "
-            "(out_proj) instead"
-        )
+        """σ² ← factor · σ²: the outputscale of the attention kernel, which scales p(u_c) = N(0, σ²Λ²) and leaves
+        the mean map a = GΛ⁻¹ as it is (docs/derivations.md §6, "The prior's outputscale")."""
+        self.prior_variance.mul_(factor)
 
     def check_length(self, T: int) -> None:
         if self.merge == "concat" and T != self.seq_len:
@@ -496,7 +514,7 @@ class KEPSVGP(AmortisedVariationalStrategy):
         """KSVD projections, merged features ``a = G Λ⁻¹`` and (optional) the residual root.
 
         # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask (B, T) or None -> dict with e, r (B, H, T, r),
-        #        a (B, H, T, r), residual (B, H, T, 2·Dh) or None, lam (H, r) (Λ)
+        #        a (B, H, T, r), residual (B, H, T, 2·Dh) or None, lam (H, r) (Λ), prior_std (H, r) (σΛ)
         """
         self.check_length(x.shape[1])
         e, r, W_e, W_r = self.ksvd(x, q, k, mask)
@@ -520,7 +538,8 @@ class KEPSVGP(AmortisedVariationalStrategy):
                 res = torch.cat([A_e @ keep(res[0]), A_r @ keep(res[1])], dim=-1)
         lam = self.ksvd.lam  # formed once per forward: the features, the KL and J read it (KEPConditional)
         a = G / lam[:, None, :]  # shape: (B, H, T, r): G Λ⁻¹ (Λ diagonal)
-        return {"e": e, "r": r, "a": a, "residual": res, "lam": lam}
+        prior_std = lam * self.prior_variance.to(lam.dtype).sqrt()  # shape: (H, r): σΛ, the prior's std of u_c
+        return {"e": e, "r": r, "a": a, "residual": res, "lam": lam, "prior_std": prior_std}
 
     def condition(self, x, q, k, mask=None) -> KEPConditional:
         """Features of a batch of sequences, computed once (float32 at least, autocast off).
@@ -565,8 +584,8 @@ class KEPConditional(AmortisedConditional):
 
     @property
     def prior_distribution(self) -> MultivariateNormal:
-        """p(u_c) = N(0, Λ²) on the inducing features.  # shape: batch (H, r_c), event r"""
-        var = self._lam.square()[:, None, :].expand(-1, self.strategy.rank, -1)  # shape: (H, r_c, r)
+        """p(u_c) = N(0, σ²Λ²) on the inducing features.  # shape: batch (H, r_c), event r"""
+        var = self.features["prior_std"].square()[:, None, :].expand(-1, self.strategy.rank, -1)  # shape: (H, r_c, r)
         return MultivariateNormal(torch.zeros_like(var), DiagLinearOperator(var))
 
     @property
@@ -575,9 +594,10 @@ class KEPConditional(AmortisedConditional):
         return self.strategy.variational_distribution()
 
     def kl_divergence(self) -> torch.Tensor:
-        """Σ_{h,c} KL(q(u_c) ‖ N(0, Λ²)), a global term (docs/derivations.md §9: the objective divides it by
+        """Σ_{h,c} KL(q(u_c) ‖ N(0, σ²Λ²)), a global term (docs/derivations.md §9: the objective divides it by
         N).  # shape: -> ()"""
-        return kep_kl_divergence(self._lam, self.strategy.variational_distribution.variational_mean, self._chol)
+        m = self.strategy.variational_distribution.variational_mean
+        return kep_kl_divergence(self.features["prior_std"], m, self._chol)
 
     def rsample(self, num_samples=None, generator=None):
         """Exact (or, ``token_independent``, per-token) samples of the head outputs (:func:`kep_sample`).
