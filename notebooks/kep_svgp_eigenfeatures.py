@@ -299,6 +299,7 @@ with torch.no_grad():
     post = layer64.posterior(xb)
 v64 = layer64.kep.variational_distribution
 lam64 = layer64.kep.ksvd.log_lambda.exp().detach()
+s2 = float(layer64.kep.prior_variance)  # the prior's outputscale σ²: p(u_c) = N(0, σ²Λ²) (docs/derivations.md §6)
 m64, L64 = v64.variational_mean.detach(), v64.chol.detach()
 W64, b64 = layer64.kep.out_weight.detach(), layer64.kep.out_bias.detach()
 
@@ -310,7 +311,7 @@ err_cov = (post.covariance_matrix - cov_bf).abs().max().item() / cov_bf.abs().ma
 kl_ref = sum(
     kl_divergence(
         TorchMVN(m64[h, c], scale_tril=L64[h, c]),
-        TorchMVN(torch.zeros(R, dtype=torch.float64), covariance_matrix=torch.diag(lam64[h] ** 2)),
+        TorchMVN(torch.zeros(R, dtype=torch.float64), covariance_matrix=torch.diag(s2 * lam64[h] ** 2)),
     )
     for h in range(H)
     for c in range(R)

@@ -8,7 +8,7 @@ entropy, energy, MC variance and mutual information are :func:`gpattn.experiment
 
 - :func:`adaptive_ece`: equal-mass ECE (Nixon et al. 2019): the examples sorted by confidence (stable sort)
   and cut into ``n_bins`` consecutive groups whose sizes differ by at most one (``numpy.array_split``);
-  ECE = Σ_b (n_b / N) |acc_b − conf_b|.
+  ECE = Σ_b (n_b / N) · abs(acc_b − conf_b).
 - :func:`conformal_sets`: split conformal prediction (Vovk et al. 2005; Angelopoulos & Bates 2021) at level
   1 − α. Scores: ``"lac"`` s(x, y) = 1 − p̄_y (Sadinle et al. 2019); ``"aps"`` s(x, y) = Σ_k p̄_k 1[p̄_k ≥ p̄_y],
   the mass of every class at least as probable as y (Romano et al. 2020, without the randomisation). The

@@ -1,5 +1,6 @@
-"""A swapped GP layer's prior matched to the pretrained stream (:meth:`HFClassifier.match_prior_to_stream`'s per-layer
-step; docs/derivations.md §7, §9). Split from :mod:`gpattn.integrations.huggingface`."""
+"""A swapped GP layer's prior matched to the pretrained stream, the per-layer step of
+:meth:`~gpattn.integrations.huggingface.HFClassifier.match_prior_to_stream`
+(docs/derivations.md §7, §9). Split from :mod:`gpattn.integrations.huggingface`."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ __all__ = ["MEDIAN_KEY_DISTANCE"]
 
 
 #: the median squared distance between a swapped cgp/scgp layer's canonical keys after
-#: :meth:`HFClassifier.match_prior_to_stream` (κ_o = e⁻¹ at the median pair; docs/derivations.md §7)
+#: :meth:`~gpattn.integrations.huggingface.HFClassifier.match_prior_to_stream`
+#: (κ_o = e⁻¹ at the median pair; docs/derivations.md §7)
 MEDIAN_KEY_DISTANCE = 2.0
 
 
 def _match_layer(layer: nn.Module, x: torch.Tensor, key_padding_mask, gain: float) -> dict:
     """Scale one swapped GP layer's prior to its input ``x`` (B, T, D) (and cgp/scgp's canonical inputs by the
-    median heuristic): :meth:`HFClassifier.match_prior_to_stream`'s row for it, without the layer index."""
+    median heuristic): the row of
+    :meth:`~gpattn.integrations.huggingface.HFClassifier.match_prior_to_stream` for it, without the layer index."""
     from gpattn.variational._scale import NATIVE_OUTPUT_GAIN
 
     real = x if key_padding_mask is None else x[~key_padding_mask.to(x.device)]

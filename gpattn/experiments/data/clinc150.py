@@ -26,6 +26,7 @@ CLINC150_URL = (
 )
 #: SHA-256 of ``data_full.json`` (2,495,390 bytes), checked on every read
 CLINC150_SHA256 = "36923c3705a59e08fe9c3883d8bc2dd966ef93e22cb78ac41171782a698d56e0"
+#: the authors' file name, looked up in the data folder
 CLINC150_FILENAME = "data_full.json"
 #: the file's six lists
 CLINC150_KEYS = ("train", "val", "test", "oos_train", "oos_val", "oos_test")
