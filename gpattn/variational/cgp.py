@@ -214,20 +214,6 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
                 f"got {mask.dtype} {tuple(mask.shape)}"
             )
 
-    def _check_mean_values(self, mean_values, v) -> None:
-        """``mean_values`` given exactly when ``prior_mean="softmax-separate"``, shaped like the values."""
-        separate = bool(self.mean_module.projections)  # the mean owns values (the v_mean rows)
-        if separate and mean_values is None:
-            raise ValueError(
-                "mean_values: prior_mean='softmax-separate' reads values of its own (B, H, T, Dv); pass them, or use "
-                "prior_mean='softmax' (the mean reads the GP's values v)"
-            )
-        if not separate and mean_values is not None:
-            raise ValueError(f"mean_values: only prior_mean='softmax-separate' reads them, not {self.prior_mean!r}")
-        if separate and (not torch.is_tensor(mean_values) or mean_values.shape != v.shape):
-            shape = tuple(mean_values.shape) if torch.is_tensor(mean_values) else type(mean_values).__name__
-            raise ValueError(f"mean_values must be a tensor shaped like v {tuple(v.shape)}, got {shape}")
-
     @staticmethod
     def _prepare(mask, *tensors):
         """Upcast to float32 at least (autocast is off inside); mask (B, T) -> valid (B, 1, T) or None."""
@@ -248,14 +234,13 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         # mean_values (B, H, T, Dv)
         """
         self._check(q, k, o, v, mask)
-        self._check_mean_values(mean_values, v)
+        u = self.mean_module.mean_values_for(v, mean_values)  # what the mean reads: v or values of its own
         if query_inputs is not None:
             check_query_inputs(query_inputs, k)
         with gp_algebra(q.device.type):
-            valid, (q, k, o, v32) = self._prepare(mask, q if query_inputs is None else query_inputs, k, o, v)
+            valid, (q, k, o, v32, u) = self._prepare(mask, q if query_inputs is None else query_inputs, k, o, v, u)
             valid_q = valid if query_inputs is None else None  # cross-attention: the queries are not padded
             cond = self._condition(q, k, o, v32, valid, valid_q=valid_q, **options)
-            u = v32 if mean_values is None else full_precision(mean_values)[0]
             cond.add_prior_mean(self.mean_module(self, q, k, u, valid, valid_q))  # m(q) + ν, once
         cond.output_dtype = v.dtype  # the layer hands on the values' dtype (autocast)
         return cond

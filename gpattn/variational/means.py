@@ -74,6 +74,13 @@ def check_prior_mean(prior_mean, choices: tuple[str, ...] = PRIOR_MEANS, meaning
     return prior_mean
 
 
+def _read_gp_values(name: str, v, mean_values):
+    """A mean that owns no values reads the GP's ``v``; ``mean_values`` passed to it are an error, not ignored."""
+    if mean_values is not None:
+        raise ValueError(f"mean_values: only prior_mean='softmax-separate' reads them, not {name!r}")
+    return v
+
+
 class ZeroMean(nn.Module):
     """m = 0, the papers' prior mean (Chen & Li 2023; Bui et al.): the strategy's q(ũ) then carries the amortised mean
     (docs/derivations.md §5a), and the correlated GPs' ν the whole attention (§7). Its value is None, the zero that
@@ -98,6 +105,10 @@ class ZeroMean(nn.Module):
     @staticmethod
     def check_kernel(kernel) -> None:
         """Nothing: every kernel goes with the zero mean."""
+
+    def mean_values_for(self, v, mean_values):
+        """The values the mean reads: the GP's ``v`` (unused by a zero); ``mean_values`` are refused."""
+        return _read_gp_values(self.name, v, mean_values)
 
     def register_state(self, strategy) -> None:
         """Nothing: the zero mean has no state."""
@@ -329,6 +340,21 @@ class CorrelatedSoftmaxMean(nn.Module):
         self.name = "softmax-separate" if self.separate else "softmax"
         #: the value projections this mean owns: rows of the layer's fused ``in_proj`` (docs/derivations.md §7a)
         self.projections = ("v_mean",) if self.separate else ()
+
+    def mean_values_for(self, v, mean_values):
+        """The values u the mean reads: the GP's ``v`` (``mean_values`` refused), or, when the mean owns its values,
+        ``mean_values`` (required, shaped like ``v``)."""
+        if not self.separate:
+            return _read_gp_values(self.name, v, mean_values)
+        if mean_values is None:
+            raise ValueError(
+                "mean_values: prior_mean='softmax-separate' reads values of its own (B, H, T, Dv); pass them, or use "
+                "prior_mean='softmax' (the mean reads the GP's values v)"
+            )
+        if not torch.is_tensor(mean_values) or mean_values.shape != v.shape:
+            shape = tuple(mean_values.shape) if torch.is_tensor(mean_values) else type(mean_values).__name__
+            raise ValueError(f"mean_values must be a tensor shaped like v {tuple(v.shape)}, got {shape}")
+        return mean_values
 
     def forward(self, strategy, q, k, values, valid=None, valid_q=None) -> torch.Tensor:
         """m(q) with the temperature t of ``strategy``.
