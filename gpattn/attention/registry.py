@@ -52,6 +52,9 @@ _SGPA_SWAP = {"qk": "separate", "prior_mean": "softmax"}
 _ENTRIES: dict[str, VariantEntry] = {
     "sgpa": VariantEntry(recipes={"encoder-swap": _SGPA_SWAP}),
     "sgpa-decoupled": VariantEntry(recipes={"encoder-swap": _SGPA_SWAP}),
+    # the swap's g starts at ℓ = 1, so that the median heuristic of match_prior_to_stream puts κ = e⁻¹ at the median
+    # pair of queries (docs/derivations.md §5f)
+    "sgpa-rff": VariantEntry(recipes={"encoder-swap": {**_SGPA_SWAP, "lengthscale": 1.0}}),
     "cgp": VariantEntry(recorded=("prior_mean",)),
     "scgp": VariantEntry(recorded=("prior_mean",)),
 }

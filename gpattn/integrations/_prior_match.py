@@ -38,7 +38,8 @@ def _match_layer(layer: nn.Module, x: torch.Tensor, key_padding_mask, gain: floa
 def _median_key_distance(layer: nn.Module, x: torch.Tensor, key_padding_mask) -> float:
     """The median of ‖k_i − k_j‖² over the heads and the pairs of distinct real tokens of one sequence, k the
     canonical keys of a correlated-GP layer (``strategy_inputs``, input scale applied).  # shape: x (B, T, D)"""
-    k = layer.strategy_inputs(x)[1].double()  # (B, H, T, Dh)
+    # the inputs of the layer's distances: its queries (distance_inputs) or, by default, the canonical keys
+    k = (layer.distance_inputs(x) if hasattr(layer, "distance_inputs") else layer.strategy_inputs(x)[1]).double()
     B, T = k.shape[0], k.shape[2]
     real = torch.ones(B, T, dtype=torch.bool, device=k.device)
     if key_padding_mask is not None:

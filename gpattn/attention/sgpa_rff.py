@@ -1,0 +1,77 @@
+"""Distance-aware SGPA (docs/derivations.md §5f): a thin shim over :mod:`gpattn.variational.sgpa_rff`."""
+
+from __future__ import annotations
+
+import math
+
+from gpytorch.kernels import Kernel
+
+from gpattn.attention.registry import register
+from gpattn.attention.sgpa import _kernel, _QueryKeyMaps
+from gpattn.variational.sgpa_rff import FeatureSGPAVariationalStrategy, TrainingQueryCovariance
+
+__all__ = ["DistanceAwareSGPAttention"]
+
+
+@register("sgpa-rff")
+class DistanceAwareSGPAttention(_QueryKeyMaps):
+    r"""SGPA whose predictive variance grows away from the training queries (docs/derivations.md §5f): each head's
+    output is the attention prior mean m(q) (as ``sgpa``'s default) plus a global GP g(q) on the query space, an RBF
+    kernel through ``num_features`` random Fourier features, whose posterior covariance is conditioned on the
+    queries seen in training (a running second moment, a buffer updated in training mode).
+
+    :param kernel: the prior mean's kernel (as for ``sgpa``: ``"ard-rbf"`` by default, lengthscale Dh^¼).
+    :param num_features: R random features per head (default 256).
+    :param prior_variance: σ², g's prior variance at every query, on the LayerNorm-ed stream's scale (default 1: away
+        from the data the noise is as large as the stream; ``scale_prior`` multiplies it).
+    :param lengthscale: ℓ of g's RBF kernel on the queries (default √(Dh/3): κ = e⁻¹ at the typical distance of
+        two queries of the default initialisation; an encoder swap sets it by the median heuristic).
+    :param data_weight: w in Σ⁻¹ = I + w E[ψψᵀ] (default 1000).
+    :param momentum: the running second moment's weight of a new training batch (default 0.01).
+    :param prior_mean: ``"attention"`` (default) or ``"softmax"`` (the encoder swap's: the pretrained attention).
+    :param qk: ``"shared"`` (default) or ``"separate"`` (docs/derivations.md §5d).
+    :param jitter: absolute jitter of ``posterior()``'s covariance.
+
+    Loss terms: ``kl_global`` (q(β)'s KL, ÷ N). Masks: any ``attn_mask`` with ``qk="shared"`` (the prior mean
+    attends over A_i; g ignores masks). Cross-attention: key padding.
+    """
+
+    projections = ("qk", "v")
+    per_query_masks = True
+    cross_attention = True
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kernel: str | dict | Kernel | None = None,
+        num_features: int = 256,
+        prior_variance: float = 1.0,
+        lengthscale: float | None = None,
+        data_weight: float = 1000.0,
+        momentum: float = 0.01,
+        prior_mean: str = "attention",
+        qk: str = "shared",
+        jitter: float = 1e-6,
+        **base,
+    ):
+        super().__init__(embed_dim, num_heads, qk, **base)
+        covariance = TrainingQueryCovariance(
+            num_heads, self.head_dim, num_features=num_features, prior_variance=prior_variance,
+            lengthscale=math.sqrt(self.head_dim / 3) if lengthscale is None else lengthscale,
+            data_weight=data_weight, momentum=momentum,
+        )
+        self.strategy = FeatureSGPAVariationalStrategy(
+            _kernel(kernel, num_heads, self.head_dim, prior_mean), covariance, self.value_dim,
+            prior_mean=prior_mean, jitter=jitter,
+        )
+
+    def rescale_inputs(self, factor: float) -> None:
+        """The queries' distances scaled by ``factor``: g's lengthscale ℓ ← ℓ / factor (an encoder swap's
+        median heuristic, gpattn.integrations.huggingface.HFClassifier.match_prior_to_stream)."""
+        self.strategy.covariance.rescale_inputs(factor)
+
+    def distance_inputs(self, x):
+        """The inputs whose distances g's kernel measures: the queries.  # shape: x (B, T, D) -> (B, H, T, Dh)"""
+        return self.query_inputs(x)

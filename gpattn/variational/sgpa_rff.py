@@ -1,0 +1,257 @@
+r"""Distance-aware SGPA: the attention prior mean plus a global random-feature GP whose covariance is conditioned
+on the training queries (docs/derivations.md §5f).
+
+For head h and output dim d the head's output is f_d(q) = m(q)_d + g_d(q), with m the attention prior mean of
+:mod:`gpattn.variational.means` (the sequence's own attention, deterministic given the sequence) and g_d a GP on the
+query space with a stationary RBF kernel σ² exp(−‖q − q'‖² / 2ℓ²), written through R random Fourier features
+(Rahimi & Recht 2007),
+
+.. math:: g_d(q) = \sigma\, \psi(q)^\top \beta_d, \qquad
+          \psi(q) = \sqrt{2/R}\, \cos(\Omega q / \ell + b), \qquad \beta_d \sim \mathcal N(0, I_R),
+
+so that the prior variance σ² ψ(q)ᵀψ(q) ≈ σ² is the same at every query. The posterior over β is
+q(β_d) = N(μ_d, Σ) with μ learned (its KL to the prior, ÷ N, is ``kl_global``) and Σ conditioned on the queries the
+layer has seen in training,
+
+.. math:: \Sigma^{-1} = I_R + w\, \mathbb E_{\text{train}}[\psi(q)\psi(q)^\top],
+
+the posterior precision of a Gaussian pseudo-likelihood at every training query (w: pseudo-observations per unit
+noise, ``data_weight``); in training the expectation is over the batch's own real queries, and a running average of it over the
+training batches (a buffer, updated in training mode as BatchNorm's statistics are) is the one evaluation uses. Where training queries lie the predictive variance σ² ψᵀΣψ shrinks; along
+directions no training query visited it stays at σ²: the variance grows away from the data. This is the covariance
+of SNGP's Gaussian-process output layer (Liu et al. 2020, a Laplace precision over random features) moved to the
+query space of the attention layer. No gradient flows from the covariance into the query map (the features of the
+noise path are computed from detached queries, as SNGP computes its covariance without gradients): the likelihood
+cannot shrink the noise by moving every query onto the data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from gpytorch.distributions import MultivariateNormal
+from linear_operator.operators import DiagLinearOperator, RootLinearOperator
+
+from gpattn.kernels import evaluate_kernel
+from gpattn.objectives import GlobalKL
+from gpattn.variational._linalg import cholesky, full_precision, gp_algebra, matmul_samples, tri_solve
+from gpattn.variational._scale import check_prior_factor
+from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, check_query_inputs
+from gpattn.variational.means import add_means, check_prior_mean, make_prior_mean
+from gpattn.variational.sgpa import check_sequence_inputs, posterior_distribution, split_per_query_mask, standard_normal
+
+__all__ = ["FeatureSGPAConditional", "FeatureSGPAVariationalStrategy", "TrainingQueryCovariance"]
+
+#: the prior means of ``sgpa-rff``: the attention is its mean (the zero mean would leave no attention)
+RFF_PRIOR_MEANS = ("attention", "softmax")
+
+
+def _positive(name: str, value, integer: bool = False):
+    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+    if not ok or not math.isfinite(value) or value <= 0:
+        kind = "int" if integer else "number"
+        raise ValueError(f"{name} must be a finite {kind} > 0, got {value!r}")
+    return value if integer else float(value)
+
+
+class TrainingQueryCovariance(nn.Module):
+    r"""The covariance of g: R random Fourier features of an RBF kernel per head and the posterior precision
+    Σ⁻¹ = I + w E[ψψᵀ] from the running second moment of the training queries' features (module docstring).
+
+    :param num_heads: H.
+    :param head_dim: Dh (the queries' width).
+    :param num_features: R features per head.
+    :param lengthscale: ℓ, the RBF lengthscale on the queries (fixed: a prior hyperparameter).
+    :param prior_variance: σ², the prior variance of g at every query (fixed: a prior hyperparameter).
+    :param data_weight: w, pseudo-observations per unit noise of the precision.
+    :param momentum: the running average's weight of a new batch (after the first ⌈1/momentum⌉ batches, which
+        are averaged with equal weights).
+    """
+
+    def __init__(
+        self, num_heads: int, head_dim: int, *, num_features: int, lengthscale: float, prior_variance: float,
+        data_weight: float, momentum: float,
+    ):
+        super().__init__()
+        R = _positive("num_features", num_features, integer=True)
+        self.data_weight = _positive("data_weight", data_weight)
+        self.momentum = _positive("momentum", momentum)
+        if self.momentum > 1:
+            raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
+        #: Ω ~ N(0, I) and b ~ U(0, 2π): the fixed random features  # shape: (H, R, Dh), (H, R)
+        self.register_buffer("frequencies", torch.randn(num_heads, R, head_dim))
+        self.register_buffer("phases", 2 * math.pi * torch.rand(num_heads, R))
+        self.register_buffer("lengthscale", torch.full((num_heads,), _positive("lengthscale", lengthscale)))
+        self.register_buffer("outputscale", torch.full((num_heads,), _positive("prior_variance", prior_variance)))
+        #: E_train[ψψᵀ], the running second moment of the training queries' unit features  # shape: (H, R, R)
+        self.register_buffer("second_moment", torch.zeros(num_heads, R, R))
+        self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
+
+    @property
+    def num_features(self) -> int:
+        """R."""
+        return self.frequencies.shape[1]
+
+    def unit_features(self, queries: torch.Tensor) -> torch.Tensor:
+        """ψ(q) = √(2/R) cos(Ω q/ℓ + b), ψᵀψ' ≈ exp(−‖q − q'‖²/2ℓ²).  # shape: (B, H, T, Dh) -> (B, H, T, R)"""
+        omega = (self.frequencies / self.lengthscale[:, None, None]).to(queries.dtype)
+        angle = queries @ omega.mT + self.phases[:, None, :].to(queries.dtype)
+        return math.sqrt(2.0 / self.num_features) * torch.cos(angle)
+
+    @staticmethod
+    def batch_moment(psi: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+        """E[ψψᵀ] over one batch's real tokens (detached).  # shape: psi (B, H, T, R), real (B, T) or None -> (H, R, R)"""
+        psi = psi.detach()
+        if real is None:
+            return torch.einsum("bhtr,bhts->hrs", psi, psi) / (psi.shape[0] * psi.shape[2])
+        psi = psi * real[:, None, :, None].to(psi.dtype)
+        return torch.einsum("bhtr,bhts->hrs", psi, psi) / real.sum().clamp_min(1).to(psi.dtype)
+
+    @torch.no_grad()
+    def track(self, moment: torch.Tensor) -> None:
+        """Fold one training batch's E[ψψᵀ] into the running second moment: equal weights for the first
+        ⌈1/momentum⌉ batches, then the running average (no host read: it compiles).  # shape: moment (H, R, R)"""
+        weight = (1.0 / (self.num_batches_tracked + 1).to(self.second_moment.dtype)).clamp_min(self.momentum)
+        self.second_moment.lerp_(moment.to(self.second_moment.dtype), weight)
+        self.num_batches_tracked.add_(1)
+
+    def precision_cholesky(self, moment: torch.Tensor) -> torch.Tensor:
+        """L with L Lᵀ = Σ⁻¹ = I + w·moment.  # shape: moment (H, R, R) -> (H, R, R)"""
+        eye = torch.eye(moment.shape[-1], dtype=moment.dtype, device=moment.device)
+        return cholesky(eye + self.data_weight * moment, name="sgpa-rff (posterior precision)")
+
+    def scale(self, factor: float) -> None:
+        """σ² ← factor · σ² (``scale_prior``)."""
+        self.outputscale.mul_(check_prior_factor(factor))
+
+    def rescale_inputs(self, factor: float) -> None:
+        """Queries scaled by ``factor``: ℓ ← ℓ / factor (the median heuristic of an encoder swap)."""
+        self.lengthscale.div_(check_prior_factor(factor))
+
+
+class FeatureSGPAConditional(AmortisedConditional):
+    """The factors of one ``sgpa-rff`` forward pass (explicit, never cached).
+
+    :ivar mean: m(q) + σ Ψ μ.  # shape: (B, H, T, Dv)
+    :ivar root: σ Ψ L⁻ᵀ, the root of the covariance shared by the Dv output dims.  # shape: (B, H, T, R)
+    :ivar chol: L, the Cholesky factor of the posterior precision.  # shape: (H, R, R)
+    :ivar coefficients: μ.  # shape: (H, R, Dv)
+    """
+
+    def __init__(self, *, mean, root, chol, coefficients, jitter):
+        self.mean, self.root, self.chol, self.coefficients, self.jitter = mean, root, chol, coefficients, jitter
+
+    @property
+    def prior_distribution(self) -> MultivariateNormal:
+        """p(β) = N(0, I_R).  # shape: batch (H, Dv), event R"""
+        zeros = torch.zeros_like(self.coefficients).mT
+        return MultivariateNormal(zeros, DiagLinearOperator(torch.ones_like(zeros)))
+
+    @property
+    def variational_distribution(self) -> MultivariateNormal:
+        """q(β) = N(μ, Σ), Σ = L⁻ᵀL⁻¹.  # shape: batch (H, Dv), event R"""
+        eye = torch.eye(self.chol.shape[-1], dtype=self.chol.dtype, device=self.chol.device)
+        root = tri_solve(self.chol.mT, eye, upper=True)  # L⁻ᵀ: Σ = L⁻ᵀ (L⁻ᵀ)ᵀ
+        Dv = self.coefficients.shape[-1]
+        return MultivariateNormal(self.coefficients.mT, RootLinearOperator(root[:, None].expand(-1, Dv, -1, -1)))
+
+    def kl_divergence(self) -> torch.Tensor:
+        """KL(q(β_d) ‖ p(β_d)) = ½[tr Σ + ‖μ_d‖² − R − log|Σ|], a global term.  # shape: -> (H, Dv)"""
+        R = self.chol.shape[-1]
+        eye = torch.eye(R, dtype=self.chol.dtype, device=self.chol.device)
+        inv = tri_solve(self.chol, eye)  # L⁻¹: tr Σ = ‖L⁻¹‖²_F
+        log_det_precision = 2 * self.chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)  # shape: (H,)
+        const = inv.square().sum((-2, -1)) - R + log_det_precision  # shape: (H,)
+        return 0.5 * (const[:, None] + self.coefficients.square().sum(-2))
+
+    def added_loss_terms(self, mask=None):
+        """``kl_global``: the KL of q(β), summed over (h, d) (÷ N in the objective, docs/derivations.md §9)."""
+        return (GlobalKL(self.kl_divergence().sum()),)
+
+    def variance(self) -> torch.Tensor:
+        """diag Σ_d = σ² ‖L⁻¹ψ(q)‖², the same for every d.  # shape: -> (B, H, T, 1)"""
+        return self.root.square().sum(-1, keepdim=True)
+
+    def posterior(self) -> MultivariateNormal:
+        """q(f): batch (B, H, Dv), event T, covariance σ² Ψ Σ Ψᵀ (+ jitter) for every d."""
+        Dv = self.mean.shape[-1]
+        root = self.root[:, :, None].expand(-1, -1, Dv, -1, -1)  # shape: (B, H, Dv, T, R)
+        jit = DiagLinearOperator(torch.full(root.shape[:-1], self.jitter, dtype=root.dtype, device=root.device))
+        return posterior_distribution(self.mean, RootLinearOperator(root) + jit)
+
+    def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """f_d = mean_d + σ Ψ L⁻ᵀ ε_d, ε_d ∈ R^R: exact joint samples over the tokens, one draw of β per sequence.
+        # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
+        B, H, T, Dv = self.mean.shape
+        eps = standard_normal((B, H, self.root.shape[-1], Dv), self.mean, num_samples, generator)
+        return self.mean + matmul_samples(self.root, eps)
+
+
+class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
+    """q(f) = m(q) + g(q) of ``sgpa-rff`` (module docstring; docs/derivations.md §5f).
+
+    :param kernel: the prior mean's kernel (its rows are the attention weights of ``"attention"``; its lengthscale
+        is the temperature of ``"softmax"``).
+    :param covariance: the :class:`TrainingQueryCovariance` of g.
+    :param value_dim: Dv.
+    :param prior_mean: ``"attention"`` or ``"softmax"`` (gpattn.variational.means).
+    :param jitter: absolute jitter of ``posterior()``'s covariance (samples need none).
+    """
+
+    def __init__(self, kernel, covariance: TrainingQueryCovariance, value_dim: int, *, prior_mean="attention",
+                 jitter: float = 1e-6):
+        super().__init__()
+        self.kernel = kernel
+        if isinstance(prior_mean, str):
+            check_prior_mean(prior_mean, RFF_PRIOR_MEANS, "the attention mean of the sequence")
+        self.mean_module = make_prior_mean(prior_mean, kernel)
+        self.prior_mean = self.mean_module.name
+        self.covariance = covariance
+        H, R = covariance.frequencies.shape[:2]
+        #: μ, the posterior mean of β  # shape: (H, R, Dv)
+        self.variational_mean = nn.Parameter(torch.zeros(H, R, value_dim))
+        self.jitter = float(jitter)
+
+    def _scale_prior(self, factor: float) -> None:
+        self.covariance.scale(factor)
+
+    def condition(self, keys, values, mask=None, query_inputs=None) -> FeatureSGPAConditional:
+        """Self-attention (queries = keys) or cross-attention (``query_inputs``, docs/derivations.md §13). ``mask``:
+        key padding (B, S) or a per-query mask (B|1, H|1, T, S) (the prior mean attends over A_i; g is a
+        function of the query and ignores masks). In training mode the real queries' features update the
+        running second moment; the precision of a training forward is the batch's own (I + w·E_batch[ψψᵀ], as BatchNorm
+        normalises by the batch's statistics in training), of an evaluation forward the running one's.
+        # shape: keys (B, H, S, Dh), values (B, H, S, Dv), query_inputs (B, H, T, Dh)"""
+        queries = keys if query_inputs is None else query_inputs
+        excluded = pad = None
+        if mask is not None and mask.dim() == 4:
+            check_sequence_inputs(keys, values, None)
+            if query_inputs is not None:
+                raise ValueError("attn_mask: sgpa-rff's cross-attention takes key padding only (B, S)")
+            excluded, mask, _ = split_per_query_mask(mask, *keys.shape[:3])
+        check_sequence_inputs(keys, values, mask)
+        if query_inputs is not None:
+            check_query_inputs(query_inputs, keys)
+        with gp_algebra(queries.device.type):
+            queries, keys, values = full_precision(queries, keys, values)
+            not_allowed = excluded if excluded is not None else None if mask is None else mask[:, None, None, :]
+            gram = evaluate_kernel(self.kernel, queries, keys) if self.mean_module.uses_gram else None
+            m = self.mean_module(gram, values, not_allowed, kernel=self.kernel, queries=queries, keys=keys)
+            cov = self.covariance
+            psi = cov.unit_features(queries.detach())  # shape: (B, H, T, R)
+            if self.training:  # as BatchNorm: the batch's own statistics in training, the running ones in eval
+                real = None if (mask is None or query_inputs is not None) else ~mask
+                moment = cov.batch_moment(psi, real)
+                if torch.is_grad_enabled():
+                    cov.track(moment)
+            else:
+                moment = cov.second_moment.to(psi.dtype)
+            chol = cov.precision_cholesky(moment)
+            sigma = cov.outputscale.to(psi.dtype).sqrt()[:, None, None]  # shape: (H, 1, 1)
+            root = sigma * tri_solve(chol.mT, psi, upper=True, left=False)  # σ Ψ L⁻ᵀ
+            mu = self.variational_mean.to(psi.dtype)
+            # the mean's global part takes the queries with their gradient: μ and the query map learn together
+            mean = add_means(m, sigma * (cov.unit_features(queries) @ mu))
+        return FeatureSGPAConditional(mean=mean, root=root, chol=chol, coefficients=mu, jitter=self.jitter)

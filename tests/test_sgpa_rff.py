@@ -1,0 +1,212 @@
+"""sgpa-rff (docs/derivations.md §5f): the attention prior mean plus a random-feature GP on the queries whose
+covariance is conditioned on the training queries. Dense float64 references, the random-feature kernel, the
+running second moment, the distance-aware variance, and the shipped GP mixin."""
+
+import math
+
+import pytest
+import torch
+
+import gpattn
+from gpattn.testing import GPAttentionTestCase
+from gpattn.testing.references import DenseReference, prior_mean_dense, sgpa_heads
+from gpattn.variational.sgpa_rff import TrainingQueryCovariance
+
+F64 = torch.float64
+
+
+def _features_dense(cov, q):
+    """ψ(q) = √(2/R) cos(Ω q/ℓ + b) by its formula, per head.  # shape: q (B, H, T, Dh) -> (B, H, T, R)"""
+    R = cov.frequencies.shape[1]
+    out = torch.empty(*q.shape[:-1], R, dtype=F64)
+    for h in range(q.shape[1]):
+        omega = cov.frequencies[h].double() / float(cov.lengthscale[h])
+        out[:, h] = math.sqrt(2.0 / R) * torch.cos(q[:, h].double() @ omega.T + cov.phases[h].double())
+    return out
+
+
+def rff_dense_posterior(layer, x, mask):
+    """mean m(q) + σΨμ, covariance σ²Ψ(I + wM)⁻¹Ψᵀ by an explicit inverse, KL by torch.distributions."""
+    strategy, cov = layer.strategy, layer.strategy.covariance
+    qk, v = sgpa_heads(layer, x)
+    excluded = None if mask is None else mask[:, None, None, :].expand(-1, qk.shape[1], qk.shape[2], -1)
+    m = prior_mean_dense(layer, qk, qk, v, excluded)
+    psi = _features_dense(cov, qk)
+    s2 = cov.outputscale.double()[:, None, None]
+    mu = strategy.variational_mean.detach().double()
+    mean = m + s2.sqrt() * (psi @ mu)
+    R = psi.shape[-1]
+    if layer.training:  # the batch's own second moment over its real queries
+        real = torch.ones(psi.shape[0], psi.shape[2], dtype=torch.bool) if mask is None else ~mask
+        rows = psi.permute(1, 0, 2, 3)[:, real]  # (H, n, R)
+        moment = rows.mT @ rows / real.sum()
+    else:
+        moment = cov.second_moment.double()
+    sigma = torch.linalg.inv(torch.eye(R, dtype=F64) + cov.data_weight * moment)  # (H, R, R)
+    covariance = s2 * psi @ sigma @ psi.mT  # (B, H, T, T)
+    Dv = v.shape[-1]
+    covariance = covariance[:, :, None].expand(-1, -1, Dv, -1, -1) + strategy.jitter * torch.eye(qk.shape[2])
+    q_beta = torch.distributions.MultivariateNormal(mu.mT, sigma[:, None].expand(-1, Dv, -1, -1))
+    p_beta = torch.distributions.MultivariateNormal(torch.zeros_like(mu.mT), torch.eye(R, dtype=F64))
+    kl = torch.distributions.kl_divergence(q_beta, p_beta).sum()
+    return DenseReference(mean.transpose(-1, -2), covariance, {"kl_global": kl})
+
+
+def _trained(layer, x, batches=3, seed=5):
+    """A layer whose running second moment has seen ``batches`` training batches of ``x``'s distribution."""
+    g = torch.Generator().manual_seed(seed)
+    layer.train()
+    for _ in range(batches):
+        layer(x + 0.1 * torch.randn(x.shape, generator=g, dtype=x.dtype))
+    return layer.eval()
+
+
+class TestSGPARFF(GPAttentionTestCase):
+    attention = "sgpa-rff"
+    options = {"num_features": 16}
+    reference_seeds = (0, 1)
+    reference_padding = {1: (1, 5)}
+    mean_tolerance = covariance_tolerance = {"rtol": 1e-8, "atol": 1e-8}
+    float64_options = {"jitter": 1e-9}
+    exact_options = {"num_features": 8}
+
+    def perturb(self, layer):
+        """A non-zero μ and a tracked second moment (the posterior away from the prior)."""
+        g = torch.Generator().manual_seed(3)
+        layer.strategy.variational_mean.copy_(0.3 * torch.randn(layer.strategy.variational_mean.shape, generator=g))
+        psi = torch.randn(2, layer.num_heads, 9, layer.strategy.covariance.num_features, generator=g, dtype=F64)
+        layer.strategy.covariance.track(layer.strategy.covariance.batch_moment(psi / 4, None))
+        layer.eval()  # the reference reads the running second moment (training forwards use the batch's)
+
+    def dense_reference(self, layer, x, mask):
+        return rff_dense_posterior(layer, x, mask)
+
+
+def test_random_features_approximate_the_rbf_kernel():
+    """ψ(q)ᵀψ(q') → exp(−‖q − q'‖²/2ℓ²) as R grows (Monte-Carlo error ~ 1/√R); ψ is the dense formula."""
+    torch.manual_seed(0)
+    cov = TrainingQueryCovariance(1, 8, num_features=4000, lengthscale=1.3, prior_variance=1.0, data_weight=1.0,
+                                  momentum=0.1).double()
+    q = torch.randn(1, 1, 6, 8, dtype=F64) * 0.5
+    psi = cov.unit_features(q)
+    torch.testing.assert_close(psi, _features_dense(cov, q), rtol=1e-12, atol=1e-12)
+    exact = torch.exp(-torch.cdist(q[0, 0], q[0, 0]).square() / (2 * 1.3**2))
+    error = (psi[0, 0] @ psi[0, 0].T - exact).abs()
+    assert error.mean() < 0.03 and error.max() < 0.1, error
+
+
+def test_second_moment_is_the_mean_over_real_tokens_then_a_running_average():
+    torch.manual_seed(0)
+    layer = gpattn.build_attention("sgpa-rff", 8, 2, num_features=5, momentum=0.5).double()
+    cov = layer.strategy.covariance
+    a, b, c = (torch.randn(3, 2, 4, 5, dtype=F64) for _ in range(3))
+    real = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    cov.track(cov.batch_moment(a, real))
+    first = torch.einsum("bhtr,bhts->hrs", a * real[:, None, :, None], a * real[:, None, :, None]) / real.sum()
+    torch.testing.assert_close(cov.second_moment, first)
+    cov.track(cov.batch_moment(b, None))  # the second batch: equal weights (1/2 = momentum)
+    second = torch.einsum("bhtr,bhts->hrs", b, b) / 12
+    torch.testing.assert_close(cov.second_moment, (first + second) / 2)
+    cov.track(cov.batch_moment(c, None))  # then the running average with weight momentum
+    third = torch.einsum("bhtr,bhts->hrs", c, c) / 12
+    torch.testing.assert_close(cov.second_moment, 0.5 * (first + second) / 2 + 0.5 * third)
+    assert int(cov.num_batches_tracked) == 3
+
+
+def test_tracking_happens_only_in_training_with_gradients():
+    torch.manual_seed(0)
+    layer = gpattn.build_attention("sgpa-rff", 8, 2, num_features=5)
+    x = torch.randn(2, 4, 8)
+    layer.eval()(x)
+    with torch.no_grad():
+        layer.train()(x)
+    assert int(layer.strategy.covariance.num_batches_tracked) == 0
+    layer.train()(x)
+    assert int(layer.strategy.covariance.num_batches_tracked) == 1
+
+
+def test_variance_is_the_prior_away_from_the_training_queries_and_shrinks_on_them():
+    """The distance-aware property: after training batches from one region, the predictive variance there is a
+    small fraction of σ², and at inputs far from it close to σ² (the prior)."""
+    torch.manual_seed(0)
+    D = 16
+    layer = gpattn.build_attention("sgpa-rff", D, 2, num_features=256).double()
+    centre = torch.randn(1, 1, D, dtype=F64)
+    x_in = centre + 0.3 * torch.randn(8, 10, D, dtype=F64)
+    _trained(layer, x_in, batches=5)
+    x_far = -3 * centre + 0.3 * torch.randn(8, 10, D, dtype=F64)
+    with torch.no_grad():
+        var_in = layer.posterior(x_in).variance.mean()
+        var_far = layer.posterior(x_far).variance.mean()
+    prior = layer.strategy.covariance.outputscale.mean()
+    assert var_in < 0.05 * prior, (var_in, prior)
+    assert var_far > 0.5 * prior, (var_far, prior)
+
+
+def test_untrained_layer_has_the_prior_variance_everywhere():
+    torch.manual_seed(0)
+    layer = gpattn.build_attention("sgpa-rff", 16, 2, num_features=512, prior_variance=0.7).double().eval()
+    with torch.no_grad():
+        var = layer.posterior(torch.randn(3, 5, 16, dtype=F64)).variance
+    torch.testing.assert_close(var.mean(), torch.tensor(0.7, dtype=F64), rtol=0.1, atol=0)
+
+
+def test_no_gradient_reaches_the_query_map_through_the_noise():
+    """The covariance conditions on detached queries: with μ = 0 the sample's gradient w.r.t. W_qk is the mean's
+    alone (the draw's noise adds nothing)."""
+    torch.manual_seed(0)
+    layer = gpattn.build_attention("sgpa-rff", 8, 2, num_features=8).double().train()
+    x = torch.randn(2, 5, 8, dtype=F64)
+    cond = layer._condition(x, None)
+    g = torch.Generator().manual_seed(1)
+    sample = cond.rsample(generator=g)
+    grad_sample = torch.autograd.grad(sample.sum(), layer.in_proj.weight)[0]
+    cond = layer._condition(x, None)
+    grad_mean = torch.autograd.grad(cond.mean.sum(), layer.in_proj.weight)[0]
+    torch.testing.assert_close(grad_sample, grad_mean)
+
+
+def test_scale_prior_and_rescale_inputs_act_on_sigma_and_the_lengthscale():
+    layer = gpattn.build_attention("sgpa-rff", 12, 3, num_features=4, lengthscale=2.0, prior_variance=0.5)
+    layer.scale_prior(4.0)
+    layer.rescale_inputs(2.0)
+    cov = layer.strategy.covariance
+    torch.testing.assert_close(cov.outputscale, torch.full((3,), 2.0))
+    torch.testing.assert_close(cov.lengthscale, torch.full((3,), 1.0))
+
+
+@pytest.mark.parametrize("name, value", [("num_features", 0), ("num_features", 2.5), ("data_weight", -1.0),
+                                         ("momentum", 1.5), ("prior_variance", float("nan")), ("lengthscale", 0.0)])
+def test_bad_options_name_the_argument(name, value):
+    with pytest.raises(ValueError, match=name):
+        gpattn.build_attention("sgpa-rff", 8, 2, **{name: value})
+
+
+def test_the_zero_prior_mean_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="prior_mean must be one of"):
+        gpattn.build_attention("sgpa-rff", 8, 2, prior_mean="zero")
+
+
+def test_encoder_swap_starts_at_the_pretrained_attention_and_sets_the_lengthscale_by_the_median():
+    transformers = pytest.importorskip("transformers")
+    from gpattn.integrations.huggingface import HFClassifier
+
+    def encoder():
+        config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=32, max_position_embeddings=24)
+        torch.manual_seed(0)
+        return transformers.BertModel(config, add_pooling_layer=False).eval()
+
+    ids = torch.tensor([[2, 5, 7, 9, 3], [2, 8, 3, 0, 0]])
+    pad = ids == 0
+    with torch.no_grad():
+        ref = HFClassifier(encoder(), 3, "softmax", "last").eval()
+        model = HFClassifier(encoder(), 3, "sgpa-rff", "last").eval()
+        model.head.load_state_dict(ref.head.state_dict())
+        with gpattn.deterministic():
+            torch.testing.assert_close(model(ids, pad), ref(ids, pad), rtol=1e-5, atol=1e-6)
+        layer = model.adapters[1].attention
+        (row,) = model.match_prior_to_stream(ids, pad)
+    assert row["input_factor"] > 0  # the recipe's ℓ = 1 then the median heuristic: κ = e⁻¹ at the median pair
+    torch.testing.assert_close(layer.strategy.covariance.lengthscale,
+                               torch.full((2,), (row["key_distance"] / 2) ** 0.5), rtol=1e-5, atol=0)
