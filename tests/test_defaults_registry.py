@@ -9,6 +9,7 @@ import sys
 import warnings
 
 import pytest
+import torch
 
 import gpattn
 from gpattn._migrate import OLD_DEFAULTS, OLD_STATES, migrate_config, migrate_state_dict
@@ -149,3 +150,43 @@ def test_each_older_config_reads_as_the_model_it_trained(name, encoder, saved, t
     old = {**TrainConfig(attention=name, encoder=encoder).to_dict(), "attention_options": saved}
     with pytest.warns(gpattn.OldVersionWarning, match=f"a {name} run written by an older gpattn"):
         assert migrate_config(old)["attention_options"] == trained
+
+
+#: options whose resolved value is not kept under their own name (``bias``: a parameter of the projections)
+_NOT_KEPT = {"bias", "kernel"}
+
+
+def _resolved(layer, option):
+    """The value ``layer`` runs with for ``option``: the attribute of that name of the layer, its strategy or its
+    q(u) (a tensor as its values), or :data:`_MISSING`."""
+    strategy = getattr(layer, "strategy", None)
+    for owner in (layer, strategy, getattr(strategy, "variational_distribution", None)):
+        if owner is not None and hasattr(owner, option):
+            value = getattr(owner, option)
+            return value.flatten().tolist() if torch.is_tensor(value) else value
+    return _MISSING
+
+
+_MISSING = object()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("name", gpattn.list_attention())
+def test_the_registry_s_options_are_what_a_layer_built_without_options_runs_with(name, recipe):
+    """A variant's defaults are written once (its layer's signature, a recipe's overrides in its registry entry): a
+    layer built with ``attention_options(name, recipe)``'s recipe runs with exactly those values, in the layer, its
+    strategy and its q(u) — a second default written in a strategy could not differ unnoticed."""
+    options = attention_options(name, recipe)
+    layer = gpattn.build_attention(name, 8, 2, **recipe_options(name, recipe))
+    checked = 0
+    for option, default in options.items():
+        if default is None or option in _NOT_KEPT:  # None: resolved at build time from the sizes
+            continue
+        value = _resolved(layer, option)
+        assert value is not _MISSING, f"{name}: {option} is kept under no attribute of that name"
+        if isinstance(value, list):  # a buffer or a per-head parameter, in its dtype
+            assert value == [pytest.approx(default, rel=1e-6)] * len(value), (name, option, value, default)
+        else:
+            assert value == default, (name, option, value, default)
+        checked += 1
+    assert checked, f"{name}: no option checked"

@@ -448,14 +448,14 @@ class KEPSVGP(AmortisedVariationalStrategy):
         head_dim: int,
         value_dim: int,
         *,
-        rank: int = 10,
-        num_landmarks: int = 100,
-        merge: str = "add",
-        seq_len: int | None = None,
-        token_independent: bool = False,
-        include_residual: bool = False,
-        jitter: float = 0.0,
-        prior_variance: float = 1.0,
+        rank: int,
+        num_landmarks: int,
+        merge: str,
+        seq_len: int | None,
+        token_independent: bool,
+        include_residual: bool,
+        jitter: float,
+        prior_variance: float,
     ):
         super().__init__()
         self.jitter = jitter

@@ -383,9 +383,9 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         variational_distribution: WhitenedGlobalVariationalDistribution,
         inducing_inputs: torch.Tensor,
         *,
-        jitter: float = 1e-6,
-        covariance: str = "diag",
-        prior_mean: str | nn.Module = "attention",
+        jitter: float,
+        covariance: str,
+        prior_mean: str | nn.Module,
         variational_mean=None,
     ):
         super().__init__()
