@@ -7,4 +7,4 @@ __all__ = ["OldVersionWarning"]
 
 class OldVersionWarning(UserWarning):
     """A run, config or state dict written by an older gpattn was migrated on load; the message names what was
-    migrated (gpattn.experiments._migrate holds every migration; docs/checkpoints.md the rule)."""
+    migrated (gpattn._migrate holds every migration; docs/new_variant.md the rule)."""

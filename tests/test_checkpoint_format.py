@@ -4,6 +4,7 @@ checkpoint of another format, older or newer, is refused by every reader (``load
 gpattn 0.1.0, written before the field, are read off their state-dict keys."""
 
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -136,7 +137,7 @@ def test_compare_retrains_a_cached_run_of_an_older_format(tmp_path):
 def test_a_correlated_gp_run_saved_before_the_softmax_mean_reloads_in_its_own_form(tmp_path, name, default):
     """cgp's and scgp's default prior means changed from the papers' zero mean to a softmax mean (docs/derivations.md
     §7a): a config records ``prior_mean``; a checkpoint whose config lacks it (written before) trained the zero mean
-    and reloads with it (gpattn.experiments._migrate), predicting what it predicted and saying what it migrated."""
+    and reloads with it (gpattn._migrate), predicting what it predicted and saying what it migrated."""
     assert TrainConfig(dataset="digits", attention=name, **TINY).attention_options == {"prior_mean": default}
     assert TrainConfig(dataset="digits", attention="sgpa", **TINY).attention_options == {}
     out, images = tmp_path / "run", torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
@@ -151,5 +152,29 @@ def test_a_correlated_gp_run_saved_before_the_softmax_mean_reloads_in_its_own_fo
     with pytest.warns(gpattn.OldVersionWarning, match=f"a {name} run written by an older gpattn: .*prior_mean='zero'"):
         run = gpattn.experiments.load_run(out)
     assert run.cfg.attention_options == {"prior_mean": "zero"}
+    with gpattn.deterministic():
+        torch.testing.assert_close(run.predict(images, num_samples=1).probs, before)
+
+
+def test_a_kep_svgp_run_saved_before_the_prior_outputscale_reloads_with_the_prior_it_trained(tmp_path):
+    """kep-svgp gained ``prior_variance`` σ² (a buffer, default 0.1; docs/derivations.md §6): a run folder whose
+    checkpoint's state dict and config lack it (written before) trained under σ² = 1 and reloads with it through the
+    one load hook (gpattn._migrate.OLD_STATES), predicting what it predicted and saying what it migrated."""
+    out, images = tmp_path / "run", torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    cfg = TrainConfig(dataset="digits", attention="kep-svgp", attention_options={"prior_variance": 1.0}, **TINY)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GPCollapseWarning)  # one epoch of a tiny model
+        train(cfg, out)
+    with gpattn.deterministic():
+        before = gpattn.experiments.load_run(out).predict(images, num_samples=1).probs
+    path = out / "checkpoint.pt"
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["config"]["attention_options"] = {}  # as gpattn wrote it before the change
+    ckpt["model"] = {k: v for k, v in ckpt["model"].items() if not k.endswith(".prior_variance")}
+    assert len(ckpt["model"]) < len(torch.load(path, weights_only=True)["model"])
+    torch.save(ckpt, path)
+    with pytest.warns(gpattn.OldVersionWarning, match=r"prior_variance missing .*kep-svgp.*prior_variance=1\.0"):
+        run = gpattn.experiments.load_run(out)
+    assert {float(b) for k, b in run.model.named_buffers() if k.endswith(".prior_variance")} == {1.0}
     with gpattn.deterministic():
         torch.testing.assert_close(run.predict(images, num_samples=1).probs, before)

@@ -1,5 +1,5 @@
 """A variant's defaults are data (gpattn.attention.registry's entries: named recipes, recorded options), and what an
-older gpattn wrote migrates in one place (gpattn.experiments._migrate) with an OldVersionWarning naming it."""
+older gpattn wrote migrates in one place (gpattn._migrate) with an OldVersionWarning naming it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import sys
 import warnings
 
 import pytest
+import torch
 
 import gpattn
+from gpattn._migrate import OLD_DEFAULTS, OLD_STATES, migrate_config, migrate_state_dict
 from gpattn.attention import RECIPES, attention_options, recipe_options
-from gpattn.experiments._migrate import OLD_DEFAULTS, migrate_config
 from gpattn.experiments.training import TrainConfig
 
 
@@ -78,6 +79,47 @@ def test_every_old_default_migrates_and_says_so(row):
         assert TrainConfig.from_dict(migrated).attention_options[option] == old
 
 
+def _strategies(name):
+    """(prefix, strategy) of each GP strategy in a small layer of variant ``name``."""
+    from gpattn.variational._strategy import AmortisedVariationalStrategy
+
+    layer = gpattn.build_attention(name, 8, 2)
+    return layer, [(p, m) for p, m in layer.named_modules() if isinstance(m, AmortisedVariationalStrategy)]
+
+
+@pytest.mark.parametrize("row", OLD_STATES, ids=lambda r: f"{r[1]}-{r[2]}")
+def test_every_old_state_migrates_in_the_one_load_hook_and_says_so(row):
+    """A state dict saved before a strategy gained a key (it lacks it) loads with the value it trained with, through
+    the one pre-hook every GP strategy registers, and the OldVersionWarning names the key, its value and the change."""
+    what, owner, key, _, old = row
+    def owned(name):
+        return any(owner in {c.__name__ for c in type(m).__mro__} for _, m in _strategies(name)[1])
+
+    owners = [n for n in gpattn.list_attention() if owned(n)]
+    assert owners, f"no variant has a {owner} strategy"
+    for name in owners:
+        layer, strategies = _strategies(name)
+        saved = {k: v for k, v in layer.state_dict().items() if not k.endswith(f".{key}")}
+        fresh, _ = _strategies(name)
+        said = rf"{key} missing .*saved before {re.escape(what)}.*{key}={old!r}"
+        with pytest.warns(gpattn.OldVersionWarning, match=said):
+            fresh.load_state_dict(saved)
+        for prefix, _ in strategies:
+            assert float(fresh.get_buffer(f"{prefix}.{key}")) == old
+
+
+@pytest.mark.parametrize("name", gpattn.list_attention())
+def test_every_gp_strategy_migrates_old_states_in_one_hook_and_a_current_state_needs_none(name):
+    layer, strategies = _strategies(name)
+    for _, strategy in strategies:
+        hooks = [getattr(h, "hook", h) for h in strategy._load_state_dict_pre_hooks.values()]
+        ours = [h for h in hooks if getattr(h, "__module__", "").startswith("gpattn")]  # not gpytorch.Module's own
+        assert ours == [migrate_state_dict], ours  # one hook, and no other
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _strategies(name)[0].load_state_dict(layer.state_dict())
+
+
 @pytest.mark.parametrize("name", gpattn.list_attention())
 def test_a_current_config_needs_no_migration(name):
     for encoder in (None, "minilm"):
@@ -108,3 +150,43 @@ def test_each_older_config_reads_as_the_model_it_trained(name, encoder, saved, t
     old = {**TrainConfig(attention=name, encoder=encoder).to_dict(), "attention_options": saved}
     with pytest.warns(gpattn.OldVersionWarning, match=f"a {name} run written by an older gpattn"):
         assert migrate_config(old)["attention_options"] == trained
+
+
+#: options whose resolved value is not kept under their own name (``bias``: a parameter of the projections)
+_NOT_KEPT = {"bias", "kernel"}
+
+
+def _resolved(layer, option):
+    """The value ``layer`` runs with for ``option``: the attribute of that name of the layer, its strategy or its
+    q(u) (a tensor as its values), or :data:`_MISSING`."""
+    strategy = getattr(layer, "strategy", None)
+    for owner in (layer, strategy, getattr(strategy, "variational_distribution", None)):
+        if owner is not None and hasattr(owner, option):
+            value = getattr(owner, option)
+            return value.flatten().tolist() if torch.is_tensor(value) else value
+    return _MISSING
+
+
+_MISSING = object()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("name", gpattn.list_attention())
+def test_the_registry_s_options_are_what_a_layer_built_without_options_runs_with(name, recipe):
+    """A variant's defaults are written once (its layer's signature, a recipe's overrides in its registry entry): a
+    layer built with ``attention_options(name, recipe)``'s recipe runs with exactly those values, in the layer, its
+    strategy and its q(u) — a second default written in a strategy could not differ unnoticed."""
+    options = attention_options(name, recipe)
+    layer = gpattn.build_attention(name, 8, 2, **recipe_options(name, recipe))
+    checked = 0
+    for option, default in options.items():
+        if default is None or option in _NOT_KEPT:  # None: resolved at build time from the sizes
+            continue
+        value = _resolved(layer, option)
+        assert value is not _MISSING, f"{name}: {option} is kept under no attribute of that name"
+        if isinstance(value, list):  # a buffer or a per-head parameter, in its dtype
+            assert value == [pytest.approx(default, rel=1e-6)] * len(value), (name, option, value, default)
+        else:
+            assert value == default, (name, option, value, default)
+        checked += 1
+    assert checked, f"{name}: no option checked"

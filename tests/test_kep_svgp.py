@@ -474,12 +474,12 @@ def test_flops_grow_linearly_in_t():
 
 
 def test_a_state_dict_from_before_the_outputscale_loads_with_the_papers_prior():
-    """One load hook: a state dict without ``prior_variance`` (saved before it existed) loads with σ² = 1, with a
-    warning; everything else loads as saved."""
+    """The one load hook (gpattn._migrate): a state dict without ``prior_variance`` (saved before it existed) loads
+    with σ² = 1, with a warning; everything else loads as saved."""
     layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3)
     old = {k: v for k, v in layer.state_dict().items() if not k.endswith("prior_variance")}
     fresh = gpattn.build_attention("kep-svgp", 8, 2, rank=3)
-    with pytest.warns(UserWarning, match="prior_variance=1.0"):
+    with pytest.warns(gpattn.OldVersionWarning, match="prior_variance=1.0"):
         fresh.load_state_dict(old)
     assert float(fresh.strategy.prior_variance) == 1.0
     torch.testing.assert_close(fresh.strategy.out_weight, layer.strategy.out_weight, rtol=0, atol=0)

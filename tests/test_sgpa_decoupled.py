@@ -305,4 +305,7 @@ def test_option_errors():
     with pytest.raises(ValueError, match="global_keys"):
         layer.strategy.condition(p["qk"], p["v"], torch.randn(H, M, DH + 1))
     with pytest.raises(ValueError, match="inducing_inputs"):
-        DecoupledSGPAVariationalStrategy(layer.kernel, layer.strategy.variational_distribution, torch.randn(H, 3, D))
+        DecoupledSGPAVariationalStrategy(
+            layer.kernel, layer.strategy.variational_distribution, torch.randn(H, 3, D), jitter=1e-6, covariance="diag",
+            prior_mean="zero",
+        )

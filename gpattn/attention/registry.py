@@ -38,7 +38,7 @@ RECIPES = ("scratch", "encoder-swap")
 class VariantEntry:
     """A variant's defaults beyond its layer's signature: ``recipes`` maps a recipe of :data:`RECIPES` to the options
     it sets; ``recorded`` names options a run's config writes out at their default, so that config.json says which
-    form ran (their default changed once; gpattn.experiments._migrate reads configs written before)."""
+    form ran (their default changed once; gpattn._migrate reads configs written before)."""
 
     recipes: dict = dataclasses.field(default_factory=dict)
     recorded: tuple = ()

@@ -8,8 +8,8 @@ import dataclasses
 import json
 import math
 
+from gpattn._migrate import migrate_config
 from gpattn.attention.registry import recipe_options
-from gpattn.experiments._migrate import migrate_config
 from gpattn.experiments._optim import DEFAULT_BATCH_SIZE, ENCODER_DEFAULTS
 from gpattn.experiments._runs import valid_device
 from gpattn.kernels import require_kernel_spec
@@ -201,7 +201,7 @@ class TrainConfig:
     @classmethod
     def from_saved(cls, d: dict) -> TrainConfig:
         """A run's saved config (its checkpoint's): as ``from_dict``, after
-        :func:`gpattn.experiments._migrate.migrate_config` (a config written by an older gpattn keeps the form it
+        :func:`gpattn._migrate.migrate_config` (a config written by an older gpattn keeps the form it
         trained, with an ``OldVersionWarning``)."""
         return cls.from_dict(migrate_config(d))
 

@@ -31,8 +31,8 @@ __all__ = ["CHECKPOINT_FORMAT", "check_checkpoint_format", "checkpoint_format", 
 #: global q(u) as ``inducing_values`` / ``raw_scale_tril``); 2: every GP variant's parameters under
 #: ``strategy.``, q(u) as gpytorch's ``variational_mean`` / ``chol_variational_covar``; 3 (gpattn 0.2.0): the
 #: SGPA variants' default model is the attention prior mean (docs/derivations.md §5c), so a checkpoint and
-#: config of format ≤ 2 would be read as another model. A change that an older gpattn cannot read, or a newer
-#: one would read differently, takes the next number (CHANGELOG.md).
+#: config of format ≤ 2 would be read as another model. When a change takes the next number rather than a migration
+#: (gpattn._migrate): the one rule, docs/new_variant.md ("The one rule for a breaking change").
 CHECKPOINT_FORMAT = 3
 
 #: state-dict keys that only format 1 has (read when a checkpoint predates the ``format_version`` field)

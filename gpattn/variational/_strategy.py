@@ -27,6 +27,7 @@ import gpytorch
 import torch
 from gpytorch.distributions import MultivariateNormal
 
+from gpattn._migrate import migrate_state_dict
 from gpattn.objectives import GPLossTerm, SequenceKL
 from gpattn.variational._scale import check_prior_factor
 
@@ -128,7 +129,12 @@ class AmortisedConditional:
 
 
 class AmortisedVariationalStrategy(gpytorch.Module):
-    """Base of the GP variants' strategies: subclasses implement :meth:`condition`."""
+    """Base of the GP variants' strategies: subclasses implement :meth:`condition`. A state dict an older gpattn saved
+    is migrated on load by one pre-hook (:func:`gpattn._migrate.migrate_state_dict`)."""
+
+    def __init__(self):
+        super().__init__()
+        self._register_load_state_dict_pre_hook(migrate_state_dict, with_module=True)
 
     def condition(self, *inputs: torch.Tensor, mask: torch.Tensor | None = None) -> AmortisedConditional:
         """Factorise once for a batch of sequences.  # shape: inputs (B, H, T, ·), mask (B, T) or None"""

@@ -100,9 +100,9 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         num_heads: int,
         *,
         kernel: str | Kernel = "canonical-rbf",
-        sigma: float = 0.1,
+        sigma: float,
         learn_sigma: bool = False,
-        jitter: float = 1e-5,
+        jitter: float,
         prior_mean: str | nn.Module = "zero",
     ):
         super().__init__()

@@ -23,7 +23,6 @@ Pieces, kept apart as in GPyTorch (q(u) parameterisation vs the q(u) → q(f) ma
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.nn as nn
@@ -402,20 +401,6 @@ def residual_root(phi_q: torch.Tensor, phi_k: torch.Tensor, W: torch.Tensor, mas
 
 
 # ------------------------------------------------------------------------------------ the layer
-def _paper_prior_for_old_state(state_dict, prefix, *args) -> None:
-    """Load hook: a state dict saved before ``prior_variance`` existed was trained under Chen et al.'s prior
-    N(0, Λ²), so it loads with σ² = 1 (and says so) instead of failing on the missing key."""
-    key = prefix + "prior_variance"
-    if key not in state_dict and prefix + "out_weight" in state_dict:
-        warnings.warn(
-            f"{key} missing from the state dict (saved before kep-svgp had a prior outputscale): loaded with "
-            f"prior_variance=1.0, the prior it was trained under (docs/derivations.md §6)",
-            UserWarning,
-            stacklevel=2,
-        )
-        state_dict[key] = torch.ones((), dtype=state_dict[prefix + "out_weight"].dtype)
-
-
 class KEPSVGP(AmortisedVariationalStrategy):
     r"""Kernel-eigen pair SVGP attention of one layer (Chen et al. (2024) §4, eqs. 16–21; docs/derivations.md §6).
 
@@ -463,20 +448,19 @@ class KEPSVGP(AmortisedVariationalStrategy):
         head_dim: int,
         value_dim: int,
         *,
-        rank: int = 10,
-        num_landmarks: int = 100,
-        merge: str = "add",
-        seq_len: int | None = None,
-        token_independent: bool = False,
-        include_residual: bool = False,
-        jitter: float = 0.0,
-        prior_variance: float = 1.0,
+        rank: int,
+        num_landmarks: int,
+        merge: str,
+        seq_len: int | None,
+        token_independent: bool,
+        include_residual: bool,
+        jitter: float,
+        prior_variance: float,
     ):
         super().__init__()
         self.jitter = jitter
         # σ², the kernel's outputscale: p(u_c) = N(0, σ²Λ²); a buffer, so that scale_prior is saved with the model
         self.register_buffer("prior_variance", torch.tensor(float(prior_variance)))
-        self._register_load_state_dict_pre_hook(_paper_prior_for_old_state)
         self.num_heads, self.head_dim, self.value_dim, self.rank = num_heads, head_dim, value_dim, rank
         self.merge, self.seq_len = merge, seq_len
         self.token_independent, self.include_residual = token_independent, include_residual

@@ -258,8 +258,8 @@ class AmortisedValueMean:
     the pairing of the papers' zero prior mean. It adds K̂ v to the posterior mean and ½‖Lᵀv‖² = ½ vᵀK̂v to the KL,
     in the form each conditioning path (self, cross, causal, general mask) has the factors for."""
 
-    #: q(ũ) is not centred: the sequence's values enter the posterior and the KL (the decoupled γ-basis too)
-    centred = False
+    #: the posterior mean's part K̂ v reads the sequence's Gram (no Gram-free path)
+    uses_gram = True
 
     @staticmethod
     def whitened(chol: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -297,13 +297,60 @@ class AmortisedValueMean:
         w = allowed[..., None] * values[:, :, None]  # shape: (B, H, T, T, Dv): v_S per query, 0 elsewhere
         return 0.5 * (chol.mT @ w).square().sum(-2)
 
+    # -- the decoupled γ-basis (docs/derivations.md §5b): (mean update, global coefficients, the γ factors)
+    @staticmethod
+    def decoupled(gram, interp, values, whitened) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The mean basis γ on the sequence (self-attention): K_qa v_a in the mean, ũ − c on the global basis with
+        c = L_g⁻¹ K_ga v_a, and the γ-part's factors (K_aa v_a, c).
+        # shape: gram (B, H, T, T), interp (B, H, T, M), values (B, H, T, Dv), whitened (H, M, Dv)"""
+        Kv = gram @ values  # shape: (B, H, T, Dv); K_qa v_a (padded keys have v = 0)
+        c = interp.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
+        return Kv, whitened - c, dict(gram_values=Kv, proj_values=c)
+
+    @staticmethod
+    def decoupled_cross(kernel, queries, keys, values, global_basis, factors_for) -> tuple:
+        """Cross-attention (docs/derivations.md §13): the γ-basis is the context's keys, so the global basis is taken
+        at the queries and the keys at once (one L_g for both). Returns (the factors ``factors_for(A_q, ũ)``,
+        K_qa v_a, ũ − c, the γ factors).
+        # shape: queries (B, H, T, Dh), keys (B, H, S, Dh), values (B, H, S, Dv); global_basis(inputs) -> (A, ũ)"""
+        both, u_tilde = global_basis(torch.cat([queries, keys], -2))
+        A, A_a = both.split([queries.shape[-2], keys.shape[-2]], -2)  # shape: (B, H, T, M), (B, H, S, M)
+        factors = factors_for(A, u_tilde)
+        K_qa = evaluate_kernel(kernel, queries, keys)  # shape: (B, H, T, S)
+        c = A_a.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
+        K_aa_v = evaluate_kernel(kernel, keys, keys) @ values  # shape: (B, H, S, Dv), for the γ-part
+        return factors, K_qa @ values, u_tilde - c, dict(gram_values=K_aa_v, proj_values=c)
+
+    @staticmethod
+    def decoupled_per_query(gram, interp, values, whitened, excluded, causal, mask) -> tuple:
+        """Under a per-query mask query i's γ-basis is A_i (docs/derivations.md §11b). With R = K_aa − K_ag K_gg⁻¹ K_ga
+        (self-attention: q = a), the update Σ_{j∈A_i} R_ij v_j and γ_i = ½ v_Sᵀ R_SS v_S. Causal: R.tril() and a
+        prefix sum, O(T²·Dv); any other mask O(T³·Dv) time, O(T²·Dv) memory per (B, H).
+        # shape: excluded (B, H, T, T) with padding joined, mask (B, T) or None"""
+        R = gram - interp @ interp.mT  # shape: (B, H, T, T)
+        allowed = ~excluded
+        if causal:
+            Rv = R.tril() @ values  # shape: (B, H, T, Dv); Σ_{j≤i} R_ij v_j
+            diag = R.diagonal(dim1=-2, dim2=-1)[..., None]  # shape: (B, H, T, 1)
+            # v_{≤i}ᵀ R_{≤i} v_{≤i} as a prefix sum of v_j (2 Σ_{k<j} R_jk v_k + R_jj v_j)
+            quad = (values * (2 * Rv - diag * values)).cumsum(-2)
+        else:
+            Rv = R.masked_fill(excluded, 0.0) @ values
+            w = allowed[..., None] * values[:, :, None]  # shape: (B, H, T, T, Dv): v_S per query, 0 elsewhere
+            quad = (w * (R[:, :, None] @ w)).sum(-2)  # shape: (B, H, T, Dv)
+        real = allowed.any(-1)
+        if mask is not None:
+            real = real & ~mask[:, None, :]
+        return Rv, whitened, dict(query_gamma=0.5 * quad, real=real)
+
 
 class CentredVariationalMean:
     """q(ũ) = N(0, ·) with ũ = L⁻¹(u − m(k)): centred at the prior mean (docs/derivations.md §5c), the pairing of a
     prior mean that attends. It adds nothing to the posterior mean or the KL (None, which :func:`add_means` leaves
     out)."""
 
-    centred = True
+    #: it adds nothing that reads the sequence's Gram (a Gram-free mean can run, docs/derivations.md §12)
+    uses_gram = False
 
     @staticmethod
     def whitened(chol: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -319,6 +366,23 @@ class CentredVariationalMean:
     @staticmethod
     def causal(*factors) -> tuple[None, None]:
         return None, None
+
+    # -- decoupled SGPA (docs/derivations.md §5c): no γ-basis, ũ alone on the global basis, no per-sequence KL
+    @staticmethod
+    def decoupled(gram, interp, values, whitened) -> tuple[None, torch.Tensor, dict]:
+        """No γ-basis: no update, ũ on the global basis, no γ factors."""
+        return None, whitened, dict(gram_values=None, proj_values=None)
+
+    @staticmethod
+    def decoupled_cross(kernel, queries, keys, values, global_basis, factors_for) -> tuple:
+        """The global basis at the queries alone: (the factors, no update, ũ, no γ factors)."""
+        A, u_tilde = global_basis(queries)  # shape: (B, H, T, M)
+        return factors_for(A, u_tilde), None, u_tilde, dict(gram_values=None, proj_values=None)
+
+    @staticmethod
+    def decoupled_per_query(gram, interp, values, whitened, *mask) -> tuple[None, torch.Tensor, dict]:
+        """No γ-basis under a per-query mask either (the prior mean carries the mask)."""
+        return None, whitened, dict(query_gamma=None, real=None)
 
 
 def variational_mean_for(mean_module: nn.Module):

@@ -102,8 +102,8 @@ class SparseCorrelatedGP(CorrelatedGPBase):
     Cost :math:`O(T(m + l)(D_h + D_v) + T(m^2 + ml + l^2) + m^3 + l^3)` per (B, H).
 
     :param head_dim: Dh, the width of the canonical input space.
-    :param num_inducing: m, inducing inputs for :math:`z_q\mid z_o` (default 16, Bui et al. §5.1).
-    :param num_inducing_keys: l, inducing inputs for :math:`z_o\mid z_k` (default 16).
+    :param num_inducing: m, inducing inputs for :math:`z_q\mid z_o` (the scgp layer's default: Bui et al. §5.1).
+    :param num_inducing_keys: l, inducing inputs for :math:`z_o\mid z_k`.
     :param amortize: compute the inducing inputs from the sequence, :math:`s = C_m x_o` and
         :math:`s' = C_l k` with learnable token maps :math:`C_m\in\mathbb R^{m\times T}`,
         :math:`C_l\in\mathbb R^{l\times T}` per head (the released variant); needs ``seq_len``.
@@ -119,8 +119,8 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         num_heads: int,
         head_dim: int,
         *,
-        num_inducing: int = 16,
-        num_inducing_keys: int = 16,
+        num_inducing: int,
+        num_inducing_keys: int,
         amortize: bool = False,
         seq_len: int | None = None,
         inducing_std: float = 1.0,

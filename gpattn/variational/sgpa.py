@@ -426,9 +426,9 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         kernel: Kernel,
         variational_distribution: AmortisedDiagonalVariationalDistribution,
         *,
-        jitter: float = 1e-6,
-        covariance: str = "full",
-        prior_mean: str | nn.Module = "attention",
+        jitter: float,
+        covariance: str,
+        prior_mean: str | nn.Module,
         variational_mean=None,
     ):
         super().__init__()

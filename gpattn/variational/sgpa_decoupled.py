@@ -383,9 +383,9 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         variational_distribution: WhitenedGlobalVariationalDistribution,
         inducing_inputs: torch.Tensor,
         *,
-        jitter: float = 1e-6,
-        covariance: str = "diag",
-        prior_mean: str | nn.Module = "attention",
+        jitter: float,
+        covariance: str,
+        prior_mean: str | nn.Module,
         variational_mean=None,
     ):
         super().__init__()
@@ -403,8 +403,9 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         #: ``prior_mean`` (or given); :class:`~gpattn.variational.means.ZeroMean` is the paper's zero mean
         self.mean_module = make_prior_mean(prior_mean, kernel)
         self.prior_mean = self.mean_module.name  # the public spelling
-        #: the mean basis γ: amortised on the sequence's keys and values (the paper's, with the zero mean), or
-        #: centred (a prior mean that attends: the sequence leaves the posterior, no γ-basis, no per-sequence KL)
+        #: q(ũ)'s mean, which brings the mean basis γ: amortised on the sequence's keys and values (the paper's, with
+        #: the zero mean; its ``decoupled*`` methods), or centred (a prior mean that attends: no γ-basis, no
+        #: per-sequence KL)
         self.variational_mean = variational_mean_for(self.mean_module) if variational_mean is None else variational_mean
 
     def global_keys(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -458,13 +459,15 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
                 whitened_values=u_tilde, scale_tril=self.variational_distribution.scale_tril(), mask=mask,
                 jitter=self.jitter, covariance=self.covariance,
             )
-            if self.variational_mean.centred:
-                return self._condition_attention_mean(factors, excluded, queries, plan)
+            m = self._self_prior_mean(factors, excluded, queries, plan)
+            # mean = m(q) + (γ-basis update) + A (global coefficients), each term once (None: absent)
             if excluded is not None:
-                return self._condition_per_query(factors, excluded, causal)
-            Kv = K @ values  # shape: (B, H, T, Dv); K_qa v_a (padded keys have v = 0)
-            c = A.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
-            return DecoupledSGPAConditional(mean=Kv + A @ (u_tilde - c), gram_values=Kv, proj_values=c, **factors)
+                update, coeffs, gamma = self.variational_mean.decoupled_per_query(
+                    K, A, values, u_tilde, excluded, causal, mask
+                )
+                return MaskedDecoupledSGPAConditional(mean=add_means(m, update, A @ coeffs), **gamma, **factors)
+            update, coeffs, gamma = self.variational_mean.decoupled(K, A, values, u_tilde)
+            return DecoupledSGPAConditional(mean=add_means(m, update, A @ coeffs), **gamma, **factors)
 
     def _condition_cross(self, queries, keys, values, global_keys, mask) -> DecoupledSGPAConditional:
         """Cross-attention (docs/derivations.md §13): the mean basis γ is the context's keys k_a (values
@@ -477,27 +480,22 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             queries, keys, values = full_precision(queries, keys, values)
             if mask is not None:
                 values = values.masked_fill(mask[:, None, :, None], 0.0)  # padded keys leave the mean basis
-            if not self.variational_mean.centred:  # the γ-part needs the keys' global basis too: one L_g for both
-                both, u_tilde = self._global_basis(torch.cat([queries, keys], -2), global_keys)
-                A, A_a = both.split([queries.shape[-2], keys.shape[-2]], -2)  # shape: (B, H, T, M), (B, H, S, M)
-            else:
-                A, u_tilde = self._global_basis(queries, global_keys)  # shape: (B, H, T, M)
-            factors = dict(
-                gram=evaluate_kernel(self.kernel, queries, queries) if self.covariance == "full" else None,
-                gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), interp=A, values=values,
-                whitened_values=u_tilde, scale_tril=self.variational_distribution.scale_tril(), mask=None,
-                jitter=self.jitter, covariance=self.covariance,
+            factors, update, coeffs, gamma = self.variational_mean.decoupled_cross(
+                self.kernel, queries, keys, values, lambda inputs: self._global_basis(inputs, global_keys),
+                lambda A, u_tilde: self._cross_factors(queries, values, A, u_tilde),
             )
-            if self.variational_mean.centred:
-                m = self._cross_prior_mean(queries, keys, values, mask)
-                mean = add_means(m, A @ u_tilde)
-                return DecoupledSGPAConditional(mean=mean, gram_values=None, proj_values=None, **factors)
-            K_qa = evaluate_kernel(self.kernel, queries, keys)  # shape: (B, H, T, S)
-            c = A_a.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
-            K_aa_v = evaluate_kernel(self.kernel, keys, keys) @ values  # shape: (B, H, S, Dv), for the γ-part
-            return DecoupledSGPAConditional(
-                mean=K_qa @ values + A @ (u_tilde - c), gram_values=K_aa_v, proj_values=c, **factors
-            )
+            m = self._cross_prior_mean(queries, keys, values, mask)
+            return DecoupledSGPAConditional(mean=add_means(m, update, factors["interp"] @ coeffs), **gamma, **factors)
+
+    def _cross_factors(self, queries, values, A, u_tilde) -> dict:
+        """The factors of a cross-attention conditional shared by every q(ũ)-mean: the Gram at the queries
+        (``"full"``), its diagonal, the global basis A_q and ũ."""
+        return dict(
+            gram=evaluate_kernel(self.kernel, queries, queries) if self.covariance == "full" else None,
+            gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), interp=A, values=values,
+            whitened_values=u_tilde, scale_tril=self.variational_distribution.scale_tril(), mask=None,
+            jitter=self.jitter, covariance=self.covariance,
+        )
 
     def _cross_prior_mean(self, queries, keys, values, mask) -> torch.Tensor:
         """m(q) over the context's keys: through fused attention where it runs (no (T, S) matrix; key padding
@@ -521,9 +519,9 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         return A, L_g.mT @ self.variational_distribution.inducing_values
 
     def _blockwise_mean(self, excluded) -> bool:
-        """Whether this strategy can condition without the (T, T) Gram: the attention mean, the diagonal
-        covariance, key padding only."""
-        return self.variational_mean.centred and self.covariance == "diag" and excluded is None
+        """Whether this strategy can condition without the (T, T) Gram: a q(ũ)-mean that reads no Gram (centred at
+        the prior mean), the diagonal covariance, key padding only."""
+        return not self.variational_mean.uses_gram and self.covariance == "diag" and excluded is None
 
     def _mean_without_gram(self, queries, values, mask, excluded) -> torch.Tensor | int | None:
         """The attention mean with the diagonal covariance needs no (T, T) Gram (docs/derivations.md §12): its
@@ -543,51 +541,20 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             gram = evaluate_kernel(self.kernel, queries, keys) if self.mean_module.uses_gram else None
             return self.mean_module(gram, values, pad, kernel=self.kernel, queries=queries, keys=keys)
 
-    def _condition_attention_mean(
+    def _self_prior_mean(
         self, factors: dict, excluded: torch.Tensor | None, queries: torch.Tensor, rows: int | torch.Tensor | None
-    ) -> DecoupledSGPAConditional:
-        """The conditional under the attention prior mean: q(f) = m(q) + A ũ, the β-part alone variational
-        (docs/derivations.md §5c); under a per-query mask the masked conditional, for its per-token jitter.
-        ``rows``: m(q) in blocks of that many queries, without the Gram, or m(q) itself (the fused path), or
-        None: from the Gram (docs/derivations.md §12)."""
+    ) -> torch.Tensor | None:
+        """The prior mean m(q) of self-attention over the allowed keys (None for the zero mean; docs/derivations.md
+        §5c). ``rows``: m(q) in blocks of that many queries, without the Gram, or m(q) itself (the fused path), or
+        None: from the Gram (docs/derivations.md §12).  # shape: -> (B, H, T, Dv) or None"""
         mask = factors["mask"]
         not_allowed = excluded if excluded is not None else None if mask is None else mask[:, None, None, :]
         if torch.is_tensor(rows):
-            mean = rows
-        elif rows is None:
-            mean = self.mean_module(
+            return rows
+        if rows is None:
+            return self.mean_module(
                 factors["gram"], factors["values"], not_allowed, kernel=self.kernel, queries=queries, keys=queries
             )
-        else:
-            mean = blockwise(
-                self._attention_mean_rows, queries, queries, factors["values"], rows=rows, per_query=(not_allowed,)
-            )
-        mean = add_means(mean, factors["interp"] @ factors["whitened_values"])
-        if excluded is not None:
-            return MaskedDecoupledSGPAConditional(mean=mean, query_gamma=None, real=None, **factors)
-        return DecoupledSGPAConditional(mean=mean, gram_values=None, proj_values=None, **factors)
-
-    @staticmethod
-    def _condition_per_query(factors: dict, excluded: torch.Tensor, causal: bool) -> MaskedDecoupledSGPAConditional:
-        """Query i's mean basis is A_i (docs/derivations.md §11b). With R = K_aa − K_ag K_gg⁻¹ K_ga (self-attention:
-        q = a), mean_i = Σ_{j∈A_i} R_ij v_j + A_i ũ and γ_i = ½ v_Sᵀ R_SS v_S. Causal: R.tril() and a prefix
-        sum, O(T²·Dv); any other mask O(T³·Dv) time, O(T²·Dv) memory per (B, H).
-        # shape: excluded (B, H, T, T), padding joined"""
-        R = factors["gram"] - factors["interp"] @ factors["interp"].mT  # shape: (B, H, T, T)
-        values, A, u_tilde = factors["values"], factors["interp"], factors["whitened_values"]
-        allowed = ~excluded
-        if causal:
-            Rv = R.tril() @ values  # shape: (B, H, T, Dv); Σ_{j≤i} R_ij v_j
-            diag = R.diagonal(dim1=-2, dim2=-1)[..., None]  # shape: (B, H, T, 1)
-            # v_{≤i}ᵀ R_{≤i} v_{≤i} as a prefix sum of v_j (2 Σ_{k<j} R_jk v_k + R_jj v_j)
-            quad = (values * (2 * Rv - diag * values)).cumsum(-2)
-        else:
-            Rv = R.masked_fill(excluded, 0.0) @ values
-            w = allowed[..., None] * values[:, :, None]  # shape: (B, H, T, T, Dv): v_S per query, 0 elsewhere
-            quad = (w * (R[:, :, None] @ w)).sum(-2)  # shape: (B, H, T, Dv)
-        real = allowed.any(-1)
-        if factors["mask"] is not None:
-            real = real & ~factors["mask"][:, None, :]
-        return MaskedDecoupledSGPAConditional(
-            mean=Rv + A @ u_tilde, query_gamma=0.5 * quad, real=real, **factors
+        return blockwise(
+            self._attention_mean_rows, queries, queries, factors["values"], rows=rows, per_query=(not_allowed,)
         )
