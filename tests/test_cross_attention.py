@@ -194,7 +194,8 @@ def test_gp_samples_match_the_posterior(case):
 def test_context_equal_to_x_is_self_attention(name):
     """context = a copy of x (another tensor, so the cross path runs) gives the self-attention output at the
     real tokens and (GP variants) posterior, with key padding, and the same loss terms without padding (with
-    padding, cgp's and scgp's regularisers differ by design: in cross-attention the queries are not padded)."""
+    padding, cgp's and scgp's regularisers and sgpa-rff's training covariance differ by design: in
+    cross-attention the queries are not padded)."""
     options = {"jitter": 0.0} if name in ("sgpa", "sgpa-decoupled", "scgp") else {}
     layer = _layer(name, **options)
     g = torch.Generator().manual_seed(1)
@@ -216,7 +217,8 @@ def test_context_equal_to_x_is_self_attention(name):
     if layer.is_gp:
         a, b = layer.posterior(x, mask), layer.posterior(x, mask, context=x.clone())
         torch.testing.assert_close(b.mean[0], a.mean[0], rtol=1e-7, atol=1e-9)
-        torch.testing.assert_close(b.covariance_matrix[0], a.covariance_matrix[0], rtol=1e-6, atol=1e-9)
+        if name != "sgpa-rff":  # its training covariance is the batch's: in cross-attention no query is padded
+            torch.testing.assert_close(b.covariance_matrix[0], a.covariance_matrix[0], rtol=1e-6, atol=1e-9)
 
 
 # ------------------------------------------------------------------ gradients and errors

@@ -26,7 +26,7 @@ GP_VARIANTS = [name for name in gpattn.list_attention() if gpattn.build_attentio
 CASES = [
     (name, opts)
     for name in GP_VARIANTS
-    for opts in ([{"covariance": "full"}, {"covariance": "diag"}] if name.startswith("sgpa") else [{}])
+    for opts in ([{"covariance": "full"}, {"covariance": "diag"}] if name in ("sgpa", "sgpa-decoupled") else [{}])
 ]
 
 

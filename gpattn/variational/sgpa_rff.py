@@ -32,11 +32,11 @@ import math
 import torch
 import torch.nn as nn
 from gpytorch.distributions import MultivariateNormal
-from linear_operator.operators import DiagLinearOperator, RootLinearOperator
+from linear_operator.operators import DenseLinearOperator, DiagLinearOperator, RootLinearOperator, SumLinearOperator
 
 from gpattn.kernels import evaluate_kernel
 from gpattn.objectives import GlobalKL
-from gpattn.variational._linalg import cholesky, full_precision, gp_algebra, matmul_samples, tri_solve
+from gpattn.variational._linalg import full_precision, gp_algebra, matmul_samples, tri_solve
 from gpattn.variational._scale import check_prior_factor
 from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, check_query_inputs
 from gpattn.variational.means import add_means, check_prior_mean, make_prior_mean
@@ -94,6 +94,11 @@ class TrainingQueryCovariance(nn.Module):
         """R."""
         return self.frequencies.shape[1]
 
+    @property
+    def prior_variance(self) -> torch.Tensor:
+        """σ² per head (the ``outputscale`` buffer).  # shape: (H,)"""
+        return self.outputscale
+
     def unit_features(self, queries: torch.Tensor) -> torch.Tensor:
         """ψ(q) = √(2/R) cos(Ω q/ℓ + b), ψᵀψ' ≈ exp(−‖q − q'‖²/2ℓ²).  # shape: (B, H, T, Dh) -> (B, H, T, R)"""
         omega = (self.frequencies / self.lengthscale[:, None, None]).to(queries.dtype)
@@ -120,7 +125,8 @@ class TrainingQueryCovariance(nn.Module):
     def precision_cholesky(self, moment: torch.Tensor) -> torch.Tensor:
         """L with L Lᵀ = Σ⁻¹ = I + w·moment.  # shape: moment (H, R, R) -> (H, R, R)"""
         eye = torch.eye(moment.shape[-1], dtype=moment.dtype, device=moment.device)
-        return cholesky(eye + self.data_weight * moment, name="sgpa-rff (posterior precision)")
+        # I + w·(a PSD moment) has eigenvalues ≥ 1: no jitter, no failure to check (and no host read)
+        return torch.linalg.cholesky_ex(eye + self.data_weight * moment)[0]
 
     def scale(self, factor: float) -> None:
         """σ² ← factor · σ² (``scale_prior``)."""
@@ -178,8 +184,12 @@ class FeatureSGPAConditional(AmortisedConditional):
         """q(f): batch (B, H, Dv), event T, covariance σ² Ψ Σ Ψᵀ (+ jitter) for every d."""
         Dv = self.mean.shape[-1]
         root = self.root[:, :, None].expand(-1, -1, Dv, -1, -1)  # shape: (B, H, Dv, T, R)
-        jit = DiagLinearOperator(torch.full(root.shape[:-1], self.jitter, dtype=root.dtype, device=root.device))
-        return posterior_distribution(self.mean, RootLinearOperator(root) + jit)
+        T = root.shape[-2]
+        jit = self.jitter * torch.eye(T, dtype=root.dtype, device=root.device)
+        # the rank-R root plus the jitter as a dense (T, T) view (for verification; a sliced diagonal operator in a
+        # sum would turn into a sparse interpolated one)
+        jit = DenseLinearOperator(jit.expand(*root.shape[:-2], T, T))
+        return posterior_distribution(self.mean, SumLinearOperator(RootLinearOperator(root), jit))
 
     def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """f_d = mean_d + σ Ψ L⁻ᵀ ε_d, ε_d ∈ R^R: exact joint samples over the tokens, one draw of β per sequence.
