@@ -130,20 +130,27 @@ def test_a_model_passes_the_sample_axis_between_blocks():
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, "3"])
 def test_p_is_checked_once_with_a_message_naming_num_samples(bad, monkeypatch):
-    """A bad P is a ValueError naming ``num_samples``, raised by the model before any layer runs (one check at the
-    model), and by a layer called directly (one check at the layer)."""
-    from gpattn.attention import _masks
-    from gpattn.models import TransformerClassifier
+    """P is checked once by the model (before any block runs) and once by the layer that takes the draws, not again
+    further down; a bad P is a ValueError naming ``num_samples``, from the model and from a layer called directly."""
+    from gpattn.attention import _call
+    from gpattn.models import TransformerClassifier, classifiers
 
     torch.manual_seed(0)
     model = TransformerClassifier(2, vocab_size=20, embed_dim=16, num_heads=2, attention="sgpa").eval()
-    calls = []
-    check = _masks.check_num_samples
-    monkeypatch.setattr(_masks, "check_num_samples", lambda *a, **k: calls.append(a) or check(*a, **k))
+    ids, calls = torch.randint(1, 20, (2, 4)), []
+    for module in (_call, classifiers):
+
+        def counted(*args, check=module.check_num_samples, module=module, **kwargs):
+            calls.append(module)
+            return check(*args, **kwargs)
+
+        monkeypatch.setattr(module, "check_num_samples", counted)
+    model(ids, num_samples=3)
+    assert calls == [classifiers, _call]  # the model, then the first GP layer; the second gets the axis
     ran = []
     model.encoder.blocks[0].register_forward_pre_hook(lambda *a: ran.append(1))
     with pytest.raises(ValueError, match="num_samples must be a positive int"):
-        model(torch.randint(1, 20, (2, 4)), num_samples=bad)
+        model(ids, num_samples=bad)
     assert not ran
     with pytest.raises(ValueError, match="num_samples must be a positive int or None"):
         model.encoder.blocks[0].attn(torch.zeros(1, 2, 16), num_samples=bad)
