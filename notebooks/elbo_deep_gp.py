@@ -304,7 +304,8 @@ for name, hist in histories.items():
 # ## 3. Samples through depth: the Monte-Carlo expected log-likelihood vs P
 #
 # `model(x, num_samples=P)`: the first GP layer factorises each sequence once and draws P samples, a leading
-# sample axis (P, B, T, D) between the blocks; each later layer draws one sample per incoming sample. The expected log-likelihood term of the ELBO,
+# sample axis (P, B, T, D) between the blocks; each later layer draws one sample per incoming sample. The
+# expected log-likelihood term of the ELBO,
 # $\mathrm{ELL} = \operatorname{mean}_b \mathbb E_q \log p(y_b \mid F_b^L)$, is estimated by
 # $\widehat{\mathrm{ELL}}_P = \operatorname{mean}_{b,p} \log p(y_b \mid F_b^{L,(p)})$: unbiased, with
 # variance $\sigma_1^2 / P$. The *predictive* log-likelihood estimate
