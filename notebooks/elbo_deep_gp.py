@@ -160,7 +160,7 @@ print(f"        Σ_b one-at-a-time / B rel. diff {err_single:.1e};  kl_global ba
 # %% [markdown]
 # **KL_global enters divided by N; `peer` scaling adds it undivided.** The check is written once as a
 # function of the objective class, with the NLL recomputed independently (log-softmax over the
-# B·P sample rows) and the raw terms from the layers, so that it can be run on a broken copy too:
+# P samples of each sequence) and the raw terms from the layers, so that it can be run on a broken copy too:
 # `SeqKLOverN` divides `kl_seq` by N as well — the mistake docs/derivations.md §9 warns against. The objective reads
 # the model's last forward, so the batch is run again first (same seed: the same logits and terms).
 
@@ -303,8 +303,9 @@ for name, hist in histories.items():
 # %% [markdown]
 # ## 3. Samples through depth: the Monte-Carlo expected log-likelihood vs P
 #
-# `model(x, num_samples=P)` repeats every sequence P times before the first GP layer; each later
-# layer draws one sample per incoming sample. The expected log-likelihood term of the ELBO,
+# `model(x, num_samples=P)`: the first GP layer factorises each sequence once and draws P samples, a leading
+# sample axis (P, B, T, D) between the blocks; each later layer draws one sample per incoming sample. The
+# expected log-likelihood term of the ELBO,
 # $\mathrm{ELL} = \operatorname{mean}_b \mathbb E_q \log p(y_b \mid F_b^L)$, is estimated by
 # $\widehat{\mathrm{ELL}}_P = \operatorname{mean}_{b,p} \log p(y_b \mid F_b^{L,(p)})$: unbiased, with
 # variance $\sigma_1^2 / P$. The *predictive* log-likelihood estimate

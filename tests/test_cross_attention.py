@@ -230,7 +230,7 @@ def test_gradients_reach_queries_context_and_parameters(name):
     context.requires_grad_(True)
     torch.manual_seed(0)
     y = layer(x, mask, context=context, num_samples=2)
-    assert y.shape == (4, T, D) and torch.isfinite(y).all()
+    assert y.shape == (2, 2, T, D) and torch.isfinite(y).all()  # (P, B, T, D)
     loss = y.square().sum() + sum(layer_loss_terms(layer).values(), torch.zeros((), dtype=F64))
     loss.backward()
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0

@@ -135,7 +135,8 @@ def test_draws_are_per_query_marginals(case):
     heads = (cond.mean[:, None] + cond.variance().sqrt()[:, None] * eps).reshape(8, H, T, -1)
     keep = (~_joined(attn_mask, pad).all(-1)).repeat_interleave(4, 0)[..., None]
     want = layer.out_proj((heads * keep).transpose(1, 2).reshape(8, T, -1)).masked_fill(~keep.any(1), 0)
-    torch.testing.assert_close(y, want, rtol=1e-10, atol=1e-12)
+    assert y.shape == (4, 2, T, D)  # (P, B, T, D)
+    torch.testing.assert_close(y.transpose(0, 1).reshape(8, T, -1), want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("covariance", COVARIANCES)

@@ -55,7 +55,7 @@ class _NoisyAttention(torch.nn.Module):
 
 
 def test_sample_rows_are_b_major():
-    """Row b·P + p of the stack belongs to sequence b: with P samples, sequence b's logits equal the
+    """Sample p of sequence b belongs to sequence b: with P samples, sequence b's logits equal the
     deterministic model's for b (the sample axis never mixes sequences)."""
     torch.manual_seed(0)
     model = TransformerClassifier(2, vocab_size=30, embed_dim=16, num_heads=2, dropout=0.0).eval()
@@ -179,34 +179,34 @@ def test_mc_dropout_samples_in_eval_mode():
 
 
 def _rows_per_block(model):
-    """Batch rows that entered each encoder block in the model's last forward."""
+    """The leading axes, (B,) or (P, B), of the stream that entered each encoder block in the model's last forward."""
     seen = []
     for i, block in enumerate(model.encoder.blocks):
-        block.register_forward_pre_hook(lambda mod, args, i=i: seen.append((i, args[0].shape[0])))
+        block.register_forward_pre_hook(lambda mod, args, i=i: seen.append((i, tuple(args[0].shape[:-2]))))
     return seen
 
 
 def test_deterministic_blocks_run_once_per_input():
     """An explicit sample axis: a softmax model in eval mode runs once per input (P equal draws); in a
     last-layer GP model the softmax block below runs on B rows and the GP block *also* receives B
-    rows — it factorises once and draws P samples, so only the blocks after it see B·P rows; with
-    training-mode dropout the embedding dropout samples, so every block sees B·P rows."""
+    rows — it factorises once and draws P samples, so only the blocks after it see the (P, B, T, D) stream; with
+    training-mode dropout the embedding dropout samples, so every block sees it."""
     torch.manual_seed(0)
     ids, mask = _ids(B=3)
     det = TransformerClassifier(2, vocab_size=30, embed_dim=16, num_heads=2, num_layers=2).eval()
     det_seen = _rows_per_block(det)
     out = det(ids, mask, num_samples=5)
-    assert det_seen == [(0, 3), (1, 3)] and out.shape == (3, 5, 2)
+    assert det_seen == [(0, (3,)), (1, (3,))] and out.shape == (3, 5, 2)
     torch.testing.assert_close(out, det(ids, mask, num_samples=1).expand_as(out))
     gp = TransformerClassifier(
         2, vocab_size=30, embed_dim=16, num_heads=2, num_layers=2, attention="sgpa", attention_layers="last"
     ).eval()
     seen = _rows_per_block(gp)
     out = gp(ids, mask, num_samples=5)
-    assert seen == [(0, 3), (1, 3)] and (out[:, 1:] - out[:, :1]).abs().max() > 1e-6
+    assert seen == [(0, (3,)), (1, (3,))] and (out[:, 1:] - out[:, :1]).abs().max() > 1e-6
     det_seen.clear()
     det.train()(ids, mask, num_samples=5)
-    assert det_seen == [(0, 15), (1, 15)]
+    assert det_seen == [(0, (5, 3)), (1, (5, 3))]
 
 
 def test_late_repeat_matches_repeating_at_the_embedding(monkeypatch):

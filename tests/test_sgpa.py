@@ -159,5 +159,4 @@ def test_option_errors():
         layer.strategy.condition(qk, torch.randn(2, H, 5, DH))
     with pytest.raises(ValueError, match="mask"):
         layer.strategy.condition(qk, qk, torch.zeros(2, 5, dtype=torch.bool))
-    with pytest.raises(ValueError, match="num_samples"):
-        layer.strategy.condition(qk, qk).rsample(num_samples=0)
+    # P is checked by the layer and the model (once each), not again by a conditional's rsample

@@ -4,8 +4,8 @@ on the layer but its records (GPyTorch's added loss terms and the diagnostics, u
 
 A forward runs :func:`prepare_call` (inputs and masks checked, masks joined, the all-padding rows and
 the sample axis settled), the variant's ``_attend(call)``, then :func:`finish_call` (rows with no allowed
-key zeroed, heads merged, ``W_o``, the all-padding rows zeroed, the output repeated where the forward did
-not sample).
+key zeroed, heads merged, ``W_o``, the all-padding rows zeroed, the output given its leading sample axis
+``(P, B, T, D)`` when the caller asked for P samples: :mod:`gpattn.attention._samples`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from gpattn.attention._masks import (
     padding_part,
     pads_only,
 )
+from gpattn.attention._samples import sample_axis, sample_rows
 from gpattn.variational._strategy import kept_mean
 
 __all__ = ["Attended", "AttentionCall"]
@@ -45,7 +46,9 @@ class AttentionCall:
     :ivar sampling: whether this forward samples (a stochastic variant outside ``gpattn.deterministic()``).
     :ivar need_weights: whether the caller asked for the attention weights (return them in :class:`Attended`).
     :ivar empty: per-query rows with no allowed key (their output is zeroed), or None.  # (B or 1, H or 1, T, 1)
-    :ivar repeat: how many output rows per input row the caller asked for (P, or 1).
+    :ivar samples: the P samples the caller asked for (the output gets a leading sample axis), or None.
+    :ivar repeated: the rows per input in ``x``: P where the batch was repeated for a stochastic variant that cannot
+        draw P samples itself (row b·P + p is sample p of input b), else 1.
     :ivar context: cross-attention's keys' and values' input, or None: self-attention, the keys are ``x``'s
         (S = T). Read the keys' input as :attr:`kv_input`.  # shape: (B, S, D)
     """
@@ -58,7 +61,8 @@ class AttentionCall:
     sampling: bool = False
     need_weights: bool = False
     empty: torch.Tensor | None = None
-    repeat: int = 1
+    samples: int | None = None
+    repeated: int = 1
     context: torch.Tensor | None = None
 
     @property
@@ -77,8 +81,8 @@ class AttentionCall:
 class Attended:
     """What a variant's ``_attend`` returns (a bare tensor is read as ``Attended(heads)``).
 
-    :ivar heads: the per-head outputs, one row per sequence, or ``num_samples`` draws per sequence B-major
-        (:meth:`gpattn.attention.AttentionBase.fold_samples`).  # shape: (B or B·P, H, T, Dv)
+    :ivar heads: the per-head outputs, one row per sequence, or ``num_samples`` draws per sequence on a leading
+        axis (gpytorch's ``rsample(P)``).  # shape: (B, H, T, Dv) or (P, B, H, T, Dv)
     :ivar mean: a GP variant's posterior mean of the heads (its diagnostics read it), else None.  # (B, H, T, Dv)
     :ivar weights: the attention weights when ``call.need_weights`` and the variant has them.  # (B, H, T, T)
     """
@@ -117,23 +121,23 @@ def prepare_call(
         if not layer.per_query_masks or ((layer.is_gp or layer.fused_key_padding) and pads_only(excluded)):  # padding
             pad = padding_part(excluded, x.shape[0], layer.name, layer.per_query_masks)
             key_padding_mask, excluded = (pad if key_padding_mask is None else key_padding_mask | pad), None
-    sampling = layer.sampling
-    if P > 1 and sampling and not layer.native_samples:
+    sampling, repeated = layer.sampling, 1
+    if P > 1 and sampling and not layer.native_samples:  # batch-major rows, as :mod:`gpattn.attention._samples`
         x, context, key_padding_mask = (
             None if t is None else t.repeat_interleave(P, 0) for t in (x, context, key_padding_mask)
         )
         if excluded is not None and excluded.shape[0] > 1:
             excluded = excluded.repeat_interleave(P, 0)
-        P = 1
+        P, repeated = 1, P
     mask, keep = effective_mask(key_padding_mask)
     if excluded is not None:  # per-query mask: padding joined in, queries with no allowed key opened
         if mask is not None:
             excluded = excluded | mask[:, None, None, :]
         empty = excluded.all(-1, keepdim=True)  # shape: (B or 1, H or 1, T, 1)
         mask = excluded if layer.is_gp else excluded & ~empty
+    native = P if P > 1 and sampling else None
     return AttentionCall(
-        x, mask, keep, key_padding_mask, P if P > 1 and sampling else None, sampling, bool(need_weights), empty, P,
-        context,
+        x, mask, keep, key_padding_mask, native, sampling, bool(need_weights), empty, num_samples, repeated, context
     )
 
 
@@ -154,28 +158,31 @@ def check_call_inputs(layer, x, key_padding_mask, context):
 
 def finish_call(layer, call: AttentionCall, out: Attended) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(y, weights)`` of one forward from the variant's heads: rows with no allowed key zeroed, heads
-    merged, ``W_o``, the diagnostics of a GP variant in training, all-padding sequences zeroed, the output
-    repeated to ``call.repeat`` rows per input where the variant did not draw them.  # -> (B·P, T, D)"""
+    merged, ``W_o``, the diagnostics of a GP variant in training, all-padding sequences zeroed, and, when the caller
+    asked for P samples, the leading sample axis: the variant's own draws as they are, the rows of a repeated batch
+    viewed as it, a forward that did not sample expanded (a view).  # -> (B, T, D) or (P, B, T, D)"""
     heads, weights, empty = out.heads, out.weights, call.empty
-    drawn = heads.shape[0] // call.x.shape[0]  # P when the variant drew the samples, else 1
-    if empty is not None:  # only variants with per-query masks
-        if empty.shape[0] > 1:
-            empty = empty.repeat_interleave(drawn, 0)  # shape: (B·P, H or 1, T, 1)
+    drawn = heads.shape[0] if heads.dim() == 5 else 1  # P when the variant drew the samples, else 1
+    if empty is not None:  # only variants with per-query masks; (B or 1, H or 1, T, 1) broadcasts over P
         heads = heads.masked_fill(empty, 0)
         weights = None if weights is None else weights.masked_fill(empty, 0)
-    BP, H, T, Dv = heads.shape
-    y = layer.out_proj(heads.transpose(1, 2).reshape(BP, T, H * Dv))
+    *lead, H, T, Dv = heads.shape
+    y = layer.out_proj(heads.transpose(-3, -2).reshape(*lead, T, H * Dv))
     if empty is not None:
         y = y.masked_fill(empty.all(1), 0)  # a query with no allowed key in any head: output 0
     if out.mean is not None and layer.training:  # the trainer reads them; prediction skips the extra W_o
         real = call.loss_mask if call.context is None else None  # cross-attention: the queries are not padded
         rows = [t if t is None or drawn == 1 else t.repeat_interleave(drawn, 0) for t in (call.x, real, out.mean)]
-        layer._diagnostics.update(output_scale(layer.out_proj, *rows[:2], heads, rows[2]))
+        draws = heads if drawn == 1 else sample_rows(heads)  # the P·B rows, batch-major
+        layer._diagnostics.update(output_scale(layer.out_proj, *rows[:2], draws, rows[2]))
     if call.keep is not None:  # all-padding sequences: output 0 (masked arithmetic, no host read)
-        y = y.masked_fill_(~call.keep.repeat_interleave(drawn, 0)[:, None, None], 0)  # y is W_o's fresh output
-    if call.repeat > drawn:  # this forward did not sample: every draw is the same
-        y = y.repeat_interleave(call.repeat, 0)
-    return y, (None if not call.need_weights else weights)
+        y = y.masked_fill_(~call.keep[:, None, None], 0)  # y is W_o's fresh output
+    weights = weights if call.need_weights else None
+    if call.samples is None or drawn > 1:
+        return y, weights
+    if call.repeated > 1:
+        return sample_axis(y, call.repeated), (None if weights is None else sample_axis(weights, call.repeated))
+    return y.expand(call.samples, *y.shape), weights
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ projections, :meth:`GPAttention.strategy_inputs`.
 
 A forward projects, conditions once (``strategy.condition(*args, mask=mask, **kwargs)``, the arguments from
 :meth:`GPAttention.strategy_call`), draws from the conditional (P draws from the one factorisation with
-``num_samples=P``: ``native_samples = True``) or takes its mean
+``num_samples=P``, on a leading axis: ``native_samples = True``) or takes its mean
 under ``gpattn.deterministic()``, and records the conditional's loss terms as GPyTorch added loss terms
 (reduced once, :func:`gpattn.variational._strategy.sequence_mean`). ``posterior()`` is the conditional's.
 """
@@ -72,7 +72,7 @@ class GPAttention(AttentionBase):
 
     def _attend(self, call):
         cond = self._condition(call.x, call.mask, call.context)
-        out = self.draw(cond.rsample, call.num_samples) if call.sampling else cond.mean
+        out = cond.rsample(call.num_samples) if call.sampling else cond.mean  # shape: (B or P, B, H, T, Dv)
         # after the draw: a loss term that samples (CGP's prior samples) takes the random numbers after it
         self.set_loss_terms(*cond.added_loss_terms(call.loss_mask))
         mean = cond.mean

@@ -45,8 +45,8 @@ def as_excluded(mask: torch.Tensor, arg: str) -> torch.Tensor:
 
 def check_num_samples(num_samples, optional: bool = True) -> int:
     """``num_samples`` of a forward: a positive int (a ``ValueError`` naming the argument otherwise); the
-    one check of P, for a layer's call (where None, one draw, is handled by the caller: ``optional``) and a
-    model.s (:class:`gpattn.models._blocks.SampleAxis`)."""
+    one check of P, once in a layer's call (where None, one draw, is handled by the caller: ``optional``) and once
+    in a model's forward (:func:`gpattn.models._blocks.check_model_samples`)."""
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive int{' or None' if optional else ''}, got {num_samples!r}")
     return num_samples

@@ -1,18 +1,17 @@
 """The attention contract: one base class every variant derives from.
 
 A variant implements ``_attend(call)``: it reads one forward's inputs from an
-:class:`gpattn.attention.AttentionCall` (the input, the mask to attend under, P, whether to sample and to
-return weights) and returns its per-head outputs ``(B, H, T, Dv)`` — or ``num_samples`` draws per sequence
-— as a tensor or an :class:`gpattn.attention.Attended` (heads, a GP variant's posterior mean, attention
-weights). The GP variants derive from :class:`gpattn.attention.GPAttention`, which implements it (and
-``_posterior``, a gpytorch ``MultivariateNormal`` with batch ``(B, H, Dv)`` and event ``T``) through their
-strategy's conditional. The base class validates inputs and masks and settles the sample axis once per
-forward (:mod:`gpattn.attention._call`, :mod:`gpattn.attention._masks`), projects (one fused input
-projection, :mod:`gpattn.attention._projection`), merges heads, applies ``W_o``, handles all-padding rows
-and keeps two records of the last forward, both updated in place (:mod:`gpattn.attention._records`): the
-loss terms (GPyTorch added loss terms, :meth:`~gpattn.attention._records.ForwardRecords.set_loss_terms`) and
-the diagnostics (:meth:`~gpattn.attention._records.ForwardRecords.diagnostics`). No other attribute is written
-by a forward.
+:class:`gpattn.attention.AttentionCall` (the input, the mask to attend under, P, whether to sample and to return
+weights) and returns its per-head outputs ``(B, H, T, Dv)`` — or ``num_samples`` draws per sequence on a leading
+axis, ``(P, B, H, T, Dv)`` — as a tensor or an :class:`gpattn.attention.Attended` (heads, a GP variant's posterior
+mean, attention weights). The GP variants derive from :class:`gpattn.attention.GPAttention`, which implements it
+(and ``_posterior``, a gpytorch ``MultivariateNormal`` with batch ``(B, H, Dv)`` and event ``T``) through their
+strategy's conditional. The base class validates inputs and masks and settles the sample axis once per forward
+(:mod:`gpattn.attention._call`, :mod:`gpattn.attention._masks`), projects (one fused input projection,
+:mod:`gpattn.attention._projection`), merges heads, applies ``W_o``, handles all-padding rows and keeps two records
+of the last forward, both updated in place (:mod:`gpattn.attention._records`): the loss terms (GPyTorch added loss
+terms, :meth:`~gpattn.attention._records.ForwardRecords.set_loss_terms`) and the diagnostics
+(:meth:`~gpattn.attention._records.ForwardRecords.diagnostics`). No other attribute is written by a forward.
 
 No host-device synchronisation in a forward: the checks that read tensor values (NaN/Inf inputs) run
 only with ``gpattn.validation()`` on, and all-padding rows are handled by masked arithmetic.
@@ -29,6 +28,7 @@ from gpattn.attention._masks import attn_mask_excluded, check_inputs, excluded_k
 from gpattn.attention._mha import multihead_call
 from gpattn.attention._projection import FusedProjection
 from gpattn.attention._records import ForwardRecords
+from gpattn.attention._samples import attend_sample_rows, has_sample_axis
 
 __all__ = ["AttentionBase", "excluded_keys"]
 
@@ -58,8 +58,8 @@ class AttentionBase(ForwardRecords, FusedProjection, nn.Module):
     projections: tuple[str, ...] = ("q", "k", "v")
     is_gp: bool = False
     stochastic: bool = False
-    #: ``_attend`` draws ``call.num_samples`` samples from one factorisation (the GP variants); otherwise a
-    #: sampling forward with ``num_samples`` repeats the batch P times before ``_attend``
+    #: ``_attend`` draws ``call.num_samples`` samples from one factorisation, on a leading axis (the GP variants);
+    #: otherwise a sampling forward with ``num_samples`` repeats the batch P times before ``_attend``
     native_samples: bool = False
     #: whether ``_attend`` takes a per-query mask ``(B, H or 1, T, T)`` from ``attn_mask`` (read it through
     #: :func:`excluded_keys`); otherwise it gets only key padding ``(B, T)``, and an ``attn_mask`` that does
@@ -116,29 +116,13 @@ class AttentionBase(ForwardRecords, FusedProjection, nn.Module):
         """Whether this forward should sample (stochastic variant, outside ``gpattn.deterministic()``)."""
         return self.stochastic and not is_deterministic()
 
-    @staticmethod
-    def fold_samples(samples: torch.Tensor) -> torch.Tensor:
-        """A leading sample axis folded B-major into the batch.  # shape: (P, B, ...) -> (B·P, ...)
-
-        Head outputs ``(P, B, H, T, Dv)`` are copied once, straight into the memory order of the
-        merged heads ``(B·P, T, H·Dv)`` that ``W_o`` reads, and returned as a ``(B·P, H, T, Dv)`` view."""
-        P, B = samples.shape[:2]
-        if samples.dim() == 5:
-            _, _, H, T, Dv = samples.shape
-            return samples.permute(1, 0, 3, 2, 4).reshape(B * P, T, H, Dv).transpose(1, 2)
-        return samples.transpose(0, 1).reshape(B * P, *samples.shape[2:])
-
-    def draw(self, rsample, num_samples: int | None) -> torch.Tensor:
-        """``rsample()`` (one draw) or ``rsample(P)`` folded B-major: the helper of ``_attend`` for a
-        conditional with gpytorch's ``rsample(num_samples)``.  # shape: -> (B, ...) or (B·P, ...)"""
-        return rsample() if num_samples is None else self.fold_samples(rsample(num_samples))
-
     # ------------------------------------------------------------------ to implement
     def _attend(self, call: AttentionCall) -> torch.Tensor | Attended:
         """The variant's attention of one forward (:class:`gpattn.attention.AttentionCall`): the per-head
         outputs ``(B, H, T, Dv)`` as a tensor, or an :class:`gpattn.attention.Attended` with the posterior
         mean (GP variants) and the weights (``call.need_weights``); variants with ``native_samples`` draw
-        ``call.num_samples`` samples (``(B·P, H, T, Dv)``, B-major, :meth:`fold_samples`) when it is set."""
+        ``call.num_samples`` samples on a leading axis (``(P, B, H, T, Dv)``, gpytorch's ``rsample(P)``) when it is
+        set."""
         raise NotImplementedError
 
     def _posterior(self, x: torch.Tensor, mask: torch.Tensor | None, context: torch.Tensor | None = None):
@@ -189,8 +173,9 @@ class AttentionBase(ForwardRecords, FusedProjection, nn.Module):
         attn_mask: torch.Tensor | None = None,
         context: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """# shape: x (B, T, D), key_padding_mask (B, T) bool (True = padding) -> (B, T, D), or (B·P, T, D)
-        with ``num_samples=P``: P draws per input, B-major (row b·P + p is draw p of sequence b).
+        """# shape: x (B, T, D), key_padding_mask (B, T) bool (True = padding) -> (B, T, D); with
+        ``num_samples=P`` -> (P, B, T, D), a leading sample axis (``y[p, b]`` is draw p of sequence b); x with a
+        sample axis (P, B, T, D) -> (P, B, T, D), one draw per incoming sample (``num_samples`` None).
 
         ``context`` (B, S, D): cross-attention, queries from x and keys and values from ``context``;
         ``key_padding_mask`` (B, S) pads the keys (docs/derivations.md §13). None: self-attention.
@@ -204,9 +189,11 @@ class AttentionBase(ForwardRecords, FusedProjection, nn.Module):
 
         With ``num_samples`` a GP variant factorises once per sequence and draws its P samples from
         that factorisation (the first sampling layer of a deep GP, docs/derivations.md §9); a layer that does not
-        sample in this forward computes its output once and repeats it; the other stochastic variants
+        sample in this forward computes its output once and expands it (a view); the other stochastic variants
         (Gumbel attention) run on the batch repeated P times. The loss terms are those of the B
-        sequences (each sequence's terms once, as with the repeated batch, whose rows share them)."""
+        sequences (each sequence's terms once, as with the repeated batch, whose rows share them). Given a
+        sample axis, the layer runs on the P·B rows, batch-major (:mod:`gpattn.attention._samples`: the masks and
+        a context without the axis follow their input's rows), and its loss terms are those of the P·B rows."""
         return self.attend(x, key_padding_mask, num_samples, attn_mask=attn_mask, context=context)[0]
 
     def attend(
@@ -215,10 +202,13 @@ class AttentionBase(ForwardRecords, FusedProjection, nn.Module):
         """:meth:`forward_gp`'s output and, with ``need_weights``, the variant's attention weights
         ``(B, H, T, S)`` (None for the variants without weights): one explicit call, prepared once
         (:func:`gpattn.attention._call.prepare_call`), attended by the variant, finished by the base."""
+        if torch.is_tensor(x) and has_sample_axis(x):
+            return attend_sample_rows(self, x, key_padding_mask, num_samples, attn_mask, need_weights, context)
         call = prepare_call(self, x, key_padding_mask, num_samples, attn_mask, need_weights, context)
         self._clear_records()
         if call.x.shape[0] == 0:  # empty batch: a defined zero result with a graph
-            return call.x.new_zeros(call.x.shape) + 0 * sum(p.sum() for p in self.parameters()), None
+            y = call.x.new_zeros(call.x.shape) + 0 * sum(p.sum() for p in self.parameters())
+            return (y if num_samples is None else y.expand(num_samples, *y.shape)), None
         return finish_call(self, call, Attended.of(self._attend(call)))
 
     def posterior(self, x: torch.Tensor, key_padding_mask=None, *, attn_mask=None, context=None):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from gpattn.attention._masks import check_num_samples
 from gpattn.experiments._runs import as_device, bundle_meta, run_checkpoint
 
 __all__ = ["EmptyTextWarning", "Prediction", "Run", "bundle_meta", "load_run"]
@@ -148,9 +149,7 @@ class Run:
         ``batch_size`` rows per forward pass at most: fewer for many samples or long texts (:func:`predict_rows`)."""
         from gpattn.experiments import metrics as M
 
-        P = num_samples or self.cfg.num_samples
-        if isinstance(P, bool) or not isinstance(P, int) or P < 1:
-            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        P = check_num_samples(num_samples or self.cfg.num_samples, optional=False)
         if self.meta["kind"] == "text":
             texts = _as_texts(inputs)  # a bare string is one text
             _warn_empty(texts)

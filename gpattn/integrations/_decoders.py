@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gpattn.attention._masks import check_num_samples
 from gpattn.objectives import DeepGPELBO
 
 __all__ = [
@@ -348,8 +349,7 @@ def token_uncertainty(model: nn.Module, input_ids, attention_mask=None, num_samp
     A model with nothing random in its forward (eval mode, no sampling layer: ``softmax``, or inside
     ``gpattn.deterministic()``) runs once: its mutual information is 0.
     # shape: input_ids (B, T) long, attention_mask (B, T) 1 = token, 0 = padding -> TokenUncertainty (B, T)"""
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    check_num_samples(num_samples, optional=False)
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.is_floating_point():
         raise ValueError(f"input_ids must be (B, T) token ids, got {getattr(input_ids, 'shape', type(input_ids))}")
     P = num_samples if _is_random(model) else 1

@@ -56,6 +56,7 @@ arguments and load the state dict (:func:`load_swapped`).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -63,6 +64,8 @@ import torch.nn as nn
 
 from gpattn._settings import deterministic
 from gpattn.attention import attention_class, attention_options, build_attention, list_attention, recipe_options
+from gpattn.attention._masks import check_num_samples
+from gpattn.attention._samples import has_sample_axis, over_sample_rows
 from gpattn.integrations._decoders import (
     DECODERS,
     CausalLMELBO,
@@ -76,7 +79,7 @@ from gpattn.integrations._decoders import (
 )
 from gpattn.integrations._hf_masks import key_padding_mask
 from gpattn.integrations._prior_match import MEDIAN_KEY_DISTANCE, _match_layer  # noqa: F401  (re-exported)
-from gpattn.models._blocks import SampleAxis, pool_tokens
+from gpattn.models._blocks import pool_tokens, sample_logits
 from gpattn.objectives import LossTermWalkers
 
 __all__ = [
@@ -126,9 +129,10 @@ class HFAttentionAdapter(nn.Module):
 
     ``forward(hidden_states, attention_mask=None, **kwargs) -> (output (B, T, D), None)``; attention
     weights are not returned (None, as transformers' sdpa path). Cross-attention and key/value caches
-    are not supported (a ValueError). ``num_samples=P`` (passed by :class:`HFClassifier` to the first layer
-    that samples): ``hidden_states`` hold each input P times, B-major, and the layer draws its P samples
-    from one factorisation of each input (:class:`gpattn.models._blocks.SampleAxis`)."""
+    are not supported (a ValueError). ``num_samples=P`` (passed by :class:`HFClassifier` to the swapped layer that
+    takes the draws): the layer draws P samples from one factorisation of each of the B inputs and returns
+    ``(P, B, T, D)``, over which the rest of the transformers layer (its dense maps, residual and LayerNorms)
+    broadcasts (:mod:`gpattn.attention._samples`)."""
 
     def __init__(self, attention: nn.Module, transferred: dict[str, str], new: list[str]):
         super().__init__()
@@ -144,10 +148,7 @@ class HFAttentionAdapter(nn.Module):
         if cache is not None or kwargs.get("past_key_values") is not None:
             raise ValueError("cache / past_key_values: gpattn's swapped layers keep no key/value cache (got one)")
         kpm = key_padding_mask(attention_mask, hidden_states.shape[:2])
-        if num_samples is None:
-            return self.attention(hidden_states, key_padding_mask=kpm), None
-        x, kpm = SampleAxis.inputs(num_samples, hidden_states, kpm)  # shape: (B·P, T, D) -> (B, T, D)
-        return self.attention(x, key_padding_mask=kpm, num_samples=num_samples), None  # shape: (B·P, T, D)
+        return self.attention(hidden_states, key_padding_mask=kpm, num_samples=num_samples), None
 
     def extra_repr(self) -> str:
         return f"transferred={sorted(self.transferred)}, new={self.new}"
@@ -417,17 +418,17 @@ class HFClassifier(LossTermWalkers, nn.Module):
     CLS pooling and a linear head, behind gpattn's classifier contract:
     ``forward(input_ids, key_padding_mask=None, num_samples=P) -> logits (B, P, C)``.
 
-    Monte-Carlo samples: one sample axis, B-major (row b·P + p is sample p of sequence b), taken by the first
-    part of the forward that samples, as in :class:`gpattn.models.TransformerClassifier`
-    (:class:`gpattn.models._blocks.SampleAxis`, docs/derivations.md §9). When the layers below the first
-    swapped one (the *trunk*: embeddings and unswapped layers) draw nothing — eval mode, or ``frozen_trunk`` —
-    they run once on the B sequences, and the first top layer that samples takes the P draws: a swapped gpattn
-    layer factorises once per sequence and draws its P samples from that factorisation, and the rest of the
-    layer and the layers above run on the B·P rows (each with its own dropout masks). When the trunk samples
-    (training mode, or ``mc_dropout`` without ``frozen_trunk``), the batch is repeated at the input, so every
-    draw has its own dropout masks in every layer. A forward with nothing random runs once and repeats its
-    logits. The layers' loss terms are those of the rows they ran on (each sequence's terms once when the
-    swapped layer drew the samples).
+    Monte-Carlo samples: one leading sample axis, ``(P, B, T, D)``, taken by the first part of the forward that
+    samples, as in :class:`gpattn.models.TransformerClassifier` (:mod:`gpattn.attention._samples`,
+    docs/derivations.md §9). When the layers below the first swapped one (the *trunk*: embeddings and unswapped
+    layers) draw nothing — eval mode, or ``frozen_trunk`` — they run once on the B sequences, and the first top
+    layer that samples takes the P draws: a swapped gpattn layer factorises once per sequence and returns its P
+    samples ``(P, B, T, D)``, which the rest of that transformers layer broadcasts over. When the trunk samples
+    (training mode, or ``mc_dropout`` without ``frozen_trunk``) it takes the draws, on its input repeated P times,
+    so every draw has its own dropout masks in every layer. A transformers layer given the sample axis runs on the
+    P·B rows, batch-major (adapted at its boundary, :func:`gpattn.attention._samples.over_sample_rows`). A forward
+    with nothing random runs once and repeats its logits. The layers' loss terms are those of the rows they ran on
+    (each sequence's terms once when the swapped layer drew the samples).
 
     ``added_loss_terms()`` / ``named_priors()`` (gpytorch's walkers) reach the swapped layers, so
     :class:`gpattn.objectives.DeepGPELBO` works on it; :meth:`layer_diagnostics` is what the trainer logs.
@@ -624,20 +625,26 @@ class HFClassifier(LossTermWalkers, nn.Module):
                 f"key_padding_mask must have the shape of input_ids {(B, T)}, got {tuple(key_padding_mask.shape)}"
             )
 
-    def _top(self, hidden, mask, axis: SampleAxis) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layers from the first swapped one on, on hidden states ``(N, T, D)`` with transformers' mask; the
-        first of them that samples takes ``axis``'s draws (a swapped layer from one factorisation of each input,
-        :class:`HFAttentionAdapter`). Returns the last hidden states and their key padding mask.
-        # shape: hidden (N, T, D) -> (N·P/pending, T, D)"""
-        full = self._attention_mask(hidden, mask)
+    def _top(self, hidden, mask, num_samples: int | None) -> torch.Tensor:
+        """The layers from the first swapped one on, on hidden states with key padding ``mask`` (B, T); the first of
+        them that samples takes ``num_samples`` draws unless ``hidden`` has the sample axis already: a sampling
+        swapped layer from one factorisation of each input (the transformers layer broadcasts over its
+        ``(P, B, T, D)`` output), any other on its input repeated. A layer given the axis runs on the P·B rows.
+        # shape: hidden (B, T, D) or (P, B, T, D) -> (B, T, D) or (P, B, T, D)"""
         for i, layer in enumerate(self._top_layers(), start=self.trunk_layers):
-            draws = axis.take(_samples(layer.modules(), self.adapters.get(i)))
-            if draws is not None:  # the residual stream repeated; the swapped layer draws from the inputs
-                hidden, mask = axis.fold(draws, hidden, mask)
-                full = self._attention_mask(hidden, mask)
-            hidden = layer(hidden, full, **({} if draws is None or i not in self.adapters else {"num_samples": draws}))
-            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-        return hidden, mask
+            adapter, run = self.adapters.get(i), functools.partial(self._run_layer, layer)
+            if num_samples is None or has_sample_axis(hidden) or not _samples(layer.modules(), adapter):
+                hidden = over_sample_rows(run, hidden, mask)
+            elif adapter is not None and adapter.attention.sampling:
+                hidden = run(hidden, mask, num_samples=num_samples)  # shape: (P, B, T, D)
+            else:
+                hidden = over_sample_rows(run, hidden, mask, num_samples=num_samples)
+        return hidden
+
+    def _run_layer(self, layer, hidden, mask, **kwargs) -> torch.Tensor:
+        """One transformers layer on hidden states with key padding ``mask`` (its own mask built from it)."""
+        out = layer(hidden, self._attention_mask(hidden, mask), **kwargs)
+        return out[0] if isinstance(out, tuple) else out
 
     def _attention_mask(self, hidden, mask):
         """transformers' mask of the encoder's layers for key padding ``mask`` (B, T) (True = padding)."""
@@ -658,19 +665,24 @@ class HFClassifier(LossTermWalkers, nn.Module):
     def forward(self, input_ids, key_padding_mask=None, num_samples: int = 1) -> torch.Tensor:
         """# shape: input_ids (B, T) long or trunk output (B, T, D) float, key_padding_mask (B, T) bool
         True = padding -> logits (B, P, C)"""
-        axis = SampleAxis(num_samples)
+        P = check_num_samples(num_samples, optional=False)  # the model's one check of P
         cached = self._check_forward_inputs(input_ids, key_padding_mask)
         self._switch_mc_dropout()
-        x, mask = input_ids, key_padding_mask
+        x, mask, draws = input_ids, key_padding_mask, (P if P > 1 else None)
         if not cached:  # the trunk: the embeddings and the layers below the first swapped one
             top = {id(m) for m in self._top_layers().modules()}
-            trunk = [m for m in self.encoder.modules() if id(m) not in top]
-            ids, mask = axis.fold(axis.take(_samples(trunk)), x, mask)  # a random trunk takes the draws: repeat
-            attend = None if mask is None else (~mask).long()
-            first = self.trunk_layers
-            x = self._capture([first], lambda: self.encoder(input_ids=ids, attention_mask=attend))[first]
-        h, mask = self._top(x, mask, axis)  # shape: (B·P/pending, T, D)
-        return axis.logits(self.head(pool_tokens(h, mask, cls=self.pooling == "cls")))
+            take = draws if _samples(m for m in self.encoder.modules() if id(m) not in top) else None
+            x = over_sample_rows(self._run_trunk, x, mask, num_samples=take)  # a random trunk takes the draws
+            draws = None if take else draws
+        h = self._top(x, mask, draws)  # shape: (B, T, D) or (P, B, T, D)
+        return sample_logits(self.head(pool_tokens(h, mask, cls=self.pooling == "cls")), P)
+
+    def _run_trunk(self, ids, mask) -> torch.Tensor:
+        """The input of the first swapped layer for token ids (the embeddings and the layers below it, in the
+        modes they are in).  # shape: ids (N, T), mask (N, T) -> (N, T, D)"""
+        attend = None if mask is None else (~mask).long()
+        first = self.trunk_layers
+        return self._capture([first], lambda: self.encoder(input_ids=ids, attention_mask=attend))[first]
 
     def _check_forward_inputs(self, inputs, key_padding_mask) -> bool:
         """Whether ``inputs`` are the trunk's output (else token ids); a ValueError for either when malformed."""

@@ -1,4 +1,5 @@
-"""Pre-LN transformer blocks over any registered attention, with deep-GP sample propagation."""
+"""Pre-LN transformer blocks over any registered attention, with deep-GP sample propagation on a leading sample
+axis ``(P, B, T, D)`` (:mod:`gpattn.attention._samples`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from gpytorch.kernels import Kernel
 
 from gpattn._settings import is_deterministic
 from gpattn.attention._masks import check_num_samples
+from gpattn.attention._samples import has_sample_axis, over_sample_rows
 from gpattn.attention.base import AttentionBase
 from gpattn.attention.registry import build_attention
 
@@ -23,74 +25,41 @@ __all__ = [
     "Encoder",
     "EncoderSpec",
     "MCDropout",
-    "SampleAxis",
+    "attend_samples",
     "pool_tokens",
     "resolve_attention_layers",
+    "sample_logits",
 ]
 
 
-class SampleAxis:
-    """The Monte-Carlo axis of one model forward, from the first layer that samples to the head
-    (docs/derivations.md §9), shared by :class:`Encoder`, the classifiers and
-    :class:`gpattn.integrations.huggingface.HFClassifier`; built once per forward (P validated here).
+def sample_logits(logits: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """A classifier's output, ``(B, P, C)``, from its head's: the logits of the P samples, or the one result of a
+    forward in which nothing sampled repeated P times.  # shape: (P, B, C) or (B, C) -> (B, P, C)"""
+    if logits.dim() == 2:
+        return logits.unsqueeze(1).expand(-1, num_samples, -1).contiguous()
+    return logits.transpose(0, 1).contiguous()
 
-    The P draws per input sit B-major in the batch (row b·P + p is draw p of input b). Below the first
-    layer that samples the rows are the B inputs (``pending`` = P draws still to take); that layer takes
-    the draws (:meth:`take`) — a gpattn attention in it draws the P samples from one factorisation of each
-    input, the rest of the layer runs on its inputs repeated (:meth:`fold`) — and from it on the rows are
-    B·P (``pending`` = 1). A forward in which nothing samples never takes its draws: :meth:`logits` repeats
-    its one result. The object lives in the forward, never on a module.
 
-    :param num_samples: P, a positive int."""
-
-    def __init__(self, num_samples: int):
-        self.num_samples = self.pending = check_num_samples(num_samples, optional=False)
-
-    def take(self, samples: bool) -> int | None:
-        """Before a layer: P when the layer ``samples`` and the draws are still pending (it is the first layer
-        that samples: it takes them, and its output has B·P rows), else None (its output has its input's rows)."""
-        if self.pending == 1 or not samples:
-            return None
-        P, self.pending = self.pending, 1
-        return P
-
-    def repeat(self, *rows):
-        """``rows`` with the pending draws taken by repetition.  # shape: each (B, ...) -> (B·P, ...)"""
-        return self.fold(self.take(True), *rows)
-
-    @staticmethod
-    def fold(num_samples: int | None, *rows):
-        """``rows`` repeated ``num_samples`` times each, B-major (None stays None; ``num_samples`` None: as they
-        are).  # shape: each (B, ...) -> (B·P, ...)"""
-        if num_samples is None or num_samples == 1:
-            return rows
-        return tuple(None if t is None else t.repeat_interleave(num_samples, 0) for t in rows)
-
-    @staticmethod
-    def inputs(num_samples: int, *rows):
-        """The inputs behind rows that :meth:`fold` repeated: the first of each group of ``num_samples``.
-        # shape: each (B·P, ...) -> (B, ...)"""
-        return tuple(None if t is None else t[::num_samples] for t in rows)
-
-    def logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The head's output with the sample axis of the result: the draws never taken (nothing sampled)
-        repeated.  # shape: (B·P/pending, C) -> (B, P, C)"""
-        P, C = self.num_samples, logits.shape[-1]
-        if self.pending > 1:
-            logits = logits.unsqueeze(1).expand(-1, self.pending, -1).reshape(-1, C)
-        return logits.view(-1, P, C)
+def attend_samples(attn: nn.Module, x: torch.Tensor, mask, num_samples: int | None = None) -> torch.Tensor:
+    """A block's attention over the sample axis: a gpattn layer takes the axis itself (``num_samples=P``: P draws
+    from one factorisation per input; a sample axis in: one draw per incoming sample); any other attention module is
+    adapted at its boundary, on the P·B rows (:func:`gpattn.attention._samples.over_sample_rows`).
+    # shape: x (B, T, D) or (P, B, T, D), mask (B, T) -> (B, T, D) or (P, B, T, D)"""
+    if isinstance(attn, AttentionBase):
+        return attn(x, mask, num_samples=num_samples)
+    return over_sample_rows(attn, x, mask, num_samples=num_samples)
 
 
 def pool_tokens(h: torch.Tensor, mask: torch.Tensor | None, cls: bool) -> torch.Tensor:
-    """The first (CLS) token, or the mean over the real tokens (padding left out).
+    """The first (CLS) token, or the mean over the real tokens (padding left out); a leading sample axis is kept.
 
-    # shape: h (B, T, D), mask (B, T) bool (True = padding) or None -> (B, D)"""
+    # shape: h (B, T, D) or (P, B, T, D), mask (B, T) bool (True = padding) or None -> (B, D) or (P, B, D)"""
     if cls:
-        return h[:, 0]
+        return h[..., 0, :]
     if mask is None:
-        return h.mean(1)
+        return h.mean(-2)
     keep = (~mask).unsqueeze(-1).to(h.dtype)
-    return (h * keep).sum(1) / keep.sum(1).clamp_min(1.0)
+    return (h * keep).sum(-2) / keep.sum(-2).clamp_min(1.0)
 
 
 class MCDropout(nn.Module):
@@ -109,14 +78,18 @@ class MCDropout(nn.Module):
         return self.p > 0 and (self.training or self.mc) and not is_deterministic()
 
     def forward(self, x):
-        return F.dropout(x, self.p, training=True) if self.active else x
+        """# shape: (B, T, D) or (P, B, T, D): with a sample axis the masks are drawn on the P·B rows, batch-major
+        (:mod:`gpattn.attention._samples`), as for the batch repeated P times"""
+        if not self.active:
+            return x
+        return over_sample_rows(lambda rows: F.dropout(rows, self.p, training=True), x)
 
     def extra_repr(self):
         return f"p={self.p}, mc={self.mc}"
 
 
 class Block(nn.Module):
-    """x + attn(LN(x)); x + MLP(LN(x)).  # shape: (B·P, T, D) -> (B·P, T, D)"""
+    """x + attn(LN(x)); x + MLP(LN(x)).  # shape: (B, T, D) or (P, B, T, D) -> (B, T, D) or (P, B, T, D)"""
 
     def __init__(self, attention: nn.Module, embed_dim: int, mlp_ratio: float, dropout: float, mc_dropout: bool):
         super().__init__()
@@ -138,16 +111,12 @@ class Block(nn.Module):
         )
 
     def forward(self, x, mask, num_samples: int | None = None):
-        """``num_samples=P``: this block takes the model's P draws (:meth:`SampleAxis.take`): a gpattn
-        attention draws them from one factorisation of each input
-        (:meth:`gpattn.attention.base.AttentionBase.forward`) and the residual stream is repeated to match;
-        any other attention module runs on the inputs repeated P times.  # shape: (B, T, D) -> (B·P, T, D)"""
-        if num_samples is not None and isinstance(self.attn, AttentionBase):
-            a = self.attn(self.norm1(x), mask, num_samples=num_samples)  # shape: (B·P, T, D), B-major
-            (x,) = SampleAxis.fold(num_samples, x)
-        else:
-            x, mask = SampleAxis.fold(num_samples, x, mask)
-            a = self.attn(self.norm1(x), mask)
+        """``num_samples=P``: this block takes the model's P draws: a gpattn attention draws them from one
+        factorisation of each input and returns ``(P, B, T, D)``, over which the residual stream, the LayerNorms,
+        the MLP and the dropout broadcast; any other attention module runs on its input repeated P times
+        (:func:`attend_samples`). ``x`` with a sample axis: one draw per incoming sample.
+        # shape: x (B, T, D) or (P, B, T, D), mask (B, T) -> (B, T, D), or (P, B, T, D)"""
+        a = attend_samples(self.attn, self.norm1(x), mask, num_samples)
         x = x + self.drop(a)
         return x + self.drop(self.mlp(self.norm2(x)))
 
@@ -273,22 +242,21 @@ class Encoder(nn.Module):
         self.norm = nn.LayerNorm(D)
 
     def forward(self, x, mask, num_samples: int = 1):
-        """# shape: x (B, T, D), mask (B, T) -> (B·P, T, D), P = num_samples, B-major"""
-        axis = SampleAxis(num_samples)
-        x, mask = self.propagate(x, mask, axis)
-        return axis.repeat(x)[0]
+        """# shape: x (B, T, D), mask (B, T) -> (P, B, T, D), P = num_samples"""
+        P = check_num_samples(num_samples, optional=False)
+        x = self.propagate(x, mask, P)
+        return x if has_sample_axis(x) else x.expand(P, *x.shape)
 
-    def propagate(self, x, mask, axis: SampleAxis):
-        """Run the stack on ``axis``'s rows: the first block that samples takes the draws (a gpattn attention
-        from one factorisation per input: :meth:`SampleAxis.take`, :meth:`Block.forward`), every later block
-        propagates one sample per incoming sample (deep-GP), and the deterministic blocks below it run once per
-        input (in eval mode a softmax model runs once, not P times). Returns ``(x, mask)`` of
-        ``B·P/axis.pending`` rows.  # shape: x (B or B·P, T, D) -> (B·P/pending, T, D)"""
+    def propagate(self, x, mask, num_samples: int | None):
+        """Run the stack: the first block that samples takes the P draws (``num_samples``; a gpattn attention from
+        one factorisation per input, :meth:`Block.forward`), every later block propagates one sample per incoming
+        sample (deep GP) on the ``(P, B, T, D)`` stream, and the deterministic blocks below it run once per input
+        (in eval mode a softmax model runs once, not P times). ``num_samples`` None (or x with the axis already):
+        no block takes draws.  # shape: x (B, T, D) or (P, B, T, D) -> (B, T, D) or (P, B, T, D)"""
         for block in self.blocks:
-            draws = axis.take(block.samples)
+            draws = num_samples if num_samples is not None and block.samples and not has_sample_axis(x) else None
             x = block(x, mask, num_samples=draws)
-            (mask,) = SampleAxis.fold(draws, mask)
-        return self.norm(x), mask
+        return self.norm(x)
 
     def attention_modules(self) -> list[nn.Module]:
         return [b.attn for b in self.blocks]

@@ -1,11 +1,12 @@
 """Sequence and image classifiers over any registered attention.
 
 Both return logits with an explicit Monte-Carlo axis: ``forward(inputs, key_padding_mask=None,
-num_samples=P) -> (B, P, C)``. Samples propagate through depth as in a deep GP (docs/derivations.md §9): the first
-layer that samples (a stochastic attention or active dropout) draws the P samples — a gpattn attention
-factorises once per input and draws P times (``(B·P, T, D)`` inside the stack, B-major) — every later
-layer draws one sample per incoming sample, and the deterministic layers below it run once per input;
-a model that samples nothing (softmax in eval mode) returns P equal draws.
+num_samples=P) -> (B, P, C)``. Samples propagate through depth as in a deep GP (docs/derivations.md §9) on a
+leading sample axis, ``(P, B, T, D)`` between the blocks (:mod:`gpattn.attention._samples`): the first layer that
+samples (a stochastic attention or active dropout) takes the P draws — a gpattn attention factorises once per input
+and draws P times — every later layer draws one sample per incoming sample, and the deterministic layers below it
+run once per input on ``(B, T, D)``; a model that samples nothing (softmax in eval mode) returns P equal draws.
+With P = 1 no layer takes the axis (one draw per input, the same random numbers).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import torch
 import torch.nn as nn
 
 from gpattn._settings import is_validating
+from gpattn.attention._masks import check_num_samples
 from gpattn.attention.registry import attention_options as attention_defaults
-from gpattn.models._blocks import Encoder, EncoderSpec, MCDropout, SampleAxis, pool_tokens, with_encoder_settings
+from gpattn.models._blocks import Encoder, EncoderSpec, MCDropout, pool_tokens, sample_logits, with_encoder_settings
 from gpattn.objectives import LossTermWalkers
 
 __all__ = ["TransformerClassifier", "ViTClassifier"]
@@ -58,8 +60,9 @@ class _SequenceClassifier(LossTermWalkers, nn.Module):
         raise NotImplementedError
 
     def forward(self, inputs, key_padding_mask=None, num_samples: int = 1) -> torch.Tensor:
-        """# shape: inputs (B, T) ids | (B, T, F) features | (B, C, Hpx, Wpx) images -> logits (B, P, C)"""
-        axis = SampleAxis(num_samples)
+        """# shape: inputs (B, T) ids | (B, T, F) features | (B, C, Hpx, Wpx) images -> logits (B, P, C), the head's
+        (P, B, C) with the sample axis second (the models' contract)"""
+        P = check_num_samples(num_samples, optional=False)  # the model's one check of P
         h, mask = self._embed(inputs, key_padding_mask)  # shape: (B, T, D), (B, T)
         B, T, _ = h.shape
         if T > self.max_tokens:
@@ -69,9 +72,11 @@ class _SequenceClassifier(LossTermWalkers, nn.Module):
             if mask is not None:
                 mask = torch.cat([mask.new_zeros(B, 1), mask], dim=1)
         h = h + self.pos[:, : h.shape[1]]
-        h, mask = axis.fold(axis.take(self.embed_drop.active), h, mask)  # embedding dropout samples: draws start here
-        h, mask = self.encoder.propagate(self.embed_drop(h), mask, axis)  # shape: (B·P/pending, T, D)
-        return axis.logits(self.head(pool_tokens(h, mask, cls=self.cls_token is not None)))
+        draws = P if P > 1 else None
+        if draws and self.embed_drop.active:  # embedding dropout samples: the sample axis starts here
+            h, draws = h.expand(P, *h.shape), None
+        h = self.encoder.propagate(self.embed_drop(h), mask, draws)  # shape: (B, T, D) or (P, B, T, D)
+        return sample_logits(self.head(pool_tokens(h, mask, cls=self.cls_token is not None)), P)
 
     def loss_terms(self) -> dict[str, torch.Tensor]:
         """Loss terms of every attention layer in the last forward, summed over layers."""

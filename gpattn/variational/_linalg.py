@@ -249,8 +249,6 @@ def standard_normal(shape, like: torch.Tensor, num_samples: int | None, generato
     opts = {"dtype": like.dtype, "device": like.device, "generator": generator}
     if num_samples is None:
         return torch.randn(shape, **opts)
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be a positive int or None, got {num_samples!r}")
     return torch.randn(shape[0], num_samples, *shape[1:], **opts).transpose(0, 1)
 
 
