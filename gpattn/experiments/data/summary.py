@@ -11,6 +11,8 @@ import hashlib
 
 import torch
 
+from gpattn.experiments.data._duplicates import duplicate_lines
+
 __all__ = ["bundle_fingerprint", "data_summary", "summary_lines"]
 
 
@@ -39,8 +41,8 @@ def bundle_fingerprint(bundle) -> str:
 
 def data_summary(bundle) -> dict:
     """Plain data: data set name, files read (role, path, bytes, sha256, rows) where the loader records
-    them, rows per split, labelled class counts per split, what was done with unknown labels, and the
-    content fingerprint."""
+    them, rows per split, labelled class counts per split, what was done with unknown labels, exact duplicate
+    texts within and between splits (text data), and the content fingerprint."""
     names = bundle.info.get("class_names") or [str(k) for k in range(bundle.num_classes)]
     sizes, counts, unlabelled = {}, {}, {}
     for key, split in bundle.splits.items():
@@ -58,6 +60,7 @@ def data_summary(bundle) -> dict:
         "class_counts": counts,
         "unlabelled": unlabelled,
         "unknown_labels": bundle.info.get("unknown_labels", {}),
+        "duplicates": bundle.info.get("duplicates"),
         "eval_splits": dict(bundle.eval_splits),
         "fingerprint": bundle_fingerprint(bundle),
     }
@@ -86,5 +89,6 @@ def summary_lines(summary: dict) -> list[str]:
                 f"were {'dropped' if handled['policy'] == 'drop' else 'kept unlabelled'} (unknown_labels="
                 f"{handled['policy']!r})"
             )
+    lines += duplicate_lines(summary.get("duplicates"))
     lines.append(f"- content fingerprint (sha256 of the splits' tensors and the vocabulary): {summary['fingerprint']}")
     return lines
