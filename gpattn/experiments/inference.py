@@ -32,7 +32,7 @@ def _stub_bundle(meta: dict):
         num_classes=meta["num_classes"],
         vocab_size=len(meta["vocab"]) if meta["kind"] == "text" else None,
         image_shape=tuple(meta["image_shape"]) if meta["kind"] == "image" else None,
-        splits={"any": types.SimpleNamespace(inputs=torch.empty(0, width))},
+        splits={"train": types.SimpleNamespace(inputs=torch.empty(0, width))},  # sizes the positional embedding
         encoder_config=meta.get("encoder_config"),
     )
 

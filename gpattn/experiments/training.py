@@ -52,7 +52,9 @@ from gpattn.experiments._runs import (
     CHECKPOINT,
     as_device,
     bundle_meta,
+    fit_to_positions,
     load_checkpoint,
+    model_positions,
     resolve_device,
     run_checkpoint,
 )
@@ -73,6 +75,7 @@ __all__ = [
     "build_model",
     "evaluate_predictions",
     "load_run_with_data",
+    "model_for_checkpoint",
     "predict",
     "train",
 ]
@@ -94,9 +97,11 @@ def _autocast(device: torch.device, precision: str):
 AUTO_LAYERS = {"kep-svgp": "last"}
 
 
-def build_model(cfg: TrainConfig, bundle) -> torch.nn.Module:
+def build_model(cfg: TrainConfig, bundle, positions: int | None = None) -> torch.nn.Module:
     """The classifier for a data set: a transformer over token ids for text, a ViT for images, a
-    pretrained encoder with ``cfg.encoder`` (gpattn.experiments.encoders)."""
+    pretrained encoder with ``cfg.encoder`` (gpattn.experiments.encoders). A text transformer's positional
+    embedding covers ``positions`` tokens, by default the longest training sequence
+    (:func:`gpattn.experiments._runs.model_positions`: train and val, never an evaluation file)."""
     if cfg.encoder is not None:
         from gpattn.experiments.encoders import build_encoder_model
 
@@ -106,7 +111,7 @@ def build_model(cfg: TrainConfig, bundle) -> torch.nn.Module:
     common = {name: getattr(cfg, name) for name in EncoderSpec.names()}
     common.update(attention_options=dict(cfg.attention_options), attention_layers=layers)
     if bundle.kind == "text":
-        max_len = max(int(s.inputs.shape[1]) for s in bundle.splits.values())
+        max_len = positions or model_positions(bundle)
         model = TransformerClassifier(
             bundle.num_classes, vocab_size=bundle.vocab_size, max_len=max_len, pooling=cfg.pooling or "mean", **common
         )
@@ -273,9 +278,22 @@ def load_run_with_data(path, device=None) -> tuple[TrainConfig, torch.nn.Module,
     path, ckpt = run_checkpoint(path, map_location=device)
     cfg = TrainConfig.from_saved(ckpt["config"])
     bundle = load_checked_data(path, cfg, lambda b: _for_model(cfg, b, device))  # data.json: paths, fingerprint
-    model = build_model(cfg, bundle).to(device)
-    model.load_state_dict(ckpt["model"])
+    model, bundle = model_for_checkpoint(cfg, bundle, ckpt, device)
     return cfg, model, bundle, ckpt
+
+
+def model_for_checkpoint(cfg: TrainConfig, bundle, ckpt: dict, device) -> tuple[torch.nn.Module, object]:
+    """The checkpoint's model on ``device`` and the bundle as it reads it: a text transformer is sized by the
+    width the checkpoint records (``ckpt["data"]["model_max_len"]``; a run trained before the training splits
+    alone sized it recorded the longest sequence of every split), longer sequences cut to it."""
+    positions = None
+    if cfg.encoder is None and bundle.kind == "text":
+        meta = ckpt.get("data") or {}
+        positions = meta.get("model_max_len") or max(int(s.inputs.shape[1]) for s in bundle.splits.values())
+        bundle, _ = fit_to_positions(bundle, positions)
+    model = build_model(cfg, bundle, positions).to(device)
+    model.load_state_dict(ckpt["model"])
+    return model, bundle
 
 
 def _for_model(cfg: TrainConfig, bundle, device=None):
@@ -401,8 +419,13 @@ def _setup(cfg: TrainConfig, out, resume: bool, bundle) -> _Run:
             cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
         )
     bundle = _for_model(cfg, bundle, resolve_device(cfg.device))
+    summary = data_summary(bundle)  # the data as loaded: its fingerprint does not depend on the model's width
+    if cfg.encoder is None and bundle.kind == "text":  # evaluation files longer than training: cut, with a warning
+        width = model_positions(bundle)
+        bundle, cut = fit_to_positions(bundle, width)
+        summary["cut_to_model"] = {"tokens": width, "rows": cut} if cut else None
     if writes:
-        _write_json(data_summary(bundle), out / "data.json")  # files, sizes, class counts, fingerprint
+        _write_json(summary, out / "data.json")  # files, sizes, class counts, duplicates, fingerprint
     dist = _Dist(cfg.device)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)

@@ -90,5 +90,10 @@ def summary_lines(summary: dict) -> list[str]:
                 f"{handled['policy']!r})"
             )
     lines += duplicate_lines(summary.get("duplicates"))
+    cut = summary.get("cut_to_model")
+    if cut:
+        shown = ", ".join(f"{n} of `{k}`" for k, n in cut["rows"].items())
+        lines.append(f"- rows longer than the {cut['tokens']} tokens of the longest training sequence (the model's "
+                     f"positional embedding) keep their first {cut['tokens']}: {shown}")
     lines.append(f"- content fingerprint (sha256 of the splits' tensors and the vocabulary): {summary['fingerprint']}")
     return lines
