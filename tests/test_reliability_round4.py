@@ -105,3 +105,116 @@ def test_a_run_whose_embedding_was_sized_by_every_split_still_loads_and_evaluate
     again = json.loads((tmp_path / "again" / "metrics.json").read_text())
     assert again["shift"]["accuracy"] == before["shift"]["accuracy"]  # nothing cut: the run's own width
     assert load_run(old).model.max_tokens > load_run(_train_text(tmp_path, "new", path=str(train))).model.max_tokens
+
+
+def test_evaluate_takes_dataset_options_for_moved_data_and_finds_data_moved_with_the_run(tmp_path, capsys,
+                                                                                       monkeypatch):
+    # before: evaluate took no --dataset-option, and moved data failed with the loader's own not-found message
+    import shutil
+
+    from gpattn.experiments.cli import main
+
+    project = tmp_path / "project"
+    make_text_table(project / "data" / "train.tsv", n=60, class_names=("0", "1"))
+    make_text_table(project / "data" / "shift.tsv", n=20, seed=10, class_names=("0", "1"))
+    monkeypatch.chdir(project)
+    assert main(["train", "--dataset", "text_table", "--dataset-option", "path=data/train.tsv", "--dataset-option",
+                 "shift_file=data/shift.tsv", "--attention", "softmax", *TINY, "--out", "runs/a"]) == 0
+    capsys.readouterr()
+    # the project folder moved: the run finds its data by the paths data.json holds relative to the run folder
+    moved = tmp_path / "moved"
+    shutil.move(project, moved)
+    monkeypatch.chdir(tmp_path)
+    assert main(["evaluate", "--checkpoint", str(moved / "runs" / "a"), "--out", str(tmp_path / "e1")]) == 0
+    # the data alone moved: an error naming what was tried and the option; the option then finds it
+    shutil.move(moved / "data", tmp_path / "elsewhere")
+    assert main(["evaluate", "--checkpoint", str(moved / "runs" / "a"), "--out", str(tmp_path / "e2")]) == 2
+    err = capsys.readouterr().err
+    assert "read its path file 'data/train.tsv', which is not there any more: tried data/train.tsv" in err
+    assert str(moved / "data" / "train.tsv") in err and "--dataset-option path=NEW_PATH" in err
+    assert main(["evaluate", "--checkpoint", str(moved / "runs" / "a"), "--dataset-option", "path=elsewhere/train.tsv",
+                 "--dataset-option", "shift_file=elsewhere/shift.tsv", "--out", str(tmp_path / "e3")]) == 0
+    assert main(["evaluate", "--checkpoint", str(moved / "runs" / "a"), "--data-dir", str(tmp_path / "elsewhere"),
+                 "--dataset-option", "path=train.tsv", "--dataset-option", "shift_file=shift.tsv",
+                 "--out", str(tmp_path / "e4")]) == 0
+    first, third = (json.loads((tmp_path / e / "metrics.json").read_text()) for e in ("e1", "e3"))
+    assert first["shift"]["accuracy"] == third["shift"]["accuracy"]
+
+
+def test_help_shows_the_defaults(capsys):
+    # before: --help showed no default of epochs, lr, samples, width, heads, layers, dropout, beta, alpha
+    import re
+
+    from gpattn.experiments.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    shown = " ".join(capsys.readouterr().out.split("options:", 1)[1].split())
+    for flag, default in (("--epochs EPOCHS", "10"), ("--lr LR", "0.001"), ("--num-samples NUM_SAMPLES", "10"),
+                          ("--embed-dim EMBED_DIM", "64"), ("--num-heads NUM_HEADS", "4"), ("--dropout", "0.1"),
+                          ("--num-layers NUM_LAYERS", "2"), ("--beta BETA", "1"), ("--alpha ALPHA", "1e-06"),
+                          ("--seed SEED", "0"), ("--attention ATTENTION", "softmax")):
+        after = shown.split(flag, 1)[1]
+        found = re.search(r"\(default: ([^)]*)\)", after)
+        assert found.group(1) == default and not re.search(r" --[a-z-]+ [A-Z_]+ ", after[: found.start()]), flag
+
+
+def test_no_progress_prints_the_data_header_first_and_a_line_per_epoch_into_a_file(tmp_path):
+    # before: with --no-progress a run was silent until it ended, and with stdout redirected to a file the data
+    # header came after training
+    import subprocess
+
+    from tests._cli_helpers import single_thread_env, train_cmd
+
+    log = tmp_path / "log.txt"
+    with open(log, "w") as handle:
+        done = subprocess.run(train_cmd("softmax", 2, "--num-samples", "2", "--out", str(tmp_path / "run")),
+                              env=single_thread_env(), stdout=handle, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = log.read_text().splitlines()
+    epochs = [i for i, line in enumerate(lines) if line.startswith("[train] softmax seed 0: epoch ")]
+    assert lines.index("data:") < epochs[0] and len(epochs) == 2
+    assert "epoch 2/2, loss " in lines[epochs[1]]
+    assert all(", val NLL " in lines[i] and ", val accuracy " in lines[i] for i in epochs)
+    assert epochs[-1] < next(i for i, line in enumerate(lines) if line.startswith("wrote "))
+
+
+def test_a_many_class_table_is_summarised_in_the_header_and_listed_in_data_json(tmp_path):
+    # before: a 150-class table printed every class count of every split, thousands of characters
+    from gpattn.experiments.data.summary import data_summary, summary_lines
+
+    rows = [f"query number {i} about topic {k}\tintent_{k:02d}" for k in range(25) for i in range(10)]
+    path = tmp_path / "intents.tsv"
+    path.write_text("text\tlabel\n" + "\n".join(rows) + "\n", encoding="utf-8")
+    summary = data_summary(load_dataset("text_table", path=path))
+    train_line = next(line for line in summary_lines(summary) if line.startswith("- split `train`"))
+    assert "25 classes, rows per class min 7 (intent_00) / median 7 / max 7; every count in data.json" in train_line
+    assert len(train_line) < 200 and len(summary["class_counts"]["train"]) == 25
+
+
+@pytest.fixture(scope="module")
+def sampling_run(tmp_path_factory):
+    from gpattn.experiments.inference import load_run
+    from gpattn.experiments.training import TrainConfig, train
+
+    root = tmp_path_factory.mktemp("sgpa")
+    path = make_text_table(root / "t.tsv", n=60, class_names=("0", "1"))
+    cfg = TrainConfig(dataset="text_table", dataset_options={"path": str(path)}, attention="sgpa", embed_dim=8,
+                      num_heads=2, num_layers=1, epochs=1, num_samples=2, progress=False)
+    train(cfg, root / "run")
+    return load_run(root / "run")
+
+
+def test_predict_with_a_seed_gives_the_same_mutual_information(sampling_run):
+    # before: predict had no seed; two calls gave different mutual information for the same text
+    import torch
+
+    texts = ["the film was dull and the cast bad", "a fine film"]
+    state = torch.get_rng_state()
+    first, again = (sampling_run.predict(texts, num_samples=8, seed=3) for _ in range(2))
+    assert torch.equal(first.mutual_information, again.mutual_information) and torch.equal(first.probs, again.probs)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's random stream is left as it was
+    other = sampling_run.predict(texts, num_samples=8, seed=4)
+    assert not torch.equal(first.sample_probs, other.sample_probs)  # the samples do vary
+    with pytest.raises(ValueError, match="seed must be None or a non-negative int, got -1"):
+        sampling_run.predict(texts, seed=-1)

@@ -8,6 +8,7 @@ split's tensors and the vocabulary, so an edited data file changes it whatever t
 from __future__ import annotations
 
 import hashlib
+import statistics
 
 import torch
 
@@ -66,6 +67,21 @@ def data_summary(bundle) -> dict:
     }
 
 
+#: a split's class counts are listed one by one up to this many classes, else summarised (data.json has them all)
+MAX_LISTED_CLASSES = 20
+
+
+def _class_counts(counts: dict) -> str:
+    """``name: count`` per class, or for more than :data:`MAX_LISTED_CLASSES` classes their number and the
+    smallest, median and largest count."""
+    if len(counts) <= MAX_LISTED_CLASSES:
+        return ", ".join(f"{c}: {k}" for c, k in counts.items())
+    values = sorted(counts.values())
+    low = min(counts, key=counts.get)
+    return (f"{len(values)} classes, rows per class min {values[0]} ({low}) / median {statistics.median(values):g} / "
+            f"max {values[-1]}; every count in data.json")
+
+
 def summary_lines(summary: dict) -> list[str]:
     """Markdown / stdout lines of :func:`data_summary`."""
     lines = []
@@ -79,7 +95,7 @@ def summary_lines(summary: dict) -> list[str]:
     if not summary["files"] and summary.get("source"):
         lines.append(f"- source: {summary['source']}")
     for key, n in summary["sizes"].items():
-        counts = ", ".join(f"{c}: {k}" for c, k in summary["class_counts"][key].items())
+        counts = _class_counts(summary["class_counts"][key])
         extra = f", {summary['unlabelled'][key]} unlabelled" if summary["unlabelled"][key] else ""
         lines.append(f"- split `{key}`: {n} rows ({counts}{extra})")
     for split, handled in summary.get("unknown_labels", {}).items():
