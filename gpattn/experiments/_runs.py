@@ -154,8 +154,8 @@ def fit_to_positions(bundle, width: int):
         warnings.warn(
             f"{bundle.name}: {cut[key]} of {len(split)} rows of split {key!r} are longer than the {width} tokens of "
             f"the longest training sequence (train/val), which sizes the model's positional embedding; they keep "
-            f"their first {width} tokens (data.json's \"cut_to_model\" counts them). Shorten those texts, or put "
-            f"longer ones in the training file.",
+            f"their first {width} tokens (data.json's \"cut_to_model\" counts them). To cut every split alike, pass "
+            f"the data set's max_len option (at most {width}); or put longer texts in the training file.",
             stacklevel=3,
         )
     return (dataclasses.replace(bundle, splits=splits) if cut else bundle), cut
