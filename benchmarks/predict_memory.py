@@ -1,11 +1,12 @@
 """Peak memory of ``run.predict(1000 texts, num_samples=50)`` per registered variant (target: under 4 GB).
 
 For each variant a run is trained for one epoch on a synthetic review table
-(``gpattn.experiments.data.fixtures.make_text_table``, two reviews per row: about 30 tokens), then a fresh
+(``gpattn.experiments.data.fixtures.make_text_table``, two reviews per row; the model is 24 tokens wide), then a fresh
 Python process loads it (``gpattn.experiments.load_run``) and scores 1,000 texts of that length at
 ``num_samples=50`` with ``predict``'s default ``batch_size=256`` (which ``predict_rows`` lowers for many
 samples or long texts). The table gives that process's peak resident set (``ru_maxrss``: the interpreter, torch,
-the model and predict together), its resident set just before ``predict``, and the wall time of ``predict``.
+the model and predict together), the same peak just before ``predict`` (after ``load_run``), and the wall time
+of ``predict``.
 
     python benchmarks/predict_memory.py --json predict_memory.json --markdown predict_memory.md
 """
@@ -82,7 +83,7 @@ def to_markdown(result: dict) -> str:
     s = result["settings"]
     lines = [f"`run.predict({s['texts']} texts, num_samples={s['num_samples']})`, model embed_dim {s['embed_dim']}, "
              f"{s['num_heads']} heads, {s['num_layers']} layer(s), {s['threads']} thread(s); target < {TARGET_MB} MB.",
-             "", "| variant | tokens | RSS before predict (MB) | peak RSS (MB) | predict (s) | under target |",
+             "", "| variant | tokens | peak RSS after load (MB) | peak RSS with predict (MB) | predict (s) | under target |",
              "|---|---|---|---|---|---|"]
     for name, row in result["rows"].items():
         if row["status"] != "ok":

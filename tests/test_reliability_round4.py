@@ -46,10 +46,11 @@ def test_training_texts_inside_an_evaluation_file_are_counted_and_warned_about(t
     assert not any(k.endswith("/shift") for k in clean.info["duplicates"]["between"])
 
 
-def _train_text(tmp_path, name, monkeypatch=None, **options):
+def _train_text(tmp_path, name, attention="softmax", **options):
+    """A one-epoch run of a tiny model on the text_table ``options`` in ``tmp_path / name``."""
     from gpattn.experiments.training import TrainConfig, train
 
-    cfg = TrainConfig(dataset="text_table", dataset_options=options, attention="softmax", embed_dim=8, num_heads=2,
+    cfg = TrainConfig(dataset="text_table", dataset_options=options, attention=attention, embed_dim=8, num_heads=2,
                       num_layers=1, epochs=1, num_samples=1, progress=False)
     train(cfg, tmp_path / name)
     return tmp_path / name
@@ -195,14 +196,10 @@ def test_a_many_class_table_is_summarised_in_the_header_and_listed_in_data_json(
 @pytest.fixture(scope="module")
 def sampling_run(tmp_path_factory):
     from gpattn.experiments.inference import load_run
-    from gpattn.experiments.training import TrainConfig, train
 
     root = tmp_path_factory.mktemp("sgpa")
     path = make_text_table(root / "t.tsv", n=60, class_names=("0", "1"))
-    cfg = TrainConfig(dataset="text_table", dataset_options={"path": str(path)}, attention="sgpa", embed_dim=8,
-                      num_heads=2, num_layers=1, epochs=1, num_samples=2, progress=False)
-    train(cfg, root / "run")
-    return load_run(root / "run")
+    return load_run(_train_text(root, "run", attention="sgpa", path=str(path)))
 
 
 def test_predict_with_a_seed_gives_the_same_mutual_information(sampling_run):
