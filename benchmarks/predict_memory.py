@@ -83,7 +83,8 @@ def to_markdown(result: dict) -> str:
     s = result["settings"]
     lines = [f"`run.predict({s['texts']} texts, num_samples={s['num_samples']})`, model embed_dim {s['embed_dim']}, "
              f"{s['num_heads']} heads, {s['num_layers']} layer(s), {s['threads']} thread(s); target < {TARGET_MB} MB.",
-             "", "| variant | tokens | peak RSS after load (MB) | peak RSS with predict (MB) | predict (s) | under target |",
+             "", "| variant | tokens | peak RSS after load (MB) | peak RSS with predict (MB) | predict (s) "
+             "| under target |",
              "|---|---|---|---|---|---|"]
     for name, row in result["rows"].items():
         if row["status"] != "ok":
