@@ -304,7 +304,12 @@ def test_cola_real_archive_counts_and_checksum():
         "in_domain_dev": 527,
         "out_of_domain_dev": 516,
     }
-    bundle = load_dataset("cola", data_dir=REAL_COLA.parent)
+    from gpattn.experiments.data._duplicates import DuplicateTextWarning
+
+    # the official out-of-domain dev set repeats 12 sentences of in_domain_train: reported and warned about
+    with pytest.warns(DuplicateTextWarning, match=r"12 of 516 rows of evaluation split 'ood' \(split 'ood' of"):
+        bundle = load_dataset("cola", data_dir=REAL_COLA.parent)
+    assert sum(v for k, v in bundle.info["duplicates"]["between"].items() if k.endswith("/ood")) >= 12
     assert bundle.info["checksum_verified"] and bundle.info["sha256"] == COLA_SHA256
     assert bundle.info["raw_sizes"] == {"in_domain_train": 8551, "in_domain_dev": 527, "out_of_domain_dev": 516}
     n_pos = sum(y for y, _ in raw["in_domain_train"])
@@ -316,7 +321,8 @@ def test_cola_real_archive_counts_and_checksum():
     for split in bundle.splits.values():
         assert_mask_convention(split, max_len=64)
 
-    pooled = load_dataset("cola", data_dir=REAL_COLA.parent, preset="pooled")
+    with pytest.warns(DuplicateTextWarning):
+        pooled = load_dataset("cola", data_dir=REAL_COLA.parent, preset="pooled")
     labels = [y for y, _ in raw["in_domain_train"] + raw["in_domain_dev"]]
     counts = Counter(labels)
     test = sum(round_half_up(0.2 * n) for n in counts.values())
@@ -592,7 +598,7 @@ def test_text_table_numeric_labels_header_off_and_empty_text(tmp_path):
 
 def test_text_table_ood_file(tmp_path):
     path = make_text_table(tmp_path / "in.tsv", n=60, seed=0)
-    labelled = make_text_table(tmp_path / "ood.tsv", n=9, seed=5, class_names=("negative", "positive", "other"))
+    labelled = make_text_table(tmp_path / "ood.tsv", n=9, seed=7, class_names=("negative", "positive", "other"))
     unlabelled = make_text_table(tmp_path / "ood_nolabel.csv", n=7, seed=6, columns=("id", "text"))
     with pytest.raises(ValueError, match=r"ood.tsv line 4: label 'other' .*unknown_labels='drop'"):
         load_dataset("text_table", path=path, ood_file=labelled)  # was silently -1

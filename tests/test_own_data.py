@@ -75,7 +75,7 @@ def test_shift_file_with_unknown_labels(tmp_path):
     with pytest.raises(ValueError, match=r"shift.tsv line 2: label 'pos' of the shift file never occurs in training "
                        r"\(training labels: \['0', '1'\]\); 10 of 10 rows.*unknown_labels="):
         load_dataset("text_table", path=train, shift_file=shift)
-    ok = make_text_table(tmp_path / "ok.tsv", n=10, class_names=("1", "0"))
+    ok = make_text_table(tmp_path / "ok.tsv", n=10, seed=1, class_names=("1", "0"))  # no training text
     bundle = load_dataset("text_table", path=train, shift_file=ok)
     assert bundle.eval_splits == {"in_domain": "test", "shift": "shift"} and bundle.ood_splits == ()
     assert bundle.splits["shift"].labels.tolist() == [1, 0] * 5

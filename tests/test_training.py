@@ -210,6 +210,7 @@ def test_compare_report_with_baselines(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not REAL_COLA.is_file(), reason="official CoLA archive not present")
+@pytest.mark.filterwarnings("default::gpattn.experiments.data._duplicates.DuplicateTextWarning")  # 12 OOD sentences
 def test_cli_train_real_cola_one_epoch(tmp_path):
     out = tmp_path / "run"
     assert (

@@ -8,7 +8,9 @@ import this module and neither imports the other's private names (inference impo
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -17,9 +19,12 @@ from gpattn.experiments._io import check_checkpoint_format, load_file
 
 __all__ = [
     "CHECKPOINT",
+    "POSITION_SPLITS",
     "as_device",
     "bundle_meta",
+    "fit_to_positions",
     "load_checkpoint",
+    "model_positions",
     "resolve_device",
     "run_checkpoint",
     "valid_device",
@@ -113,7 +118,7 @@ def bundle_meta(bundle) -> dict:
     }
     if bundle.kind == "text":
         meta["vocab"] = list(bundle.vocab)
-        meta["model_max_len"] = max(int(s.inputs.shape[1]) for s in bundle.splits.values())
+        meta["model_max_len"] = model_positions(bundle)
         max_len = bundle.info.get("max_len")
         meta["max_len"] = int(max_len) if max_len is not None else None
         meta["tokenizer"] = "gpattn.experiments.data._text.tokenize (lowercased words and punctuation)"
@@ -124,3 +129,33 @@ def bundle_meta(bundle) -> dict:
 
         meta.update(encoder_meta(bundle))
     return meta
+
+
+# ----------------------------------------------------------------------------- the text model's positions
+#: the splits whose longest sequence sizes a text model's positional embedding: what the model learns from,
+#: so that an evaluation file (``shift_file``, ``ood_file``) never changes the trained model
+POSITION_SPLITS = ("train", "val")
+
+
+def model_positions(bundle) -> int:
+    """The longest sequence (padded width) of :data:`POSITION_SPLITS`: a text model's positional embedding size."""
+    return max(int(bundle.splits[k].inputs.shape[1]) for k in POSITION_SPLITS if k in bundle.splits)
+
+
+def fit_to_positions(bundle, width: int):
+    """``bundle`` with each split wider than ``width`` tokens cut to its first ``width`` (as ``Run.predict`` cuts
+    new texts), a warning per cut split naming it and the rows cut -> (bundle, ``{split: rows cut}``)."""
+    splits, cut = dict(bundle.splits), {}
+    for key, split in bundle.splits.items():
+        if split.mask is None or split.inputs.dim() != 2 or split.inputs.shape[1] <= width:
+            continue
+        cut[key] = int((~split.mask).sum(1).gt(width).sum())
+        splits[key] = dataclasses.replace(split, inputs=split.inputs[:, :width], mask=split.mask[:, :width])
+        warnings.warn(
+            f"{bundle.name}: {cut[key]} of {len(split)} rows of split {key!r} are longer than the {width} tokens of "
+            f"the longest training sequence (train/val), which sizes the model's positional embedding; they keep "
+            f"their first {width} tokens (data.json's \"cut_to_model\" counts them). To cut every split alike, pass "
+            f"the data set's max_len option (at most {width}); or put longer texts in the training file.",
+            stacklevel=3,
+        )
+    return (dataclasses.replace(bundle, splits=splits) if cut else bundle), cut

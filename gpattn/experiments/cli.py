@@ -93,19 +93,22 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         "Python literal, so a kernel spec (docs/kernels.md) reads kernel=ard-rbf or "
         "kernel=\"{'name': 'sum', 'kernels': ['exponential', 'ard-rbf']}\"",
     )
-    for flag, typ in (
-        ("--epochs", int),
-        ("--lr", float),
-        ("--num-samples", int),
-        ("--embed-dim", int),
-        ("--num-heads", int),
-        ("--num-layers", int),
-        ("--dropout", float),
-        ("--beta", float),
-        ("--alpha", float),
-        ("--checkpoint-every", int),
+    from gpattn.experiments._config import TrainConfig
+
+    defaults = TrainConfig().to_dict()  # a preset's values replace these; explicit flags replace both
+    for flag, typ, what in (
+        ("--epochs", int, "training epochs"),
+        ("--lr", float, "learning rate (with --encoder: the new parameters')"),
+        ("--num-samples", int, "Monte-Carlo samples P of each evaluation prediction"),
+        ("--embed-dim", int, "model width D"),
+        ("--num-heads", int, "attention heads H"),
+        ("--num-layers", int, "transformer blocks"),
+        ("--dropout", float, "dropout probability"),
+        ("--beta", float, "weight β of the KL terms of the objective"),
+        ("--alpha", float, "weight α of the CGP regulariser (cgp, scgp)"),
+        ("--checkpoint-every", int, "also checkpoint every N optimizer steps (0: once an epoch)"),
     ):
-        p.add_argument(flag, type=typ)
+        p.add_argument(flag, type=typ, help=f"{what} (default: {defaults[flag[2:].replace('-', '_')]:g})")
     p.add_argument(
         "--batch-size", type=int,
         help="training batch size (default 32; with --encoder the recipe's: 16 for full fine-tuning, 32 for "
@@ -134,7 +137,7 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         help="the weight of a loss term other than --beta/--alpha (and eta), by the name its GPLossTerm declares "
         "(gpattn.objectives.term_weights() lists them; NAME_anneal_steps=N ramps an annealed one), repeatable",
     )
-    p.add_argument("--kl-scaling", choices=["elbo", "peer"])
+    p.add_argument("--kl-scaling", choices=["elbo", "peer"], help="how the KL terms are scaled (default: elbo)")
     p.add_argument(
         "--ood-score",
         type=_ood_scores,
@@ -142,7 +145,10 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         help="OOD score(s) shown in the printout, report.md tables and histograms, comma list of "
         "msp (default), entropy, energy, mc-variance, mutual-information; metrics.json has all of them",
     )
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    p.add_argument(
+        "--no-progress", action="store_true",
+        help="no tqdm progress bars; train prints a line per epoch instead (loss, validation NLL and accuracy)",
+    )
     _device_arg(p)
     p.add_argument(
         "--precision", choices=["fp32", "bf16"],
@@ -218,15 +224,6 @@ def _print_metrics(metrics: dict, ood_scores=("msp",)) -> None:
             print(f"  {'':>10}  (no labelled example: classification metrics are null)")
 
 
-def _print_data(folder: Path) -> None:
-    from gpattn.experiments.data.summary import summary_lines
-
-    if (folder / "data.json").is_file():
-        print("data:")
-        for line in summary_lines(json.loads((folder / "data.json").read_text())):
-            print(f"  {line}")
-
-
 def _print_loss_parts(folder: Path) -> None:
     """The last epoch's loss parts from history.json: whatever terms the model reported, by name."""
     if not (folder / "history.json").is_file():
@@ -250,9 +247,8 @@ def cmd_train(args) -> int:
     cfg, _ = _config(args, attention=args.attention, seed=args.seed)
     out = Path(args.out)
     _check_out(out, args)
-    with _validation(args):
-        metrics = train(cfg, out, resume=args.resume)
-    _print_data(out)
+    with _validation(args):  # the data header first (flushed: before training even when stdout is a file)
+        metrics = train(cfg, out, resume=args.resume, log=lambda line: print(line, flush=True))
     others = "".join(f", {name} {value}" for name, value in cfg.loss_weights.items())
     print(f"objective: beta {cfg.beta}, alpha {cfg.alpha}, eta {cfg.eta}{others} (kl_scaling {cfg.kl_scaling!r})")
     _print_loss_parts(out)
@@ -285,7 +281,8 @@ def cmd_evaluate(args) -> int:
 
     from gpattn.experiments.training import evaluate_predictions, load_run_with_data, predict
 
-    cfg, model, bundle, _ = load_run_with_data(args.checkpoint, device=args.device or "auto")
+    cfg, model, bundle, _ = load_run_with_data(args.checkpoint, device=args.device or "auto",
+                                               dataset_options=dict(args.dataset_option), data_dir=args.data_dir)
     P = args.num_samples or cfg.num_samples
     torch.manual_seed(cfg.seed)
     with _validation(args):
@@ -387,8 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train one model; writes metrics.json, checkpoint.pt, config.json")
     _training_args(p)
-    p.add_argument("--attention", default="softmax", help="a registered attention name (gpattn.list_attention())")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--attention", default="softmax", help="a registered attention name, gpattn.list_attention() (default: softmax)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the data split, initialisation and sampling "
+                   "(default: 0)")
     p.add_argument("--out", required=True, help="run folder")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument(
@@ -399,7 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="evaluate a checkpoint; writes metrics.json")
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--num-samples", type=int)
+    p.add_argument(
+        "--dataset-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
+        help="replace a data set option of the run, repeatable: where moved data now is (text_table: "
+        "path=..., shift_file=..., ood_file=...); the data must be the run's (its fingerprint is checked)",
+    )
+    p.add_argument("--data-dir", help="the folder that now holds the run's data files (default: the run's)")
+    p.add_argument("--num-samples", type=int, help="Monte-Carlo samples P (default: the run's)")
     p.add_argument("--ood-score", type=_ood_scores, default=["msp"], help="OOD score(s) printed (all in metrics.json)")
     p.add_argument("--out")
     _device_arg(p)

@@ -181,11 +181,10 @@ def _resumable(folder: Path, cfg: TrainConfig):
 def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:
     """Sample logits of a last-layer Laplace fitted post hoc on the trained run in ``folder``."""
     from gpattn.experiments.laplace import fit_last_layer_laplace, laplace_torch_available
-    from gpattn.experiments.training import build_model
+    from gpattn.experiments.training import model_for_checkpoint
 
     device = resolve_device(cfg.device)
-    model = build_model(cfg, bundle).to(device)
-    model.load_state_dict(load_checkpoint(folder / CHECKPOINT, map_location=device)["model"])
+    model, bundle = model_for_checkpoint(cfg, bundle, load_checkpoint(folder / CHECKPOINT, map_location=device), device)
     # the dense back end computes the full Hessian (laplace-torch's default is K-FAC "kron")
     backend, structure = ("laplace-torch", "kron") if laplace_torch_available() else ("dense", "full")
     la = fit_last_layer_laplace(model, bundle.splits["train"], backend=backend, hessian_structure=structure)

@@ -33,7 +33,7 @@ def _stub_bundle(meta: dict):
         num_classes=meta["num_classes"],
         vocab_size=len(meta["vocab"]) if meta["kind"] == "text" else None,
         image_shape=tuple(meta["image_shape"]) if meta["kind"] == "image" else None,
-        splits={"any": types.SimpleNamespace(inputs=torch.empty(0, width))},
+        splits={"train": types.SimpleNamespace(inputs=torch.empty(0, width))},  # sizes the positional embedding
         encoder_config=meta.get("encoder_config"),
     )
 
@@ -61,8 +61,8 @@ class Prediction:
 
 
 #: Run.predict's memory bound: rows per forward pass such that rows × samples × tokens and rows × samples ×
-#: tokens² stay below these (a GP layer holds a T × T covariance per head and sample; issue #46: 300 texts at
-#: num_samples=50 and batch_size=256 took about 20 GB with cgp)
+#: tokens² stay below these (a GP layer holds a T × T covariance per head and sample; 300 texts at
+#: num_samples=50 and batch_size=256 once took about 20 GB with cgp)
 PREDICT_TOKEN_BUDGET, PREDICT_PAIR_BUDGET = 2**16, 2**21
 
 
@@ -142,11 +142,14 @@ class Run:
         return encode([tokenize(t) for t in texts], self.meta["vocab"], limit)
 
     @torch.no_grad()
-    def predict(self, inputs, num_samples: int | None = None, batch_size: int = 256) -> Prediction:
+    def predict(self, inputs, num_samples: int | None = None, batch_size: int = 256, seed: int | None = None
+                ) -> Prediction:
         """Predictive probabilities and their entropy split for a list of texts (text runs; a single string
         is one text, N = 1) or an image tensor (N, C, Hpx, Wpx) in [0, 1] (image runs); ``num_samples``
         defaults to the run's. An empty or whitespace-only text is scored, with an :class:`EmptyTextWarning`.
-        ``batch_size`` rows per forward pass at most: fewer for many samples or long texts (:func:`predict_rows`)."""
+        ``batch_size`` rows per forward pass at most: fewer for many samples or long texts (:func:`predict_rows`).
+        ``seed``: the Monte-Carlo draws from this seed, on forked random streams (the same inputs and seed give the
+        same prediction, and the caller's random state is left as it was); None: fresh draws."""
         from gpattn.experiments import metrics as M
 
         P = check_num_samples(num_samples or self.cfg.num_samples, optional=False)
@@ -160,21 +163,30 @@ class Run:
                 raise ValueError(f"images must have shape (N, {', '.join(map(str, self.meta['image_shape']))}), "
                                  f"got {tuple(ids.shape)}")
             mask = None
-        self.model.eval()
-        device = self.device
-        chunks = []
-        batch_size = predict_rows(batch_size, P, ids.shape[1] if mask is not None else 1)
-        for start in range(0, ids.shape[0], batch_size):
-            x = ids[start : start + batch_size].to(device)
-            m = None if mask is None else mask[start : start + batch_size].to(device)
-            chunks.append(self.model(x, m, num_samples=P).float().cpu())
-        logits = torch.cat(chunks) if chunks else torch.zeros(0, P, self.meta["num_classes"])  # shape: (N, P, C)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed must be None or a non-negative int, got {seed!r}")
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            logits = self._sample_logits(ids, mask, P, batch_size)  # shape: (N, P, C)
         sample_probs = torch.softmax(logits, dim=-1)
         probs = torch.as_tensor(M.average_samples(logits, self.cfg.average), dtype=torch.float32)
         split = M.predictive_entropy_split(sample_probs)
         total, expected, mi = (torch.as_tensor(v, dtype=torch.float32) for v in split)
         labels = [self.class_names[k] for k in probs.argmax(1).tolist()]
         return Prediction(probs, total, expected, mi, sample_probs, labels)
+
+    def _sample_logits(self, ids, mask, num_samples: int, batch_size: int) -> torch.Tensor:
+        """Sample logits of encoded inputs, in eval mode, in batches of :func:`predict_rows`.  # shape: (N, P, C)"""
+        self.model.eval()
+        device, chunks = self.device, []
+        batch_size = predict_rows(batch_size, num_samples, ids.shape[1] if mask is not None else 1)
+        for start in range(0, ids.shape[0], batch_size):
+            x = ids[start : start + batch_size].to(device)
+            m = None if mask is None else mask[start : start + batch_size].to(device)
+            chunks.append(self.model(x, m, num_samples=num_samples).float().cpu())
+        return torch.cat(chunks) if chunks else torch.zeros(0, num_samples, self.meta["num_classes"])
 
 
 def load_run(path, device=None) -> Run:

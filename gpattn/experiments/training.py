@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from gpattn import __version__
 from gpattn._settings import is_validating
 from gpattn.experiments._config import RUN_SETTINGS, TrainConfig, _same_run  # noqa: F401  (re-exported)
-from gpattn.experiments._data_check import load_checked_data
+from gpattn.experiments._data_check import load_checked_data, record_run_paths
 from gpattn.experiments._dist import _Dist, _rng_state, _set_rng_state
 from gpattn.experiments._guard import TrainingDivergedError, _DivergenceGuard
 from gpattn.experiments._io import CHECKPOINT_FORMAT
@@ -52,7 +52,9 @@ from gpattn.experiments._runs import (
     CHECKPOINT,
     as_device,
     bundle_meta,
+    fit_to_positions,
     load_checkpoint,
+    model_positions,
     resolve_device,
     run_checkpoint,
 )
@@ -73,6 +75,7 @@ __all__ = [
     "build_model",
     "evaluate_predictions",
     "load_run_with_data",
+    "model_for_checkpoint",
     "predict",
     "train",
 ]
@@ -94,9 +97,11 @@ def _autocast(device: torch.device, precision: str):
 AUTO_LAYERS = {"kep-svgp": "last"}
 
 
-def build_model(cfg: TrainConfig, bundle) -> torch.nn.Module:
+def build_model(cfg: TrainConfig, bundle, positions: int | None = None) -> torch.nn.Module:
     """The classifier for a data set: a transformer over token ids for text, a ViT for images, a
-    pretrained encoder with ``cfg.encoder`` (gpattn.experiments.encoders)."""
+    pretrained encoder with ``cfg.encoder`` (gpattn.experiments.encoders). A text transformer's positional
+    embedding covers ``positions`` tokens, by default the longest training sequence
+    (:func:`gpattn.experiments._runs.model_positions`: train and val, never an evaluation file)."""
     if cfg.encoder is not None:
         from gpattn.experiments.encoders import build_encoder_model
 
@@ -106,7 +111,7 @@ def build_model(cfg: TrainConfig, bundle) -> torch.nn.Module:
     common = {name: getattr(cfg, name) for name in EncoderSpec.names()}
     common.update(attention_options=dict(cfg.attention_options), attention_layers=layers)
     if bundle.kind == "text":
-        max_len = max(int(s.inputs.shape[1]) for s in bundle.splits.values())
+        max_len = positions or model_positions(bundle)
         model = TransformerClassifier(
             bundle.num_classes, vocab_size=bundle.vocab_size, max_len=max_len, pooling=cfg.pooling or "mean", **common
         )
@@ -265,17 +270,38 @@ class _Interrupt:
         return False
 
 
-def load_run_with_data(path, device=None) -> tuple[TrainConfig, torch.nn.Module, object, dict]:
+def load_run_with_data(
+    path, device=None, dataset_options: dict | None = None, data_dir=None
+) -> tuple[TrainConfig, torch.nn.Module, object, dict]:
     """Load a checkpoint file (or a run folder) and reload its data set -> (config, model, data bundle,
     checkpoint dict), the model on ``device`` (``auto``/``cpu``/``cuda[:N]`` or a ``torch.device``; default:
-    the CPU). To score new inputs without the data files: :func:`gpattn.experiments.inference.load_run`."""
+    the CPU). ``dataset_options`` / ``data_dir`` replace the run's (moved data: ``path=...``); the data must
+    still be the run's (its fingerprint, data.json). To score new inputs without the data files:
+    :func:`gpattn.experiments.inference.load_run`."""
     device = torch.device("cpu") if device is None else as_device(device)
     path, ckpt = run_checkpoint(path, map_location=device)
     cfg = TrainConfig.from_saved(ckpt["config"])
-    bundle = load_checked_data(path, cfg, lambda b: _for_model(cfg, b, device))  # data.json: paths, fingerprint
-    model = build_model(cfg, bundle).to(device)
-    model.load_state_dict(ckpt["model"])
+    given = dict(dataset_options or {})
+    cfg = dataclasses.replace(cfg, dataset_options={**cfg.dataset_options, **given},
+                              data_dir=cfg.data_dir if data_dir is None else str(data_dir))
+    # data.json: the files' recorded places, the fingerprint
+    bundle = load_checked_data(path, cfg, lambda b: _for_model(cfg, b, device), explicit=set(given))
+    model, bundle = model_for_checkpoint(cfg, bundle, ckpt, device)
     return cfg, model, bundle, ckpt
+
+
+def model_for_checkpoint(cfg: TrainConfig, bundle, ckpt: dict, device) -> tuple[torch.nn.Module, object]:
+    """The checkpoint's model on ``device`` and the bundle as it reads it: a text transformer is sized by the
+    width the checkpoint records (``ckpt["data"]["model_max_len"]``; a run trained before the training splits
+    alone sized it recorded the longest sequence of every split), longer sequences cut to it."""
+    positions = None
+    if cfg.encoder is None and bundle.kind == "text":
+        meta = ckpt.get("data") or {}
+        positions = meta.get("model_max_len") or max(int(s.inputs.shape[1]) for s in bundle.splits.values())
+        bundle, _ = fit_to_positions(bundle, positions)
+    model = build_model(cfg, bundle, positions).to(device)
+    model.load_state_dict(ckpt["model"])
+    return model, bundle
 
 
 def _for_model(cfg: TrainConfig, bundle, device=None):
@@ -309,19 +335,21 @@ def _match_prior_to_stream(model, split, device) -> list[dict]:
 @locked_run  # one writer per run folder: a second gets RunFolderLockedError naming the holder's pid
 def train(
     cfg: TrainConfig, out: str | os.PathLike | None = None, resume: bool = False, bundle=None,
-    stop_after_steps: int | None = None,
+    stop_after_steps: int | None = None, log=None,
 ) -> dict:
     """Fit, checkpoint and evaluate one run; returns the metrics dict (also ``out/metrics.json``).
 
     ``stop_after_steps`` simulates an interruption (tests): the run checkpoints after that many
     optimizer steps and raises ``KeyboardInterrupt``. A run that fails with an error leaves no
     ``config.json`` or ``data.json`` of its own (an interrupted run keeps them beside its checkpoint, a
-    diverged one beside ``diverged.json``).
+    diverged one beside ``diverged.json``). ``log``: a callable given lines to show (``gpattn train`` prints
+    them at once): the data header before training, and with ``cfg.progress`` off a line per epoch (loss,
+    validation NLL and accuracy).
     """
     written = [Path(out) / name for name in ("config.json", "data.json")] if out is not None else []
     before = {p: p.stat().st_mtime_ns if p.is_file() else None for p in written}
     try:
-        return _train(cfg, out, resume, bundle, stop_after_steps)
+        return _train(cfg, out, resume, bundle, stop_after_steps, log)
     except TrainingDivergedError:
         raise
     except Exception:
@@ -352,6 +380,7 @@ class _Run:
     stats: EpochStats = dataclasses.field(default_factory=EpochStats)
     net: torch.nn.Module | None = None
     guard: _DivergenceGuard | None = None
+    log: object = None
 
     @property
     def device(self) -> torch.device:
@@ -367,8 +396,8 @@ class _Run:
         return None if self.out is None else self.out / CHECKPOINT
 
 
-def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps) -> dict:
-    run = _setup(cfg, out, resume, bundle)
+def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps, log) -> dict:
+    run = _setup(cfg, out, resume, bundle, log)
     if resume:
         _restore(run)
     run.net = run.dist.wrap(run.model)  # DistributedDataParallel under torchrun
@@ -384,11 +413,32 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps) -> dic
     return _evaluate(run)
 
 
-def _setup(cfg: TrainConfig, out, resume: bool, bundle) -> _Run:
-    """The run's files, data (an encoder's recipe applied), model, optimizer and objective."""
+def _run_data(cfg: TrainConfig, out: Path | None, writes: bool, bundle, log):
+    """The run's data (loaded unless given, an encoder's recipe applied, rows longer than the model's width
+    cut), its data.json, and the data header given to ``log``."""
     from gpattn.experiments.data import load_dataset
-    from gpattn.experiments.data.summary import data_summary
+    from gpattn.experiments.data.summary import data_summary, summary_lines
 
+    if bundle is None:
+        bundle = load_dataset(
+            cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
+        )
+    bundle = _for_model(cfg, bundle, resolve_device(cfg.device))
+    summary = data_summary(bundle)  # the data as loaded: its fingerprint does not depend on the model's width
+    if cfg.encoder is None and bundle.kind == "text":  # evaluation files longer than training: cut, with a warning
+        width = model_positions(bundle)
+        bundle, cut = fit_to_positions(bundle, width)
+        summary["cut_to_model"] = {"tokens": width, "rows": cut} if cut else None
+    if writes:  # files, sizes, class counts, duplicates, fingerprint
+        _write_json(record_run_paths(summary, out), out / "data.json")
+    if log is not None and int(os.environ.get("RANK", "0")) == 0:
+        for line in ["data:", *(f"  {line}" for line in summary_lines(summary))]:
+            log(line)
+    return bundle
+
+
+def _setup(cfg: TrainConfig, out, resume: bool, bundle, log=None) -> _Run:
+    """The run's files, data (:func:`_run_data`), model, optimizer and objective."""
     resolve_device(cfg.device)  # CUDA asked for where there is none: refused before any file is written
     out = Path(out) if out is not None else None
     writes = out is not None and int(os.environ.get("RANK", "0")) == 0
@@ -396,13 +446,7 @@ def _setup(cfg: TrainConfig, out, resume: bool, bundle) -> _Run:
         out.mkdir(parents=True, exist_ok=True)
         _write_json(cfg.to_dict(), out / "config.json")
         (out / DIVERGED).unlink(missing_ok=True)  # a record of an earlier attempt in this folder
-    if bundle is None:
-        bundle = load_dataset(
-            cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed, **cfg.dataset_options
-        )
-    bundle = _for_model(cfg, bundle, resolve_device(cfg.device))
-    if writes:
-        _write_json(data_summary(bundle), out / "data.json")  # files, sizes, class counts, fingerprint
+    bundle = _run_data(cfg, out, writes, bundle, log)
     dist = _Dist(cfg.device)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
@@ -427,7 +471,7 @@ def _setup(cfg: TrainConfig, out, resume: bool, bundle) -> _Run:
     )
     return _Run(
         cfg, out, bundle, bundle_meta(bundle), dist, model, optimizer, scheduler, objective, steps_per_epoch,
-        steps_per_epoch * cfg.epochs, base_rate_entropy(labels, bundle.num_classes),
+        steps_per_epoch * cfg.epochs, base_rate_entropy(labels, bundle.num_classes), log=log,
     )
 
 
@@ -537,10 +581,33 @@ def _one_step(run: _Run, bar) -> None:
         entry = _epoch_entry(run, parts, epoch)
         run.history.append(entry)
         bar.set_postfix(loss=f"{entry['train']['loss']:.3f}", refresh=False)  # read once an epoch
+        if run.log is not None and not cfg.progress:  # no bar: a line per epoch instead
+            line = _epoch_line(run, entry)
+            if run.dist.main:
+                run.log(line)
         run.stats = EpochStats()
         _save(run)
     elif cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
         _save(run)
+
+
+def _epoch_line(run: _Run, entry: dict) -> str:
+    """The line of an epoch without a progress bar: its mean loss, and the validation NLL and accuracy at the
+    run's ``num_samples`` (on forked random streams: the run takes the steps it would take without the line)."""
+    cfg, split = run.cfg, run.bundle.splits["val"]
+    loss = entry["train"]["loss"]
+    line = f"[train] {cfg.attention} seed {cfg.seed}: epoch {entry['epoch']}/{cfg.epochs}, loss {loss:.4f}"
+    if not len(split):
+        return line
+    with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
+        logits = predict(run.model, split, cfg.num_samples, cfg.eval_batch_size, run.dist, cfg.precision)
+    from gpattn.experiments.metrics import average_samples
+
+    probs = torch.as_tensor(average_samples(logits, cfg.average))  # shape: (N, C)
+    picked = probs.gather(1, split.labels.clamp(min=0).unsqueeze(1)).squeeze(1)[split.labels >= 0]
+    accuracy = (probs.argmax(1) == split.labels)[split.labels >= 0].double().mean()
+    nll = -picked.clamp(min=1e-12).log().mean()
+    return f"{line}, val NLL {float(nll):.4f}, val accuracy {float(accuracy):.4f}"
 
 
 def _epoch_entry(run: _Run, parts: dict, epoch: int) -> dict:

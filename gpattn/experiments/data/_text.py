@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from gpattn.experiments.data._bundle import DatasetBundle, Split
+from gpattn.experiments.data._duplicates import duplicate_counts, warn_eval_overlap
 
 __all__ = [
     "CLS",
@@ -117,8 +118,9 @@ def build_text_bundle(
 ) -> DatasetBundle:
     """The text recipe shared by ``cola``, ``imdb`` and ``text_table``: :func:`make_text_splits` on the
     loader's split texts and labels, then a ``kind="text"`` bundle whose ``info`` is the loader's
-    ``info`` followed by ``sizes`` (rows per split), ``max_len`` and the ``max_tokens`` /
-    ``truncated`` statistics."""
+    ``info`` followed by ``sizes`` (rows per split), ``max_len``, the ``max_tokens`` / ``truncated``
+    statistics and ``duplicates`` (exact duplicate texts within and between splits,
+    gpattn.experiments.data._duplicates; an evaluation-only split repeating training texts is warned about)."""
     splits, vocab, stats = make_text_splits(
         texts, labels, max_len=max_len, min_freq=min_freq, max_vocab_size=max_vocab_size
     )
@@ -127,7 +129,9 @@ def build_text_bundle(
         "sizes": {key: len(value) for key, value in splits.items()},
         "max_len": max_len,
         **stats,
+        "duplicates": duplicate_counts(texts),
     }
+    warn_eval_overlap(name, texts, info, [k for k in eval_splits.values() if k not in ("train", "val", "test")])
     return DatasetBundle(
         name=name,
         kind="text",

@@ -1,4 +1,4 @@
-"""Checks of decoded text and of evaluation split sizes (issue #46 items 7 and 8).
+"""Checks of decoded text and of evaluation split sizes.
 
 ``encoding=latin-1`` on a cp1252 file (the usual Windows encoding) decodes curly quotes and dashes into C1
 control characters (U+0080–U+009F), which then became vocabulary tokens; and a one-row shift file gave

@@ -8,8 +8,11 @@ split's tensors and the vocabulary, so an edited data file changes it whatever t
 from __future__ import annotations
 
 import hashlib
+import statistics
 
 import torch
+
+from gpattn.experiments.data._duplicates import duplicate_lines
 
 __all__ = ["bundle_fingerprint", "data_summary", "summary_lines"]
 
@@ -39,8 +42,8 @@ def bundle_fingerprint(bundle) -> str:
 
 def data_summary(bundle) -> dict:
     """Plain data: data set name, files read (role, path, bytes, sha256, rows) where the loader records
-    them, rows per split, labelled class counts per split, what was done with unknown labels, and the
-    content fingerprint."""
+    them, rows per split, labelled class counts per split, what was done with unknown labels, exact duplicate
+    texts within and between splits (text data), and the content fingerprint."""
     names = bundle.info.get("class_names") or [str(k) for k in range(bundle.num_classes)]
     sizes, counts, unlabelled = {}, {}, {}
     for key, split in bundle.splits.items():
@@ -58,9 +61,25 @@ def data_summary(bundle) -> dict:
         "class_counts": counts,
         "unlabelled": unlabelled,
         "unknown_labels": bundle.info.get("unknown_labels", {}),
+        "duplicates": bundle.info.get("duplicates"),
         "eval_splits": dict(bundle.eval_splits),
         "fingerprint": bundle_fingerprint(bundle),
     }
+
+
+#: a split's class counts are listed one by one up to this many classes, else summarised (data.json has them all)
+MAX_LISTED_CLASSES = 20
+
+
+def _class_counts(counts: dict) -> str:
+    """``name: count`` per class, or for more than :data:`MAX_LISTED_CLASSES` classes their number and the
+    smallest, median and largest count."""
+    if len(counts) <= MAX_LISTED_CLASSES:
+        return ", ".join(f"{c}: {k}" for c, k in counts.items())
+    values = sorted(counts.values())
+    low = min(counts, key=counts.get)
+    return (f"{len(values)} classes, rows per class min {values[0]} ({low}) / median {statistics.median(values):g} / "
+            f"max {values[-1]}; every count in data.json")
 
 
 def summary_lines(summary: dict) -> list[str]:
@@ -76,7 +95,7 @@ def summary_lines(summary: dict) -> list[str]:
     if not summary["files"] and summary.get("source"):
         lines.append(f"- source: {summary['source']}")
     for key, n in summary["sizes"].items():
-        counts = ", ".join(f"{c}: {k}" for c, k in summary["class_counts"][key].items())
+        counts = _class_counts(summary["class_counts"][key])
         extra = f", {summary['unlabelled'][key]} unlabelled" if summary["unlabelled"][key] else ""
         lines.append(f"- split `{key}`: {n} rows ({counts}{extra})")
     for split, handled in summary.get("unknown_labels", {}).items():
@@ -86,5 +105,11 @@ def summary_lines(summary: dict) -> list[str]:
                 f"were {'dropped' if handled['policy'] == 'drop' else 'kept unlabelled'} (unknown_labels="
                 f"{handled['policy']!r})"
             )
+    lines += duplicate_lines(summary.get("duplicates"))
+    cut = summary.get("cut_to_model")
+    if cut:
+        shown = ", ".join(f"{n} of `{k}`" for k, n in cut["rows"].items())
+        lines.append(f"- rows longer than the {cut['tokens']} tokens of the longest training sequence (the model's "
+                     f"positional embedding) keep their first {cut['tokens']}: {shown}")
     lines.append(f"- content fingerprint (sha256 of the splits' tensors and the vocabulary): {summary['fingerprint']}")
     return lines
