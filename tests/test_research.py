@@ -30,3 +30,23 @@ def test_gumbel_floor_smoke():
     assert math.isclose(result["floor_ms"], expected)
     assert math.isclose(result["ratios"]["sto"]["x_floor"], med["sto layer"] / expected)
     assert math.isclose(result["ratios"]["h-sto"]["x_softmax"], med["h-sto layer"] / med["softmax layer"])
+
+
+def test_variance_by_domain_smoke(tmp_path):
+    """research/variance_by_domain.py on a tiny sgpa-rff text run: one variance per text and GP layer, finite and
+    positive, and the captured conditionals leave the layer as it was."""
+    from gpattn.experiments.data.fixtures import make_text_table
+    from gpattn.experiments.inference import load_run
+    from gpattn.experiments.training import TrainConfig, train
+
+    table = make_text_table(tmp_path / "t.tsv", n=40, class_names=("0", "1"))
+    cfg = TrainConfig(dataset="text_table", dataset_options={"path": str(table)}, attention="sgpa-rff", embed_dim=8,
+                      num_heads=2, num_layers=1, epochs=1, num_samples=1, progress=False,
+                      attention_options={"num_features": 8})
+    train(cfg, tmp_path / "run")
+    probe = _research("variance_by_domain")
+    run = load_run(tmp_path / "run")
+    (layer,) = probe.gp_layers(run.model)
+    (var,) = probe.sequence_variances(run, ["a good film", "a bad one indeed", "zzz qqq"])
+    assert var.shape == (3,) and bool((var > 0).all()) and bool(var.isfinite().all())
+    assert "_condition" not in vars(layer)

@@ -175,11 +175,11 @@ def test_compare_report_with_baselines(tmp_path):
     # paired differences to MSP: temperature scaling never changes accuracy, so its Δ accuracy is exactly 0
     delta = report.split("## Against softmax (MSP), in_domain")[1].split("## ")[0]
     ts_row = next(line for line in delta.splitlines() if line.startswith("| softmax+ts |"))
-    assert "| +0.000 ± 0.000 (0/2) |" in ts_row, ts_row
+    assert "| +0.000 [+0.000, +0.000] (0/2) |" in ts_row, ts_row
     assert "| softmax |" not in delta and "| kernel |" in delta
     assert "Δ aurc" in delta and "Δ mcc" not in delta  # the split's own columns (no MCC for images)
     # one paired table per split, with that split's columns: the papers' claims are about shift and OOD too
-    from gpattn.experiments.compare import _fmt
+    from gpattn.experiments.uncertainty import paired_difference
 
     lower = {"accuracy": False, "nll": True, "ece": True, "ood_auroc": False}  # written out, not imported
     for split, header in (("shift", "| variant | Δ accuracy | Δ nll | Δ ece |"), ("ood", "| variant | Δ ood_auroc |")):
@@ -191,9 +191,10 @@ def test_compare_report_with_baselines(tmp_path):
             for col, got in zip(cols, row.strip("| ").split(" | ")[1:]):
                 diffs = [results[spec][s][split][col] - results["softmax"][s][split][col] for s in ("0", "1")]
                 better = sum(d < 0 if lower[col] else d > 0 for d in diffs)
-                assert got == ("+" if sum(diffs) >= 0 else "") + f"{_fmt(diffs)} ({better}/2)", (spec, col, got)
+                d = paired_difference(diffs, [0.0, 0.0])  # the mean and its 95 % t-interval over the 2 seeds
+                assert got == f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] ({better}/2)", (spec, col, got)
     shift = report.split("## Against softmax (MSP), shift")[1].split("## ")[0]
-    assert "| +0.000 ± 0.000 (0/2) |" in next(ln for ln in shift.splitlines() if ln.startswith("| softmax+ts |"))
+    assert "| +0.000 [+0.000, +0.000] (0/2) |" in next(ln for ln in shift.splitlines() if ln.startswith("| softmax+ts |"))
     assert results["softmax+ts"]["0"]["temperature"] > 0
     # temperature scaling is fitted on val: it must not raise the val-fitted NLL's in-domain counterpart much
     assert results["softmax+ts"]["0"]["in_domain"]["accuracy"] == results["softmax"]["0"]["in_domain"]["accuracy"]

@@ -58,7 +58,7 @@ from gpattn.experiments.training import (
     evaluate_predictions,
     train,
 )
-from gpattn.experiments.uncertainty import temperature_flags
+from gpattn.experiments.uncertainty import paired_difference, temperature_flags
 from gpattn.objectives import DEFAULT_ALPHA, CGPRegulariser, named_added_loss_terms
 
 __all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "split_variants", "write_report"]
@@ -573,7 +573,10 @@ def _fmt(values, scale=1.0) -> str:
 
 #: the direction of every metric shown in report.md: True = lower is better
 LOWER_IS_BETTER = {"nll": True, "ece": True, "aurc": True, "accuracy": False, "mcc": False, "auroc": False,
-                   "ood_auroc": False}
+                   "ood_auroc": False, "ood_fpr95": True, "adaptive_ece": True}
+#: the references of report.md's paired tables, by what they are
+REFERENCE_NAMES = {"softmax": "MSP", "softmax+ts": "MSP + temperature scaling", "softmax+sngp+ts": "SNGP + TS",
+                   "softmax+ens5+ts": "a 5-member ensemble + TS", "softmax+ens3+ts": "a 3-member ensemble + TS"}
 
 
 def _split_columns(split: str, results: dict, seeds, bundle, ood_scores=("msp",)) -> tuple:
@@ -596,15 +599,16 @@ def _split_columns(split: str, results: dict, seeds, bundle, ood_scores=("msp",)
 
 
 def _against_reference(results: dict, seeds, split: str, cols, reference: str = "softmax") -> list:
-    """Paired differences to the reference (MSP) per seed on ``split``: mean ± std of (variant −
-    reference) and in how many seeds the variant is better. Empty when the reference was not run."""
+    """Paired differences to the reference per seed on ``split``: the mean of (variant − reference) with its 95 %
+    Student-t interval over the seeds (gpattn.experiments.uncertainty.paired_difference) and in how many seeds the
+    variant is better. Empty when the reference was not run."""
     if reference not in results:
         return []
     lines = [
-        f"## Against {reference} ({'MSP + temperature scaling' if reference.endswith('+ts') else 'MSP'}), {split}",
+        f"## Against {reference} ({REFERENCE_NAMES[reference]}), {split}",
         "",
-        f"Paired over seeds: mean ± std of (variant − {reference}); `k/n` = seeds in which the variant is "
-        "better (lower NLL/ECE/AURC, higher accuracy/MCC/AUROC).",
+        f"Paired over seeds: mean of (variant − {reference}) [95 % t-interval over the seeds]; `k/n` = seeds in "
+        "which the variant is better (lower NLL/ECE/AURC/FPR95, higher accuracy/MCC/AUROC).",
         "",
         "| variant | " + " | ".join(f"Δ {c}" for c in cols) + " |",
         "|---" * (len(cols) + 1) + "|",
@@ -617,10 +621,17 @@ def _against_reference(results: dict, seeds, split: str, cols, reference: str = 
             pairs = [(per_seed[str(s)][split].get(col), results[reference][str(s)][split].get(col)) for s in seeds]
             diffs = [v - r for v, r in pairs if v is not None and r is not None]
             better = sum((d < 0) if LOWER_IS_BETTER.get(col, False) else (d > 0) for d in diffs)
-            sign = "+" if diffs and np.mean(diffs) >= 0 else ""
-            cells.append(f"{sign}{_fmt(diffs)} ({better}/{len(diffs)})" if diffs else "–")
+            cells.append(f"{_paired_cell(diffs)} ({better}/{len(diffs)})" if diffs else "–")
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def _paired_cell(diffs: list) -> str:
+    """``+m [low, high]`` (the paired mean and its 95 % interval) for ≥ 2 seeds, ``+m`` for one."""
+    if len(diffs) < 2:
+        return f"{diffs[0]:+.3f}"
+    d = paired_difference(np.asarray(diffs), np.zeros(len(diffs)))
+    return f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
 
 
 def write_report(
@@ -701,7 +712,8 @@ def write_report(
     lines += _alpha_notes(results, seeds)
     lines += _diverged_notes(results, seeds)
     lines += _collapse_notes(results, seeds)
-    for reference in ("softmax", "softmax+ts"):  # MSP, and where MSP + temperature scaling stands
+    # MSP, MSP + temperature scaling, and the strongest baselines with TS where they ran
+    for reference in REFERENCE_NAMES:
         for split, cols in columns.items():
             lines += _against_reference(results, seeds, split, cols, reference)
     if elapsed is not None:
