@@ -90,6 +90,15 @@ VARIANTS = {
         "pick": "the GP layer whose uncertainty comes from variables that see the training set (global inducing "
         "points); long sequences through the fused attention mean.",
     },
+    "sgpa-rff": {
+        "what": "Distance-aware SGPA: the attention prior mean plus a global GP on the queries (random Fourier "
+        "features) whose covariance is conditioned on the training queries, so its variance grows away from them.",
+        "paper": "gpattn's own form (SNGP's Laplace precision, Liu et al. 2020, in the query space of SGPA)",
+        "section": "5f",
+        "cost": "O(T²·Dv + T·R·(Dh + Dv) + R³) per (B, H)",
+        "options": ("num_features", "prior_variance", "lengthscale", "data_weight", "prior_mean", "qk"),
+        "pick": "out-of-domain detection: a predictive variance that knows where the training queries were.",
+    },
     "kep-svgp": {
         "what": "KEP-SVGP: SVGPs on the kernel-eigen pairs of the attention matrix (a rank-r KSVD), linear in T.",
         "paper": "Chen, Tao, Tonin & Suykens, ICML 2024",
