@@ -79,7 +79,7 @@ def test_compiled_training_step_equals_eager(name):
         torch.testing.assert_close(got_grads[key], want_grads[key], rtol=1e-3, atol=1e-5, msg=f"{name}: d{key}")
 
 
-@pytest.mark.parametrize("name", VARIANTS)  # Dynamo only: all ten in 14 s
+@pytest.mark.parametrize("name", TRACED)  # Dynamo only: all ten in 14 s quiet, ~45 s loaded (cgp, scgp 10 s)
 def test_compiled_training_steps_do_not_recompile(name):
     frames = CompileCounter()  # a backend that counts the graphs Dynamo hands it: a recompile is one more
     model = _model(name).train()
@@ -96,3 +96,61 @@ def test_compiled_eval_prediction_equals_eager():
     x, mask, _ = _batch()
     with torch.no_grad(), gpattn.deterministic():
         torch.testing.assert_close(compiled(x, mask, num_samples=2), model(x, mask, num_samples=2))
+
+
+def _cli_run(tmp_path, name, *extra):
+    from gpattn.experiments.cli import main
+    from gpattn.experiments.data.fixtures import make_cola_zip
+
+    data = tmp_path / "data"
+    if not data.exists():
+        make_cola_zip(data / "cola_public_1.1.zip", n_train=64, n_dev=16, n_ood=16)
+    out = tmp_path / name
+    args = ["train", "--dataset", "cola", "--data-dir", str(data), "--dataset-option", "verify_checksum=False",
+            "--attention", "sgpa", "--epochs", "1", "--batch-size", "16", "--embed-dim", "16", "--num-heads", "2",
+            "--num-layers", "1", "--num-samples", "2", "--no-progress", "--out", str(out), *extra]
+    assert main(args) == 0
+    return out
+
+
+@pytest.mark.slow  # 25-35 s on the loaded 2-core machine (two short runs)
+@pytest.mark.filterwarnings("ignore::gpattn.experiments.diagnostics.GPCollapseWarning")  # 4 steps: at the prior
+def test_cli_compile_trains_batches_of_every_length_in_one_graph(tmp_path, monkeypatch):
+    """``gpattn train --compile``: text batches cut to their longest row (lengths vary) share one graph, and the
+    run equals the eager one to round-off (the same draws: compile is a run setting, not a change of the run)."""
+    import json
+
+    from gpattn.experiments import training
+
+    frames = CompileCounter()
+    monkeypatch.setitem(training.COMPILE_OPTIONS, "backend", frames)  # Dynamo's graphs, counted; no Inductor
+    lengths, cut = [], training._batch
+
+    def batch(*args, **kwargs):  # training's, recording each batch's length
+        out = cut(*args, **kwargs)
+        lengths.append(out[0].shape[1])
+        return out
+
+    monkeypatch.setattr(training, "_batch", batch)
+    compiled = _cli_run(tmp_path, "compiled", "--compile")
+    assert len(set(lengths)) > 1, lengths  # the batches do vary in length
+    assert frames.frame_count == 1 and not counters["graph_break"], (frames.frame_count, dict(counters["graph_break"]))
+    eager = _cli_run(tmp_path, "eager")
+    assert json.loads((compiled / "config.json").read_text())["compile"] is True
+    want, got = (json.loads((run / "history.json").read_text())[-1]["train"] for run in (eager, compiled))
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+
+
+def test_compile_is_a_checked_run_setting_the_flag_sets():
+    from gpattn.experiments._config import RUN_SETTINGS, TrainConfig, _same_run
+    from gpattn.experiments.cli import _config, build_parser
+
+    args = build_parser().parse_args(["compare", "--dataset", "digits", "--out", "x", "--compile"])
+    assert _config(args, attention="sgpa")[0].compile is True
+    plain = build_parser().parse_args(["train", "--dataset", "digits", "--attention", "sgpa", "--out", "x"])
+    assert _config(plain, attention="sgpa")[0].compile is False
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        TrainConfig(compile="yes")
+    assert "compile" in RUN_SETTINGS and _same_run(TrainConfig(compile=True).to_dict(), TrainConfig())[0]
