@@ -9,6 +9,7 @@ Inductor), the objective and optimizer eager; its first step (compilation includ
 ``--threads`` torch threads. ``--quick``: a tiny smoke run (B = 4, T = 8, width 16, 2 steps).
 
     python benchmarks/train_step.py --ts 16,128 --steps 5 --json train_step.json --markdown train_step.md
+    python benchmarks/train_step.py --device cuda --compile-mode reduce-overhead --ts 16,64,256,1024   # CUDA graphs
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ def time_steps(name: str, T: int, mode: str, cfg: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = TransformerClassifier(
         2, vocab_size=cfg.vocab, max_len=T, embed_dim=cfg.width, num_heads=cfg.heads, num_layers=2, attention=name
-    ).train()
-    forward = torch.compile(model, backend=cfg.backend) if mode == "compiled" else model
+    ).train().to(cfg.device)
+    forward = torch.compile(model, backend=cfg.backend, mode=cfg.compile_mode) if mode == "compiled" else model
     objective = DeepGPELBO(model, num_data=10_000)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    ids, mask, y = _batch(cfg.batch_size, T, cfg.vocab)
+    ids, mask, y = (t.to(cfg.device) for t in _batch(cfg.batch_size, T, cfg.vocab))
+    sync = torch.cuda.synchronize if torch.device(cfg.device).type == "cuda" else lambda: None
 
     def step() -> float:
+        sync()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = objective(forward(ids, mask), y)
@@ -56,6 +59,7 @@ def time_steps(name: str, T: int, mode: str, cfg: argparse.Namespace) -> dict:
         optimizer.step()
         if not torch.isfinite(loss):
             raise FloatingPointError("non-finite loss")
+        sync()
         return (time.perf_counter() - start) * 1e3
 
     first = step()
@@ -121,6 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="eager, compiled or both")
     p.add_argument("--variants", default=None, help="comma-separated registry names (default: all)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -148,7 +154,8 @@ def main(argv=None) -> dict:
     cfg = parse_args(argv)
     torch.set_num_threads(cfg.threads)
     rows = run(cfg)
-    keys = ("ts", "modes", "variants", "backend", "batch_size", "width", "heads", "steps", "warmup", "threads")
+    keys = ("ts", "modes", "variants", "backend", "compile_mode", "device", "batch_size", "width", "heads", "steps",
+            "warmup", "threads")
     result = {"rows": rows, "meta": {**machine_info(cfg.threads), **{k: getattr(cfg, k) for k in keys}}}
     write_outputs(result, cfg.json, cfg.markdown, to_markdown)
     print(to_markdown(result))

@@ -117,7 +117,7 @@ def _cli_run(tmp_path, name, *extra):
 @pytest.mark.filterwarnings("ignore::gpattn.experiments.diagnostics.GPCollapseWarning")  # 4 steps: at the prior
 def test_cli_compile_trains_batches_of_every_length_in_one_graph(tmp_path, monkeypatch):
     """``gpattn train --compile``: text batches cut to their longest row (lengths vary) share one graph, and the
-    run equals the eager one to round-off (the same draws: compile is a run setting, not a change of the run)."""
+    run equals the eager one to round-off (Dynamo's graph run as it is: the same draws; Inductor draws its own)."""
     import json
 
     from gpattn.experiments import training

@@ -21,7 +21,8 @@ __all__ = ["ENCODER_RECIPES", "PRECISIONS", "RUN_SETTINGS", "TrainConfig"]
 #: values is resumed (``--resume``) and reused (``gpattn compare``) as it is. ``device`` is one of them:
 #: CPU and GPU kernels differ only in float round-off, and a run trained on a GPU must stay usable on a
 #: CPU-only machine. ``precision`` is not: bf16 autocast changes the results. ``compile`` is: a compiled step
-#: draws the same numbers as eager and differs from it in round-off only (tests/test_compile.py).
+#: computes what eager does (to round-off given the same draws, tests/test_compile.py); Inductor's own random
+#: generator draws other numbers from the same distribution, as another device's does.
 RUN_SETTINGS = ("progress", "checkpoint_every", "device", "compile")
 #: the objective's settings that are TrainConfig fields of their own (``loss_weights`` holds the others)
 _OWN_WEIGHTS = ("beta", "beta_anneal_steps", "eta", "alpha", "alpha_anneal_steps")
