@@ -110,7 +110,7 @@ class TrainConfig:
     progress: bool = True
     device: str = "auto"
     precision: str = "fp32"
-    #: train through ``torch.compile`` of the model (Inductor), one graph for every batch length
+    #: train through ``torch.compile`` of the model (Inductor), one graph for batches of every length
     #: (``dynamic=True``; docs/benchmarks.md "Compiled training"); evaluation stays eager
     compile: bool = False
 

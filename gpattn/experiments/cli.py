@@ -150,8 +150,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--compile", action="store_const", const=True,
-        help="train through torch.compile (Inductor): one graph for every batch length, compiled on the first "
-        "step (minutes on a CPU); faster steps after it for most variants (docs/benchmarks.md)",
+        help="train through torch.compile (Inductor, dynamic shapes): one graph for batches of every length, "
+        "compiled on the first step (minutes on a CPU); evaluation stays eager (docs/benchmarks.md)",
     )
     _validate_arg(p)
 
