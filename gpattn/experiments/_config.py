@@ -111,7 +111,7 @@ class TrainConfig:
     device: str = "auto"
     precision: str = "fp32"
     #: train through ``torch.compile`` of the model (Inductor), one graph for batches of every length
-    #: (``dynamic=True``; docs/benchmarks.md "Compiled training"); evaluation stays eager
+    #: (``dynamic=True``; docs/benchmarks.md "Compiled training with varying lengths"); evaluation stays eager
     compile: bool = False
 
     def __post_init__(self):

@@ -91,7 +91,8 @@ def _autocast(device: torch.device, precision: str):
 
 # ----------------------------------------------------------------------------- model and batches
 #: ``torch.compile``'s options for a ``compile=True`` run's training forward: symbolic shapes, so text batches of
-#: every length (each cut to its longest row) share one graph (docs/benchmarks.md, "Compiled training with varying lengths")
+#: every length (each cut to its longest row) share one graph (docs/benchmarks.md, "Compiled training with varying
+#: lengths")
 COMPILE_OPTIONS = {"dynamic": True}
 #: where ``attention_layers="auto"`` puts a variant (Chen et al. (2024) replaces only the last layer by KEP-SVGP)
 AUTO_LAYERS = {"kep-svgp": "last"}
