@@ -55,7 +55,7 @@ def run_one(name: str, strategy: str, cfg: argparse.Namespace) -> dict:
     hi = cfg.lengths[1]
     model = TransformerClassifier(2, vocab_size=cfg.vocab, max_len=hi, embed_dim=cfg.width, num_heads=cfg.heads,
                                   num_layers=2, attention=name).train()
-    forward = model if strategy == "eager" else torch.compile(model, dynamic=strategy == "dynamic")
+    forward = model if strategy == "eager" else torch.compile(model, backend=cfg.backend, dynamic=strategy == "dynamic")
     objective, optimizer = DeepGPELBO(model, num_data=10_000), torch.optim.Adam(model.parameters(), lr=1e-3)
     steady, start = [], time.perf_counter()
     for ids, mask, y, longest in _batches(cfg):
@@ -93,6 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--lengths", default="6,48", help="LO,HI: the range of a batch's longest row")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--backend", default="inductor", help="torch.compile backend")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -126,7 +127,7 @@ def main(argv=None) -> dict:
                 row.update(status="error", reason=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
             rows.append(row)
             print(row, flush=True)
-    keys = ("variants", "strategies", "lengths", "steps", "batch_size", "width", "heads", "threads")
+    keys = ("variants", "strategies", "backend", "lengths", "steps", "batch_size", "width", "heads", "threads")
     result = {"rows": rows, "meta": {**machine_info(cfg.threads), **{k: getattr(cfg, k) for k in keys}}}
     write_outputs(result, cfg.json, cfg.markdown, to_markdown)
     print(to_markdown(result))

@@ -418,3 +418,18 @@ def test_train_step_smoke_schema(tmp_path):
         assert r["ratio_to_softmax"] == pytest.approx(r["step_ms"] / soft["reference_ms"], rel=1e-12)
     table = (tmp_path / "step.md").read_text()
     assert "| variant | T=8 eager | T=8 compiled |" in table and "| kernel |" in table
+
+
+def test_compile_lengths_smoke_schema(tmp_path):
+    """benchmarks/compile_lengths.py: a row per (variant, strategy); with dynamic shapes one graph for batches of
+    every length, with buckets one per bucket met (Dynamo's eager backend: no C++ build in the test)."""
+    compile_lengths = importlib.import_module("compile_lengths")
+    args = ["--variants", "kernel", "--backend", "eager", "--steps", "6", "--lengths", "3,20", "--batch-size", "4"]
+    args += ["--width", "16", "--heads", "2"]
+    result = compile_lengths.main(args + ["--markdown", str(tmp_path / "lengths.md")])
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert set(rows) == {"eager", "dynamic", "buckets"} and all(r["status"] == "ok" for r in rows.values())
+    assert rows["eager"]["graphs"] == 0 and rows["dynamic"]["graphs"] == 1
+    longest = [batch[3] for batch in compile_lengths._batches(compile_lengths.parse_args(args))]
+    assert rows["buckets"]["graphs"] == len({compile_lengths.bucket_length(n, 20) for n in longest}) > 1
+    assert "| kernel | dynamic | 1 |" in (tmp_path / "lengths.md").read_text()
