@@ -1,5 +1,5 @@
 """The explicit attention call: a forward prepares one AttentionCall, the variant returns what it drew, and
-nothing of the forward is written on the layer but its two records (loss terms, diagnostics), in place."""
+nothing of the forward is written on the layer but its two records (loss terms, diagnostics), in their holder."""
 
 import pytest
 import torch

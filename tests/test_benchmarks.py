@@ -398,7 +398,7 @@ def test_gpu_check_sync_counter_without_a_gpu(monkeypatch):
 
 
 def test_train_step_smoke_schema(tmp_path):
-    """benchmarks/train_step.py --quick: a row per (variant, mode) with softmax's step as every ratio's divisor,
+    """benchmarks/train_step.py --quick: a row per (variant, mode) with softmax's steps as every ratio's divisor,
     and the table (a kernel variant and a Gumbel one, both modes; Dynamo's eager backend keeps the C++ build out
     of the test; tests/test_compile.py covers every variant compiled)."""
     train_step = importlib.import_module("train_step")
@@ -413,6 +413,23 @@ def test_train_step_smoke_schema(tmp_path):
     for (_, mode), r in rows.items():
         assert r["status"] == "ok", r["reason"]
         assert r["T"] == 8 and r["steps_timed"] == 2 and r["step_ms"] > 0
-        assert r["ratio_to_softmax"] == pytest.approx(r["step_ms"] / rows[("softmax", mode)]["step_ms"], rel=1e-12)
+        soft = rows[("softmax", mode)]  # timed first and again last: the reference is the mean of the two
+        assert soft["reference_ms"] == pytest.approx((soft["step_ms"] + soft["step_ms_again"]) / 2, rel=1e-12)
+        assert r["ratio_to_softmax"] == pytest.approx(r["step_ms"] / soft["reference_ms"], rel=1e-12)
     table = (tmp_path / "step.md").read_text()
     assert "| variant | T=8 eager | T=8 compiled |" in table and "| kernel |" in table
+
+
+def test_compile_lengths_smoke_schema(tmp_path):
+    """benchmarks/compile_lengths.py: a row per (variant, strategy); with dynamic shapes one graph for batches of
+    every length, with buckets one per bucket met (Dynamo's eager backend: no C++ build in the test)."""
+    compile_lengths = importlib.import_module("compile_lengths")
+    args = ["--variants", "kernel", "--backend", "eager", "--steps", "6", "--lengths", "3,20", "--batch-size", "4"]
+    args += ["--width", "16", "--heads", "2"]
+    result = compile_lengths.main(args + ["--markdown", str(tmp_path / "lengths.md")])
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert set(rows) == {"eager", "dynamic", "buckets"} and all(r["status"] == "ok" for r in rows.values())
+    assert rows["eager"]["graphs"] == 0 and rows["dynamic"]["graphs"] == 1
+    longest = [batch[3] for batch in compile_lengths._batches(compile_lengths.parse_args(args))]
+    assert rows["buckets"]["graphs"] == len({compile_lengths.bucket_length(n, 20) for n in longest}) > 1
+    assert "| kernel | dynamic | 1 |" in (tmp_path / "lengths.md").read_text()

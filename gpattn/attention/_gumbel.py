@@ -87,6 +87,8 @@ _FUSED_AVAILABLE = flex_attention is not None and importlib.util.find_spec("trit
 
 
 def _check_tau(tau, name: str = "tau") -> float:
+    if torch.compiler.is_compiling():  # checked eagerly; under dynamic=True tau is symbolic, isfinite a graph break
+        return tau
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
         raise ValueError(f"{name} must be a finite positive number, got {tau!r}")
     return float(tau)

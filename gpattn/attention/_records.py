@@ -1,6 +1,7 @@
 """The two records an attention layer keeps of its last forward, the only state a forward writes on a
-layer, both updated in place: its loss terms, as GPyTorch added loss terms (:meth:`ForwardRecords.set_loss_terms`,
-read by :class:`gpattn.objectives.DeepGPELBO`), and a GP variant's output-scale diagnostics (written by
+layer, both in one holder the layer keeps (:class:`LastForward`, whose dicts each forward replaces): its loss
+terms, as GPyTorch added loss terms (:meth:`ForwardRecords.set_loss_terms`, read by
+:class:`gpattn.objectives.DeepGPELBO`), and a GP variant's output-scale diagnostics (written by
 :func:`gpattn.attention._call.finish_call`, read by :meth:`ForwardRecords.diagnostics`).
 """
 
@@ -11,7 +12,16 @@ import torch
 
 from gpattn.objectives import GPLossTerm, LossTermWalkers, summed_loss_terms
 
-__all__ = ["ForwardRecords"]
+__all__ = ["ForwardRecords", "LastForward"]
+
+
+class LastForward:
+    """The holder of a layer's two records, the one object a forward writes into: ``terms`` (loss-term name ->
+    term, GPyTorch's ``_added_loss_terms``) and ``diagnostics`` (name -> detached 0-dim tensor)."""
+
+    def __init__(self, terms: dict | None = None, diagnostics: dict | None = None) -> None:
+        self.terms: dict[str, GPLossTerm | None] = {} if terms is None else terms
+        self.diagnostics: dict[str, torch.Tensor] = {} if diagnostics is None else diagnostics
 
 
 class ForwardRecords(LossTermWalkers):
@@ -25,14 +35,23 @@ class ForwardRecords(LossTermWalkers):
     update_added_loss_term = gpytorch.Module.update_added_loss_term
 
     def _init_records(self) -> None:
-        self._added_loss_terms: dict[str, GPLossTerm | None] = {}  # gpytorch's registry of added loss terms
-        self._diagnostics: dict[str, torch.Tensor] = {}  # the last training-mode forward's (diagnostics())
+        self._last_forward = LastForward()
+
+    @property
+    def _added_loss_terms(self) -> dict[str, GPLossTerm | None]:
+        """GPyTorch's registry of added loss terms (read by its walkers): the last forward's."""
+        return self._last_forward.terms
+
+    @property
+    def _diagnostics(self) -> dict[str, torch.Tensor]:
+        """The last training-mode forward's output-scale diagnostics (:meth:`diagnostics`)."""
+        return self._last_forward.diagnostics
 
     def _clear_records(self) -> None:
-        """A new forward: every registered term unset until the variant records this forward's; no diagnostics."""
-        for name in self._added_loss_terms:
-            self._added_loss_terms[name] = None
-        self._diagnostics.clear()
+        """A new forward: no loss terms until the variant records this forward's (registered anew), no
+        diagnostics. The holder's dicts are replaced, not emptied: a compiled forward then reads nothing of the
+        last forward's records, so the first step's do not make Dynamo recompile the second (tests/test_compile.py)."""
+        self._last_forward.terms, self._last_forward.diagnostics = {}, {}
 
     def set_loss_terms(self, *terms: GPLossTerm, **values: torch.Tensor) -> None:
         """Record this forward's loss terms as GPyTorch added loss terms, each under its kind's name
@@ -67,5 +86,5 @@ class ForwardRecords(LossTermWalkers):
     def __getstate__(self):
         # the last forward's loss terms hold autograd graphs: never pickle them
         state = self.__dict__.copy()
-        state["_added_loss_terms"], state["_diagnostics"] = dict.fromkeys(self._added_loss_terms), {}
+        state["_last_forward"] = LastForward(dict.fromkeys(self._added_loss_terms))
         return state

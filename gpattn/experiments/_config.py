@@ -20,8 +20,10 @@ __all__ = ["ENCODER_RECIPES", "PRECISIONS", "RUN_SETTINGS", "TrainConfig"]
 #: settings that change where and how a run executes, not what it computes: a run trained with other
 #: values is resumed (``--resume``) and reused (``gpattn compare``) as it is. ``device`` is one of them:
 #: CPU and GPU kernels differ only in float round-off, and a run trained on a GPU must stay usable on a
-#: CPU-only machine. ``precision`` is not: bf16 autocast changes the results.
-RUN_SETTINGS = ("progress", "checkpoint_every", "device")
+#: CPU-only machine. ``precision`` is not: bf16 autocast changes the results. ``compile`` is: a compiled step
+#: computes what eager does (to round-off given the same draws, tests/test_compile.py); Inductor's own random
+#: generator draws other numbers from the same distribution, as another device's does.
+RUN_SETTINGS = ("progress", "checkpoint_every", "device", "compile")
 #: the objective's settings that are TrainConfig fields of their own (``loss_weights`` holds the others)
 _OWN_WEIGHTS = ("beta", "beta_anneal_steps", "eta", "alpha", "alpha_anneal_steps")
 #: ``--precision``: autocast dtype of the model outside the GP algebra (which stays in fp32/fp64)
@@ -108,6 +110,9 @@ class TrainConfig:
     progress: bool = True
     device: str = "auto"
     precision: str = "fp32"
+    #: train through ``torch.compile`` of the model (Inductor), one graph for batches of every length
+    #: (``dynamic=True``; docs/benchmarks.md "Compiled training with varying lengths"); evaluation stays eager
+    compile: bool = False
 
     def __post_init__(self):
         """The training loop's own settings, checked before any data is loaded (the model's, the
@@ -178,6 +183,8 @@ class TrainConfig:
             raise bad("average", "'probs' or 'logits'")
         if not valid_device(self.device):
             raise ValueError(f"device (--device) must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not isinstance(self.compile, bool):
+            raise bad("compile", "True or False (--compile)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision (--precision) must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if isinstance(self.attention_options, dict) and "kernel" in self.attention_options:

@@ -154,6 +154,11 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         "--precision", choices=["fp32", "bf16"],
         help="fp32 (default) or bf16 autocast for the model; the GP algebra stays in fp32/fp64",
     )
+    p.add_argument(
+        "--compile", action="store_const", const=True,
+        help="train through torch.compile (Inductor, dynamic shapes): one graph for batches of every length, "
+        "compiled on the first step (minutes on a CPU); evaluation stays eager (docs/benchmarks.md)",
+    )
     _validate_arg(p)
 
 
@@ -178,6 +183,7 @@ _FLAG_FIELDS = (
     "dataset", "data_dir", "download", "attention_layers", "encoder", "encoder_max_len", "encoder_recipe", "epochs",
     "batch_size", "lr", "num_samples", "embed_dim", "num_heads", "num_layers", "dropout", "beta", "alpha",
     "checkpoint_every", "kl_scaling", "device", "precision", "encoder_lr", "encoder_weight_decay", "warmup", "pooling",
+    "compile",
 )
 
 

@@ -93,6 +93,10 @@ def _autocast(device: torch.device, precision: str):
 
 
 # ----------------------------------------------------------------------------- model and batches
+#: ``torch.compile``'s options for a ``compile=True`` run's training forward: symbolic shapes, so text batches of
+#: every length (each cut to its longest row) share one graph (docs/benchmarks.md, "Compiled training with varying
+#: lengths")
+COMPILE_OPTIONS = {"dynamic": True}
 #: where ``attention_layers="auto"`` puts a variant (Chen et al. (2024) replaces only the last layer by KEP-SVGP)
 AUTO_LAYERS = {"kep-svgp": "last"}
 
@@ -141,7 +145,8 @@ def _batch(split, idx, device=None):
     mask = None if split.mask is None else split.mask[idx]
     if mask is not None:
         longest = int((~mask).sum(1).numpy().max()) if len(idx) else 1
-        x, mask = x[:, : max(longest, 1)], mask[:, : max(longest, 1)]
+        # contiguous: a compiled model (--compile) guards on strides, and a cut of the full width has the width's
+        x, mask = x[:, : max(longest, 1)].contiguous(), mask[:, : max(longest, 1)].contiguous()
     y = split.labels[idx]
     if device is not None and torch.device(device).type != "cpu":  # pinned host memory: an asynchronous copy
         x, y = (t.pin_memory().to(device, non_blocking=True) for t in (x, y))
@@ -401,6 +406,8 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps, log) -
     if resume:
         _restore(run)
     run.net = run.dist.wrap(run.model)  # DistributedDataParallel under torchrun
+    if cfg.compile:
+        run.net = torch.compile(run.net, **COMPILE_OPTIONS)
     run.guard = _DivergenceGuard(run.model, run.device)
     _fit(run, stop_after_steps)
     if cfg.sngp is not None:  # SNGP's Laplace covariance: one pass over the training data, kept in the checkpoint

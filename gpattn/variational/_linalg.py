@@ -189,9 +189,13 @@ class _ShiftedDiagonal(torch.autograd.Function):
         return grad, None
 
 
-def _in_default_dtype(x: float) -> float:
-    """``x`` rounded to torch's default float dtype, as a Python float (``psd_safe_cholesky`` multiplies its jitter
-    steps by a bool tensor, which makes them default-dtype tensors), without a tensor op."""
+def _in_default_dtype(x: float) -> float | torch.Tensor:
+    """``x`` rounded to torch's default float dtype (``psd_safe_cholesky`` multiplies its jitter steps by a bool
+    tensor, which makes them default-dtype tensors): eagerly a Python float, without a tensor op; compiled a 0-dim
+    tensor of that dtype, which the compiler folds (the float may be symbolic there: a SymFloat under
+    ``dynamic=True``, which ``struct`` cannot pack)."""
+    if torch.compiler.is_compiling():
+        return torch.full((), x, dtype=torch.get_default_dtype())
     code = {torch.float32: "f", torch.float16: "e"}.get(torch.get_default_dtype())
     return x if code is None else struct.unpack(code, struct.pack(code, x))[0]
 
@@ -246,7 +250,9 @@ def standard_normal(shape, like: torch.Tensor, num_samples: int | None, generato
     ``shape = (B, *rest)``, then viewed as ``(P, B, *rest)`` — so that P draws from one factorisation consume the
     random stream exactly as one draw for a batch repeated P times (B-major) would: the same seed gives
     the same samples either way.  # shape: ``(P, *shape)`` or ``shape``"""
-    opts = {"dtype": like.dtype, "device": like.device, "generator": generator}
+    opts = {"dtype": like.dtype, "device": like.device}
+    if generator is not None:  # no generator=None: randn's generator overload refuses a symbolic (dynamic) shape
+        opts["generator"] = generator
     if num_samples is None:
         return torch.randn(shape, **opts)
     return torch.randn(shape[0], num_samples, *shape[1:], **opts).transpose(0, 1)
