@@ -52,6 +52,7 @@ _SGPA_SWAP = {"qk": "separate", "prior_mean": "softmax"}
 _ENTRIES: dict[str, VariantEntry] = {
     "sgpa": VariantEntry(recipes={"encoder-swap": _SGPA_SWAP}),
     "sgpa-decoupled": VariantEntry(recipes={"encoder-swap": _SGPA_SWAP}),
+    "kep-svgp": VariantEntry(recipes={"encoder-swap": {"prior_mean": "softmax"}}),  # its mean: the pretrained attention
     "cgp": VariantEntry(recorded=("prior_mean",)),
     "scgp": VariantEntry(recorded=("prior_mean",)),
 }

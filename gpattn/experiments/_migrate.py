@@ -23,6 +23,7 @@ OLD_DEFAULTS: tuple[tuple[str, tuple[str, ...], bool, str, object], ...] = (
     ("the encoder swap's softmax prior mean (docs/derivations.md §5e)", _SGPA, True, "prior_mean", "attention"),
     ("cgp's softmax prior mean (docs/derivations.md §7a, 2026-11-27)", ("cgp",), False, "prior_mean", "zero"),
     ("scgp's separate softmax mean (docs/derivations.md §7a, 2026-11-27)", ("scgp",), False, "prior_mean", "zero"),
+    ("kep-svgp's encoder-swap softmax mean (docs/derivations.md §6)", ("kep-svgp",), True, "prior_mean", "zero"),
 )
 
 

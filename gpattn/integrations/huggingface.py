@@ -230,12 +230,13 @@ def _transfer(layer: nn.Module, sources: dict) -> tuple[dict[str, str], list[str
             transferred[f"in_proj[{proj}]"] = source[1]
         else:
             new.append(f"in_proj[{proj}]")
-    if "in_proj[v_mean]" in transferred:  # the mean is the pretrained attention; the GP's ν = 0 (its values) at first
-        rows = layer.projection_rows()["v"]
+    gp_values = layer.projection_rows().get("v")  # kep-svgp has none: its GP's mean starts at 0 by its own init
+    if "in_proj[v_mean]" in transferred and gp_values is not None:  # the mean is the pretrained attention; ν = 0
+        rows = gp_values
         _copy(layer.in_proj, rows, (torch.zeros_like(layer.in_proj.weight[rows]), None))
         transferred["in_proj[v]"] = "zero (prior_mean='softmax-separate' reads the pretrained values; ν starts at 0)"
     out, W, rows = layer.out_proj, layer.out_proj.weight, slice(None)
-    if "v" not in layer.projections:  # no values (kep-svgp): its output is not the pretrained attention's
+    if not {"v", "v_mean"} & set(layer.projections):  # no values (kep-svgp's zero mean): not the pretrained attention
         _copy(out, rows, (torch.zeros_like(W), None))
         transferred["out_proj"] = "zero (no value projection: the block starts as the pretrained one without attention)"
     elif sources["o"] is not None and sources["o"][0][0].shape == W.shape:
