@@ -189,7 +189,12 @@ def test_match_prior_to_stream_puts_the_swapped_noise_in_the_band():
     map's gain: the spread then scales by √c with the same random numbers, its ratio to the input lies in the band of
     tests/test_prior_scale.py, the mean is unchanged (the pretrained attention's, in the mean band)."""
     torch.manual_seed(0)
-    model = HFClassifier(_config("sdpa"), 2, "kep-svgp", "last")
+    encoder = _config("sdpa")
+    with torch.no_grad():  # LayerNorm gains other than 1, so that the stream's mean square v_s is not 1
+        for module in encoder.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.uniform_(0.2, 0.8)
+    model = HFClassifier(encoder, 2, "kep-svgp", "last")
     ids, mask = _batch()
     pad = ~mask.bool()
     (i,) = model.adapters
@@ -201,6 +206,7 @@ def test_match_prior_to_stream_puts_the_swapped_noise_in_the_band():
     (row,) = model.match_prior_to_stream(ids, pad)
     assert row["out_gain"] == 1.0 and row["factor"] == pytest.approx(1 / 3)  # v_s does not enter
     assert row["stream_variance"] == pytest.approx(float(x[~pad].double().pow(2).mean()))
+    assert not 0.9 < row["stream_variance"] < 1.1  # a stream whose v_s would change the factor
     torch.manual_seed(1)
     mean_after, spread_after, *_ = _scale(layer, x, pad)
     assert mean_after == pytest.approx(mean_before, rel=1e-6) and MEAN_BAND[0] <= mean_after <= MEAN_BAND[1]

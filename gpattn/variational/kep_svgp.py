@@ -554,10 +554,11 @@ class KEPSVGP(AmortisedVariationalStrategy):
         """σ² ← factor · σ² and q(u_c) with it, (m_c, L_c) ← √factor · (m_c, L_c): the GP's output f = a u scaled by
         √factor in distribution, prior and posterior alike, the KL unchanged and the mean map a = GΛ⁻¹ as it is
         (docs/derivations.md §6, "The noise on another stream")."""
-        self.prior_variance.mul_(factor)
         q_u = self.variational_distribution
-        q_u.variational_mean.mul_(factor**0.5)
-        q_u.chol_variational_covar.mul_(factor**0.5)
+        with torch.no_grad():
+            self.prior_variance.mul_(factor)
+            q_u.variational_mean.mul_(factor**0.5)
+            q_u.chol_variational_covar.mul_(factor**0.5)
 
     def check_length(self, T: int) -> None:
         if self.merge == "concat" and T != self.seq_len:
