@@ -68,8 +68,8 @@ def _run(job: dict) -> dict:
         out = {"config": {**job, "attention": name}, "error": f"{type(err).__name__}: {err}"}
     ctx = [round(layer["context_effect"], 3) for layer in out.get("layers", [])]
     keys = ("accuracy", "val_accuracy", "nll", "seconds", "error")
-    print(json.dumps({k: out.get(k) for k in keys} | {"job": f"{cfg.task} {spec} seed {cfg.seed}", "context": ctx}),
-          flush=True)
+    job_name = f"{cfg.task} {spec} seed {cfg.seed} D {cfg.embed_dim} T {cfg.length}"
+    print(json.dumps({k: out.get(k) for k in keys} | {"job": job_name, "context": ctx}), flush=True)
     return out
 
 
@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tasks", default="attn-match,attn-xor,attn-repeat")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated variant specs (see module doc)")
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--widths", default="64", help="comma-separated model widths (embed_dim)")
+    parser.add_argument("--lengths", default="12", help="comma-separated sequence lengths T of the tasks")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--train-size", type=int, default=8000)
     parser.add_argument("--test-size", type=int, default=2000)
@@ -107,17 +109,22 @@ def main(argv=None) -> int:
     tasks = args.tasks.split(",")
     variants = split_specs(args.variants)
     seeds = [int(s) for s in args.seeds.split(",")]
+    shapes = [(int(w), int(n)) for w in args.widths.split(",") for n in args.lengths.split(",")]
     jobs = [
         {"variant": v, "task": t, "seed": s, "steps": args.steps, "train_size": args.train_size,
-         "test_size": args.test_size, "device": args.device}
-        for s in seeds for t in tasks for v in variants
+         "test_size": args.test_size, "device": args.device, "embed_dim": w, "length": n}
+        for w, n in shapes for s in seeds for t in tasks for v in variants
     ]
-    labels = [j["variant"] for j in jobs]
+    # one table row per variant and, with more than one (width, length), per shape
+    def label(j):
+        return j["variant"] if len(shapes) == 1 else f"{j['variant']} (D {j['embed_dim']}, T {j['length']})"
+
+    labels = [label(j) for j in jobs]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         results = list(pool.map(_run, [dict(j) for j in jobs]))
     for r, v in zip(results, labels):
         r["variant"] = v
-    text = table(results, variants, tasks)
+    text = table(results, list(dict.fromkeys(labels)), tasks)
     print(text)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ OLD_DEFAULTS: tuple[tuple[str, tuple[str, ...], bool, str, object], ...] = (
     ("the encoder swap's softmax prior mean (docs/derivations.md §5e)", _SGPA, True, "prior_mean", "attention"),
     ("cgp's softmax prior mean (docs/derivations.md §7a, 2026-11-27)", ("cgp",), False, "prior_mean", "zero"),
     ("scgp's separate softmax mean (docs/derivations.md §7a, 2026-11-27)", ("scgp",), False, "prior_mean", "zero"),
+    ("kep-svgp's encoder-swap softmax mean (docs/derivations.md §6)", ("kep-svgp",), True, "prior_mean", "zero"),
 )
 
 #: (what changed, the strategy class, the key it gained, a key every state dict of that class has, the value a state

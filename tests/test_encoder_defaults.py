@@ -43,10 +43,8 @@ def test_pretrained_and_new_parameters_take_their_own_learning_rates(attention):
     layer = model.adapters[1].attention
     gp_new = [p for n, p in layer.named_parameters() if n in model.adapters[1].new]
     assert all(groups[id(p)]["lr"] == head["lr"] for p in gp_new)
-    if attention == "kep-svgp":  # its out_proj starts at zero: learned from scratch, the new parameters' lr
-        assert groups[id(layer.out_proj.weight)]["lr"] == head["lr"]
-    else:  # the transferred projections are pretrained weights
-        assert groups[id(layer.in_proj.weight)]["lr"] == embed["lr"]
+    # the transferred projections are pretrained weights (kep-svgp's too: q, k and its mean's values, v_mean)
+    assert groups[id(layer.in_proj.weight)]["lr"] == embed["lr"]
     assert "AdamW" in line and f"lr {defaults['encoder_lr']:g} for the" in line and "warm-up 2 of 20 steps" in line
     lrs = []
     for _ in range(20):
@@ -151,7 +149,8 @@ def test_the_encoder_swap_defaults_are_written_into_the_config():
     shared = TrainConfig(dataset="text_table", encoder="unused", attention="sgpa", attention_options={"qk": "shared"})
     assert shared.attention_options == {"qk": "shared", "prior_mean": "softmax"}
     assert TrainConfig(dataset="text_table", attention="sgpa").attention_options == {}
-    assert TrainConfig(dataset="text_table", encoder="unused", attention="kep-svgp").attention_options == {}
+    kep = TrainConfig(dataset="text_table", encoder="unused", attention="kep-svgp")
+    assert kep.attention_options == {"prior_mean": "softmax"}  # kep-svgp's swap: the softmax mean (derivations §6)
     before = {**cfg.to_dict(), "attention_options": {}}  # a config.json of the tied swap
     same, differ = _same_run(before, cfg)
     assert not same and differ == ["attention_options"]

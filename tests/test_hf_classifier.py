@@ -435,7 +435,7 @@ def test_match_prior_to_stream_scales_each_gp_layer_to_its_input(make):
 
 def test_match_prior_to_stream_in_every_layer_and_leaves_non_gp_layers():
     """All layers swapped: one row per layer, each v_s the mean square of the input that layer receives in a
-    deterministic forward; the mode is restored. softmax and kep-svgp (out_proj = 0) are left alone."""
+    deterministic forward; the mode is restored. softmax and kep-svgp's paper form (out_proj = 0) are left alone."""
     ids, pad = batch()
     model = HFClassifier(_uneven(tiny_encoder()), 2, "sgpa", "all").train()
     with torch.no_grad(), gpattn.deterministic():
@@ -446,8 +446,8 @@ def test_match_prior_to_stream_in_every_layer_and_leaves_non_gp_layers():
         assert rows[i]["stream_variance"] == pytest.approx(float(seen[i][~pad].double().pow(2).mean()))
     with pytest.raises(ValueError, match="no real token"):
         HFClassifier(tiny_encoder(), 2, "sgpa", "last").match_prior_to_stream(ids, torch.ones_like(pad))
-    for name in ("softmax", "kep-svgp"):
-        other = HFClassifier(tiny_encoder(), 2, name, "last")
+    for name, options in (("softmax", None), ("kep-svgp", {"prior_mean": "zero"})):
+        other = HFClassifier(tiny_encoder(), 2, name, "last", attention_options=options)
         state = {k: v.clone() for k, v in other.state_dict().items()}
         assert other.match_prior_to_stream(ids, pad) == []
         assert all(torch.equal(state[k], v) for k, v in other.state_dict().items())

@@ -80,16 +80,20 @@ def test_what_is_transferred_per_variant():
     # value_dim other than the head width: the value map is new, and so is the non-square out_proj
     a = swap_attention(transformers.BertModel(tiny_config()), "softmax", "last", value_dim=8)[1]
     assert set(a.transferred) == {"in_proj[q]", "in_proj[k]"} and a.new == ["in_proj[v]", "out_proj"]
-    # no value projection (kep-svgp): out_proj starts at zero, so the swapped branch adds nothing at first
+    # no value projection (kep-svgp's paper form, prior_mean="zero"): out_proj starts at zero, so the swapped
+    # branch adds nothing at first; the swap's default (the softmax mean) reads the pretrained values in v_mean
     for config in (tiny_config(), None):
         model = transformers.BertModel(config) if config else transformers.DistilBertModel(
             transformers.DistilBertConfig(vocab_size=100, dim=32, n_layers=2, n_heads=2, hidden_dim=64)
         )
-        a = swap_attention(model, "kep-svgp", "last")[1]
+        a = swap_attention(model, "kep-svgp", "last", prior_mean="zero")[1]
         assert set(a.transferred) == {"in_proj[q]", "in_proj[k]", "out_proj"}
         assert a.transferred["out_proj"].startswith("zero")
         out, _ = a(torch.randn(2, 5, 32))
         assert torch.count_nonzero(out) == 0
+    a = swap_attention(transformers.BertModel(tiny_config()), "kep-svgp", "last")[1]
+    kept = {"in_proj[q]": "query", "in_proj[k]": "key", "in_proj[v_mean]": "value"}
+    assert a.transferred == {**kept, "out_proj": identity}
 
 
 def test_sgpa_swap_with_separate_maps_and_the_exponential_kernel_keeps_the_pretrained_attention():

@@ -108,13 +108,13 @@ def test_layer_kl_global_is_the_summed_kl_of_its_parameters(prior_variance):
 
 def test_prior_variance_scales_the_prior_and_nothing_else():
     """σ² is the attention kernel's outputscale: p(u_c) = N(0, σ²Λ²) and K_fu K_uu⁻¹ = GΛ⁻¹ unchanged, so the
-    posterior (mean and covariance of the head outputs) does not depend on it; scale_prior multiplies it."""
+    posterior (mean and covariance of the head outputs) does not depend on it. (``scale_prior``, which moves
+    q(u_c) with σ², is tested in tests/test_kep_swap.py.)"""
     torch.manual_seed(3)
     paper = gpattn.build_attention("kep-svgp", 8, 2, rank=3, prior_variance=1.0).double()
-    scaled = gpattn.build_attention("kep-svgp", 8, 2, rank=3, prior_variance=1.0).double()
-    scaled.load_state_dict(paper.state_dict())
-    scaled.scale_prior(0.2)
-    assert float(scaled.kep.prior_variance) == pytest.approx(0.2, rel=1e-12)
+    scaled = gpattn.build_attention("kep-svgp", 8, 2, rank=3, prior_variance=0.2).double()
+    scaled.load_state_dict({**paper.state_dict(), "strategy.prior_variance": scaled.strategy.prior_variance})
+    assert float(scaled.kep.prior_variance) == pytest.approx(0.2, rel=1e-7)  # a float32 buffer, made float64
     x = torch.randn(2, 5, 8, dtype=DT)
     cond_p, cond_s = (layer.kep.condition(x, *layer.strategy_inputs(x)[1:]) for layer in (paper, scaled))
     torch.testing.assert_close(cond_s.posterior().mean, cond_p.posterior().mean, rtol=0, atol=0)
@@ -123,7 +123,7 @@ def test_prior_variance_scales_the_prior_and_nothing_else():
     )
     torch.testing.assert_close(
         cond_s.prior_distribution.covariance_matrix,
-        0.2 * cond_p.prior_distribution.covariance_matrix,
+        float(scaled.kep.prior_variance) * cond_p.prior_distribution.covariance_matrix,
         rtol=1e-12,
         atol=0,
     )

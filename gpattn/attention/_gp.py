@@ -38,7 +38,7 @@ class GPAttention(AttentionBase):
 
     def scale_prior(self, factor: float) -> None:
         """Multiply the prior variance of the head outputs at a token by ``factor``, in place (the strategy's
-        ``scale_prior``: a kernel's outputscale, CGP's σ_q², σ_k²; kep-svgp has none and raises). For a
+        ``scale_prior``: a kernel's outputscale, CGP's σ_q², σ_k²; kep-svgp's σ² with its q(u_c)). For a
         stream other than the LayerNorm-ed one the initialisation assumes
         (:meth:`gpattn.integrations.huggingface.HFClassifier.match_prior_to_stream`)."""
         self.strategy.scale_prior(factor)

@@ -8,7 +8,7 @@ import torch
 from gpattn.attention._gp import GPAttention
 from gpattn.attention.registry import register
 from gpattn.variational._scale import KEP_PRIOR_VARIANCE
-from gpattn.variational.kep_svgp import KEPSVGP, MERGES
+from gpattn.variational.kep_svgp import KEPSVGP, MERGES, make_kep_mean
 
 __all__ = ["KEPSVGPAttention"]
 
@@ -77,11 +77,18 @@ class KEPSVGPAttention(GPAttention):
         (the mean map :math:`G\Lambda^{-1}` does not change); 1.0 is Chen et al.'s (2024) prior, the default puts
         the prior's noise on the stream's scale (docs/derivations.md §6, "The prior's outputscale").
         ``scale_prior`` multiplies it.
+    :param prior_mean: ``"zero"`` (default; Chen et al.'s) or ``"softmax"``: softmax(q kᵀ/√Dh) u over values of the
+        layer's own (the ``v_mean`` projection), added to the GP's mean and samples, with the GP's mean starting at
+        0 (q(u_c)'s mean and the output bias zero): the encoder swap's recipe, whose mean starts at the pretrained
+        attention (docs/derivations.md §6, "The softmax prior mean").
     :param jitter: constant diagonal added to the covariance that ``posterior()`` returns (makes it
         non-singular for ``log_prob``); samples and means never include it.
     """
 
     projections = ("q", "k")
+    #: the GP's output is proportional to the input's amplitude (its features read the landmark tokens of x), so
+    #: ``match_prior_to_stream`` scales it by the output map's gain alone (docs/derivations.md §6)
+    scales_with_input = True
     no_cross_attention = (
         "its output at token t is f_e(q_t) + f_r(k_t), the query-side and key-side GPs of the same token t "
         "(Chen et al. 2024 eq. 19; the keys of other tokens enter only through the landmark tokens), so the "
@@ -103,8 +110,12 @@ class KEPSVGPAttention(GPAttention):
         include_residual: bool = False,
         jitter: float = 1e-6,
         prior_variance: float = KEP_PRIOR_VARIANCE,
+        prior_mean: str = "zero",
         **base,
     ):
+        mean_module = make_kep_mean(prior_mean)  # the name parsed once: the strategy takes the module
+        if mean_module.projections:  # the mean's own values, before AttentionBase sizes the fused in_proj
+            self.projections = (*type(self).projections, *mean_module.projections)
         super().__init__(embed_dim, num_heads, **base)
         _check_kernel(kernel)
         _positive_int("rank", rank)
@@ -138,6 +149,7 @@ class KEPSVGPAttention(GPAttention):
             include_residual=include_residual,
             jitter=float(jitter),
             prior_variance=float(prior_variance),
+            mean_module=mean_module,
         )
 
     @property
@@ -151,7 +163,13 @@ class KEPSVGPAttention(GPAttention):
 
     def strategy_inputs(self, x):
         """The layer input (for the landmarks), q and k.  # shape: (B, T, D), (B, H, T, Dh), (B, H, T, Dh)"""
-        return (x, *super().strategy_inputs(x))
+        return self.strategy_call(x)[0]
+
+    def strategy_call(self, x):
+        """The layer input, q and k and, with ``prior_mean="softmax"``, the mean's own values (the ``v_mean``
+        projection) as ``mean_values``: one projection of x for both."""
+        p, own = self.project(x), self.strategy.mean_module.projections
+        return (x, p["q"], p["k"]), ({"mean_values": p[own[0]]} if own else {})
 
     def extra_repr(self) -> str:
         k = self.strategy
@@ -159,5 +177,5 @@ class KEPSVGPAttention(GPAttention):
             f"{super().extra_repr()}, rank={k.rank}, num_landmarks={k.ksvd.num_landmarks}, merge={k.merge!r}"
             + (f", seq_len={k.seq_len}" if k.merge == "concat" else "")
             + f", token_independent={k.token_independent}, include_residual={k.include_residual}"
-            + f", prior_variance={float(k.prior_variance):g}"
+            + f", prior_variance={float(k.prior_variance):g}, prior_mean={k.mean_module.name!r}"
         )

@@ -55,6 +55,7 @@ _ENTRIES: dict[str, VariantEntry] = {
     # the swap's g starts at ℓ = 1, so that the median heuristic of match_prior_to_stream puts κ = e⁻¹ at the median
     # pair of queries (docs/derivations.md §5f)
     "sgpa-rff": VariantEntry(recipes={"encoder-swap": {**_SGPA_SWAP, "lengthscale": 1.0}}),
+    "kep-svgp": VariantEntry(recipes={"encoder-swap": {"prior_mean": "softmax"}}),  # its mean: the pretrained attention
     "cgp": VariantEntry(recorded=("prior_mean",)),
     "scgp": VariantEntry(recorded=("prior_mean",)),
 }

@@ -60,6 +60,7 @@ class SuiteConfig:
     lr: float = 1e-3
     embed_dim: int = 64
     num_heads: int = 4
+    length: int = 12  # T of the task's sequences (attn-repeat: its longest; it needs length <= vocab = 16)
     num_layers: int = 2
     dropout: float = 0.0
     train_samples: int = 1
@@ -129,7 +130,9 @@ def run_task(cfg: SuiteConfig) -> dict:
     if cfg.task not in ATTENTION_TASKS:
         raise ValueError(f"task must be one of {list(ATTENTION_TASKS)}, got {cfg.task!r}")
     device = torch.device(cfg.device)
-    bundle = load_dataset(cfg.task, seed=cfg.seed, train_size=cfg.train_size, test_size=cfg.test_size)
+    bundle = load_dataset(
+        cfg.task, seed=cfg.seed, train_size=cfg.train_size, test_size=cfg.test_size, length=cfg.length
+    )
     train, test = bundle.splits["train"], bundle.splits["test"]
     torch.manual_seed(cfg.seed)
     model = _model(cfg, bundle.vocab_size, train.inputs.shape[1]).to(device)

@@ -24,7 +24,8 @@ def _match_layer(layer: nn.Module, x: torch.Tensor, key_padding_mask, gain: floa
 
     real = x if key_padding_mask is None else x[~key_padding_mask.to(x.device)]
     variance = float(real.double().pow(2).mean())
-    factor = variance * NATIVE_OUTPUT_GAIN / gain
+    # a layer whose GP output already scales with its input's amplitude (kep-svgp) needs the output map's gain alone
+    factor = (1.0 if getattr(layer, "scales_with_input", False) else variance) * NATIVE_OUTPUT_GAIN / gain
     layer.scale_prior(factor)
     row = {"stream_variance": variance, "out_gain": gain, "factor": factor}
     if hasattr(layer, "rescale_inputs"):  # cgp, scgp: their canonical kernel has no lengthscale

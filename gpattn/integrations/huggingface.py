@@ -25,10 +25,11 @@ do every GP parameter (kernel hyperparameters, inducing / variational parameters
 projection: in BERT and RoBERTa the self-attention is followed by ``attention.output.dense``, so the
 gpattn layer's own ``out_proj`` starts as the identity (weight I, bias 0; still trained); in
 DistilBERT the swapped module is ``attention`` itself, which holds ``out_lin``, copied into
-``out_proj``. A variant without a value projection (``kep-svgp``, whose output is built from global inducing
-variables) starts with ``out_proj`` = 0 instead: its output at initialisation is a random function, not
-the pretrained attention's, and with ``out_proj`` = 0 the block starts as the pretrained block without
-its attention branch (docs/archive/results-2026-11.md, "CoLA on a pretrained encoder", measures both starts).
+``out_proj``. ``kep-svgp``, whose GP has no values, is swapped with ``prior_mean="softmax"`` (its
+``"encoder-swap"`` recipe): the pretrained values go into the mean's own ``v_mean`` rows and its GP's mean starts at
+0, so its mean starts at the pretrained attention (docs/derivations.md §6). A variant without any value projection
+(kep-svgp's paper form, ``prior_mean="zero"``) starts with ``out_proj`` = 0 instead: its output at initialisation is
+a random function, and with ``out_proj`` = 0 the block starts as the pretrained block without its attention branch.
 With the ``softmax`` variant everything is transferred and the swapped encoder computes
 the original function (tests/test_huggingface.py checks it to 1e-5).
 
@@ -36,8 +37,9 @@ the original function (tests/test_huggingface.py checks it to 1e-5).
 LayerNorm-ed stream of unit variance followed by a fresh output map (:mod:`gpattn.variational._scale`); a
 pretrained encoder's stream is usually smaller and the swapped ``out_proj`` has gain 1 (docs/derivations.md §9,
 "Another stream", has MiniLM's numbers), so :meth:`HFClassifier.match_prior_to_stream` multiplies each swapped
-GP layer's prior variance by ``v_s · (1/3) / g_o``, measured on a batch (gpattn's trainer does it on 256 training
-sequences and writes the factors to the run's ``prior_scale.json``). :func:`swap_attention` alone does not.
+GP layer's prior variance by ``v_s · (1/3) / g_o`` (kep-svgp: ``(1/3) / g_o``), measured on a batch (gpattn's
+trainer does it on 256 training sequences and writes the factors to the run's ``prior_scale.json``).
+:func:`swap_attention` alone does not.
 
 **Masks**: transformers gives a (B, 1, T, T) mask — boolean True = attend (``sdpa``), additive 0 / very
 negative (``eager``) — or None when nothing is padded; :func:`key_padding_mask` turns one that masks
@@ -231,12 +233,13 @@ def _transfer(layer: nn.Module, sources: dict) -> tuple[dict[str, str], list[str
             transferred[f"in_proj[{proj}]"] = source[1]
         else:
             new.append(f"in_proj[{proj}]")
-    if "in_proj[v_mean]" in transferred:  # the mean is the pretrained attention; the GP's ν = 0 (its values) at first
-        rows = layer.projection_rows()["v"]
+    gp_values = layer.projection_rows().get("v")  # kep-svgp has none: its GP's mean starts at 0 by its own init
+    if "in_proj[v_mean]" in transferred and gp_values is not None:  # the mean is the pretrained attention; ν = 0
+        rows = gp_values
         _copy(layer.in_proj, rows, (torch.zeros_like(layer.in_proj.weight[rows]), None))
         transferred["in_proj[v]"] = "zero (prior_mean='softmax-separate' reads the pretrained values; ν starts at 0)"
     out, W, rows = layer.out_proj, layer.out_proj.weight, slice(None)
-    if "v" not in layer.projections:  # no values (kep-svgp): its output is not the pretrained attention's
+    if not {"v", "v_mean"} & set(layer.projections):  # no values (kep-svgp's zero mean): not the pretrained attention
         _copy(out, rows, (torch.zeros_like(W), None))
         transferred["out_proj"] = "zero (no value projection: the block starts as the pretrained one without attention)"
     elif sources["o"] is not None and sources["o"][0][0].shape == W.shape:
@@ -571,7 +574,9 @@ class HFClassifier(LossTermWalkers, nn.Module):
         .. math:: c = \frac{v_s \cdot 1/3}{g_o},\qquad v_s = \text{mean square of the layer's input per
             coordinate over real tokens},\quad g_o = \lVert W_{out}\rVert_F^2 / D,
 
-        so that the noise it adds, relative to its input, is what the native design gives. cgp and scgp,
+        so that the noise it adds, relative to its input, is what the native design gives; kep-svgp, whose GP output
+        already scales with its input's amplitude (``scales_with_input``), takes :math:`c = (1/3)/g_o`, and its
+        ``scale_prior`` multiplies σ² and q(u_c)'s covariance (docs/derivations.md §6). cgp and scgp,
         whose canonical kernel κ_o has no lengthscale of its own (their ``input_scale`` assumes fresh
         projections of a unit-variance stream), also get the median heuristic: their canonical inputs
         (q, k, o, scgp's inducing inputs) are multiplied by :math:`\sqrt{2/m}`, m = the median of
@@ -581,7 +586,7 @@ class HFClassifier(LossTermWalkers, nn.Module):
         v_s comes from one forward in eval mode and :func:`gpattn.deterministic`, before any is scaled (in
         the post-LN BERT family a layer's input is a LayerNorm output, whose scale the layers below do not
         set). Layers that are not GP layers, and those whose ``out_proj`` starts at
-        zero (``kep-svgp``, which adds nothing at initialisation and has no separate prior variance), are
+        zero (kep-svgp's paper form, ``prior_mean="zero"``, which adds nothing at initialisation), are
         left as they are. Call it once, on the freshly swapped model, before training (a second call raises:
         it would scale twice); the scaled parameters are part of the state dict, so a reloaded model needs
         no second call.

@@ -39,8 +39,8 @@ The fractions above assume a unit-variance input and a fresh W_o of gain :data:`
 Inside a pretrained encoder the input has the stream's own variance v_s per coordinate and the swapped
 ``out_proj`` starts as the identity (gain g_o = 1), so the same prior adds more noise than designed.
 ``scale_prior(v_s · (1/3) / g_o)`` on every GP layer's strategy (``HFClassifier.match_prior_to_stream``)
-restores the designed fraction; kep-svgp's ``scale_prior`` multiplies σ² (its swap starts with ``out_proj`` = 0,
-which ``match_prior_to_stream`` leaves as it is).
+restores the designed fraction; kep-svgp, whose noise already follows its input's amplitude, takes
+``scale_prior((1/3) / g_o)``, which multiplies σ² and q(u_c)'s covariance (docs/derivations.md §6).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ Pieces, kept apart as in GPyTorch (q(u) parameterisation vs the q(u) → q(f) ma
   :func:`kep_kl_divergence` against the prior :math:`N(0, \Lambda^2)` (Chen et al. (2024) eq. 21).
 * :func:`kep_mean`, :func:`kep_sample`, :func:`kep_posterior` — the q(u) → q(f) map (Chen et al. (2024) eqs.
   16–18) followed by the linear output map r → Dv, on merged features ``a = G Λ⁻¹`` (eq. 19).
+* :class:`KEPSoftmaxMean` — the optional prior mean of the output: softmax attention over values of the layer's
+  own (docs/derivations.md §6, "The softmax prior mean"; the mean path of an encoder swap).
 * :class:`KEPSVGP` — the strategy that owns the parameters and composes the above; its
   :meth:`KEPSVGP.condition` returns a :class:`KEPConditional`; the attention layer
   ``gpattn.attention.kep_svgp`` is a declaration on the generic GP shim.
@@ -48,10 +50,13 @@ from gpattn.variational._linalg import (
 )
 from gpattn.variational._scale import KEP_COVARIANCE_STD, KEP_MEAN_STD
 from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy
+from gpattn.variational.means import ZeroMean, add_means, check_prior_mean, softmax_attention
 
 __all__ = [
     "KEPSVGP",
+    "KEP_PRIOR_MEANS",
     "KEPConditional",
+    "KEPSoftmaxMean",
     "KEPVariationalDistribution",
     "KSVDProjection",
     "cosine_features",
@@ -61,10 +66,14 @@ __all__ = [
     "kep_sample",
     "ksvd_objective",
     "landmark_indices",
+    "make_kep_mean",
     "residual_root",
 ]
 
 MERGES = ("add", "concat")
+#: the prior means of the head output (docs/derivations.md §6): Chen et al.'s zero, or softmax attention over values
+#: of the layer's own (:class:`KEPSoftmaxMean`, the ``v_mean`` projection)
+KEP_PRIOR_MEANS = ("zero", "softmax")
 
 
 # ---------------------------------------------------------------------------------------- features
@@ -400,6 +409,43 @@ def residual_root(phi_q: torch.Tensor, phi_k: torch.Tensor, W: torch.Tensor, mas
     return phi_q @ (evecs * safe_sqrt(evals)[..., None, :])
 
 
+# ------------------------------------------------------------------------------ the prior mean
+class KEPSoftmaxMean(nn.Module):
+    r"""The prior mean of the head output, softmax attention over values of the layer's own
+    (docs/derivations.md §6, "The softmax prior mean"):
+
+    .. math:: m(x_i) = \sum_{j \in A_i} \operatorname{softmax}_j\big(q_i \cdot k_j / \sqrt{D_h}\big)\, u_j,
+        \qquad u = x W_{vm},
+
+    A_i the real keys, q and k the layer's own projections (those the KSVD features read), u the ``v_mean``
+    projection. A deterministic function of the sequence, added once to the GP's mean and samples; the KL is
+    unchanged. In an encoder swap q, k and u are the pretrained maps, so the layer's mean starts at the
+    pretrained attention."""
+
+    #: the public spelling of this mean (``prior_mean=``)
+    name = "softmax"
+    #: the value projection this mean owns: rows of the layer's fused ``in_proj``
+    projections = ("v_mean",)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, values: torch.Tensor, mask=None) -> torch.Tensor:
+        """m(x) over the real keys of ``mask``.
+        # shape: q, k (B, H, T, Dh), values (B, H, T, Dv), mask (B, T) bool (True = padding) or None -> (B, H, T, Dv)"""
+        scale = q.shape[-1] ** -0.25  # (q/Dh^¼)·(k/Dh^¼) = q·k/√Dh
+        excluded = None if mask is None else mask[:, None, None, :]
+        return softmax_attention(q * scale, k * scale, values, excluded)
+
+
+def make_kep_mean(prior_mean) -> nn.Module:
+    """The mean module of a kep-svgp prior mean name (:data:`KEP_PRIOR_MEANS`); a module is returned as it is."""
+    if isinstance(prior_mean, nn.Module):
+        return prior_mean
+    check_prior_mean(
+        prior_mean, KEP_PRIOR_MEANS, "'zero': Chen et al.'s; 'softmax': softmax attention over values of the layer's "
+        "own, the pretrained attention in an encoder swap, docs/derivations.md §6",
+    )
+    return KEPSoftmaxMean() if prior_mean == "softmax" else ZeroMean()
+
+
 # ------------------------------------------------------------------------------------ the layer
 class KEPSVGP(AmortisedVariationalStrategy):
     r"""Kernel-eigen pair SVGP attention of one layer (Chen et al. (2024) §4, eqs. 16–21; docs/derivations.md §6).
@@ -456,9 +502,12 @@ class KEPSVGP(AmortisedVariationalStrategy):
         include_residual: bool,
         jitter: float,
         prior_variance: float,
+        mean_module: nn.Module | None = None,
     ):
         super().__init__()
         self.jitter = jitter
+        #: the prior mean of the head output (:func:`make_kep_mean`; the paper's zero by default)
+        self.mean_module = ZeroMean() if mean_module is None else mean_module
         # σ², the kernel's outputscale: p(u_c) = N(0, σ²Λ²); a buffer, so that scale_prior is saved with the model
         self.register_buffer("prior_variance", torch.tensor(float(prior_variance)))
         self.num_heads, self.head_dim, self.value_dim, self.rank = num_heads, head_dim, value_dim, rank
@@ -477,15 +526,23 @@ class KEPSVGP(AmortisedVariationalStrategy):
         with torch.no_grad():
             self.out_weight.uniform_(-bound, bound)
             self.out_bias.uniform_(-bound, bound)
+            if self.mean_module.projections:  # a prior mean that attends: the GP's mean starts at 0 on top of it
+                self.variational_distribution.variational_mean.zero_()
+                self.out_bias.zero_()
             if self.merge == "concat":
                 b = 1.0 / math.sqrt(2 * self.seq_len)
                 self.token_weight.uniform_(-b, b)
 
     # ---------------------------------------------------------------- pieces
     def _scale_prior(self, factor: float) -> None:
-        """σ² ← factor · σ²: the outputscale of the attention kernel, which scales p(u_c) = N(0, σ²Λ²) and leaves
-        the mean map a = GΛ⁻¹ as it is (docs/derivations.md §6, "The prior's outputscale")."""
-        self.prior_variance.mul_(factor)
+        """σ² ← factor · σ² and q(u_c) with it, (m_c, L_c) ← √factor · (m_c, L_c): the GP's output f = a u scaled by
+        √factor in distribution, prior and posterior alike, the KL unchanged and the mean map a = GΛ⁻¹ as it is
+        (docs/derivations.md §6, "The noise on another stream")."""
+        q_u = self.variational_distribution
+        with torch.no_grad():
+            self.prior_variance.mul_(factor)
+            q_u.variational_mean.mul_(factor**0.5)
+            q_u.chol_variational_covar.mul_(factor**0.5)
 
     def check_length(self, T: int) -> None:
         if self.merge == "concat" and T != self.seq_len:
@@ -525,14 +582,32 @@ class KEPSVGP(AmortisedVariationalStrategy):
         prior_std = lam * self.prior_variance.to(lam.dtype).sqrt()  # shape: (H, r): σΛ, the prior's std of u_c
         return {"e": e, "r": r, "a": a, "residual": res, "lam": lam, "prior_std": prior_std}
 
-    def condition(self, x, q, k, mask=None) -> KEPConditional:
-        """Features of a batch of sequences, computed once (float32 at least, autocast off).
+    def condition(self, x, q, k, mask=None, mean_values=None) -> KEPConditional:
+        """Features of a batch of sequences, computed once (float32 at least, autocast off); ``mean_values`` the
+        values of a prior mean that owns them (:class:`KEPSoftmaxMean`), None for the zero mean.
 
-        # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask (B, T) bool (True = padding) or None
+        # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask (B, T) bool (True = padding) or None,
+        #        mean_values (B, H, T, Dv) or None
         """
         with gp_algebra(q.device.type):
-            x, q, k = full_precision(x, q, k)
-            return KEPConditional(self, self.features(x, q, k, mask), mask)
+            x, q, k, mean_values = full_precision(x, q, k, mean_values)
+            features = self.features(x, q, k, mask)
+            features["prior_mean"] = self._prior_mean(q, k, mean_values, mask)
+            return KEPConditional(self, features, mask)
+
+    def _prior_mean(self, q, k, mean_values, mask) -> torch.Tensor | None:
+        """m(x) of the mean module (None: the zero mean).  # shape: -> (B, H, T, Dv) or None"""
+        if not self.mean_module.projections:
+            if mean_values is not None:
+                raise ValueError("mean_values: only prior_mean='softmax' reads values of its own, not 'zero'")
+            return None
+        if mean_values is None or mean_values.shape != (*q.shape[:-1], self.value_dim):
+            got = None if mean_values is None else tuple(mean_values.shape)
+            raise ValueError(
+                f"mean_values: prior_mean='softmax' reads values of its own, shape {(*q.shape[:-1], self.value_dim)}"
+                f" (the layer's v_mean projection), got {got}"
+            )
+        return self.mean_module(q, k, mean_values, mask)
 
 
 class KEPConditional(AmortisedConditional):
@@ -546,7 +621,9 @@ class KEPConditional(AmortisedConditional):
         self.strategy, self.features, self.mask, self._L = strategy, features, mask, None
         q_u = strategy.variational_distribution
         self._device = features["a"].device.type
-        self.mean = kep_mean(features["a"], q_u.variational_mean, strategy.out_weight, strategy.out_bias)
+        self._prior = features.get("prior_mean")  # m(x), or None for the zero mean
+        gp_mean = kep_mean(features["a"], q_u.variational_mean, strategy.out_weight, strategy.out_bias)
+        self.mean = add_means(gp_mean, self._prior)
 
     @property
     def _lam(self) -> torch.Tensor:
@@ -587,18 +664,22 @@ class KEPConditional(AmortisedConditional):
         """Exact (or, ``token_independent``, per-token) samples of the head outputs (:func:`kep_sample`).
         # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
         with gp_algebra(self._device):
-            return kep_sample(
+            sample = kep_sample(
                 *self._map_args(),
                 token_independent=self.strategy.token_independent,
                 residual=self.features["residual"],
                 generator=generator,
                 num_samples=num_samples,
             )
+            return add_means(sample, self._prior)  # the prior mean broadcasts over a leading sample axis
 
     def posterior(self) -> MultivariateNormal:
         """The exact posterior of the head outputs with the strategy's ``jitter`` (:func:`kep_posterior`)."""
         with gp_algebra(self._device):
-            return kep_posterior(*self._map_args(), residual=self.features["residual"], jitter=self.strategy.jitter)
+            post = kep_posterior(*self._map_args(), residual=self.features["residual"], jitter=self.strategy.jitter)
+            if self._prior is None:
+                return post
+            return MultivariateNormal(post.mean + self._prior.mT, post.lazy_covariance_matrix)  # batch (B, H, Dv)
 
     def added_loss_terms(self, mask=None):
         """``kl_global`` (the total KL) and ``ksvd`` = J², J averaged over the real tokens of ``mask`` (the
