@@ -16,7 +16,7 @@ from test_prior_scale import MEAN_BAND, SPREAD_BAND, _scale
 import gpattn
 from gpattn import OldVersionWarning
 from gpattn.attention import attention_options, recipe_options
-from gpattn.experiments._migrate import migrate_config
+from gpattn._migrate import migrate_config
 from gpattn.testing import layer_loss_terms
 
 transformers = pytest.importorskip("transformers")
@@ -74,7 +74,7 @@ def test_the_softmax_mean_is_the_papers_form_plus_a_dense_softmax_attention():
         with gpattn.deterministic():
             outs[name + " mean"] = layer(x, pad)
     merged = m.transpose(1, 2).reshape(B, T, D) @ soft.out_proj.weight.mT  # W_o m(x), no bias (it is in both)
-    repeated = merged.repeat_interleave(2, dim=0)
+    repeated = merged.expand(2, *merged.shape)  # the sample axis leads: (P, B, T, D)
     torch.testing.assert_close(outs["soft"] - outs["zero"], repeated, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(outs["soft mean"] - outs["zero mean"], merged, rtol=1e-10, atol=1e-12)
     assert outs["soft terms"].keys() == outs["zero terms"].keys() == {"kl_global", "ksvd"}
