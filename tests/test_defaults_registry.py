@@ -160,7 +160,8 @@ def _resolved(layer, option):
     """The value ``layer`` runs with for ``option``: the attribute of that name of the layer, its strategy, its
     q(u) or its covariance object (sgpa-rff's; a tensor as its values), or :data:`_MISSING`."""
     strategy = getattr(layer, "strategy", None)
-    owners = (layer, strategy, getattr(strategy, "variational_distribution", None), getattr(strategy, "covariance", None))
+    owners = (layer, strategy, getattr(strategy, "variational_distribution", None),
+              getattr(strategy, "covariance", None))
     for owner in owners:
         if owner is not None and hasattr(owner, option):
             value = getattr(owner, option)

@@ -15,8 +15,8 @@ from test_prior_scale import MEAN_BAND, SPREAD_BAND, _scale
 
 import gpattn
 from gpattn import OldVersionWarning
-from gpattn.attention import attention_options, recipe_options
 from gpattn._migrate import migrate_config
+from gpattn.attention import attention_options, recipe_options
 from gpattn.testing import layer_loss_terms
 
 transformers = pytest.importorskip("transformers")

@@ -194,7 +194,8 @@ def test_compare_report_with_baselines(tmp_path):
                 d = paired_difference(diffs, [0.0, 0.0])  # the mean and its 95 % t-interval over the 2 seeds
                 assert got == f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] ({better}/2)", (spec, col, got)
     shift = report.split("## Against softmax (MSP), shift")[1].split("## ")[0]
-    assert "| +0.000 [+0.000, +0.000] (0/2) |" in next(ln for ln in shift.splitlines() if ln.startswith("| softmax+ts |"))
+    ts_shift = next(ln for ln in shift.splitlines() if ln.startswith("| softmax+ts |"))
+    assert "| +0.000 [+0.000, +0.000] (0/2) |" in ts_shift
     assert results["softmax+ts"]["0"]["temperature"] > 0
     # temperature scaling is fitted on val: it must not raise the val-fitted NLL's in-domain counterpart much
     assert results["softmax+ts"]["0"]["in_domain"]["accuracy"] == results["softmax"]["0"]["in_domain"]["accuracy"]

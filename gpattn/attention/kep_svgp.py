@@ -122,21 +122,8 @@ class KEPSVGPAttention(GPAttention):
         if num_landmarks is None:
             num_landmarks = 10 * rank
         _positive_int("num_landmarks", num_landmarks)
-        if merge not in MERGES:
-            raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
-        if merge == "concat":
-            if seq_len is None:
-                raise ValueError("merge='concat' needs seq_len (the fixed number of tokens T), got None")
-            _positive_int("seq_len", seq_len)
-        elif seq_len is not None:
-            raise ValueError(f"seq_len is only used with merge='concat' (merge={merge!r}), got seq_len={seq_len!r}")
-        for name, val in (("token_independent", token_independent), ("include_residual", include_residual)):
-            if not isinstance(val, bool):
-                raise ValueError(f"{name} must be True or False, got {val!r}")
-        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not jitter >= 0:
-            raise ValueError(f"jitter must be a float >= 0, got {jitter!r}")
-        if isinstance(prior_variance, bool) or not isinstance(prior_variance, (int, float)) or not prior_variance > 0:
-            raise ValueError(f"prior_variance must be a float > 0 (1.0: Chen et al.'s prior), got {prior_variance!r}")
+        _check_merge(merge, seq_len)
+        _check_flags_and_scales(token_independent, include_residual, jitter, prior_variance)
         self.strategy = KEPSVGP(
             num_heads,
             self.head_dim,
@@ -179,3 +166,26 @@ class KEPSVGPAttention(GPAttention):
             + f", token_independent={k.token_independent}, include_residual={k.include_residual}"
             + f", prior_variance={float(k.prior_variance):g}, prior_mean={k.mean_module.name!r}"
         )
+
+
+def _check_merge(merge, seq_len) -> None:
+    """``merge`` one of :data:`MERGES`; ``seq_len`` a positive int with ``"concat"`` and None otherwise."""
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+    if merge == "concat":
+        if seq_len is None:
+            raise ValueError("merge='concat' needs seq_len (the fixed number of tokens T), got None")
+        _positive_int("seq_len", seq_len)
+    elif seq_len is not None:
+        raise ValueError(f"seq_len is only used with merge='concat' (merge={merge!r}), got seq_len={seq_len!r}")
+
+
+def _check_flags_and_scales(token_independent, include_residual, jitter, prior_variance) -> None:
+    """The two flags are bools, ``jitter`` ≥ 0 and ``prior_variance`` > 0."""
+    for name, val in (("token_independent", token_independent), ("include_residual", include_residual)):
+        if not isinstance(val, bool):
+            raise ValueError(f"{name} must be True or False, got {val!r}")
+    if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not jitter >= 0:
+        raise ValueError(f"jitter must be a float >= 0, got {jitter!r}")
+    if isinstance(prior_variance, bool) or not isinstance(prior_variance, (int, float)) or not prior_variance > 0:
+        raise ValueError(f"prior_variance must be a float > 0 (1.0: Chen et al.'s prior), got {prior_variance!r}")

@@ -576,20 +576,16 @@ class HFClassifier(LossTermWalkers, nn.Module):
 
         so that the noise it adds, relative to its input, is what the native design gives; kep-svgp, whose GP output
         already scales with its input's amplitude (``scales_with_input``), takes :math:`c = (1/3)/g_o`, and its
-        ``scale_prior`` multiplies σ² and q(u_c)'s covariance (docs/derivations.md §6). cgp and scgp,
-        whose canonical kernel κ_o has no lengthscale of its own (their ``input_scale`` assumes fresh
-        projections of a unit-variance stream), also get the median heuristic: their canonical inputs
-        (q, k, o, scgp's inducing inputs) are multiplied by :math:`\sqrt{2/m}`, m = the median of
-        :math:`\lVert k_i - k_j\rVert^2` over pairs of real tokens of one sequence and the heads, so that
-        the median is :data:`MEDIAN_KEY_DISTANCE` = 2 (docs/derivations.md §7, "input scale on a pretrained
-        stream"). Every layer's
-        v_s comes from one forward in eval mode and :func:`gpattn.deterministic`, before any is scaled (in
-        the post-LN BERT family a layer's input is a LayerNorm output, whose scale the layers below do not
-        set). Layers that are not GP layers, and those whose ``out_proj`` starts at
-        zero (kep-svgp's paper form, ``prior_mean="zero"``, which adds nothing at initialisation), are
-        left as they are. Call it once, on the freshly swapped model, before training (a second call raises:
-        it would scale twice); the scaled parameters are part of the state dict, so a reloaded model needs
-        no second call.
+        ``scale_prior`` multiplies σ² and q(u_c)'s covariance (docs/derivations.md §6). Layers with
+        ``rescale_inputs`` (cgp, scgp: their canonical kernel has no lengthscale; sgpa-rff: its g's RBF) also get
+        the median heuristic: inputs scaled by :math:`\sqrt{2/m}`, m = the median of
+        :math:`\lVert k_i - k_j\rVert^2` over pairs of real tokens of one sequence and the heads
+        (``distance_inputs``, else the keys), so that it is :data:`MEDIAN_KEY_DISTANCE` = 2
+        (docs/derivations.md §7, §5f). Every layer's v_s comes from one forward in eval mode and
+        :func:`gpattn.deterministic`, before any is scaled. Layers that are not GP layers, and those whose
+        ``out_proj`` starts at zero (kep-svgp's paper form), are left as they are. Call it once, on the freshly
+        swapped model, before training (a second call raises: it would scale twice); the scaled parameters are part
+        of the state dict, so a reloaded model needs no second call.
 
         :param inputs: token ids ``(B, T)`` or, with ``frozen_trunk``, the trunk's output ``(B, T, D)`` —
             a few hundred training sequences.

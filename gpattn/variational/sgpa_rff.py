@@ -16,14 +16,14 @@ layer has seen in training,
 .. math:: \Sigma^{-1} = I_R + w\, \mathbb E_{\text{train}}[\psi(q)\psi(q)^\top],
 
 the posterior precision of a Gaussian pseudo-likelihood at every training query (w: pseudo-observations per unit
-noise, ``data_weight``); in training the expectation is over the batch's own real queries, and a running average of it over the
-training batches (a buffer, updated in training mode as BatchNorm's statistics are) is the one evaluation uses. Where training queries lie the predictive variance σ² ψᵀΣψ shrinks; along
-directions no training query visited it stays at σ²: the variance grows away from the data. This is the covariance
-of SNGP's Gaussian-process output layer (Liu et al. 2020, a Laplace precision over random features) moved to the
-query space of the attention layer. No gradient flows from the covariance into the query map (the features of the
-noise path are computed from detached queries, as SNGP computes its covariance without gradients): the likelihood
-cannot shrink the noise by moving every query onto the data.
-"""
+noise, ``data_weight``); in training the expectation is over the batch's own real queries, and a running average of
+it over the training batches (a buffer, updated in training mode as BatchNorm's statistics are) is the one
+evaluation uses. Where training queries lie the predictive variance σ² ψᵀΣψ shrinks; along directions no training
+query visited it stays at σ²: the variance grows away from the data. This is the covariance of SNGP's
+Gaussian-process output layer (Liu et al. 2020, a Laplace precision over random features) moved to the query space
+of the attention layer. No gradient flows from the covariance into the query map (the features of the noise path are
+computed from detached queries, as SNGP computes its covariance without gradients): the likelihood cannot shrink the
+noise by moving every query onto the data. """
 
 from __future__ import annotations
 
@@ -107,7 +107,8 @@ class TrainingQueryCovariance(nn.Module):
 
     @staticmethod
     def batch_moment(psi: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
-        """E[ψψᵀ] over one batch's real tokens (detached).  # shape: psi (B, H, T, R), real (B, T) or None -> (H, R, R)"""
+        """E[ψψᵀ] over one batch's real tokens (detached).
+        # shape: psi (B, H, T, R), real (B, T) or None -> (H, R, R)"""
         psi = psi.detach()
         if real is None:
             return torch.einsum("bhtr,bhts->hrs", psi, psi) / (psi.shape[0] * psi.shape[2])
@@ -235,7 +236,7 @@ class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
         normalises by the batch's statistics in training), of an evaluation forward the running one's.
         # shape: keys (B, H, S, Dh), values (B, H, S, Dv), query_inputs (B, H, T, Dh)"""
         queries = keys if query_inputs is None else query_inputs
-        excluded = pad = None
+        excluded = None
         if mask is not None and mask.dim() == 4:
             check_sequence_inputs(keys, values, None)
             if query_inputs is not None:
