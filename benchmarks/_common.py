@@ -449,3 +449,12 @@ def write_outputs(result: dict, json_path, markdown_path, to_markdown) -> None:
     if markdown_path:
         Path(markdown_path).write_text(to_markdown(result))
         print(f"markdown: {markdown_path}")
+
+
+def finish(rows: list, cfg, keys: tuple, to_markdown) -> dict:
+    """The result of a benchmark run: ``rows`` with the machine and the ``keys`` of ``cfg`` as ``meta``, written
+    (``cfg.json``, ``cfg.markdown``) and printed as markdown."""
+    result = {"rows": rows, "meta": {**machine_info(cfg.threads), **{k: getattr(cfg, k) for k in keys}}}
+    write_outputs(result, cfg.json, cfg.markdown, to_markdown)
+    print(to_markdown(result))
+    return result

@@ -19,7 +19,7 @@ import time
 import warnings
 
 import torch
-from _common import machine_info, parse_variants, write_outputs
+from _common import finish, parse_variants
 from torch._dynamo.utils import counters
 
 from gpattn.models import TransformerClassifier
@@ -128,10 +128,7 @@ def main(argv=None) -> dict:
             rows.append(row)
             print(row, flush=True)
     keys = ("variants", "strategies", "backend", "lengths", "steps", "batch_size", "width", "heads", "threads")
-    result = {"rows": rows, "meta": {**machine_info(cfg.threads), **{k: getattr(cfg, k) for k in keys}}}
-    write_outputs(result, cfg.json, cfg.markdown, to_markdown)
-    print(to_markdown(result))
-    return result
+    return finish(rows, cfg, keys, to_markdown)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 import warnings
 
 import torch
-from _common import machine_info, parse_variants, write_outputs
+from _common import finish, parse_variants
 
 import gpattn
 from gpattn.models import TransformerClassifier
@@ -173,10 +173,7 @@ def main(argv=None) -> dict:
     rows = run(cfg)
     keys = ("ts", "modes", "variants", "backend", "compile_mode", "device", "batch_size", "width", "heads", "steps",
             "warmup", "threads")
-    result = {"rows": rows, "meta": {**machine_info(cfg.threads), **{k: getattr(cfg, k) for k in keys}}}
-    write_outputs(result, cfg.json, cfg.markdown, to_markdown)
-    print(to_markdown(result))
-    return result
+    return finish(rows, cfg, keys, to_markdown)
 
 
 if __name__ == "__main__":
