@@ -118,7 +118,7 @@ PRESETS: dict[str, dict] = {
         encoder_lr=_LR_MINILM, encoder_weight_decay=0.0, warmup=0.0,
         # no softmax+sngp: SNGP is built for gpattn's own classifiers, not --encoder models (gpattn.experiments.sngp)
         variants="softmax,softmax+ts,softmax+mcdropout,softmax+laplace,softmax+ens3,sgpa,sgpa-decoupled,kep-svgp,"
-        "cgp,scgp",
+        "cgp,scgp,sgpa-rff",
         variant_options={"kep-svgp": {"rank": _KEP_RANK_COLA}}, variant_settings={"kep-svgp": _KEP_SETTINGS_COLA},
         budget_minutes=_BUDGET_MINILM, **_GP_WEIGHTS,
     ),
@@ -128,11 +128,14 @@ PRESETS: dict[str, dict] = {
         dataset="clinc150", encoder="minilm", encoder_recipe="frozen-trunk", attention_layers="last", epochs=3,
         batch_size=32, lr=_LR_MINILM, num_samples=10, seeds=[0, 1, 2, 3, 4],
         encoder_lr=_LR_MINILM, encoder_weight_decay=0.0, warmup=0.0,
-        variants="softmax,softmax+ts,softmax+mcdropout,softmax+laplace,softmax+ens3,sgpa,sgpa-decoupled,kep-svgp,"
-        "cgp,scgp",
+        # the uncertainty protocol (docs/uncertainty.md): temperature scaling after averaging beside every model (no
+        # softmax+sngp: SNGP is built for gpattn's own classifiers, not --encoder models)
+        variants="softmax,softmax+ts,softmax+mcdropout,softmax+laplace,softmax+ens3,softmax+ens3+ts,sgpa,sgpa+ts,"
+        "sgpa-decoupled,sgpa-decoupled+ts,kep-svgp,kep-svgp+ts,cgp,cgp+ts,scgp,scgp+ts,sgpa-rff,sgpa-rff+ts",
         variant_options={"kep-svgp": {"rank": _KEP_RANK_COLA}},
-        # an estimate, not a measurement: cola-minilm's 80 min x 2 (15,000 vs ~7,700 training queries) x 5/3 seeds
-        budget_minutes=270, **_GP_WEIGHTS,
+        # an estimate, not a measurement: cola-minilm's 80 min x 2 (15,000 vs ~7,700 training queries) x 5/3 seeds,
+        # x 7/6 for sgpa-rff; a loaded CPU measured 45-90 min per GP run (docs/results.md)
+        budget_minutes=320, **_GP_WEIGHTS,
     ),
     # ViT on the embedded digits: shift = corruptions x 5 severities, ood = held-out classes 8 and 9
     "digits": dict(
