@@ -209,7 +209,7 @@ class LayerCase:
             with torch.no_grad():
                 y = layer(x.to(self.device), mask.to(self.device), num_samples=3)
             samp[mode] = {"shape": list(y.shape), "finite": bool(torch.isfinite(y).all()), "device": str(y.device)}
-            if list(y.shape) != [3 * x.shape[0], *x.shape[1:]] or not samp[mode]["finite"]:
+            if list(y.shape) != [3, *x.shape] or not samp[mode]["finite"]:  # the sample axis leads: (P, B, T, D)
                 self.failures.append(f"num_samples=3 ({mode}): shape {list(y.shape)}, finite {samp[mode]['finite']}")
         self.res["sampling"] = samp
 
