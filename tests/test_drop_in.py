@@ -29,7 +29,7 @@ def _causal(T=T):
 
 
 def test_variant_lists_cover_the_registry():
-    assert set(PER_QUERY) == {"softmax", "kernel", "kernel-asym", "sto", "h-sto", "sgpa", "sgpa-decoupled"}
+    assert set(PER_QUERY) == {"softmax", "kernel", "kernel-asym", "sto", "h-sto", "sgpa", "sgpa-decoupled", "sgpa-rff"}
     assert set(PER_QUERY) | set(PADDING_ONLY) == set(NAMES)
 
 

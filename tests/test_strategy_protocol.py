@@ -22,8 +22,9 @@ GP = {
     "kep-svgp": {"rank": 3},
     "cgp": {"prior_samples": None},
     "scgp": {},
+    "sgpa-rff": {"num_features": 6},
 }
-VARIATIONAL = ("sgpa", "sgpa-decoupled", "kep-svgp")
+VARIATIONAL = ("sgpa", "sgpa-decoupled", "kep-svgp", "sgpa-rff")
 
 
 def test_every_registered_gp_variant_is_listed_here():
@@ -98,6 +99,8 @@ def test_kl_is_kl_of_variational_against_prior_distribution(name):
         want = cond.kl_divergence()  # shape: (B, H, Dv)
     elif name == "sgpa-decoupled":
         want = cond.kl_divergence_parts()[1]  # shape: (H, Dv)
+    elif name == "sgpa-rff":
+        want = cond.kl_divergence()  # shape: (H, Dv), global
     else:
         want, kl = cond.kl_divergence(), kl.sum()  # Σ_{h,c}
     torch.testing.assert_close(kl, want, rtol=1e-9, atol=1e-9)

@@ -443,7 +443,7 @@ def make_kep_mean(prior_mean) -> nn.Module:
         prior_mean, KEP_PRIOR_MEANS, "'zero': Chen et al.'s; 'softmax': softmax attention over values of the layer's "
         "own, the pretrained attention in an encoder swap, docs/derivations.md §6",
     )
-    return KEPSoftmaxMean() if prior_mean == "softmax" else ZeroMean()
+    return {"softmax": KEPSoftmaxMean, "zero": ZeroMean}[prior_mean]()
 
 
 # ------------------------------------------------------------------------------------ the layer
