@@ -115,6 +115,7 @@ def _cli_run(tmp_path, name, *extra):
 
 @pytest.mark.slow  # 25-35 s on the loaded 2-core machine (two short runs)
 @pytest.mark.filterwarnings("ignore::gpattn.experiments.diagnostics.GPCollapseWarning")  # 4 steps: at the prior
+@pytest.mark.filterwarnings("ignore:cola.*longer than the:UserWarning")  # the fixture's test rows cut to the model
 def test_cli_compile_trains_batches_of_every_length_in_one_graph(tmp_path, monkeypatch):
     """``gpattn train --compile``: text batches cut to their longest row (lengths vary) share one graph, and the
     run equals the eager one to round-off (Dynamo's graph run as it is: the same draws; Inductor draws its own)."""

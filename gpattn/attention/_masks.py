@@ -46,7 +46,7 @@ def as_excluded(mask: torch.Tensor, arg: str) -> torch.Tensor:
 def check_num_samples(num_samples, optional: bool = True) -> int:
     """``num_samples`` of a forward: a positive int (a ``ValueError`` naming the argument otherwise); the
     one check of P, once in a layer's call (where None, one draw, is handled by the caller: ``optional``) and once
-    in a model's forward (:func:`gpattn.models._blocks.check_model_samples`)."""
+    in a model's forward."""
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive int{' or None' if optional else ''}, got {num_samples!r}")
     return num_samples

@@ -34,8 +34,8 @@ def _candidates(given: str, record: dict, data_dir: Path, run_dir: Path) -> list
 
 def _recorded_paths(cfg, recorded: dict, run_dir: Path, explicit=()):
     """``cfg`` with each file option (not given anew, ``explicit``) replaced by the first existing of its
-    :func:`_candidates`; a :class:`DataNotFoundError` naming what was tried and the option that fixes it when
-    none exists."""
+    :func:`_candidates`; a :class:`gpattn.experiments.data.DataNotFoundError` naming what was tried and the option
+    that fixes it when none exists."""
     from gpattn.experiments.data._bundle import DataNotFoundError, resolve_data_dir
 
     options, data_dir = dict(cfg.dataset_options), resolve_data_dir(cfg.data_dir)
