@@ -8,7 +8,8 @@ from gpytorch.kernels import Kernel
 
 from gpattn.attention.registry import register
 from gpattn.attention.sgpa import _kernel, _QueryKeyMaps
-from gpattn.variational.sgpa_rff import FeatureSGPAVariationalStrategy, TrainingQueryCovariance
+from gpattn.variational.means import check_prior_mean
+from gpattn.variational.sgpa_rff import RFF_PRIOR_MEANS, FeatureSGPAVariationalStrategy, TrainingQueryCovariance
 
 __all__ = ["DistanceAwareSGPAttention"]
 
@@ -56,6 +57,7 @@ class DistanceAwareSGPAttention(_QueryKeyMaps):
         jitter: float = 1e-6,
         **base,
     ):
+        check_prior_mean(prior_mean, RFF_PRIOR_MEANS, "the attention mean of the sequence")  # parsed once, here
         super().__init__(embed_dim, num_heads, qk, **base)
         covariance = TrainingQueryCovariance(
             num_heads, self.head_dim, num_features=num_features, prior_variance=prior_variance,

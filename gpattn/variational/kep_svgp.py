@@ -502,12 +502,12 @@ class KEPSVGP(AmortisedVariationalStrategy):
         include_residual: bool,
         jitter: float,
         prior_variance: float,
-        mean_module: nn.Module | None = None,
+        mean_module: nn.Module,
     ):
         super().__init__()
         self.jitter = jitter
         #: the prior mean of the head output (:func:`make_kep_mean`; the paper's zero by default)
-        self.mean_module = ZeroMean() if mean_module is None else mean_module
+        self.mean_module = mean_module
         self.prior_mean = self.mean_module.name  # the public spelling
         # σ², the kernel's outputscale: p(u_c) = N(0, σ²Λ²); a buffer, so that scale_prior is saved with the model
         self.register_buffer("prior_variance", torch.tensor(float(prior_variance)))

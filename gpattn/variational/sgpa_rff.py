@@ -39,10 +39,10 @@ from gpattn.objectives import GlobalKL
 from gpattn.variational._linalg import full_precision, gp_algebra, matmul_samples, tri_solve
 from gpattn.variational._scale import check_prior_factor
 from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, check_query_inputs
-from gpattn.variational.means import add_means, check_prior_mean, make_prior_mean
+from gpattn.variational.means import add_means, make_prior_mean
 from gpattn.variational.sgpa import check_sequence_inputs, posterior_distribution, split_per_query_mask, standard_normal
 
-__all__ = ["FeatureSGPAConditional", "FeatureSGPAVariationalStrategy", "TrainingQueryCovariance"]
+__all__ = ["RFF_PRIOR_MEANS", "FeatureSGPAConditional", "FeatureSGPAVariationalStrategy", "TrainingQueryCovariance"]
 
 #: the prior means of ``sgpa-rff``: the attention is its mean (the zero mean would leave no attention)
 RFF_PRIOR_MEANS = ("attention", "softmax")
@@ -211,12 +211,9 @@ class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
     :param jitter: absolute jitter of ``posterior()``'s covariance (samples need none).
     """
 
-    def __init__(self, kernel, covariance: TrainingQueryCovariance, value_dim: int, *, prior_mean="attention",
-                 jitter: float = 1e-6):
+    def __init__(self, kernel, covariance: TrainingQueryCovariance, value_dim: int, *, prior_mean, jitter: float):
         super().__init__()
         self.kernel = kernel
-        if isinstance(prior_mean, str):
-            check_prior_mean(prior_mean, RFF_PRIOR_MEANS, "the attention mean of the sequence")
         self.mean_module = make_prior_mean(prior_mean, kernel)
         self.prior_mean = self.mean_module.name
         self.covariance = covariance
@@ -251,7 +248,8 @@ class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
             gram = evaluate_kernel(self.kernel, queries, keys) if self.mean_module.uses_gram else None
             m = self.mean_module(gram, values, not_allowed, kernel=self.kernel, queries=queries, keys=keys)
             cov = self.covariance
-            psi = cov.unit_features(queries.detach())  # shape: (B, H, T, R)
+            features = cov.unit_features(queries)  # shape: (B, H, T, R); once, for the mean with its gradient
+            psi = features.detach()  # the noise path's: no gradient into the query map
             if self.training:  # as BatchNorm: the batch's own statistics in training, the running ones in eval
                 real = None if (mask is None or query_inputs is not None) else ~mask
                 moment = cov.batch_moment(psi, real)
@@ -264,5 +262,5 @@ class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
             root = sigma * tri_solve(chol.mT, psi, upper=True, left=False)  # σ Ψ L⁻ᵀ
             mu = self.variational_mean.to(psi.dtype)
             # the mean's global part takes the queries with their gradient: μ and the query map learn together
-            mean = add_means(m, sigma * (cov.unit_features(queries) @ mu))
+            mean = add_means(m, sigma * (features @ mu))
         return FeatureSGPAConditional(mean=mean, root=root, chol=chol, coefficients=mu, jitter=self.jitter)
