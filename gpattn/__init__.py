@@ -52,24 +52,16 @@ __all__ = [
 ]
 
 
-#: names that left the package, with where they went (an AttributeError says so)
-_MOVED = {
-    "load_run": "gpattn.load_run moved to gpattn.experiments.load_run in 0.2.0 (the core never imports the "
-    "experiment application; pip install 'gpattn[experiments]'): "
-    "gpattn.experiments.load_run(run_dir).predict([...])",
-}
-
-
-def _lazy_submodules(package: str, submodules, exported, moved=None):
-    """A package's ``(__getattr__, __dir__)`` that import ``submodules`` on first attribute access;
-    ``moved`` maps a name that left the package to the message of its ``AttributeError``."""
+def _lazy_submodules(package: str, submodules, exported):
+    """A package's ``(__getattr__, __dir__)`` that import ``submodules`` on first attribute access; a name that
+    left the package raises the ``AttributeError`` of its :data:`gpattn._migrate.MOVED_NAMES` row."""
 
     def __getattr__(name):
         if name in submodules:
             return importlib.import_module(f"{package}.{name}")
-        if moved and name in moved:
-            raise AttributeError(moved[name])
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        from gpattn._migrate import MOVED_NAMES
+
+        raise AttributeError(MOVED_NAMES.get((package, name), f"module {package!r} has no attribute {name!r}"))
 
     def __dir__():
         return exported
@@ -77,4 +69,4 @@ def _lazy_submodules(package: str, submodules, exported, moved=None):
     return __getattr__, __dir__
 
 
-__getattr__, __dir__ = _lazy_submodules(__name__, _SUBMODULES, __all__, _MOVED)
+__getattr__, __dir__ = _lazy_submodules(__name__, _SUBMODULES, __all__)

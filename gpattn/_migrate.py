@@ -1,10 +1,13 @@
 """The one place where what an older gpattn wrote is read as today's: every migration, as data.
 
-Two tables, one rule (docs/new_variant.md, "The one rule for a breaking change"):
+Four tables, one rule (docs/new_variant.md, "The one rule for a breaking change"):
 
 * :data:`OLD_DEFAULTS`: a saved config means the model it trained. When a default changes, a config written before
   the change lacks the option (it trained at the old default): one row per such change, with the value it trained
   with; :func:`migrate_config` fills it in before the model is built.
+* :data:`OLD_VALUES`: a value an older gpattn accepted and today's refuses (a renamed option value) is read as the
+  one it meant for the saved variant.
+* :data:`MOVED_NAMES`: a public name that left its module raises an ``AttributeError`` that says where it went.
 * :data:`OLD_STATES`: a state dict saved before a strategy gained a buffer lacks its key (it trained at the value the
   row names); :func:`migrate_state_dict`, the load-state-dict pre-hook every GP strategy registers (as gpytorch's
   ``VariationalStrategy`` does for its old format), fills it in.
@@ -21,7 +24,7 @@ import torch
 
 from gpattn._warnings import OldVersionWarning
 
-__all__ = ["OLD_DEFAULTS", "OLD_STATES", "migrate_config", "migrate_state_dict"]
+__all__ = ["MOVED_NAMES", "OLD_DEFAULTS", "OLD_STATES", "OLD_VALUES", "migrate_config", "migrate_state_dict"]
 
 _SGPA = ("sgpa", "sgpa-decoupled")
 #: (what changed, the variants, whether only encoder runs (``--encoder``) are concerned, the option, the value a config
@@ -33,6 +36,23 @@ OLD_DEFAULTS: tuple[tuple[str, tuple[str, ...], bool, str, object], ...] = (
     ("scgp's separate softmax mean (docs/derivations.md §7a, 2026-11-27)", ("scgp",), False, "prior_mean", "zero"),
     ("kep-svgp's encoder-swap softmax mean (docs/derivations.md §6)", ("kep-svgp",), True, "prior_mean", "zero"),
 )
+
+#: (what changed, the option, the old value, {variant: the value it meant}): the old value, wherever it stands in the
+#: option (a kernel spec's ``base`` and ``kernels`` too), is replaced by the saved variant's meaning
+OLD_VALUES: tuple[tuple[str, str, str, dict[str, str]], ...] = (
+    ("the kernel name 'rbf' split into 'ard-rbf' and 'canonical-rbf' (gpattn 0.2)", "kernel", "rbf",
+     {**dict.fromkeys(("sgpa", "sgpa-decoupled", "kernel", "kernel-asym"), "ard-rbf"),
+      **dict.fromkeys(("cgp", "scgp"), "canonical-rbf")}),
+)
+
+#: {(module, name): the message of its AttributeError}: names that moved, read by the modules' ``__getattr__``
+MOVED_NAMES: dict[tuple[str, str], str] = {
+    ("gpattn", "load_run"): "gpattn.load_run moved to gpattn.experiments.load_run in 0.2.0 (the core never imports the "
+    "experiment application; pip install 'gpattn[experiments]'): gpattn.experiments.load_run(run_dir).predict([...])",
+    ("gpattn.experiments.training", "load_run"): "gpattn.experiments.training.load_run is now load_run_with_data (it "
+    "reloads the data set and returns (config, model, data bundle, checkpoint)); to score new inputs without the data "
+    "files use gpattn.experiments.load_run (a Run with .predict)",
+}
 
 #: (what changed, the strategy class, the key it gained, a key every state dict of that class has, the value a state
 #: dict saved before the change trained with): a missing key is filled with that value, in the dtype of the other key
@@ -54,19 +74,48 @@ def _old_options(d: dict) -> dict[str, tuple[object, str]]:
     return filled
 
 
+def _renamed(spec, old: str, new: str):
+    """``spec`` (a name, a dict spec with ``name`` / ``base`` / ``kernels``, anything else), ``old`` read as ``new``."""
+    if spec == old:
+        return new
+    if not isinstance(spec, dict):
+        return spec
+    out = {**spec, "name": _renamed(spec.get("name"), old, new)}
+    if "base" in spec:
+        out["base"] = _renamed(spec["base"], old, new)
+    if isinstance(spec.get("kernels"), list):
+        out["kernels"] = [_renamed(k, old, new) for k in spec["kernels"]]
+    return out
+
+
+def _old_values(d: dict) -> dict[str, tuple[object, str]]:
+    """The options of a saved config ``d`` an :data:`OLD_VALUES` row rewrites: option -> (new value, what)."""
+    attention, options = d.get("attention"), d.get("attention_options", {})
+    if not isinstance(attention, str) or not isinstance(options, dict):
+        return {}
+    out: dict[str, tuple[object, str]] = {}
+    for what, option, old, meant in OLD_VALUES:
+        if option in options and attention in meant:
+            new = _renamed(options[option], old, meant[attention])
+            if new != options[option]:
+                out[option] = (new, what)
+    return out
+
+
 def migrate_config(d: dict) -> dict:
     """A saved run's config ``d`` (config.json, or a checkpoint's ``config``) in today's options, with an
     :class:`gpattn.OldVersionWarning` naming every option it filled in; ``d`` itself when it needs nothing."""
-    filled = _old_options(d)
-    if not filled:
+    filled, renamed = _old_options(d), _old_values(d)
+    if not filled and not renamed:
         return d
-    named = "; ".join(f"{k}={v!r} (saved before {what})" for k, (v, what) in filled.items())
+    named = "; ".join(f"{k}={v!r} (saved before {what})" for k, (v, what) in {**filled, **renamed}.items())
     warnings.warn(
         f"a {d['attention']} run written by an older gpattn: migrated its config to the form it trained: {named}",
         OldVersionWarning,
         stacklevel=3,
     )
-    return {**d, "attention_options": {**{k: v for k, (v, _) in filled.items()}, **d["attention_options"]}}
+    options = {**{k: v for k, (v, _) in filled.items()}, **d["attention_options"]}
+    return {**d, "attention_options": {**options, **{k: v for k, (v, _) in renamed.items()}}}
 
 
 def migrate_state_dict(module, state_dict: dict, prefix: str, *args) -> None:

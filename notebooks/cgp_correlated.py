@@ -73,7 +73,7 @@ print(f"SIZE={SIZE}, T={T}, plots -> {OUT}")
 # %%
 H, D = 2, 16
 layer = gpattn.build_attention("cgp", D, H, prior_samples=None, jitter=0.0, prior_mean="zero").double()
-gp = layer.gp
+gp = layer.strategy
 gp.covar.sigma_q = torch.tensor([1.4, 0.8], dtype=F64)
 gp.covar.sigma_k = torch.tensor([0.7, 1.3], dtype=F64)
 x = torch.randn(1, T, D, dtype=F64)

@@ -161,8 +161,8 @@ def layer_quantities(model, x):
         out = {"K": F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).mT}
         out["softmax"] = torch.softmax(q @ k.mT / math.sqrt(q.shape[-1]), dim=-1)
         if hasattr(layer, "kep"):
-            out["e"], out["r"], _, _ = layer.kep.ksvd(h, q, k)
-            out["lam"] = layer.kep.ksvd.log_lambda.exp()
+            out["e"], out["r"], _, _ = layer.strategy.ksvd(h, q, k)
+            out["lam"] = layer.strategy.ksvd.log_lambda.exp()
     return out
 
 
@@ -268,13 +268,13 @@ with torch.no_grad():
     U, Sg, Vh = torch.linalg.svd(Pq @ Pk.T)
     Ur, Sr, Vr = U[:, :r_], Sg[:r_], Vh[:r_].T
     Xt = xs[0, lm].T
-    exact.kep.ksvd.omega_e.copy_((Xt.T @ Pk.T @ Vr / n)[None])
-    exact.kep.ksvd.omega_r.copy_((Xt.T @ Pq.T @ Ur / n)[None])
-    exact.kep.ksvd.log_lambda.copy_(Sr.log()[None])
-    e_x, r_x, _, _ = exact.kep.ksvd(xs, p["q"], p["k"])
+    exact.strategy.ksvd.omega_e.copy_((Xt.T @ Pk.T @ Vr / n)[None])
+    exact.strategy.ksvd.omega_r.copy_((Xt.T @ Pq.T @ Ur / n)[None])
+    exact.strategy.ksvd.log_lambda.copy_(Sr.log()[None])
+    e_x, r_x, _, _ = exact.strategy.ksvd(xs, p["q"], p["k"])
     exact(xs)
     J2_exact = exact.loss_terms()["ksvd"].item()
-    exact.kep.ksvd.log_lambda.add_(math.log(2.0))
+    exact.strategy.ksvd.log_lambda.add_(math.log(2.0))
     exact(xs)
     J2_scaled = exact.loss_terms()["ksvd"].item()
 angles_exact = np.degrees(subspace_angles(e_x[0, 0].numpy(), Ur.numpy()))
@@ -295,13 +295,13 @@ layer64 = kep.attn.double()
 xb = kep.attention_input(X[test_idx[:3]]).double().detach()
 with torch.no_grad():
     p = layer64.project(xb)
-    e64, r64, _, _ = layer64.kep.ksvd(xb, p["q"], p["k"])
+    e64, r64, _, _ = layer64.strategy.ksvd(xb, p["q"], p["k"])
     post = layer64.posterior(xb)
-v64 = layer64.kep.variational_distribution
-lam64 = layer64.kep.ksvd.log_lambda.exp().detach()
-s2 = float(layer64.kep.prior_variance)  # the prior's outputscale σ²: p(u_c) = N(0, σ²Λ²) (docs/derivations.md §6)
+v64 = layer64.strategy.variational_distribution
+lam64 = layer64.strategy.ksvd.log_lambda.exp().detach()
+s2 = float(layer64.strategy.prior_variance)  # the prior's outputscale σ²: p(u_c) = N(0, σ²Λ²) (docs/derivations.md §6)
 m64, L64 = v64.variational_mean.detach(), v64.chol.detach()
-W64, b64 = layer64.kep.out_weight.detach(), layer64.kep.out_bias.detach()
+W64, b64 = layer64.strategy.out_weight.detach(), layer64.strategy.out_bias.detach()
 
 
 mean_bf, cov_bf = kep_svgp_dense_moments(e64 + r64, lam64, m64, L64, W64, b64)
@@ -328,7 +328,7 @@ ax[0].set(title="posterior covariance (seq 0, head 0, d 0)", xlabel="token", yla
 fig.colorbar(im, ax=ax[0])
 torch.manual_seed(4)
 with torch.no_grad():
-    samples = torch.stack([layer64.kep.condition(xb, p["q"], p["k"]).rsample()[0, 0, :, 0] for _ in range(30)])
+    samples = torch.stack([layer64.strategy.condition(xb, p["q"], p["k"]).rsample()[0, 0, :, 0] for _ in range(30)])
 ax[1].plot(samples.T.numpy(), color="C0", alpha=0.3)
 sd = post.variance[0, 0, 0].sqrt()
 ax[1].plot(post.mean[0, 0, 0].numpy(), color="k", label="mean")

@@ -46,8 +46,8 @@ class TestCGP(GPAttentionTestCase):
     long_padding = None  # O(T³) per head: 7.6 s at T = 1024; test_runs_in_float32_at_moderate_length
 
     def perturb(self, layer):
-        layer.gp.covar.sigma_q = SIG_Q
-        layer.gp.covar.sigma_k = SIG_K
+        layer.strategy.covar.sigma_q = SIG_Q
+        layer.strategy.covar.sigma_k = SIG_K
 
     def dense_reference(self, layer, x, mask):
         return cgp_dense_posterior(layer, x, mask)
@@ -242,7 +242,7 @@ def test_layer_loss_term_and_deterministic_mean():
     p = layer.project(x)
     c = layer.input_scale
     assert c == pytest.approx(6**-0.25)
-    res = layer.gp.condition(p["q"] * c, p["k"] * c, p["o"] * c, p["v"], mask)
+    res = layer.strategy.condition(p["q"] * c, p["k"] * c, p["o"] * c, p["v"], mask)
     # docs/derivations.md §7: mean over the batch of Σ_{h,d} R / 2
     torch.testing.assert_close(layer_loss_terms(layer)["cgp"], res.regularizer().sum((1, 2)).mean() / 2)
     with gpattn.deterministic():
@@ -256,15 +256,15 @@ def test_layer_loss_term_and_deterministic_mean():
 def test_any_gpytorch_kernel_as_canonical():
     kern = MaternKernel(nu=2.5, batch_shape=torch.Size([2]))
     layer = gpattn.build_attention("cgp", 8, 2, kernel=kern, prior_samples=None, prior_mean="zero").double()
-    assert layer.gp.covar.canonical is kern
+    assert layer.strategy.covar.canonical is kern
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     post = layer.posterior(x)
     p = layer.project(x)
     c = layer.input_scale
     q, k, o, v = p["q"] * c, p["k"] * c, p["o"] * c, p["v"]
     K_o = kern(o, o).to_dense()
-    K_qo = layer.gp.covar.sigma_q[:, None, None] * kern(q, o).to_dense()
-    K_ok = layer.gp.covar.sigma_k[:, None, None] * kern(o, k).to_dense()
+    K_qo = layer.strategy.covar.sigma_q[:, None, None] * kern(q, o).to_dense()
+    K_ok = layer.strategy.covar.sigma_k[:, None, None] * kern(o, k).to_dense()
     nu = K_qo @ torch.linalg.solve(K_o + 0.01 * torch.eye(5, dtype=torch.float64), K_ok @ v)
     torch.testing.assert_close(post.mean, nu.transpose(-1, -2))
     y = layer(x)
@@ -314,7 +314,7 @@ def test_learnable_sigma_gets_gradient():
     layer = gpattn.build_attention("cgp", 8, 2, learn_sigma=True)
     y = layer(torch.randn(2, 5, 8))
     (y.sum() + layer_loss_terms(layer)["cgp"]).backward()
-    g = layer.gp.raw_sigma.grad
+    g = layer.strategy.raw_sigma.grad
     assert g is not None and torch.isfinite(g).all() and (g != 0).all()
 
 
@@ -342,8 +342,8 @@ def test_learned_sigma_has_a_floor():
 
     layer = gpattn.build_attention("cgp", 8, 2, learn_sigma=True)
     with torch.no_grad():
-        layer.gp.raw_sigma.fill_(-1e4)
-    assert (layer.gp.sigma >= SIGMA_FLOOR).all()
+        layer.strategy.raw_sigma.fill_(-1e4)
+    assert (layer.strategy.sigma >= SIGMA_FLOOR).all()
     with pytest.raises(ValueError, match="SIGMA_FLOOR"):
         gpattn.build_attention("cgp", 8, 2, learn_sigma=True, sigma=SIGMA_FLOOR / 2)
 
@@ -446,7 +446,7 @@ def test_rescale_inputs_keeps_the_softmax_mean(name, mean):
     before = twin.posterior(x).mean - zero.posterior(x).mean
     for layer in (zero, twin):
         layer.rescale_inputs(1.7)
-    torch.testing.assert_close(twin.gp.mean_temperature, torch.tensor(1.7**-2, dtype=torch.float64))
+    torch.testing.assert_close(twin.strategy.mean_temperature, torch.tensor(1.7**-2, dtype=torch.float64))
     after = twin.posterior(x).mean - zero.posterior(x).mean
     torch.testing.assert_close(after, before, rtol=1e-10, atol=1e-12)
     reloaded = gpattn.build_attention(name, 8, 2, prior_mean=mean).double()

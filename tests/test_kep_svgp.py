@@ -90,10 +90,10 @@ def test_layer_kl_global_is_the_summed_kl_of_its_parameters(prior_variance):
     torch.manual_seed(0)
     layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3, prior_variance=prior_variance).double()
     with torch.no_grad():
-        layer.kep.ksvd.log_lambda.normal_(0.0, 0.3)  # Λ ≠ I, so that σ² and Λ² are told apart
+        layer.strategy.ksvd.log_lambda.normal_(0.0, 0.3)  # Λ ≠ I, so that σ² and Λ² are told apart
     x = torch.randn(2, 5, 8, dtype=DT)
     layer(x)
-    v, ksvd = layer.kep.variational_distribution, layer.kep.ksvd
+    v, ksvd = layer.strategy.variational_distribution, layer.strategy.ksvd
     lam = ksvd.log_lambda.exp()
     prior = [
         TorchMVN(torch.zeros(3, dtype=DT), covariance_matrix=torch.diag(prior_variance * lam[h] ** 2)) for h in (0, 1)
@@ -114,16 +114,16 @@ def test_prior_variance_scales_the_prior_and_nothing_else():
     paper = gpattn.build_attention("kep-svgp", 8, 2, rank=3, prior_variance=1.0).double()
     scaled = gpattn.build_attention("kep-svgp", 8, 2, rank=3, prior_variance=0.2).double()
     scaled.load_state_dict({**paper.state_dict(), "strategy.prior_variance": scaled.strategy.prior_variance})
-    assert float(scaled.kep.prior_variance) == pytest.approx(0.2, rel=1e-7)  # a float32 buffer, made float64
+    assert float(scaled.strategy.prior_variance) == pytest.approx(0.2, rel=1e-7)  # a float32 buffer, made float64
     x = torch.randn(2, 5, 8, dtype=DT)
-    cond_p, cond_s = (layer.kep.condition(x, *layer.strategy_inputs(x)[1:]) for layer in (paper, scaled))
+    cond_p, cond_s = (layer.strategy.condition(x, *layer.strategy_inputs(x)[1:]) for layer in (paper, scaled))
     torch.testing.assert_close(cond_s.posterior().mean, cond_p.posterior().mean, rtol=0, atol=0)
     torch.testing.assert_close(
         cond_s.posterior().covariance_matrix, cond_p.posterior().covariance_matrix, rtol=0, atol=0
     )
     torch.testing.assert_close(
         cond_s.prior_distribution.covariance_matrix,
-        float(scaled.kep.prior_variance) * cond_p.prior_distribution.covariance_matrix,
+        float(scaled.strategy.prior_variance) * cond_p.prior_distribution.covariance_matrix,
         rtol=1e-12,
         atol=0,
     )
@@ -238,8 +238,8 @@ def test_include_residual_matches_dense_kff_minus_qff():
     torch.manual_seed(7)
     layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3, num_landmarks=4, include_residual=True).double()
     with torch.no_grad():
-        layer.kep.ksvd.omega_e.mul_(0.05)
-        layer.kep.ksvd.omega_r.mul_(0.05)
+        layer.strategy.ksvd.omega_e.mul_(0.05)
+        layer.strategy.ksvd.omega_r.mul_(0.05)
     x = torch.randn(2, 9, 8, dtype=DT)
     with torch.no_grad():
         mean_ref = kep_svgp_dense_posterior(layer, x).mean
@@ -250,7 +250,7 @@ def test_include_residual_matches_dense_kff_minus_qff():
         k = (x @ w[D:].T + bias[D:]).view(2, 9, 2, Dh).transpose(1, 2)
         K = (q / q.norm(dim=-1, keepdim=True)) @ (k / k.norm(dim=-1, keepdim=True)).mT  # attention kernel
         extra = K @ K.mT - E @ E.mT + K.mT @ K - R @ R.mT
-        v, kep = layer.kep.variational_distribution, layer.kep
+        v, kep = layer.strategy.variational_distribution, layer.strategy
         G = E + R
         lam = kep.ksvd.log_lambda.exp()
         _, cov_ref = kep_svgp_dense_moments(G, lam, v.variational_mean, v.chol, kep.out_weight, kep.out_bias, extra)
@@ -316,9 +316,9 @@ def _stationary_layer(pad: int, seed: int = 10):
         U, S, Vh = torch.linalg.svd(Pq @ Pk.T)
         U, S, V = U[:, :r], S[:r], Vh[:r].T
         Xt = x[0, lm].T
-        layer.kep.ksvd.omega_e.copy_((Xt.T @ Pk.T @ V / n)[None])
-        layer.kep.ksvd.omega_r.copy_((Xt.T @ Pq.T @ U / n)[None])
-        layer.kep.ksvd.log_lambda.copy_(S.log()[None])
+        layer.strategy.ksvd.omega_e.copy_((Xt.T @ Pk.T @ V / n)[None])
+        layer.strategy.ksvd.omega_r.copy_((Xt.T @ Pq.T @ U / n)[None])
+        layer.strategy.ksvd.log_lambda.copy_(S.log()[None])
     return layer, x, (mask if pad else None), U, S, V, n
 
 
@@ -327,7 +327,7 @@ def test_ksvd_objective_is_zero_at_an_exact_svd_stationary_point(pad):
     layer, x, mask, U, S, V, n = _stationary_layer(pad)
     with torch.no_grad():
         p = layer.project(x)
-        e, r, _, _ = layer.kep.ksvd(x, p["q"], p["k"], mask)
+        e, r, _, _ = layer.strategy.ksvd(x, p["q"], p["k"], mask)
         layer(x, mask)
     # the features really are the singular pairs: e = UΣ, r = VΣ on the real tokens
     torch.testing.assert_close(e[0, 0, :n], U * S)
@@ -336,14 +336,14 @@ def test_ksvd_objective_is_zero_at_an_exact_svd_stationary_point(pad):
     # away from it: Λ → αΛ gives J = (1/α − 1) tr Σ / n exactly, and perturbing ω moves J off 0
     alpha = 2.0
     with torch.no_grad():
-        layer.kep.ksvd.log_lambda.add_(math.log(alpha))
+        layer.strategy.ksvd.log_lambda.add_(math.log(alpha))
         layer(x, mask)
     expected = ((1 / alpha - 1) * S.sum() / n) ** 2
     torch.testing.assert_close(layer_loss_terms(layer)["ksvd"], expected)
     assert expected > 1e-3
     with torch.no_grad():
-        layer.kep.ksvd.log_lambda.sub_(math.log(alpha))
-        layer.kep.ksvd.omega_r.add_(0.1 * torch.randn_like(layer.kep.ksvd.omega_r))
+        layer.strategy.ksvd.log_lambda.sub_(math.log(alpha))
+        layer.strategy.ksvd.omega_r.add_(0.1 * torch.randn_like(layer.strategy.ksvd.omega_r))
         layer(x, mask)
     assert layer_loss_terms(layer)["ksvd"] > 1e-6
 
@@ -377,7 +377,7 @@ def test_batch_one_head_one_token_one(opts):
     post = layer.posterior(x)
     assert post.batch_shape == (1, 1, 4) and post.event_shape == (1,)
     p = layer.project(x)
-    heads = layer.kep.condition(x, p["q"], p["k"]).mean  # (1, 1, 1, Dv)
+    heads = layer.strategy.condition(x, p["q"], p["k"]).mean  # (1, 1, 1, Dv)
     torch.testing.assert_close(heads[0, 0, 0], post.mean[0, 0, :, 0])
     concat = gpattn.build_attention("kep-svgp", 4, 1, merge="concat", seq_len=1, **opts)
     assert concat(x).shape == (1, 1, 4)

@@ -10,6 +10,7 @@ from gpytorch.kernels import AdditiveKernel, MaternKernel, ProductKernel, RBFKer
 from gpytorch.test.base_kernel_test_case import BaseKernelTestCase
 
 import gpattn
+from gpattn._migrate import migrate_config
 from gpattn.experiments.cli import _kv
 from gpattn.experiments.cli import main as cli_main
 from gpattn.experiments.training import TrainConfig, load_run_with_data, predict, train
@@ -65,7 +66,7 @@ def test_exponential_kernel_gradients():
 
 def test_factory():
     assert isinstance(make_kernel("exponential", 2, 4), ExponentialKernel)
-    for rbf in (make_kernel("ard-rbf", 2, 4), make_kernel("rbf", 2, 4, rbf="ard-rbf")):
+    for rbf in (make_kernel("ard-rbf", 2, 4), make_kernel({"name": "ard-rbf"}, 2, 4)):
         assert isinstance(rbf, ScaleKernel) and isinstance(rbf.base_kernel, RBFKernel)
         assert rbf.base_kernel.lengthscale.shape == (2, 1, 4)
     mine = MaternKernel()
@@ -134,23 +135,32 @@ def _points(seed=0, n=5):
     return torch.randn(3, H, n, DH, generator=g, dtype=torch.float64) / 2  # shape: (B, H, T, Dh)
 
 
-def test_rbf_names_are_distinct_and_the_legacy_name_is_resolved_per_variant():
+def test_rbf_names_are_distinct_and_the_old_name_is_an_error_a_saved_config_migrates():
     x = _points()
     ard = make_kernel("ard-rbf", H, DH).double()
     canonical = make_kernel("canonical-rbf", H, DH).double()
     assert isinstance(ard, ScaleKernel) and isinstance(ard.base_kernel, RBFKernel)
     assert isinstance(canonical, CanonicalRBFKernel) and canonical.batch_shape == (H,)
     assert not torch.allclose(evaluate_kernel(ard, x, x), evaluate_kernel(canonical, x, x))
-    with pytest.raises(ValueError, match="'rbf' names two kernels; use 'ard-rbf' .* or 'canonical-rbf'"):
-        make_kernel("rbf", H, DH)
-    # old configs: "rbf" keeps the one meaning it had for each variant
-    for name in ("sgpa", "sgpa-decoupled", "kernel", "kernel-asym"):
-        kern = gpattn.build_attention(name, H * DH, H, kernel="rbf").kernel
-        assert isinstance(kern, ScaleKernel) and isinstance(kern.base_kernel, RBFKernel), name
-    for name in ("cgp", "scgp"):
-        assert gpattn.attention_options(name)["kernel"] == "canonical-rbf"
-        for kernel in ("rbf", "canonical-rbf"):
-            assert type(gpattn.build_attention(name, H * DH, H, kernel=kernel).gp.covar.canonical) is CanonicalRBFKernel
+    for name in ("sgpa", "cgp"):
+        with pytest.raises(ValueError, match="'rbf' names two kernels; use 'ard-rbf' .* or 'canonical-rbf'"):
+            gpattn.build_attention(name, H * DH, H, kernel="rbf")
+    # a config an older gpattn saved: "rbf" keeps the one meaning it had for each variant, nested specs too
+    meant = {"sgpa": "ard-rbf", "sgpa-decoupled": "ard-rbf", "kernel": "ard-rbf", "kernel-asym": "ard-rbf",
+             "cgp": "canonical-rbf", "scgp": "canonical-rbf"}
+    for name, new in meant.items():
+        old = {"attention": name, "attention_options": {"kernel": {"name": "sum", "kernels": ["rbf", "rbf"]}}}
+        with pytest.warns(gpattn.OldVersionWarning, match="kernel=.*'rbf' split into"):
+            d = migrate_config(old)
+        assert d["attention_options"]["kernel"] == {"name": "sum", "kernels": [new, new]}, name
+        assert old["attention_options"]["kernel"]["kernels"] == ["rbf", "rbf"]  # the saved dict is not changed
+        with pytest.warns(gpattn.OldVersionWarning):
+            assert migrate_config({**old, "attention_options": {"kernel": "rbf"}})["attention_options"]["kernel"] == new
+    with pytest.warns(gpattn.OldVersionWarning):
+        options = migrate_config({"attention": "sgpa", "attention_options": {"kernel": "rbf"}})["attention_options"]
+    kern = gpattn.build_attention("sgpa", H * DH, H, **options).kernel
+    assert isinstance(kern, ScaleKernel) and isinstance(kern.base_kernel, RBFKernel)
+    assert type(gpattn.build_attention("cgp", H * DH, H).strategy.covar.canonical) is CanonicalRBFKernel
 
 
 def test_a_composed_spec_is_the_sum_product_and_scale_of_its_parts():

@@ -61,8 +61,8 @@ class TestSCGP(GPAttentionTestCase):
     exact_options = {"jitter": 0.0}
 
     def perturb(self, layer):
-        layer.gp.covar.sigma_q = SIG_Q
-        layer.gp.covar.sigma_k = SIG_K
+        layer.strategy.covar.sigma_q = SIG_Q
+        layer.strategy.covar.sigma_k = SIG_K
 
     def dense_reference(self, layer, x, mask):
         return scgp_dense_posterior(layer, x, mask)
@@ -277,12 +277,12 @@ def test_no_token_by_token_tensor_at_T_4096(amortize):
 def test_layer_loss_term_and_options():
     torch.manual_seed(0)
     layer = gpattn.build_attention("scgp", 12, 2, num_inducing=5, num_inducing_keys=3).double()
-    assert layer.gp.inducing_latent.shape == (2, 5, 6) and layer.gp.inducing_keys.shape == (2, 3, 6)
+    assert layer.strategy.inducing_latent.shape == (2, 5, 6) and layer.strategy.inducing_keys.shape == (2, 3, 6)
     x = torch.randn(3, 9, 12, dtype=F64)
     layer(x)
     p = layer.project(x)
     c = layer.input_scale
-    res = layer.gp.condition(p["q"] * c, p["k"] * c, p["o"] * c, p["v"], mean_values=p["v_mean"])  # the default mean
+    res = layer.strategy.condition(p["q"] * c, p["k"] * c, p["o"] * c, p["v"], mean_values=p["v_mean"])
     torch.testing.assert_close(layer_loss_terms(layer)["cgp"], res.regularizer().sum((1, 2)).mean() / 2)
     with gpattn.deterministic():
         torch.testing.assert_close(layer.posterior(x).mean, res.mean.transpose(-1, -2))
@@ -296,7 +296,7 @@ def test_amortized_layer_trains_its_token_maps():
     mask[1, 4:] = True
     y = layer(x, mask)
     (y.sum() + layer_loss_terms(layer)["cgp"]).backward()
-    for p in (layer.gp.amortize_latent, layer.gp.amortize_keys):
+    for p in (layer.strategy.amortize_latent, layer.strategy.amortize_keys):
         assert p.grad is not None and torch.isfinite(p.grad).all() and (p.grad != 0).any()
     # padded tokens never enter the amortised inducing inputs
     x2 = x.clone()

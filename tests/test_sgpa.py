@@ -107,10 +107,10 @@ def test_mean_is_kernel_attention():
 def test_any_gpytorch_kernel():
     """`kernel=` accepts ARD-RBF by name and any gpytorch Kernel instance; mean = K v with that kernel."""
     x = inputs()
-    for kernel in ("rbf", gpytorch.kernels.MaternKernel(nu=2.5, ard_num_dims=DH, batch_shape=torch.Size([H]))):
+    for kernel in ("ard-rbf", gpytorch.kernels.MaternKernel(nu=2.5, ard_num_dims=DH, batch_shape=torch.Size([H]))):
         layer = make_layer(kernel=kernel)
         qk, v = sgpa_heads(layer, x)
-        if kernel == "rbf":
+        if kernel == "ard-rbf":
             ell = layer.kernel.base_kernel.lengthscale.detach()
             d2 = ((qk[..., :, None, :] - qk[..., None, :, :]) / ell[:, None]).square().sum(-1)
             K = layer.kernel.outputscale.detach()[:, None, None] * torch.exp(-0.5 * d2)

@@ -46,12 +46,7 @@ class _CorrelatedGPAttention(GPAttention):
     def _canonical(self, kernel):
         """κ_o from the ``kernel`` option, checked against the head width. A spec must be stationary:
         the prior variance of z_q is σ_q² κ_o(x, x) (gpattn.variational._scale)."""
-        return make_kernel(kernel, self.num_heads, self.head_dim, rbf="canonical-rbf", stationary=True)
-
-    @property
-    def gp(self):
-        """The strategy (the name earlier versions used)."""
-        return self.strategy
+        return make_kernel(kernel, self.num_heads, self.head_dim, stationary=True)
 
     def strategy_inputs(self, x):
         """The projections, q, k and o scaled by ``input_scale``.  # shape: each (B, H, T, Dh), v (B, H, T, Dv)"""
@@ -100,7 +95,7 @@ class CGPAttention(_CorrelatedGPAttention):
     :class:`gpattn.variational.cgp.CorrelatedGP` for the equations. Cost O(T³) per (B, H).
 
     :param kernel: canonical kernel κ_o as a kernel spec (:mod:`gpattn.kernels`): ``"canonical-rbf"`` =
-        exp(−½‖a−b‖²) (default; the legacy ``"rbf"`` means it here), another stationary spec, or a
+        exp(−½‖a−b‖²) (default), another stationary spec, or a
         gpytorch ``Kernel`` (batch_shape ``(H,)`` or ``()``, ``ard_num_dims`` = Dh; checked here).
     :param sigma: noise standard deviation σ (default 0.1, Bui et al. App. F).
     :param learn_sigma: learn σ per head (default fixed).

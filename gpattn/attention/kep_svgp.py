@@ -140,11 +140,6 @@ class KEPSVGPAttention(GPAttention):
         )
 
     @property
-    def kep(self) -> KEPSVGP:
-        """The strategy (the name earlier versions used)."""
-        return self.strategy
-
-    @property
     def jitter(self) -> float:
         return self.strategy.jitter
 

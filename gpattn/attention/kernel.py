@@ -23,8 +23,8 @@ class KernelAttention(AttentionBase):
     Symmetric: one projection :math:`W_q = W_k` ("qk"), so :math:`K_{qq}` is a Gram matrix.
     Padded keys get zero kernel columns (excluded keys of an ``attn_mask``: zero entries).
 
-    :param kernel: a kernel spec (:mod:`gpattn.kernels`): ``"exponential"`` (default), ``"ard-rbf"`` (the
-        legacy ``"rbf"`` means it here), a composition, or a gpytorch ``Kernel`` (batch_shape ``(H,)`` or
+    :param kernel: a kernel spec (:mod:`gpattn.kernels`): ``"exponential"`` (default), ``"ard-rbf"``, a
+        composition, or a gpytorch ``Kernel`` (batch_shape ``(H,)`` or
         ``()``, ``ard_num_dims`` = Dh; checked here).
     """
 
@@ -35,7 +35,7 @@ class KernelAttention(AttentionBase):
 
     def __init__(self, embed_dim: int, num_heads: int, *, kernel: str | dict | Kernel = "exponential", **base):
         super().__init__(embed_dim, num_heads, **base)
-        self.kernel = make_kernel(kernel, num_heads, self.head_dim, rbf="ard-rbf")
+        self.kernel = make_kernel(kernel, num_heads, self.head_dim)
 
     def _queries_keys(self, pq, pk):
         """The queries (of x) and keys (of x, or of the context in cross-attention)."""

@@ -36,7 +36,7 @@ def _kernel(kernel, num_heads: int, head_dim: int, prior_mean: str):
         kernel = DEFAULT_KERNEL[check_prior_mean(prior_mean)]
     lengthscale = attention_lengthscale(head_dim) if prior_mean != "zero" else None
     return make_kernel(
-        kernel, num_heads, head_dim, prior_variance=PRIOR_VARIANCE, lengthscale=lengthscale, rbf="ard-rbf"
+        kernel, num_heads, head_dim, prior_variance=PRIOR_VARIANCE, lengthscale=lengthscale
     )
 
 
@@ -86,7 +86,7 @@ class SGPAttention(_QueryKeyMaps):
     By default a symmetric kernel (W_q = W_k: projections ("qk", "v")). Cost O(T³) per (B, H).
 
     :param kernel: a kernel spec (:mod:`gpattn.kernels`, docs/kernels.md): ``"ard-rbf"`` (the default with
-        ``prior_mean="attention"``; the legacy ``"rbf"`` means it here), ``"exponential"`` (the default with
+        ``prior_mean="attention"``), ``"exponential"`` (the default with
         ``prior_mean="zero"``: Chen & Li's text kernel), a composition such as
         ``{"name": "sum", "kernels": ["exponential", "ard-rbf"]}``, or a gpytorch ``Kernel`` (batch_shape
         ``(H,)`` or ``()``, ``ard_num_dims`` = Dh; checked here).

@@ -725,10 +725,6 @@ def _reduced(stats: EpochStats, dist: _Dist) -> EpochStats:
 
 
 def __getattr__(name):
-    if name == "load_run":  # renamed in 0.2.0: two functions of that name returned different things
-        raise AttributeError(
-            "gpattn.experiments.training.load_run is now load_run_with_data (it reloads the data set and returns "
-            "(config, model, data bundle, checkpoint)); to score new inputs without the data files use "
-            "gpattn.experiments.load_run (a Run with .predict)"
-        )
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from gpattn._migrate import MOVED_NAMES
+
+    raise AttributeError(MOVED_NAMES.get((__name__, name), f"module {__name__!r} has no attribute {name!r}"))

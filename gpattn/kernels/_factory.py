@@ -13,9 +13,8 @@ checkpoints; docs/kernels.md):
   (``ScaleKernel``).
 
 Every kernel is built with ``batch_shape = (H,)`` (hyper-parameters per head) and, where it has
-lengthscales, ``ard_num_dims = Dh``. ``"rbf"`` is the name old configs used for two kernels; a variant
-resolves it to its own meaning (``rbf=`` of :func:`make_kernel`: ``"ard-rbf"`` for SGPA and kernel
-attention, ``"canonical-rbf"`` for the correlated GPs), elsewhere it is an error naming both.
+lengthscales, ``ard_num_dims = Dh``. ``"rbf"``, the name old configs used for both, is an error naming
+the two (a saved config migrates it: :data:`gpattn._migrate.OLD_VALUES`).
 """
 
 from __future__ import annotations
@@ -66,8 +65,6 @@ KERNEL_NAMES = ("ard-rbf", "canonical-rbf", "exponential", "matern")
 #: the stationary names (κ(x, x) does not depend on x); sums, products and scales of them are too
 #: the kernel names whose prior variance is a constant (``stationary=True`` accepts only these)
 STATIONARY = ("ard-rbf", "canonical-rbf", "matern")
-#: the name old configs used for both the ARD-RBF and the canonical RBF
-LEGACY_RBF = "rbf"
 MATERN_NU = (0.5, 1.5, 2.5)
 _REQUIRED = {"product": "kernels", "scale": "base", "sum": "kernels"}
 _SCALED = ("ard-rbf", "exponential", "scale")  # names with an outputscale
@@ -77,7 +74,7 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _parse(spec, where: str, rbf: str | None, stationary: bool = False) -> tuple[str, dict, list]:
+def _parse(spec, where: str, stationary: bool = False) -> tuple[str, dict, list]:
     """(name, leaf options, parsed children) of ``spec``; errors name ``where``, e.g. kernel['kernels'][1]."""
     if isinstance(spec, str):
         spec = {"name": spec}
@@ -87,13 +84,11 @@ def _parse(spec, where: str, rbf: str | None, stationary: bool = False) -> tuple
             f"gpytorch.kernels.Kernel, got {spec!r}"
         )
     name = spec["name"]
-    if name == LEGACY_RBF:
-        if rbf is None:
-            raise ValueError(
-                f"{where}: 'rbf' names two kernels; use 'ard-rbf' (ScaleKernel(RBFKernel(ard_num_dims=Dh)), SGPA and "
-                f"kernel attention on images) or 'canonical-rbf' (exp(-|a-b|^2/2) without parameters, CGPT's kappa_o)"
-            )
-        name = rbf
+    if name == "rbf":
+        raise ValueError(
+            f"{where}: 'rbf' names two kernels; use 'ard-rbf' (ScaleKernel(RBFKernel(ard_num_dims=Dh)), SGPA and "
+            f"kernel attention on images) or 'canonical-rbf' (exp(-|a-b|^2/2) without parameters, CGPT's kappa_o)"
+        )
     if name not in KERNEL_OPTIONS:
         raise ValueError(f"{where}: unknown kernel name {name!r}; valid: {', '.join(sorted(KERNEL_OPTIONS))}")
     if stationary and name in KERNEL_NAMES and name not in STATIONARY:
@@ -111,12 +106,12 @@ def _parse(spec, where: str, rbf: str | None, stationary: bool = False) -> tuple
         raise ValueError(f"{where}: kernel {name!r} needs {_REQUIRED[name]!r}, got {spec!r}")
     children = []
     if name == "scale":
-        children = [_parse(options.pop("base"), f"{where}['base']", rbf, stationary)]
+        children = [_parse(options.pop("base"), f"{where}['base']", stationary)]
     elif name in ("sum", "product"):
         parts = options.pop("kernels")
         if not isinstance(parts, (list, tuple)) or len(parts) < 2:
             raise ValueError(f"{where}['kernels'] must be a list of at least two kernel specs, got {parts!r}")
-        children = [_parse(p, f"{where}['kernels'][{i}]", rbf, stationary) for i, p in enumerate(parts)]
+        children = [_parse(p, f"{where}['kernels'][{i}]", stationary) for i, p in enumerate(parts)]
     for key, val in options.items():
         if key.endswith("_prior"):
             options[key] = _parse_prior(val, f"{where}[{key!r}]")
@@ -299,7 +294,6 @@ def make_kernel(
     *,
     prior_variance: float | None = None,
     lengthscale: float | None = None,
-    rbf: str | None = None,
     stationary: bool = False,
     name: str = "kernel",
 ) -> Kernel:
@@ -313,7 +307,6 @@ def make_kernel(
         (``"canonical-rbf"``, ``"matern"``) keep κ(x, x) = 1: wrap them in ``"scale"``.
     :param lengthscale: the initial ℓ of the exponential, ARD-RBF and Matérn kernels of a spec, in place of
         √Dh (a spec's own ``lengthscale`` option wins).
-    :param rbf: what the legacy name ``"rbf"`` means for this layer; ``None``: it is an error.
     :param stationary: accept only stationary specs (:data:`STATIONARY` and their compositions) and
         kernel instances whose ``is_stationary`` is True.
     :param name: the argument's name in error messages.
@@ -327,7 +320,7 @@ def make_kernel(
                 f"use an RBF or Matern kernel, CanonicalRBFKernel, or their sum, product or ScaleKernel"
             )
         return kernel
-    return _build(_parse(kernel, name, rbf, stationary), num_heads, head_dim, prior_variance, lengthscale)
+    return _build(_parse(kernel, name, stationary), num_heads, head_dim, prior_variance, lengthscale)
 
 
 def _uniform(value: torch.Tensor):

@@ -400,7 +400,7 @@ def kep_svgp_dense_features(layer, x: torch.Tensor, mask: torch.Tensor | None = 
     the token map of ``merge="concat"``.  # shape: x (B, T, D) -> each (B, H, T, r)"""
     B, T, D = x.shape
     H, Dh = layer.num_heads, layer.head_dim
-    kep = layer.kep
+    kep = layer.strategy
     s = kep.ksvd.num_landmarks
     w, bias = layer.in_proj.weight, layer.in_proj.bias
     q = (x @ w[:D].T + bias[:D]).view(B, T, H, Dh)
@@ -433,7 +433,7 @@ def kep_svgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None =
     term (``include_residual=False``) and no loss terms."""
     with torch.no_grad():
         G = kep_svgp_dense_features(layer, x, mask)[0]
-        v, kep = layer.kep.variational_distribution, layer.kep
+        v, kep = layer.strategy.variational_distribution, layer.strategy
         lam = kep.ksvd.log_lambda.exp()
         mean, cov = kep_svgp_dense_moments(G, lam, v.variational_mean, v.chol, kep.out_weight, kep.out_bias)
     return DenseReference(mean, cov + layer.jitter * torch.eye(x.shape[1], dtype=x.dtype), {})
@@ -517,9 +517,9 @@ def cgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = None
     if mask is not None:
         raise ValueError("cgp_dense_posterior takes no key_padding_mask (got one): compare truncated sequences")
     q, k, o, v = _correlated_inputs(layer, x)
-    nu, cov, _, _ = cgp_dense_moments(q, k, o, v, *_sigmas(layer.gp))
-    jitter = layer.gp.jitter * torch.eye(x.shape[1], dtype=x.dtype)  # the layer's posterior carries it
-    m = correlated_prior_mean_dense(layer.gp, q, k, _mean_values(layer, x, v))
+    nu, cov, _, _ = cgp_dense_moments(q, k, o, v, *_sigmas(layer.strategy))
+    jitter = layer.strategy.jitter * torch.eye(x.shape[1], dtype=x.dtype)  # the layer's posterior carries it
+    m = correlated_prior_mean_dense(layer.strategy, q, k, _mean_values(layer, x, v))
     return DenseReference((nu + m).transpose(-1, -2), cov + jitter, {})
 
 
@@ -568,7 +568,7 @@ def scgp_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = Non
     densely: ``scgp_dense_moments`` on the layer's scaled per-head inputs with z = v. No padding."""
     if mask is not None:
         raise ValueError("scgp_dense_posterior takes no key_padding_mask (got one): compare truncated sequences")
-    gp = layer.gp
+    gp = layer.strategy
     s, s_keys = gp.inducing_latent.detach()[None], gp.inducing_keys.detach()[None]
     q, k, o, v = _correlated_inputs(layer, x)
     nu, cov, _ = scgp_dense_moments(q, k, o, v, s, s_keys, *_sigmas(gp))
@@ -628,13 +628,13 @@ def cgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) -> 
     context's latent inputs (App. B's covariance with the μ_o μ_oᵀ term kept, S ≠ T), plus the jitter its
     posterior carries; with ``prior_samples=None`` also the regulariser (eqs. 42–44 in expectation over z_o,
     T queries and S keys) as the loss term ``cgp`` (mean over the batch of Σ_{h,d} R / 2). No padding."""
-    sigmas = _sigmas(layer.gp)
+    sigmas = _sigmas(layer.strategy)
     q, k, o, v = _cross_correlated_inputs(layer, x, context)
     nu, cov, z, K = cgp_dense_moments(q, k, o, v, *sigmas)
-    jitter = layer.gp.jitter * torch.eye(x.shape[1], dtype=x.dtype)
-    m = correlated_prior_mean_dense(layer.gp, q, k, _mean_values(layer, context, v))
+    jitter = layer.strategy.jitter * torch.eye(x.shape[1], dtype=x.dtype)
+    m = correlated_prior_mean_dense(layer.strategy, q, k, _mean_values(layer, context, v))
     mean = (nu + m).transpose(-1, -2)  # R reads ν alone (§7a)
-    if layer.gp.prior_samples is not None:
+    if layer.strategy.prior_samples is not None:
         return DenseReference(mean, cov + jitter, {})
     s2 = sigmas[2] ** 2
     A = K["K_o"] + s2 * torch.eye(K["K_o"].shape[-1], dtype=x.dtype)
@@ -651,7 +651,7 @@ def cgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) -> 
 def scgp_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) -> DenseReference:
     """``scgp`` (global inducing inputs) in cross-attention: eqs. 33, 59, 66, 67 with x's queries and the
     context's keys, latent inputs and z = v. No padding."""
-    gp = layer.gp
+    gp = layer.strategy
     s, s_keys = gp.inducing_latent.detach()[None], gp.inducing_keys.detach()[None]
     inputs = _cross_correlated_inputs(layer, x, context)
     nu, cov, K = scgp_dense_moments(*inputs, s, s_keys, *_sigmas(gp))

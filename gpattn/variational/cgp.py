@@ -75,8 +75,8 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
     The conditional is exact given the inputs (no q(u), no KL); its loss term is the regulariser.
 
     :param num_heads: H; :math:`\sigma_q, \sigma_k` (and a learnable :math:`\sigma`) are per head.
-    :param kernel: the canonical kernel :math:`\kappa_o`: ``"canonical-rbf"`` (default; legacy name
-        ``"rbf"``) is :math:`\exp(-\tfrac12\lVert a-b\rVert^2)`, or any ``gpytorch.kernels.Kernel`` (the
+    :param kernel: the canonical kernel :math:`\kappa_o`: ``"canonical-rbf"`` (default) is
+        :math:`\exp(-\tfrac12\lVert a-b\rVert^2)`, or any ``gpytorch.kernels.Kernel`` (the
         attention layers also take a kernel spec, :func:`gpattn.kernels.make_kernel`).
     :param sigma: the noise standard deviation :math:`\sigma` (:math:`\sigma^2` is added to the Gram
         matrices of the conditioning sets). Default 0.1: Bui et al. App. F uses :math:`\sigma = 0.1` for
@@ -109,9 +109,9 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         if isinstance(kernel, str):
-            if kernel not in ("canonical-rbf", "rbf"):
+            if kernel != "canonical-rbf":
                 raise ValueError(
-                    f"kernel must be 'canonical-rbf' (exp(-|a-b|^2/2); legacy name 'rbf') or a "
+                    f"kernel must be 'canonical-rbf' (exp(-|a-b|^2/2)) or a "
                     f"gpytorch.kernels.Kernel instance, got {kernel!r}"
                 )
             canonical = None
