@@ -87,7 +87,7 @@ def test_kernel_blocks_read_nothing_back(spec):
     """gpattn's kernel evaluation of the RBF and exponential kernels, alone or in gpytorch's sums, products and
     scalings, skips gpytorch's ``torch.equal(x1, x2)`` (covar_dist, ProductKernel), on distinct and equal inputs.
     (A Matérn kernel still asks it, once per block: gpytorch's covar_dist.)"""
-    kernel = make_kernel(spec, 2, 4, rbf="ard-rbf")
+    kernel = make_kernel(spec, 2, 4)
     x1, x2 = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 6, 4)
     counter = op_count.OpCounter(where=True)
     with counter:

@@ -50,3 +50,18 @@ def test_variance_by_domain_smoke(tmp_path):
     (var,) = probe.sequence_variances(run, ["a good film", "a bad one indeed", "zzz qqq"])
     assert var.shape == (3,) and bool((var > 0).all()) and bool(var.isfinite().all())
     assert "_condition" not in vars(layer)
+
+
+def test_sequence_distance_scores():
+    """research/sequence_distance.py's scores: the random-feature variance is ≈ σ² = 1 with no weight on the data,
+    shrinks on the training rows and stays near 1 far from them; the kNN distance is 0 on a training row."""
+    import torch
+
+    probe = _research("sequence_distance")
+    torch.manual_seed(0)
+    train = torch.randn(200, 4) * 0.1
+    far = torch.randn(20, 4) * 0.1 + 5.0
+    assert (probe.rff_variance(train, far, 512, 1.0, 0.0) - 1).abs().max() < 0.1  # ψᵀψ ≈ κ(x, x) = 1
+    near, away = probe.rff_variance(train, train[:20], 512, 1.0, 1e4), probe.rff_variance(train, far, 512, 1.0, 1e4)
+    assert near.max() < 0.05 and away.min() > 0.5
+    assert probe.knn_distance(train, train[:5], k=1).abs().max() < 1e-12

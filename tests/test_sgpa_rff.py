@@ -210,3 +210,125 @@ def test_encoder_swap_starts_at_the_pretrained_attention_and_sets_the_lengthscal
     assert row["input_factor"] > 0  # the recipe's ℓ = 1 then the median heuristic: κ = e⁻¹ at the median pair
     torch.testing.assert_close(layer.strategy.covariance.lengthscale,
                                torch.full((2,), (row["key_distance"] / 2) ** 0.5), rtol=1e-5, atol=0)
+
+
+# ---- the sequence as g's input (gp_input="sequence", docs/derivations.md §5f) ----
+
+
+def _sequence_features_dense(cov, qk, real):
+    """ψ̂ of each sequence's unit mean query over its real tokens and all heads, by the formula.
+    # shape: qk (B, H, T, Dh), real (B, T) -> (B, R)"""
+    B, H, T, Dh = qk.shape
+    rows = []
+    for b in range(B):
+        joint = torch.cat([qk[b, h] for h in range(H)], dim=-1)[real[b]]  # (n_b, H·Dh), heads side by side
+        pooled = joint.mean(0)
+        rows.append(pooled / pooled.norm())
+    unit = torch.stack(rows).double()
+    R = cov.frequencies.shape[1]
+    omega = cov.frequencies[0].double() / float(cov.lengthscale[0])
+    return math.sqrt(2.0 / R) * torch.cos(unit @ omega.T + cov.phases[0].double())
+
+
+def rff_sequence_dense_posterior(layer, x, mask):
+    """mean m(q) + σψ̂ᵀμ at every token, covariance σ²ψ̂ᵀ(I + wM)⁻¹ψ̂ 11ᵀ (one value per sequence), explicit inverse,
+    KL by torch.distributions."""
+    strategy, cov = layer.strategy, layer.strategy.covariance
+    qk, v = sgpa_heads(layer, x)
+    B, H, T, _ = qk.shape
+    excluded = None if mask is None else mask[:, None, None, :].expand(-1, H, T, -1)
+    m = prior_mean_dense(layer, qk, qk, v, excluded)
+    real = torch.ones(B, T, dtype=torch.bool) if mask is None else ~mask
+    psi = _sequence_features_dense(cov, qk, real)  # (B, R)
+    s2 = cov.outputscale.double()  # (H,)
+    mu = strategy.variational_mean.detach().double()  # (H, R, Dv)
+    mean = m + (s2.sqrt()[None, :, None] * torch.einsum("br,hrd->bhd", psi, mu))[:, :, None, :]
+    R = psi.shape[-1]
+    moment = psi.T @ psi / B if layer.training else cov.second_moment[0].double()
+    sigma = torch.linalg.inv(torch.eye(R, dtype=F64) + cov.data_weight * moment)
+    var = s2[None, :] * torch.einsum("br,rs,bs->b", psi, sigma, psi)[:, None]  # (B, H)
+    Dv = v.shape[-1]
+    covariance = var[:, :, None, None, None] * torch.ones(B, H, Dv, T, T, dtype=F64) + strategy.jitter * torch.eye(T)
+    q_beta = torch.distributions.MultivariateNormal(mu.mT, sigma.expand(H, Dv, R, R))
+    p_beta = torch.distributions.MultivariateNormal(torch.zeros_like(mu.mT), torch.eye(R, dtype=F64))
+    kl = torch.distributions.kl_divergence(q_beta, p_beta).sum()
+    return DenseReference(mean.transpose(-1, -2), covariance, {"kl_global": kl})
+
+
+class TestSGPARFFSequence(GPAttentionTestCase):
+    attention = "sgpa-rff"
+    options = {"num_features": 16, "gp_input": "sequence"}
+    reference_seeds = (0, 1)
+    reference_padding = {1: (1, 5)}
+    mean_tolerance = covariance_tolerance = {"rtol": 1e-8, "atol": 1e-8}
+    float64_options = {"jitter": 1e-9}
+    exact_options = {"num_features": 8, "gp_input": "sequence"}
+
+    def perturb(self, layer):
+        """A non-zero μ and a tracked second moment (the posterior away from the prior)."""
+        g = torch.Generator().manual_seed(3)
+        layer.strategy.variational_mean.copy_(0.3 * torch.randn(layer.strategy.variational_mean.shape, generator=g))
+        psi = torch.randn(6, 1, 1, layer.strategy.covariance.num_features, generator=g, dtype=F64)
+        layer.strategy.covariance.track(layer.strategy.covariance.batch_moment(psi / 4, None))
+        layer.eval()
+
+    def dense_reference(self, layer, x, mask):
+        return rff_sequence_dense_posterior(layer, x, mask)
+
+
+def _sequence_layer(D=16, H=2, R=256, **options):
+    return gpattn.build_attention("sgpa-rff", D, H, num_features=R, gp_input="sequence", **options).double()
+
+
+def test_a_sequence_level_sample_is_one_value_per_sequence_with_the_analytic_variance():
+    """Every token of a sequence gets the same draw of g; the Monte-Carlo variance of the draws is σ²ψ̂ᵀΣψ̂."""
+    torch.manual_seed(0)
+    layer = _sequence_layer(R=32)
+    x = torch.randn(3, 6, 16, dtype=F64)
+    _trained(layer, x, batches=2)
+    with torch.no_grad():
+        cond = layer._condition(x, None)
+        draws = cond.rsample(40000) - cond.mean  # shape: (P, B, H, T, Dv)
+    torch.testing.assert_close(draws, draws[..., :1, :].expand_as(draws), rtol=0, atol=1e-12)  # one value per token
+    torch.testing.assert_close(draws.var(0), cond.variance().expand_as(draws[0]), rtol=0.05, atol=1e-6)
+
+
+def test_sequence_variance_shrinks_on_training_sequences_and_is_the_prior_far_away():
+    """The distance-aware property at the sequence level: sequences whose mean query points where training
+    sequences' did get a small fraction of σ², sequences pointing elsewhere nearly σ²; the scale of the queries does
+    not enter (a unit direction)."""
+    torch.manual_seed(0)
+    D = 16
+    layer = _sequence_layer(D, lengthscale=0.4)
+    centre = torch.randn(1, 1, D, dtype=F64)
+    x_in = centre + 0.2 * torch.randn(32, 10, D, dtype=F64)
+    _trained(layer, x_in, batches=5)
+    x_far = torch.randn(1, 1, D, dtype=F64) + 0.2 * torch.randn(32, 10, D, dtype=F64)
+    with torch.no_grad():
+        var_in = layer.posterior(x_in).variance.mean()
+        var_far = layer.posterior(x_far).variance.mean()
+        if layer.in_proj.bias is not None:
+            layer.in_proj.bias.zero_()  # then inputs scaled by 3 scale every query by 3: the same directions
+        cond, scaled = layer._condition(x_in, None), layer._condition(x_in * 3.0, None)
+    prior = layer.strategy.covariance.outputscale.mean()
+    assert var_in < 0.05 * prior, (var_in, prior)
+    assert var_far > 0.5 * prior, (var_far, prior)
+    torch.testing.assert_close(cond.variance(), scaled.variance())
+    assert not torch.allclose(cond.variance(), layer._condition(x_far, None).variance())
+
+
+def test_sequence_input_ignores_padded_tokens_and_refuses_per_query_masks():
+    torch.manual_seed(0)
+    layer = _sequence_layer(R=16).eval()
+    x = torch.randn(2, 6, 16, dtype=F64)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    other = x.clone()
+    other[1, 4:] = 100.0  # what padded tokens hold does not move the sequence's input
+    with torch.no_grad():
+        torch.testing.assert_close(layer._condition(x, pad).root, layer._condition(other, pad).root)
+    causal = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)
+    with pytest.raises(ValueError, match="attn_mask: attention 'sgpa-rff' takes only masks that pad"):
+        layer(x, attn_mask=causal)
+    with pytest.raises(ValueError, match="gp_input must be one of \\['query', 'sequence'\\]"):
+        gpattn.build_attention("sgpa-rff", 16, 2, gp_input="tokens")

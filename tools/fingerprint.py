@@ -31,12 +31,17 @@ FORMS = {
     "sgpa-decoupled": {
         "prior_mean": ["attention", "softmax", "zero"], "qk": ["shared", "separate"], "covariance": ["full", "diag"],
     },
-    "sgpa-rff": {"prior_mean": ["attention", "softmax"], "qk": ["shared", "separate"]},
+    "sgpa-rff": {
+        "prior_mean": ["attention", "softmax"], "qk": ["shared", "separate"], "gp_input": ["query", "sequence"],
+    },
     "cgp": {"prior_mean": ["softmax", "softmax-separate", "zero"], "learn_sigma": [False, True]},
     "scgp": {"prior_mean": ["softmax", "softmax-separate", "zero"], "amortize": [False, True]},
 }
 #: fixed options per variant (sizes)
-FIXED = {"sgpa-decoupled": {"num_global": 3}, "sgpa-rff": {"num_features": 6}, "scgp": {"num_inducing": 3, "num_inducing_keys": 4}}
+FIXED = {
+    "sgpa-decoupled": {"num_global": 3}, "sgpa-rff": {"num_features": 6},
+    "scgp": {"num_inducing": 3, "num_inducing_keys": 4},
+}
 B, T, S, D, H = 2, 5, 4, 8, 2
 
 

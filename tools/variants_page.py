@@ -96,8 +96,9 @@ VARIANTS = {
         "paper": "gpattn's own form (SNGP's Laplace precision, Liu et al. 2020, in the query space of SGPA)",
         "section": "5f",
         "cost": "O(T²·Dv + T·R·(Dh + Dv) + R³) per (B, H)",
-        "options": ("num_features", "prior_variance", "lengthscale", "data_weight", "prior_mean", "qk"),
-        "pick": "out-of-domain detection: a predictive variance that knows where the training queries were.",
+        "options": ("num_features", "prior_variance", "lengthscale", "data_weight", "gp_input", "prior_mean", "qk"),
+        "pick": "out-of-domain detection: a predictive variance that knows where the training queries (or, with "
+        "gp_input='sequence', the training sequences) were.",
     },
     "kep-svgp": {
         "what": "KEP-SVGP: SVGPs on the kernel-eigen pairs of the attention matrix (a rank-r KSVD), linear in T.",

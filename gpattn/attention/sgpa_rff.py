@@ -9,7 +9,7 @@ from gpytorch.kernels import Kernel
 from gpattn.attention.registry import register
 from gpattn.attention.sgpa import _kernel, _QueryKeyMaps
 from gpattn.variational.means import check_prior_mean
-from gpattn.variational.sgpa_rff import RFF_PRIOR_MEANS, FeatureSGPAVariationalStrategy, TrainingQueryCovariance
+from gpattn.variational.sgpa_rff import GP_INPUTS, RFF_PRIOR_MEANS, FeatureSGPAVariationalStrategy
 
 __all__ = ["DistanceAwareSGPAttention"]
 
@@ -26,7 +26,12 @@ class DistanceAwareSGPAttention(_QueryKeyMaps):
     :param prior_variance: σ², g's prior variance at every query, on the LayerNorm-ed stream's scale (default 1: away
         from the data the noise is as large as the stream; ``scale_prior`` multiplies it).
     :param lengthscale: ℓ of g's RBF kernel on the queries (default √(Dh/3): κ = e⁻¹ at the typical distance of
-        two queries of the default initialisation; an encoder swap sets it by the median heuristic).
+        two queries of the default initialisation; an encoder swap sets it by the median heuristic); with
+        ``gp_input="sequence"`` on the unit sphere (default 0.4).
+    :param gp_input: g's input: ``"query"`` (default: each query, per head) or ``"sequence"`` (each sequence's unit
+        mean query over its real tokens and all heads: one value of g per sequence and head, the same at each
+        token; docs/derivations.md §5f). The sequence form takes key padding, not per-query (causal) masks: its
+        input pools every token of the sequence.
     :param data_weight: w in Σ⁻¹ = I + w E[ψψᵀ] (default 1000).
     :param momentum: the running second moment's weight of a new training batch (default 0.01).
     :param prior_mean: ``"attention"`` (default) or ``"softmax"`` (the encoder swap's: the pretrained attention).
@@ -54,16 +59,24 @@ class DistanceAwareSGPAttention(_QueryKeyMaps):
         momentum: float = 0.01,
         prior_mean: str = "attention",
         qk: str = "shared",
+        gp_input: str = "query",
         jitter: float = 1e-6,
         **base,
     ):
         check_prior_mean(prior_mean, RFF_PRIOR_MEANS, "the attention mean of the sequence")  # parsed once, here
+        if gp_input not in GP_INPUTS:
+            raise ValueError(f"gp_input must be one of {sorted(GP_INPUTS)} (g's input: each query, or each "
+                             f"sequence's mean query), got {gp_input!r}")
         super().__init__(embed_dim, num_heads, qk, **base)
-        covariance = TrainingQueryCovariance(
-            num_heads, self.head_dim, num_features=num_features, prior_variance=prior_variance,
-            lengthscale=math.sqrt(self.head_dim / 3) if lengthscale is None else lengthscale,
-            data_weight=data_weight, momentum=momentum,
+        self.gp_input = gp_input
+        sequence = gp_input == "sequence"  # parsed once, here: the covariance object is the form
+        if lengthscale is None:
+            lengthscale = 0.4 if sequence else math.sqrt(self.head_dim / 3)
+        covariance = GP_INPUTS[gp_input](
+            num_heads, self.head_dim * (num_heads if sequence else 1), num_features=num_features,
+            prior_variance=prior_variance, lengthscale=lengthscale, data_weight=data_weight, momentum=momentum,
         )
+        self.per_query_masks = not sequence
         self.strategy = FeatureSGPAVariationalStrategy(
             _kernel(kernel, num_heads, self.head_dim, prior_mean), covariance, self.value_dim,
             prior_mean=prior_mean, jitter=jitter,
