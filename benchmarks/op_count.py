@@ -37,6 +37,7 @@ from _common import machine_info, variant_configs, write_outputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpattn
+from gpattn.variational._linalg import as_on_a_device
 
 #: the layers of issue #30's small-T bar (softmax, the reference, first)
 DEFAULT_VARIANTS = ("softmax", "kernel", "sto", "h-sto", "kep-svgp", "scgp", "sgpa-decoupled")
@@ -88,6 +89,17 @@ class OpCounter(TorchDispatchMode):
     def __init__(self, where: bool = False):
         super().__init__()
         self.where, self.phase, self.records = where, PHASES[0], []
+
+    def __enter__(self):
+        self._device_path = as_on_a_device()  # what a device runs: no host shortcut of the numerics policy
+        self._device_path.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._device_path.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = _value_shaped(func._schema.name.split("::")[-1], args, kwargs or {})

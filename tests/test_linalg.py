@@ -139,3 +139,25 @@ def test_add_jitter_float_and_per_batch_tensor():
         torch.diagonal(per, dim1=-2, dim2=-1), torch.tensor([[1.0] * 3, [2.0] * 3], dtype=torch.float64)
     )
     assert L.add_jitter(A, 0) is A
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_host_fast_path_is_the_ladder_bit_for_bit(dtype):
+    """A CPU batch that factorises without jitter skips the ladder: the same factor and gradient, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    v = torch.randn(3, 6, 8, dtype=dtype, generator=g)
+    A0 = v @ v.mT + 1e-2 * torch.eye(6, dtype=dtype)
+    weights = torch.randn(3, 6, 6, dtype=dtype, generator=g)
+    factors, grads = [], []
+    def ladder(A):  # what cholesky returned before the host path: the ladder's factor, NaN where it failed
+        F, info = L._ladder(A, 4)
+        return F.masked_fill((info > 0)[..., None, None], torch.nan)
+
+    for fn in (L.cholesky, ladder):
+        A = A0.clone().requires_grad_(True)
+        F = fn(A)
+        (F * weights).sum().backward()
+        factors.append(F.detach())
+        grads.append(A.grad)
+    assert torch.equal(factors[0], factors[1]) and torch.equal(grads[0], grads[1])
+    assert factors[0].stride() == factors[1].stride()  # the layout too: products round by it

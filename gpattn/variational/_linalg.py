@@ -5,7 +5,8 @@
   jitter escalation, and a ``NotPSDError`` that names the layer and the matrix size — never an
   unbounded retry loop; with validation off (the default) matrices up to :data:`LADDER_MAX_SIZE` read
   nothing back from the device: the same escalation runs branch-free, and a factor that still fails is
-  NaN, which the trainer reports as a divergence (larger ones keep the check: see :func:`cholesky`);
+  NaN, which the trainer reports as a divergence (larger ones keep the check, and so do CPU tensors in eager
+  mode, where the read is free: see :func:`cholesky`);
 * GP algebra runs inside :func:`gp_algebra`: autocast disabled (float32 at least) and GPyTorch's
   silent CG/Lanczos switch above 800 points turned off, so the exact Cholesky paths are used;
 * variances are clamped at 0 before a square root (:func:`safe_sqrt`);
@@ -52,6 +53,7 @@ __all__ = [
     "LowRankPlusDiagLinearOperator",
     "NotPSDError",
     "add_jitter",
+    "as_on_a_device",
     "isolate_padding",
     "cholesky",
     "full_precision",
@@ -76,6 +78,27 @@ _EXACT_SIZE = 10**9
 #: their O(n^3) factorisation dwarfs one read, while 4 extra ones would not (and SGPA's T x T key
 #: Gram needs the escalation in float32 at T = 1024)
 LADDER_MAX_SIZE = 128
+
+
+#: the host shortcut of :func:`cholesky` (a CPU tensor in eager mode: the plain factorisation, the ladder only on
+#: failure); the innermost open :func:`as_on_a_device` block turns it off
+_HOST_SHORTCUT: list = []
+
+
+@contextlib.contextmanager
+def as_on_a_device():
+    """CPU tensors take the path of a device tensor through the numerics policy (no host shortcut, nothing read
+    back): for counting what a device runs on the host (``benchmarks/op_count.py``, the host-read tests).
+    Process-wide, like the switches of :mod:`gpattn._settings`."""
+    _HOST_SHORTCUT.append(False)
+    try:
+        yield
+    finally:
+        _HOST_SHORTCUT.pop()
+
+
+def _host_shortcut(A: torch.Tensor) -> bool:
+    return A.device.type == "cpu" and not _HOST_SHORTCUT and not torch.compiler.is_compiling()
 
 
 def reset_stats() -> None:
@@ -129,11 +152,18 @@ def cholesky(A: torch.Tensor, *, max_tries: int = 4, name: str = "") -> torch.Te
     ``info`` back from the device on every call, so nothing is read: they run the same escalation
     branch-free (:func:`_ladder`: the same factor, bit for bit), and a factor that still fails is NaN —
     the loss turns non-finite and the trainer stops with a divergence naming the step (``--validate``
-    then names the matrix).
+    then names the matrix). A CPU tensor outside ``torch.compile`` has no device to read back from: it
+    gets the plain factorisation, and the ladder only if one of its matrices fails (the ladder's 1 +
+    ``max_tries`` batched tries cost several factorisations on the host, where nothing is gained; inside
+    :func:`as_on_a_device` it takes the device path).
     """
     if not torch.compiler.is_compiling():  # a global mutated in a compiled graph is a guard: a recompile per call
         STATS["cholesky_calls"] += 1
     if not is_validating() and A.shape[-1] <= LADDER_MAX_SIZE:
+        if _host_shortcut(A):
+            L, info = torch.linalg.cholesky_ex(A)  # on the host, reading info is free: no ladder when none fails
+            if not bool(info.any()):  # the ladder's factor, bit for bit (it keeps a plain try that succeeds), in
+                return L.contiguous()  # its row-major layout (the products that read it round by the layout)
         L, info = _ladder(A, max_tries)
         return L.masked_fill((info > 0)[..., None, None], torch.nan)
     L, info = torch.linalg.cholesky_ex(A)
