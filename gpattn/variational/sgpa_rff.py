@@ -59,6 +59,14 @@ def _positive(name: str, value, integer: bool = False):
     return value if integer else float(value)
 
 
+def _solve_rows(chol: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
+    """Ψ L⁻ᵀ, every row of every sequence against its head's factor in one solve per head (a solve broadcast over the
+    batch would copy L once per sequence).  # shape: chol (H, R, R), psi (B, H, T, R) -> (B, H, T, R)"""
+    B, H, T, R = psi.shape
+    rows = psi.transpose(0, 1).reshape(H, B * T, R)
+    return tri_solve(chol.mT, rows, upper=True, left=False).view(H, B, T, R).transpose(0, 1)
+
+
 class FeatureSGPAConditional(AmortisedConditional):
     """The factors of one ``sgpa-rff`` forward pass (explicit, never cached).
 
@@ -333,7 +341,7 @@ class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
                 moment = cov.second_moment.to(psi.dtype)
             chol = cov.precision_cholesky(moment)
             sigma = cov.outputscale.to(psi.dtype).sqrt()[:, None, None]  # shape: (H, 1, 1)
-            root = sigma * tri_solve(chol.mT, psi, upper=True, left=False)  # σ Ψ L⁻ᵀ
+            root = sigma * _solve_rows(chol, psi)  # σ Ψ L⁻ᵀ
             mu = self.variational_mean.to(psi.dtype)
             # the mean's global part takes the queries with their gradient: μ and the query map learn together
             mean = add_means(m, sigma * (features @ mu))
