@@ -224,7 +224,7 @@ print(f"CGP regulariser: exact {R_exact[0, 0]:.4f}, dense MC {R_mc[0, 0]:.4f}; m
 P_list = [1, 10, 100] if CI else [1, 10, 100, 1000]
 spread, bias = [], []
 for P in P_list:
-    est = gpattn.build_attention("cgp", D, H, prior_samples=P, jitter=0.0, prior_mean="zero").double().gp
+    est = gpattn.build_attention("cgp", D, H, prior_samples=P, jitter=0.0, prior_mean="zero").double().strategy
     est.load_state_dict(gp.state_dict())
     with torch.no_grad():
         r = torch.stack([est.condition(q, k, o, v).regularizer()[0, 0, 0] for _ in range(REPEATS)])
@@ -307,7 +307,7 @@ eye_v = torch.eye(T, dtype=F64).expand(1, H, T, T)
 with torch.no_grad():
     K_cgp = gp.condition(q, k, o, eye_v).mean
     K_scgp = scgp.condition(q, k, o, eye_v).mean
-    tied = gpattn.build_attention("cgp", D, H, jitter=0.0, prior_mean="zero").double().gp
+    tied = gpattn.build_attention("cgp", D, H, jitter=0.0, prior_mean="zero").double().strategy
     K_tied = tied.condition(q, q, q, eye_v).mean
     sym_layer = gpattn.build_attention("kernel", D, H).double()
     ps = sym_layer.project(x)
@@ -356,7 +356,7 @@ fig.savefig(OUT / "attention_asymmetry.png", dpi=120)
 twin = gpattn.build_attention("cgp", D, H, prior_samples=None, jitter=0.0, prior_mean="softmax").double()
 twin.load_state_dict(layer.state_dict(), strict=False)
 with torch.no_grad():
-    out0, out1 = gp.condition(q, k, o, v), twin.gp.condition(q, k, o, v)
+    out0, out1 = gp.condition(q, k, o, v), twin.strategy.condition(q, k, o, v)
     m_dense = torch.softmax(q @ k.mT, -1) @ v  # written here: exp(q·k) normalised over the keys
     mean_err = (out1.mean - out0.mean - m_dense).abs().max().item()
     cov_err = (twin.posterior(x).covariance_matrix - layer.posterior(x).covariance_matrix).abs().max().item()
@@ -369,8 +369,8 @@ print(f"softmax mean: |mean − ν − m| {mean_err:.1e}, |Σ − Σ_zero| {cov_
 
 # %%
 u = torch.randn_like(v)
-sep = gpattn.build_attention("cgp", D, H, prior_samples=None, jitter=0.0, prior_mean="softmax-separate").double().gp
-sep.load_state_dict(twin.gp.state_dict())
+sep = gpattn.build_attention("cgp", D, H, prior_samples=None, jitter=0.0, prior_mean="softmax-separate").double().strategy
+sep.load_state_dict(twin.strategy.state_dict())
 with torch.no_grad():
     out2 = sep.condition(q, k, o, v, mean_values=u)
     sep_mean_err = (out2.mean - out0.mean - torch.softmax(q @ k.mT, -1) @ u).abs().max().item()

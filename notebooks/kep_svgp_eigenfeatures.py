@@ -160,7 +160,7 @@ def layer_quantities(model, x):
         q, k = p["q"], p["k"]
         out = {"K": F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).mT}
         out["softmax"] = torch.softmax(q @ k.mT / math.sqrt(q.shape[-1]), dim=-1)
-        if hasattr(layer, "kep"):
+        if hasattr(getattr(layer, "strategy", None), "ksvd"):
             out["e"], out["r"], _, _ = layer.strategy.ksvd(h, q, k)
             out["lam"] = layer.strategy.ksvd.log_lambda.exp()
     return out

@@ -145,8 +145,6 @@ class SequenceFeatureConditional(FeatureSGPAConditional):
 
 
 class TrainingQueryCovariance(nn.Module):
-    #: the conditional a strategy with this covariance returns
-    conditional = FeatureSGPAConditional
 
     r"""The covariance of g: R random Fourier features of an RBF kernel per head and the posterior precision
     Σ⁻¹ = I + w E[ψψᵀ] from the running second moment of the training queries' features (module docstring).
@@ -160,6 +158,9 @@ class TrainingQueryCovariance(nn.Module):
     :param momentum: the running average's weight of a new batch (after the first ⌈1/momentum⌉ batches, which
         are averaged with equal weights).
     """
+
+    #: the conditional a strategy with this covariance returns
+    conditional = FeatureSGPAConditional
 
     def __init__(
         self, num_heads: int, head_dim: int, *, num_features: int, lengthscale: float, prior_variance: float,
@@ -245,6 +246,7 @@ class TrainingSequenceCovariance(TrainingQueryCovariance):
     :param prior_variance, data_weight, momentum: as :class:`TrainingQueryCovariance`.
     """
 
+    #: the conditional a strategy with this covariance returns
     conditional = SequenceFeatureConditional
 
     def __init__(
