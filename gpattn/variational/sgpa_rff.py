@@ -243,7 +243,9 @@ class TrainingSequenceCovariance(TrainingQueryCovariance):
     :param input_dim: H·Dh, the width of the concatenated queries.
     :param num_features: R features (shared by the heads).
     :param lengthscale: ℓ on the unit sphere (distances in [0, 2]).
-    :param prior_variance, data_weight, momentum: as :class:`TrainingQueryCovariance`.
+    :param prior_variance: σ² per head, as :class:`TrainingQueryCovariance`.
+    :param data_weight: w, as :class:`TrainingQueryCovariance`.
+    :param momentum: as :class:`TrainingQueryCovariance`.
     """
 
     #: the conditional a strategy with this covariance returns
