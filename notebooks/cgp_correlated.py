@@ -369,7 +369,8 @@ print(f"softmax mean: |mean − ν − m| {mean_err:.1e}, |Σ − Σ_zero| {cov_
 
 # %%
 u = torch.randn_like(v)
-sep = gpattn.build_attention("cgp", D, H, prior_samples=None, jitter=0.0, prior_mean="softmax-separate").double().strategy
+sep = gpattn.build_attention("cgp", D, H, prior_samples=None, jitter=0.0, prior_mean="softmax-separate")
+sep = sep.double().strategy
 sep.load_state_dict(twin.strategy.state_dict())
 with torch.no_grad():
     out2 = sep.condition(q, k, o, v, mean_values=u)
