@@ -72,7 +72,7 @@ class FeatureSGPAConditional(AmortisedConditional):
 
     :ivar mean: m(q) + σ Ψ μ.  # shape: (B, H, T, Dv)
     :ivar root: σ Ψ L⁻ᵀ, the root of the covariance shared by the Dv output dims.  # shape: (B, H, T, R)
-    :ivar chol: L, the Cholesky factor of the posterior precision.  # shape: (H, R, R)
+    :ivar chol: L, the Cholesky factor of the posterior precision.  # shape: (H, R, R), or (1, R, R) shared by the heads
     :ivar coefficients: μ.  # shape: (H, R, Dv)
     """
 
@@ -90,8 +90,8 @@ class FeatureSGPAConditional(AmortisedConditional):
         """q(β) = N(μ, Σ), Σ = L⁻ᵀL⁻¹.  # shape: batch (H, Dv), event R"""
         eye = torch.eye(self.chol.shape[-1], dtype=self.chol.dtype, device=self.chol.device)
         root = tri_solve(self.chol.mT, eye, upper=True)  # L⁻ᵀ: Σ = L⁻ᵀ (L⁻ᵀ)ᵀ
-        Dv = self.coefficients.shape[-1]
-        return MultivariateNormal(self.coefficients.mT, RootLinearOperator(root[:, None].expand(-1, Dv, -1, -1)))
+        H, R, Dv = self.coefficients.shape  # a sequence-level g's one factor is shared by its H heads
+        return MultivariateNormal(self.coefficients.mT, RootLinearOperator(root[:, None].expand(H, Dv, R, R)))
 
     def kl_divergence(self) -> torch.Tensor:
         """KL(q(β_d) ‖ p(β_d)) = ½[tr Σ + ‖μ_d‖² − R − log|Σ|], a global term.  # shape: -> (H, Dv)"""
@@ -349,7 +349,6 @@ class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
             mu = self.variational_mean.to(psi.dtype)
             # the mean's global part takes the queries with their gradient: μ and the query map learn together
             mean = add_means(m, sigma * (features @ mu))
-        chol = chol.expand(mu.shape[0], *chol.shape[-2:])  # one factor per head (shared by a sequence-level g's heads)
         return cov.conditional(mean=mean, root=root, chol=chol, coefficients=mu, jitter=self.jitter)
 
 
