@@ -486,12 +486,12 @@ def test_mean_values_only_with_the_separate_mean(name):
     separate = gpattn.build_attention(name, 8, 2, prior_mean="softmax-separate").strategy
     with pytest.raises(ValueError, match="mean_values: prior_mean='softmax-separate' reads values of its own"):
         separate.condition(q, k, o, v)
-    shapes = r"mean_values must be a tensor shaped like v \(1, 2, 4, 4\), got \(1, 2, 3, 4\)"
+    shapes = r"a tensor of shape \(1, 2, 4, 4\), got \(1, 2, 3, 4\); or use prior_mean='softmax'"
     with pytest.raises(ValueError, match=shapes):
         separate.condition(q, k, o, v, mean_values=v[:, :, :3])
     for mean in ("softmax", "zero"):
         strategy = gpattn.build_attention(name, 8, 2, prior_mean=mean).strategy
-        with pytest.raises(ValueError, match=f"only prior_mean='softmax-separate' reads them, not '{mean}'"):
+        with pytest.raises(ValueError, match=f"only a prior mean with values of its own reads them, not '{mean}'"):
             strategy.condition(q, k, o, v, mean_values=v)
 
 

@@ -103,10 +103,12 @@ def test_prior_mean_errors_name_the_argument_and_the_fix():
         gpattn.build_attention("kep-svgp", 16, 2, prior_mean="attention")
     x, q = torch.randn(1, 4, 16), torch.randn(1, 2, 4, 8)
     zero = gpattn.build_attention("kep-svgp", 16, 2).strategy
-    with pytest.raises(ValueError, match="mean_values: only prior_mean='softmax' reads"):
+    refused = "mean_values: only a prior mean with values of its own reads them, not 'zero'"
+    with pytest.raises(ValueError, match=refused):
         zero.condition(x, q, q, mean_values=q)
     soft = gpattn.build_attention("kep-svgp", 16, 2, prior_mean="softmax").strategy
-    with pytest.raises(ValueError, match=r"mean_values: prior_mean='softmax' reads values of its own, shape"):
+    own = r"mean_values: prior_mean='softmax' reads values of its own .* shape \(1, 2, 4, 8\), got NoneType"
+    with pytest.raises(ValueError, match=own):
         soft.condition(x, q, q)
 
 

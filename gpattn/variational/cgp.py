@@ -282,7 +282,7 @@ class CorrelatedConditional(AmortisedConditional):
     def add_prior_mean(self, prior: torch.Tensor | None) -> None:
         """The predictive mean becomes m(q) + ν (docs/derivations.md §7a); the covariance and R do not change.
         # shape: prior (B, H, T, Dv), or None: the zero mean (nothing added)"""
-        self.mean = add_means(self.nu, None if prior is None else prior.to(self.nu.dtype))
+        self.mean = add_means(self.nu, prior)
 
     def regularizer(self) -> torch.Tensor:
         """R per head and value column (a fresh Monte-Carlo estimate per call where R samples).

@@ -50,7 +50,7 @@ from gpattn.variational._linalg import (
 )
 from gpattn.variational._scale import KEP_COVARIANCE_STD, KEP_MEAN_STD
 from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy
-from gpattn.variational.means import ZeroMean, add_means, check_prior_mean, softmax_attention
+from gpattn.variational.means import ZeroMean, add_means, check_prior_mean, read_own_values, softmax_attention
 
 __all__ = [
     "KEPSVGP",
@@ -427,6 +427,10 @@ class KEPSoftmaxMean(nn.Module):
     #: the value projection this mean owns: rows of the layer's fused ``in_proj``
     projections = ("v_mean",)
 
+    def mean_values_for(self, shape, mean_values) -> torch.Tensor:
+        """The values the mean reads: ``mean_values``, required, of ``shape`` (B, H, T, Dv)."""
+        return read_own_values(self.name, mean_values, shape, "; or use prior_mean='zero' (the paper's form)")
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, values: torch.Tensor, mask=None) -> torch.Tensor:
         """m(x) over the real keys of ``mask``.
         # shape: q, k (B, H, T, Dh), values (B, H, T, Dv), mask (B, T) bool (True = padding) or None -> (B, H, T, Dv)"""
@@ -597,18 +601,10 @@ class KEPSVGP(AmortisedVariationalStrategy):
             return KEPConditional(self, features, mask)
 
     def _prior_mean(self, q, k, mean_values, mask) -> torch.Tensor | None:
-        """m(x) of the mean module (None: the zero mean).  # shape: -> (B, H, T, Dv) or None"""
-        if not self.mean_module.projections:
-            if mean_values is not None:
-                raise ValueError("mean_values: only prior_mean='softmax' reads values of its own, not 'zero'")
-            return None
-        if mean_values is None or mean_values.shape != (*q.shape[:-1], self.value_dim):
-            got = None if mean_values is None else tuple(mean_values.shape)
-            raise ValueError(
-                f"mean_values: prior_mean='softmax' reads values of its own, shape {(*q.shape[:-1], self.value_dim)}"
-                f" (the layer's v_mean projection), got {got}"
-            )
-        return self.mean_module(q, k, mean_values, mask)
+        """m(x) of the mean module (None: the zero mean), over the values it reads.
+        # shape: -> (B, H, T, Dv) or None"""
+        values = self.mean_module.mean_values_for((*q.shape[:-1], self.value_dim), mean_values)
+        return self.mean_module(q, k, values, mask)
 
 
 class KEPConditional(AmortisedConditional):
@@ -678,9 +674,8 @@ class KEPConditional(AmortisedConditional):
         """The exact posterior of the head outputs with the strategy's ``jitter`` (:func:`kep_posterior`)."""
         with gp_algebra(self._device):
             post = kep_posterior(*self._map_args(), residual=self.features["residual"], jitter=self.strategy.jitter)
-            if self._prior is None:
-                return post
-            return MultivariateNormal(post.mean + self._prior.mT, post.lazy_covariance_matrix)  # batch (B, H, Dv)
+            mean = add_means(post.mean.mT, self._prior).mT  # shape: (B, H, Dv, T); + m(x), once
+            return MultivariateNormal(mean, post.lazy_covariance_matrix)  # batch (B, H, Dv)
 
     def added_loss_terms(self, mask=None):
         """``kl_global`` (the total KL) and ``ksvd`` = J², J averaged over the real tokens of ``mask`` (the

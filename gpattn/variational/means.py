@@ -46,6 +46,7 @@ __all__ = [
     "check_prior_mean",
     "make_correlated_mean",
     "make_prior_mean",
+    "read_own_values",
     "softmax_attention",
     "variational_mean_for",
 ]
@@ -77,8 +78,20 @@ def check_prior_mean(prior_mean, choices: tuple[str, ...] = PRIOR_MEANS, meaning
 def _read_gp_values(name: str, v, mean_values):
     """A mean that owns no values reads the GP's ``v``; ``mean_values`` passed to it are an error, not ignored."""
     if mean_values is not None:
-        raise ValueError(f"mean_values: only prior_mean='softmax-separate' reads them, not {name!r}")
+        raise ValueError(f"mean_values: only a prior mean with values of its own reads them, not {name!r}")
     return v
+
+
+def read_own_values(name: str, mean_values, shape, instead: str = "") -> torch.Tensor:
+    """The values of a mean that owns them (the layer's ``v_mean`` projection): ``mean_values``, required, a tensor of
+    ``shape``; the error names the argument, the shape and ``instead`` (the alternative form)."""
+    if not torch.is_tensor(mean_values) or mean_values.shape != tuple(shape):
+        got = tuple(mean_values.shape) if torch.is_tensor(mean_values) else type(mean_values).__name__
+        raise ValueError(
+            f"mean_values: prior_mean={name!r} reads values of its own (the layer's v_mean projection), a tensor of "
+            f"shape {tuple(shape)}, got {got}{instead}"
+        )
+    return mean_values
 
 
 class ZeroMean(nn.Module):
@@ -410,15 +423,7 @@ class CorrelatedSoftmaxMean(nn.Module):
         ``mean_values`` (required, shaped like ``v``)."""
         if not self.separate:
             return _read_gp_values(self.name, v, mean_values)
-        if mean_values is None:
-            raise ValueError(
-                "mean_values: prior_mean='softmax-separate' reads values of its own (B, H, T, Dv); pass them, or use "
-                "prior_mean='softmax' (the mean reads the GP's values v)"
-            )
-        if not torch.is_tensor(mean_values) or mean_values.shape != v.shape:
-            shape = tuple(mean_values.shape) if torch.is_tensor(mean_values) else type(mean_values).__name__
-            raise ValueError(f"mean_values must be a tensor shaped like v {tuple(v.shape)}, got {shape}")
-        return mean_values
+        return read_own_values(self.name, mean_values, v.shape, "; or use prior_mean='softmax' (it reads the GP's v)")
 
     def forward(self, strategy, q, k, values, valid=None, valid_q=None) -> torch.Tensor:
         """m(q) with the temperature t of ``strategy``.
