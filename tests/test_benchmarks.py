@@ -433,3 +433,19 @@ def test_compile_lengths_smoke_schema(tmp_path):
     longest = [batch[3] for batch in compile_lengths._batches(compile_lengths.parse_args(args))]
     assert rows["buckets"]["graphs"] == len({compile_lengths.bucket_length(n, 20) for n in longest}) > 1
     assert "| kernel | dynamic | 1 |" in (tmp_path / "lengths.md").read_text()
+
+
+def test_first_call_rss_smoke_schema(tmp_path):
+    """benchmarks/first_call_rss.py: a row per variant from a fresh interpreter, with the first call's peak over the
+    state before it, what it retained, a later call's peak and the modules the first call imported."""
+    first_call_rss = importlib.import_module("first_call_rss")
+    out = tmp_path / "rss.json"
+    rows = first_call_rss.main(["--ts", "32", "--variants", "kernel", "--dim", "16", "--json", str(out)])
+    assert [r["variant"] for r in rows] == ["softmax", "kernel"] and json.loads(out.read_text()) == rows
+    for r in rows:
+        assert r["status"] == "ok", r.get("reason")
+        assert r["before_mb"] > 0 and r["first_call_mb"] >= 0 and r["second_call_mb"] >= 0
+        assert isinstance(r["modules_imported"], int) and r["modules_imported"] >= 0
+    assert "| kernel | 32 |" in first_call_rss.to_markdown(rows)
+    bad = first_call_rss.measure("no-such-variant", 8, 1, 2, 16, 1)
+    assert bad["status"] == "error" and bad["reason"]
