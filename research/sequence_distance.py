@@ -9,7 +9,13 @@ posterior variance σ²ψᵀ(I + w E_train[ψψᵀ])⁻¹ψ (σ² = 1) with Mini
 beside a kNN cosine distance (k = 10) of the layer's mean-pooled input. Finding: docs/results.md, "Does the
 variance grow away from the data?", and docs/derivations.md §5f.
 
+With ``--predictions`` (a trained softmax run's predictions.pt on the official test split, ``--split test``) it also
+prints how much each score adds to the model's energy: the OOD AUROC and FPR95 of z(energy) + w·z(score), z the
+standardisation on the in-scope rows, over a grid of w — the ceiling of a readout that combines the two (chosen on
+the test split itself: an upper bound, not a result).
+
     python research/sequence_distance.py --clinc150 ../shared/data/clinc150/data_full.json --split val
+    python research/sequence_distance.py --clinc150 ... --split test --predictions RUN/predictions.pt
 """
 
 from __future__ import annotations
@@ -88,6 +94,35 @@ def form_scores(train: list[tuple], evaluation: list[tuple], args) -> dict[str, 
     return scores
 
 
+def with_energy(energy, score, inside: int, weights=(0.0, 0.3, 0.5, 1.0)) -> dict[float, tuple[float, float]]:
+    """OOD AUROC and FPR95 (at 95 % of OOD rows detected) of z(energy) + w·z(score) per w; the first ``inside`` rows
+    are in scope (label 0), the rest OOD; z standardises on the in-scope rows.  # shape: energy, score (M,)"""
+    import numpy as np
+    from sklearn.metrics import roc_auc_score, roc_curve
+
+    labels = np.r_[np.zeros(inside), np.ones(len(energy) - inside)]
+
+    def z(a):
+        a = np.asarray(a, dtype=np.float64)
+        return (a - a[:inside].mean()) / a[:inside].std()
+
+    result = {}
+    for w in weights:
+        combined = z(energy) + w * z(score)
+        fpr, tpr, _ = roc_curve(labels, combined)
+        result[w] = (float(roc_auc_score(labels, combined)), float(fpr[np.searchsorted(tpr, 0.95)]))
+    return result
+
+
+def _energy(predictions: str, inside: int, outside: int) -> torch.Tensor:
+    """−logsumexp of the sample-mean logits of a run's test and ood rows (in that order)."""
+    saved = torch.load(predictions, weights_only=False)
+    logits = torch.cat([saved["test"]["logits"], saved["ood"]["logits"]])  # shape: (M, P, C)
+    if logits.shape[0] != inside + outside:
+        raise SystemExit(f"--predictions {predictions}: {logits.shape[0]} rows, the test split has {inside + outside}")
+    return -torch.logsumexp(logits.mean(1), -1)
+
+
 def main(argv=None) -> dict[str, float]:
     from sklearn.metrics import roc_auc_score
     from transformers import AutoModel, AutoTokenizer
@@ -102,7 +137,10 @@ def main(argv=None) -> dict[str, float]:
     parser.add_argument("--num-features", type=int, default=1024)
     parser.add_argument("--data-weight", type=float, default=1e4)
     parser.add_argument("--lengthscales", type=lambda s: [float(v) for v in s.split(",")], default=[0.2, 0.4])
+    parser.add_argument("--predictions", default=None, help="a softmax run's predictions.pt (needs --split test)")
     args = parser.parse_args(argv)
+    if args.predictions and args.split != "test":
+        parser.error("--predictions holds the official test split's rows: use --split test")
     torch.manual_seed(0)
     data = read_clinc150(args.clinc150)
     path = resolve_encoder(args.encoder)
@@ -111,9 +149,14 @@ def main(argv=None) -> dict[str, float]:
     inside, outside = (last_layer_inputs(encoder, tokenizer, data[k][0]) for k in (args.split, f"oos_{args.split}"))
     labels = [0] * len(inside) + [1] * len(outside)
     result = {}
+    energy = None if args.predictions is None else _energy(args.predictions, len(inside), len(outside))
     for name, score in form_scores(train, inside + outside, args).items():
         result[name] = float(roc_auc_score(labels, score.numpy()))
         print(f"{name}: OOD AUROC {result[name]:.3f}", flush=True)
+        if energy is not None:
+            log_score = score.clamp_min(1e-12).log() if name.startswith("unit") or name.startswith("token") else score
+            for w, (auroc, fpr) in with_energy(energy.numpy(), log_score.numpy(), len(inside)).items():
+                print(f"  energy + {w} x {name}: AUROC {auroc:.4f}, FPR95 {fpr:.3f}", flush=True)
     return result
 
 

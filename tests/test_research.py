@@ -65,3 +65,21 @@ def test_sequence_distance_scores():
     near, away = probe.rff_variance(train, train[:20], 512, 1.0, 1e4), probe.rff_variance(train, far, 512, 1.0, 1e4)
     assert near.max() < 0.05 and away.min() > 0.5
     assert probe.knn_distance(train, train[:5], k=1).abs().max() < 1e-12
+
+
+def test_sequence_distance_with_energy_against_sklearn():
+    """z(energy) + w·z(score): at w = 0 the energy's own AUROC and FPR95 (sklearn's, and counted by hand), and a score
+    that separates the OOD rows perfectly lifts the AUROC to 1 as its weight grows."""
+    import numpy as np
+    from sklearn.metrics import roc_auc_score
+
+    probe = _research("sequence_distance")
+    rng = np.random.default_rng(0)
+    energy = np.r_[rng.normal(0, 1, 300), rng.normal(1, 1, 100)]
+    labels = np.r_[np.zeros(300), np.ones(100)]
+    perfect = labels + 0.01 * rng.normal(size=400)
+    got = probe.with_energy(energy, perfect, 300, weights=(0.0, 100.0))
+    assert got[0.0][0] == roc_auc_score(labels, energy)
+    threshold = np.sort(energy[300:])[::-1][94]  # the 95th of 100 OOD scores from the top: 95 % detected
+    assert got[0.0][1] == (energy[:300] >= threshold).mean()
+    assert got[100.0][0] > 0.999 and got[100.0][0] > got[0.0][0]
