@@ -10,9 +10,9 @@ beside a kNN cosine distance (k = 10) of the layer's mean-pooled input. Finding:
 variance grow away from the data?", and docs/derivations.md §5f.
 
 With ``--predictions`` (a trained softmax run's predictions.pt on the official test split, ``--split test``) it also
-prints how much each score adds to the model's energy: the OOD AUROC and FPR95 of z(energy) + w·z(score), z the
-standardisation on the in-scope rows, over a grid of w — the ceiling of a readout that combines the two (chosen on
-the test split itself: an upper bound, not a result).
+prints how much each score adds to the model's energy: the OOD AUROC and FPR95 (metrics.json's) of z(energy) +
+w·z(score), z the standardisation on the in-scope rows, over a grid of w — the ceiling of a readout that combines
+the two (chosen on the test split itself: an upper bound, not a result).
 
     python research/sequence_distance.py --clinc150 ../shared/data/clinc150/data_full.json --split val
     python research/sequence_distance.py --clinc150 ... --split test --predictions RUN/predictions.pt
@@ -95,12 +95,12 @@ def form_scores(train: list[tuple], evaluation: list[tuple], args) -> dict[str, 
 
 
 def with_energy(energy, score, inside: int, weights=(0.0, 0.3, 0.5, 1.0)) -> dict[float, tuple[float, float]]:
-    """OOD AUROC and FPR95 (at 95 % of OOD rows detected) of z(energy) + w·z(score) per w; the first ``inside`` rows
-    are in scope (label 0), the rest OOD; z standardises on the in-scope rows.  # shape: energy, score (M,)"""
+    """OOD AUROC and FPR95 (OOD rows accepted where 95 % of the in-scope rows are, as metrics.json's ``ood_fpr95``)
+    of z(energy) + w·z(score) per w, both scores higher out of scope; the first ``inside`` rows are in scope, the rest
+    OOD; z standardises on the in-scope rows.  # shape: energy, score (M,)"""
     import numpy as np
-    from sklearn.metrics import roc_auc_score, roc_curve
 
-    labels = np.r_[np.zeros(inside), np.ones(len(energy) - inside)]
+    from gpattn.experiments.metrics import ood_metrics
 
     def z(a):
         a = np.asarray(a, dtype=np.float64)
@@ -108,9 +108,9 @@ def with_energy(energy, score, inside: int, weights=(0.0, 0.3, 0.5, 1.0)) -> dic
 
     result = {}
     for w in weights:
-        combined = z(energy) + w * z(score)
-        fpr, tpr, _ = roc_curve(labels, combined)
-        result[w] = (float(roc_auc_score(labels, combined)), float(fpr[np.searchsorted(tpr, 0.95)]))
+        combined = -(z(energy) + w * z(score))  # ood_metrics reads higher = in scope
+        got = ood_metrics(combined[:inside], combined[inside:])
+        result[w] = (got["ood_auroc"], got["ood_fpr95"])
     return result
 
 
