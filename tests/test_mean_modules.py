@@ -4,18 +4,19 @@
 import ast
 import itertools
 import pathlib
+import re
 
 import torch
 
 import gpattn
+from gpattn.prior_means import make_correlated_mean, make_prior_mean
 from gpattn.variational.means import (
+    OWN_VALUES,
     AmortisedValueMean,
     CentredVariationalMean,
     CorrelatedSoftmaxMean,
     SoftmaxMean,
     ZeroMean,
-    make_correlated_mean,
-    make_prior_mean,
 )
 from gpattn.variational.sgpa import SGPAVariationalStrategy
 
@@ -80,6 +81,35 @@ def test_no_form_test_of_the_means_in_variational():
     assert not offenders, f"form tests (a prior-mean string, a form's class or flag; file: lines): {offenders}"
 
 
+#: the project check's pattern: a prior-mean string, a test of ``mean_values``, the own-values projection's name, a test
+#: of the mean module, a Gram flag a caller would branch on
+CHECK = re.compile(
+    r'prior_mean *(==|!=|in )|mean_values is|"softmax-separate"|v_mean|mean_module is (not )?None|uses_gram'
+)
+#: the three lines that may match: the separate mean's public spelling, the own-values projection's name (one
+#: constant), and the refusal of ``mean_values`` given to a mean that owns none (an input check, not a form test)
+ALLOWED = {
+    ("means.py", 'self.name = "softmax-separate" if self.separate else "softmax"'),
+    ("means.py", 'OWN_VALUES = ("v_mean",)'),
+    ("means.py", "if mean_values is not None:"),
+}
+
+
+def test_the_spelling_lives_outside_the_conditioning_code():
+    """The names are parsed in gpattn/prior_means.py; gpattn/variational/ reads no name and no flag of a form: what a
+    form computes, its module computes (a mean that reads the Gram evaluates it; a q(ũ)-mean decides whether the
+    Gram-free path runs)."""
+    found = {
+        (path.name, line.strip())
+        for path in sorted(VARIATIONAL.glob("*.py"))
+        for line in path.read_text().splitlines()
+        if CHECK.search(line)
+    }
+    assert found <= ALLOWED, (
+        f"string/flag tests of the prior-mean form in gpattn/variational/: {sorted(found - ALLOWED)}"
+    )
+
+
 def test_the_check_finds_a_string_test():
     assert _string_tests(ast.parse("def f(s):\n    return s.prior_mean == 'zero'\n")) == [2]
     assert _string_tests(ast.parse("def f(s):\n    return 'v_mean' in s.projections\n")) == [2]
@@ -98,7 +128,7 @@ def test_strings_build_the_modules():
     mean = ZeroMean()
     assert make_prior_mean(mean, kernel) is mean and make_correlated_mean(mean) is mean
     separate = make_correlated_mean("softmax-separate")
-    assert isinstance(separate, CorrelatedSoftmaxMean) and separate.projections == ("v_mean",)
+    assert isinstance(separate, CorrelatedSoftmaxMean) and separate.projections == OWN_VALUES == ("v_mean",)
     assert make_correlated_mean("softmax").projections == () and make_correlated_mean("zero").projections == ()
     layer = gpattn.build_attention("scgp", 8, 2, num_inducing=3, num_inducing_keys=3)
     assert "v_mean" in layer.projections and layer.strategy.prior_mean == "softmax-separate"

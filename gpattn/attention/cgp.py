@@ -9,8 +9,8 @@ from gpytorch.kernels import Kernel
 from gpattn.attention._gp import GPAttention
 from gpattn.attention.registry import register
 from gpattn.kernels import make_kernel
+from gpattn.prior_means import make_correlated_mean
 from gpattn.variational.cgp import CorrelatedGP
-from gpattn.variational.means import make_correlated_mean
 from gpattn.variational.scgp import SparseCorrelatedGP
 
 __all__ = ["CGPAttention", "SCGPAttention"]

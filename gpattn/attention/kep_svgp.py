@@ -7,8 +7,9 @@ import torch
 
 from gpattn.attention._gp import GPAttention
 from gpattn.attention.registry import register
+from gpattn.prior_means import make_kep_mean
 from gpattn.variational._scale import KEP_PRIOR_VARIANCE
-from gpattn.variational.kep_svgp import KEPSVGP, MERGES, make_kep_mean
+from gpattn.variational.kep_svgp import KEPSVGP, MERGES
 
 __all__ = ["KEPSVGPAttention"]
 

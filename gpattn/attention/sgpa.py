@@ -9,8 +9,8 @@ from gpytorch.kernels import Kernel
 from gpattn.attention._gp import GPAttention
 from gpattn.attention.registry import register
 from gpattn.kernels import make_kernel
+from gpattn.prior_means import check_prior_mean
 from gpattn.variational._scale import PRIOR_VARIANCE, attention_lengthscale
-from gpattn.variational.means import check_prior_mean
 from gpattn.variational.sgpa import AmortisedDiagonalVariationalDistribution, SGPAVariationalStrategy
 from gpattn.variational.sgpa_decoupled import (
     DecoupledSGPAVariationalStrategy,

@@ -8,8 +8,8 @@ from gpytorch.kernels import Kernel
 
 from gpattn.attention.registry import register
 from gpattn.attention.sgpa import _kernel, _QueryKeyMaps
-from gpattn.variational.means import check_prior_mean
-from gpattn.variational.sgpa_rff import GP_INPUTS, RFF_PRIOR_MEANS, FeatureSGPAVariationalStrategy
+from gpattn.prior_means import RFF_PRIOR_MEANS, check_prior_mean
+from gpattn.variational.sgpa_rff import GP_INPUTS, FeatureSGPAVariationalStrategy
 
 __all__ = ["DistanceAwareSGPAttention"]
 

@@ -26,6 +26,7 @@ from linear_operator.operators import CholLinearOperator, TriangularLinearOperat
 from gpattn.kernels._evaluate import evaluate_kernel
 from gpattn.kernels.cross_covariance import CrossCovarianceKernel
 from gpattn.objectives import CGPRegulariser
+from gpattn.prior_means import make_correlated_mean
 from gpattn.variational._linalg import (
     add_jitter,
     cholesky,
@@ -44,7 +45,7 @@ from gpattn.variational._strategy import (
     check_query_inputs,
     sequence_mean,
 )
-from gpattn.variational.means import add_means, make_correlated_mean
+from gpattn.variational.means import add_means
 
 #: lower bound of a learned σ: keeps the regulariser's bound 2T log σ² finite
 SIGMA_FLOOR = 1e-3
@@ -86,13 +87,15 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         :math:`2T\log\sigma^2` would otherwise run to −∞ with σ.
     :param jitter: added to the diagonal of the matrices that are PSD only in exact arithmetic
         before their Cholesky factorisation (the numerics policy escalates it on failure).
-    :param prior_mean: ``"zero"`` (the papers' form) or ``"softmax"``: the query and key processes have the prior
+    :param prior_mean: a mean module, or its name (:data:`gpattn.prior_means.CGP_PRIOR_MEANS`, parsed by
+        :func:`gpattn.prior_means.make_correlated_mean`): :class:`~gpattn.variational.means.ZeroMean` (the papers'
+        form) or :class:`~gpattn.variational.means.CorrelatedSoftmaxMean`: the query and key processes have the prior
         mean :math:`m(x) = \sum_j \mathrm{softmax}_j(t\, x \cdot k_j)\, v_j`, softmax attention of the canonical
         inputs at temperature :math:`t` (the buffer ``mean_temperature``, 1 until :meth:`rescale_mean` moves it),
         and the correlated GP models the departure from it (docs/derivations.md §7a). The covariance and the
-        regulariser are the zero-mean model's; the mean of z_q | z_k is :math:`m(q) + \nu`.
-        ``"softmax-separate"``: the same mean over values of its own, :math:`u_j` (``condition``'s
-        ``mean_values``), which the regulariser does not read (§7a).
+        regulariser are the zero-mean model's; the mean of z_q | z_k is :math:`m(q) + \nu`. With
+        ``separate=True`` the same mean reads values of its own, :math:`u_j` (``condition``'s ``mean_values``),
+        which the regulariser does not read (§7a).
     """
 
     def __init__(
@@ -228,7 +231,7 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         factorisation on a leading axis; the layer's loss term: ``added_loss_terms(mask)``).
         ``query_inputs`` (B, H, T', Dh): cross-attention, z_q evaluated at these queries instead of ``q``;
         k, x_o and v are the context's, ``mask`` pads them (docs/derivations.md §13). ``mean_values``: the
-        values u of ``prior_mean="softmax-separate"`` (required there, refused otherwise).
+        values u of a mean that owns them (``mean_module.projections``: required there, refused otherwise).
 
         # shape: q, k, o (B, H, T, Dh) projected inputs, v (B, H, T, Dv), mask (B, T) bool (True = padding),
         # mean_values (B, H, T, Dv)

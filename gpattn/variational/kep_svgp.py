@@ -50,11 +50,10 @@ from gpattn.variational._linalg import (
 )
 from gpattn.variational._scale import KEP_COVARIANCE_STD, KEP_MEAN_STD
 from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy
-from gpattn.variational.means import ZeroMean, add_means, check_prior_mean, read_own_values, softmax_attention
+from gpattn.variational.means import KEPSoftmaxMean, add_means
 
 __all__ = [
     "KEPSVGP",
-    "KEP_PRIOR_MEANS",
     "KEPConditional",
     "KEPSoftmaxMean",
     "KEPVariationalDistribution",
@@ -66,14 +65,10 @@ __all__ = [
     "kep_sample",
     "ksvd_objective",
     "landmark_indices",
-    "make_kep_mean",
     "residual_root",
 ]
 
 MERGES = ("add", "concat")
-#: the prior means of the head output (docs/derivations.md §6): Chen et al.'s zero, or softmax attention over values
-#: of the layer's own (:class:`KEPSoftmaxMean`, the ``v_mean`` projection)
-KEP_PRIOR_MEANS = ("zero", "softmax")
 
 
 # ---------------------------------------------------------------------------------------- features
@@ -409,47 +404,6 @@ def residual_root(phi_q: torch.Tensor, phi_k: torch.Tensor, W: torch.Tensor, mas
     return phi_q @ (evecs * safe_sqrt(evals)[..., None, :])
 
 
-# ------------------------------------------------------------------------------ the prior mean
-class KEPSoftmaxMean(nn.Module):
-    r"""The prior mean of the head output, softmax attention over values of the layer's own
-    (docs/derivations.md §6, "The softmax prior mean"):
-
-    .. math:: m(x_i) = \sum_{j \in A_i} \operatorname{softmax}_j\big(q_i \cdot k_j / \sqrt{D_h}\big)\, u_j,
-        \qquad u = x W_{vm},
-
-    A_i the real keys, q and k the layer's own projections (those the KSVD features read), u the ``v_mean``
-    projection. A deterministic function of the sequence, added once to the GP's mean and samples; the KL is
-    unchanged. In an encoder swap q, k and u are the pretrained maps, so the layer's mean starts at the
-    pretrained attention."""
-
-    #: the public spelling of this mean (``prior_mean=``)
-    name = "softmax"
-    #: the value projection this mean owns: rows of the layer's fused ``in_proj``
-    projections = ("v_mean",)
-
-    def mean_values_for(self, shape, mean_values) -> torch.Tensor:
-        """The values the mean reads: ``mean_values``, required, of ``shape`` (B, H, T, Dv)."""
-        return read_own_values(self.name, mean_values, shape, "; or use prior_mean='zero' (the paper's form)")
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, values: torch.Tensor, mask=None) -> torch.Tensor:
-        """m(x) over the real keys of ``mask``.
-        # shape: q, k (B, H, T, Dh), values (B, H, T, Dv), mask (B, T) bool (True = padding) or None -> (B, H, T, Dv)"""
-        scale = q.shape[-1] ** -0.25  # (q/Dh^¼)·(k/Dh^¼) = q·k/√Dh
-        excluded = None if mask is None else mask[:, None, None, :]
-        return softmax_attention(q * scale, k * scale, values, excluded)
-
-
-def make_kep_mean(prior_mean) -> nn.Module:
-    """The mean module of a kep-svgp prior mean name (:data:`KEP_PRIOR_MEANS`); a module is returned as it is."""
-    if isinstance(prior_mean, nn.Module):
-        return prior_mean
-    check_prior_mean(
-        prior_mean, KEP_PRIOR_MEANS, "'zero': Chen et al.'s; 'softmax': softmax attention over values of the layer's "
-        "own, the pretrained attention in an encoder swap, docs/derivations.md §6",
-    )
-    return {"softmax": KEPSoftmaxMean, "zero": ZeroMean}[prior_mean]()
-
-
 # ------------------------------------------------------------------------------------ the layer
 class KEPSVGP(AmortisedVariationalStrategy):
     r"""Kernel-eigen pair SVGP attention of one layer (Chen et al. (2024) §4, eqs. 16–21; docs/derivations.md §6).
@@ -510,7 +464,7 @@ class KEPSVGP(AmortisedVariationalStrategy):
     ):
         super().__init__()
         self.jitter = jitter
-        #: the prior mean of the head output (:func:`make_kep_mean`; the paper's zero by default)
+        #: the prior mean of the head output (:func:`gpattn.prior_means.make_kep_mean`; the paper's zero by default)
         self.mean_module = mean_module
         self.prior_mean = self.mean_module.name  # the public spelling
         # σ², the kernel's outputscale: p(u_c) = N(0, σ²Λ²); a buffer, so that scale_prior is saved with the model

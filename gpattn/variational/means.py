@@ -34,45 +34,24 @@ from gpattn.kernels._evaluate import evaluate_kernel, temperature_lengthscale
 from gpattn.variational._fused import fused_kernel_attention, fused_softmax
 
 __all__ = [
-    "CGP_PRIOR_MEANS",
-    "PRIOR_MEANS",
     "AmortisedValueMean",
     "AttentionMean",
     "CentredVariationalMean",
     "CorrelatedSoftmaxMean",
+    "KEPSoftmaxMean",
+    "OWN_VALUES",
     "SoftmaxMean",
     "ZeroMean",
     "add_means",
-    "check_prior_mean",
-    "make_correlated_mean",
-    "make_prior_mean",
     "read_own_values",
     "softmax_attention",
     "variational_mean_for",
 ]
 
-#: the prior means of the SGPA variants: normalised kernel attention (default), softmax attention with the
-#: kernel's temperature, or zero (the papers')
-PRIOR_MEANS = ("attention", "softmax", "zero")
-
-
-#: the prior means of ``cgp`` and ``scgp`` (docs/derivations.md §7a): softmax attention of the canonical inputs over
-#: the GP's values or over values of its own (``mean_values``), or the papers' zero mean
-CGP_PRIOR_MEANS = ("softmax", "softmax-separate", "zero")
-
-#: what each of the SGPA variants' prior means is, for the error message
-_SGPA_MEANS = (
-    "'attention': normalised kernel attention as the GP's prior mean, docs/derivations.md §5c; 'softmax': softmax "
-    "attention with the kernel's lengthscale, §5e; 'zero': the paper's form"
-)
-
-
-def check_prior_mean(prior_mean, choices: tuple[str, ...] = PRIOR_MEANS, meanings: str = _SGPA_MEANS) -> str:
-    """``prior_mean`` must be one of ``choices`` (default :data:`PRIOR_MEANS`, the SGPA variants'); the error lists them
-    with their ``meanings``."""
-    if prior_mean not in choices:
-        raise ValueError(f"prior_mean must be one of {list(choices)} ({meanings}), got {prior_mean!r}")
-    return prior_mean
+#: the value projection of a prior mean that owns its values: rows of the layer's fused ``in_proj``
+#: (docs/derivations.md §6, §7a), the ``projections`` of :class:`CorrelatedSoftmaxMean` (separate) and
+#: :class:`KEPSoftmaxMean`
+OWN_VALUES = ("v_mean",)
 
 
 def _read_gp_values(name: str, v, mean_values):
@@ -83,13 +62,13 @@ def _read_gp_values(name: str, v, mean_values):
 
 
 def read_own_values(name: str, mean_values, shape, instead: str = "") -> torch.Tensor:
-    """The values of a mean that owns them (the layer's ``v_mean`` projection): ``mean_values``, required, a tensor of
-    ``shape``; the error names the argument, the shape and ``instead`` (the alternative form)."""
+    """The values of a mean that owns them (the layer's :data:`OWN_VALUES` projection): ``mean_values``, required, a
+    tensor of ``shape``; the error names the argument, the shape and ``instead`` (the alternative form)."""
     if not torch.is_tensor(mean_values) or mean_values.shape != tuple(shape):
         got = tuple(mean_values.shape) if torch.is_tensor(mean_values) else type(mean_values).__name__
         raise ValueError(
-            f"mean_values: prior_mean={name!r} reads values of its own (the layer's v_mean projection), a tensor of "
-            f"shape {tuple(shape)}, got {got}{instead}"
+            f"mean_values: prior_mean={name!r} reads values of its own (the layer's {OWN_VALUES[0]} projection), a "
+            f"tensor of shape {tuple(shape)}, got {got}{instead}"
         )
     return mean_values
 
@@ -99,8 +78,6 @@ class ZeroMean(nn.Module):
     (docs/derivations.md §5a), and the correlated GPs' ν the whole attention (§7). Its value is None, the zero that
     :func:`add_means` leaves out (no operation); it reads no values of its own (``projections`` is empty)."""
 
-    #: the mean is a function of no Gram
-    uses_gram = False
     #: the value projections this mean owns (none)
     projections = ()
     #: the public spelling of this mean (``prior_mean=``)
@@ -153,8 +130,6 @@ class AttentionMean(nn.Module):
     ``gpytorch.means.Mean``, whose ``__call__`` takes one input: this mean reads the keys and values too.)
     """
 
-    #: the mean is a function of the Gram κ(q, k): callers that have it pass it
-    uses_gram = True
     #: the public spelling of this mean (``prior_mean=``)
     name = "attention"
 
@@ -194,8 +169,6 @@ class SoftmaxMean(nn.Module):
     exp(−‖k_j/ℓ‖²/2), so that an encoder swap starts at the pretrained attention. A query with no allowed key
     (A_i = ∅) gets m = 0. Key padding alone runs in fused attention (no (T, S) matrix)."""
 
-    #: the mean needs no Gram: callers need not evaluate one for it
-    uses_gram = False
     #: the public spelling of this mean (``prior_mean=``)
     name = "softmax"
 
@@ -254,25 +227,18 @@ def softmax_attention(a: torch.Tensor, b: torch.Tensor, values: torch.Tensor, ex
     return (logits.softmax(-1) @ values) * some
 
 
-def make_prior_mean(prior_mean, kernel) -> nn.Module:
-    """The ``mean_module`` of a prior mean name (:data:`PRIOR_MEANS`) for a strategy with ``kernel`` (a module is
-    returned as it is): :class:`ZeroMean` for the papers' zero mean; ``"softmax"`` needs a kernel with a lengthscale
-    (a ``ValueError`` here, not at a forward)."""
-    if isinstance(prior_mean, nn.Module):
-        return prior_mean
-    mean = {"attention": AttentionMean, "softmax": SoftmaxMean, "zero": ZeroMean}[check_prior_mean(prior_mean)]()
-    mean.check_kernel(kernel)
-    return mean
-
-
 # ------------------------------------------------------------- q(ũ)'s mean (SGPA, docs/derivations.md §5a, §5c)
 class AmortisedValueMean:
     r"""q(ũ) = N(Lᵀ v, ·): the sequence's values are q(u)'s mean, m_u = K v (Chen & Li 2023, docs/derivations.md §5a),
     the pairing of the papers' zero prior mean. It adds K̂ v to the posterior mean and ½‖Lᵀv‖² = ½ vᵀK̂v to the KL,
     in the form each conditioning path (self, cross, causal, general mask) has the factors for."""
 
-    #: the posterior mean's part K̂ v reads the sequence's Gram (no Gram-free path)
-    uses_gram = True
+
+    @staticmethod
+    def without_gram(plan):
+        """None: the posterior mean's part K̂ v reads the sequence's Gram, so no Gram-free path runs (``plan`` is not
+        called)."""
+        return None
 
     @staticmethod
     def whitened(chol: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -362,8 +328,12 @@ class CentredVariationalMean:
     prior mean that attends. It adds nothing to the posterior mean or the KL (None, which :func:`add_means` leaves
     out)."""
 
-    #: it adds nothing that reads the sequence's Gram (a Gram-free mean can run, docs/derivations.md §12)
-    uses_gram = False
+
+    @staticmethod
+    def without_gram(plan):
+        """``plan()``: nothing this q(ũ)-mean adds reads the sequence's Gram, so the strategy's Gram-free path may run
+        (docs/derivations.md §12)."""
+        return plan()
 
     @staticmethod
     def whitened(chol: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -408,7 +378,7 @@ class CorrelatedSoftmaxMean(nn.Module):
     r"""The correlated GPs' softmax prior mean (docs/derivations.md §7a): m(x) = Σ_j softmax_j(t x·k_j) u_j over the
     real keys, 0 at padded queries, with t the strategy's ``mean_temperature`` buffer (kept there: its state-dict
     key). ``separate=False``: u = the GP's values v (``prior_mean="softmax"``); ``separate=True``: values of the
-    mean's own, the ``v_mean`` projection (``prior_mean="softmax-separate"``), passed as ``mean_values``."""
+    mean's own, the :data:`OWN_VALUES` projection, passed as ``mean_values``."""
 
     def __init__(self, separate: bool = False):
         super().__init__()
@@ -416,7 +386,7 @@ class CorrelatedSoftmaxMean(nn.Module):
         #: the public spelling of this mean (``prior_mean=``)
         self.name = "softmax-separate" if self.separate else "softmax"
         #: the value projections this mean owns: rows of the layer's fused ``in_proj`` (docs/derivations.md §7a)
-        self.projections = ("v_mean",) if self.separate else ()
+        self.projections = OWN_VALUES if self.separate else ()
 
     def mean_values_for(self, v, mean_values):
         """The values u the mean reads: the GP's ``v`` (``mean_values`` refused), or, when the mean owns its values,
@@ -446,17 +416,30 @@ class CorrelatedSoftmaxMean(nn.Module):
         strategy.mean_temperature /= factor**2
 
 
-def make_correlated_mean(prior_mean) -> nn.Module:
-    """The ``mean_module`` of a correlated GP's prior mean name (:data:`CGP_PRIOR_MEANS`); a mean module is returned
-    as it is."""
-    if isinstance(prior_mean, nn.Module):
-        return prior_mean
-    check_prior_mean(
-        prior_mean, CGP_PRIOR_MEANS, "'softmax': softmax attention of the canonical inputs as the prior mean of "
-        "z_q and z_k, docs/derivations.md §7a; 'zero': the paper's form",
-    )
-    return {
-        "softmax": lambda: CorrelatedSoftmaxMean(),
-        "softmax-separate": lambda: CorrelatedSoftmaxMean(separate=True),
-        "zero": ZeroMean,
-    }[prior_mean]()
+class KEPSoftmaxMean(nn.Module):
+    r"""The prior mean of the head output, softmax attention over values of the layer's own
+    (docs/derivations.md §6, "The softmax prior mean"):
+
+    .. math:: m(x_i) = \sum_{j \in A_i} \operatorname{softmax}_j\big(q_i \cdot k_j / \sqrt{D_h}\big)\, u_j,
+        \qquad u = x W_{vm},
+
+    A_i the real keys, q and k the layer's own projections (those the KSVD features read), u the
+    :data:`OWN_VALUES` projection. A deterministic function of the sequence, added once to the GP's mean and
+    samples; the KL is unchanged. In an encoder swap q, k and u are the pretrained maps, so the layer's mean starts
+    at the pretrained attention."""
+
+    #: the public spelling of this mean (``prior_mean=``)
+    name = "softmax"
+    #: the value projection this mean owns: rows of the layer's fused ``in_proj``
+    projections = OWN_VALUES
+
+    def mean_values_for(self, shape, mean_values) -> torch.Tensor:
+        """The values the mean reads: ``mean_values``, required, of ``shape`` (B, H, T, Dv)."""
+        return read_own_values(self.name, mean_values, shape, "; or use prior_mean='zero' (the paper's form)")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, values: torch.Tensor, mask=None) -> torch.Tensor:
+        """m(x) over the real keys of ``mask``.
+        # shape: q, k (B, H, T, Dh), values (B, H, T, Dv), mask (B, T) bool (True = padding) or None -> (B, H, T, Dv)"""
+        scale = q.shape[-1] ** -0.25  # (q/Dh^¼)·(k/Dh^¼) = q·k/√Dh
+        excluded = None if mask is None else mask[:, None, None, :]
+        return softmax_attention(q * scale, k * scale, values, excluded)

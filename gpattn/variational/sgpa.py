@@ -55,6 +55,7 @@ from linear_operator.operators import (
 )
 
 from gpattn.kernels import evaluate_kernel
+from gpattn.prior_means import make_prior_mean
 from gpattn.variational._linalg import (
     add_jitter,
     cholesky,
@@ -68,7 +69,7 @@ from gpattn.variational._linalg import (
     with_policy,
 )
 from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, check_query_inputs
-from gpattn.variational.means import add_means, make_prior_mean, variational_mean_for
+from gpattn.variational.means import add_means, variational_mean_for
 
 __all__ = [
     "COVARIANCE_MODES",

@@ -42,6 +42,7 @@ from linear_operator.operators import (
 
 from gpattn.kernels import evaluate_kernel
 from gpattn.objectives import GlobalKL, SequenceKL
+from gpattn.prior_means import make_prior_mean
 from gpattn.variational import _blockwise
 from gpattn.variational._blockwise import block_rows, blockwise
 from gpattn.variational._linalg import (
@@ -59,7 +60,7 @@ from gpattn.variational._strategy import (
     check_query_inputs,
     sequence_mean,
 )
-from gpattn.variational.means import add_means, make_prior_mean, variational_mean_for
+from gpattn.variational.means import add_means, variational_mean_for
 from gpattn.variational.sgpa import (
     check_covariance,
     check_jitter,
@@ -451,7 +452,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             queries, values = full_precision(queries, values)
             if mask is not None:
                 values = values.masked_fill(mask[:, None, :, None], 0.0)  # padded keys leave the mean basis
-            plan = self._mean_without_gram(queries, values, mask, excluded)
+            plan = self.variational_mean.without_gram(lambda: self._mean_without_gram(queries, values, mask, excluded))
             K = evaluate_kernel(self.kernel, queries, queries) if plan is None else None  # shape: (B, H, T, T)
             A, u_tilde = self._global_basis(queries, global_keys)
             factors = dict(
@@ -504,9 +505,9 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         fused = self.mean_module.fused(self.kernel, queries, keys, values, mask)
         if fused is not None:
             return fused
-        gram = evaluate_kernel(self.kernel, queries, keys) if self.mean_module.uses_gram else None
         pad = None if mask is None else mask[:, None, None, :]
-        return self.mean_module(gram, values, pad, kernel=self.kernel, queries=queries, keys=keys)
+        # a mean that reads the Gram κ(q, k) evaluates its (T, S) block from the kernel inputs (gram=None)
+        return self.mean_module(None, values, pad, kernel=self.kernel, queries=queries, keys=keys)
 
     def _global_basis(self, queries: torch.Tensor, global_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A, ũ)``: A = K_qg L_g⁻ᵀ (L_g = chol(K_gg + jitter)) and ũ = L_gᵀ u, the whitened global basis.
@@ -518,16 +519,12 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         A = tri_solve(L_g.mT, K_qg, upper=True, left=False)  # shape: (B, H, T, M); A L_gᵀ = K_qg
         return A, L_g.mT @ self.variational_distribution.inducing_values
 
-    def _blockwise_mean(self, excluded) -> bool:
-        """Whether this strategy can condition without the (T, T) Gram: a q(ũ)-mean that reads no Gram (centred at
-        the prior mean), the diagonal covariance, key padding only."""
-        return not self.variational_mean.uses_gram and self.covariance == "diag" and excluded is None
-
     def _mean_without_gram(self, queries, values, mask, excluded) -> torch.Tensor | int | None:
-        """The attention mean with the diagonal covariance needs no (T, T) Gram (docs/derivations.md §12): its
-        mean m(q) from fused attention, or (a kernel without the log-linear form, a long sequence) the rows of its
-        query blocks; None: the Gram is formed."""
-        if not self._blockwise_mean(excluded):
+        """A q(ũ)-mean that reads no Gram (centred at the prior mean) with the diagonal covariance and key padding
+        needs no (T, T) Gram (docs/derivations.md §12): the mean m(q) from fused attention, or (a kernel without the
+        log-linear form, a long sequence) the rows of its query blocks; None: the Gram is formed (the q(ũ)-mean
+        decides, :meth:`~gpattn.variational.means.CentredVariationalMean.without_gram`)."""
+        if self.covariance != "diag" or excluded is not None:
             return None
         fused = self.mean_module.fused(self.kernel, queries, queries, values, mask)
         if fused is not None:
@@ -538,8 +535,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
     def _attention_mean_rows(self, queries, keys, values, pad=None) -> torch.Tensor:
         """The attention prior mean m(q) of one block of queries.  # shape: queries (B, H, b, Dh) -> (B, H, b, Dv)"""
         with gp_algebra(queries.device.type):
-            gram = evaluate_kernel(self.kernel, queries, keys) if self.mean_module.uses_gram else None
-            return self.mean_module(gram, values, pad, kernel=self.kernel, queries=queries, keys=keys)
+            return self.mean_module(None, values, pad, kernel=self.kernel, queries=queries, keys=keys)
 
     def _self_prior_mean(
         self, factors: dict, excluded: torch.Tensor | None, queries: torch.Tensor, rows: int | torch.Tensor | None

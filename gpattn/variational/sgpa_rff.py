@@ -34,22 +34,18 @@ import torch.nn as nn
 from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import DenseLinearOperator, DiagLinearOperator, RootLinearOperator, SumLinearOperator
 
-from gpattn.kernels import evaluate_kernel
 from gpattn.objectives import GlobalKL
+from gpattn.prior_means import make_prior_mean
 from gpattn.variational._linalg import full_precision, gp_algebra, matmul_samples, tri_solve
 from gpattn.variational._scale import check_prior_factor
 from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, check_query_inputs
-from gpattn.variational.means import add_means, make_prior_mean
+from gpattn.variational.means import add_means
 from gpattn.variational.sgpa import check_sequence_inputs, posterior_distribution, split_per_query_mask, standard_normal
 
 __all__ = [
-    "GP_INPUTS", "RFF_PRIOR_MEANS", "FeatureSGPAConditional", "FeatureSGPAVariationalStrategy",
+    "GP_INPUTS", "FeatureSGPAConditional", "FeatureSGPAVariationalStrategy",
     "SequenceFeatureConditional", "TrainingQueryCovariance", "TrainingSequenceCovariance",
 ]
-
-#: the prior means of ``sgpa-rff``: the attention is its mean (the zero mean would leave no attention)
-RFF_PRIOR_MEANS = ("attention", "softmax")
-
 
 def _positive(name: str, value, integer: bool = False):
     ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
@@ -331,8 +327,8 @@ class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
         with gp_algebra(queries.device.type):
             queries, keys, values = full_precision(queries, keys, values)
             not_allowed = excluded if excluded is not None else None if mask is None else mask[:, None, None, :]
-            gram = evaluate_kernel(self.kernel, queries, keys) if self.mean_module.uses_gram else None
-            m = self.mean_module(gram, values, not_allowed, kernel=self.kernel, queries=queries, keys=keys)
+            # m(q): a mean that reads the Gram κ(q, k) evaluates it from the kernel inputs (gram=None)
+            m = self.mean_module(None, values, not_allowed, kernel=self.kernel, queries=queries, keys=keys)
             cov = self.covariance
             real = None if (mask is None or query_inputs is not None) else ~mask
             features = cov.unit_features(queries, real)  # shape: (B, H|1, T|1, R); once, with its gradient for the mean
