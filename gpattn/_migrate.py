@@ -24,7 +24,9 @@ import torch
 
 from gpattn._warnings import OldVersionWarning
 
-__all__ = ["MOVED_NAMES", "OLD_DEFAULTS", "OLD_STATES", "OLD_VALUES", "migrate_config", "migrate_state_dict"]
+__all__ = [
+    "MOVED_NAMES", "OLD_DEFAULTS", "OLD_STATES", "OLD_VALUES", "migrate_config", "migrate_state_dict", "moved_names",
+]
 
 _SGPA = ("sgpa", "sgpa-decoupled")
 #: (what changed, the variants, whether only encoder runs (``--encoder``) are concerned, the option, the value a config
@@ -52,7 +54,28 @@ MOVED_NAMES: dict[tuple[str, str], str] = {
     ("gpattn.experiments.training", "load_run"): "gpattn.experiments.training.load_run is now load_run_with_data (it "
     "reloads the data set and returns (config, model, data bundle, checkpoint)); to score new inputs without the data "
     "files use gpattn.experiments.load_run (a Run with .predict)",
+    **{
+        (module, name): f"{module}.{name} moved to gpattn.prior_means.{name} (the prior means' names are parsed there, "
+        "where a variant is built; gpattn/variational/ receives the mean modules)"
+        for module, names in (
+            ("gpattn.variational.means",
+             ("PRIOR_MEANS", "CGP_PRIOR_MEANS", "check_prior_mean", "make_prior_mean", "make_correlated_mean")),
+            ("gpattn.variational.kep_svgp", ("KEP_PRIOR_MEANS", "make_kep_mean")),
+            ("gpattn.variational.sgpa_rff", ("RFF_PRIOR_MEANS",)),
+        )
+        for name in names
+    },
 }
+
+
+def moved_names(module: str):
+    """A module's ``__getattr__`` that raises the ``AttributeError`` of a :data:`MOVED_NAMES` row of ``module`` (the
+    plain one for any other name)."""
+
+    def __getattr__(name):
+        raise AttributeError(MOVED_NAMES.get((module, name), f"module {module!r} has no attribute {name!r}"))
+
+    return __getattr__
 
 #: (what changed, the strategy class, the key it gained, a key every state dict of that class has, the value a state
 #: dict saved before the change trained with): a missing key is filled with that value, in the dtype of the other key

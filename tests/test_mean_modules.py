@@ -176,3 +176,16 @@ def test_the_decoupled_strategy_asks_its_q_mean_object_for_the_gamma_basis():
             if paired:
                 assert type(a) is type(b) and torch.equal(a.mean, b.mean)
                 assert torch.equal(a.kl_divergence(), b.kl_divergence())
+
+
+def test_the_moved_parsers_say_where_they_went():
+    import pytest
+
+    import gpattn.variational.kep_svgp as kep
+    import gpattn.variational.means as means
+
+    for module, name in ((means, "make_prior_mean"), (means, "CGP_PRIOR_MEANS"), (kep, "make_kep_mean")):
+        with pytest.raises(AttributeError, match=rf"moved to gpattn\.prior_means\.{name}"):
+            getattr(module, name)
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        _ = means.nothing

@@ -37,6 +37,7 @@ from linear_operator.operators import (
     LowRankRootLinearOperator,
 )
 
+from gpattn._migrate import moved_names
 from gpattn.objectives import GlobalKL, KSVDLoss
 from gpattn.variational._linalg import (
     LowRankPlusDiagLinearOperator,
@@ -67,6 +68,9 @@ __all__ = [
     "landmark_indices",
     "residual_root",
 ]
+
+#: a name that moved raises an error that says where it went (gpattn._migrate.MOVED_NAMES)
+__getattr__ = moved_names(__name__)
 
 MERGES = ("add", "concat")
 

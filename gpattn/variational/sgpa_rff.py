@@ -34,6 +34,7 @@ import torch.nn as nn
 from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import DenseLinearOperator, DiagLinearOperator, RootLinearOperator, SumLinearOperator
 
+from gpattn._migrate import moved_names
 from gpattn.objectives import GlobalKL
 from gpattn.prior_means import make_prior_mean
 from gpattn.variational._linalg import full_precision, gp_algebra, matmul_samples, tri_solve
@@ -46,6 +47,9 @@ __all__ = [
     "GP_INPUTS", "FeatureSGPAConditional", "FeatureSGPAVariationalStrategy",
     "SequenceFeatureConditional", "TrainingQueryCovariance", "TrainingSequenceCovariance",
 ]
+
+#: a name that moved raises an error that says where it went (gpattn._migrate.MOVED_NAMES)
+__getattr__ = moved_names(__name__)
 
 def _positive(name: str, value, integer: bool = False):
     ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
