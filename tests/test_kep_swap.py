@@ -98,6 +98,47 @@ def test_the_gp_mean_starts_at_zero_under_the_softmax_mean_and_the_papers_form_i
         assert torch.equal(a, b), name
 
 
+def _grads(layer, x):
+    """The gradients of the layer's deterministic output and loss terms, by parameter name."""
+    layer.zero_grad()
+    with gpattn.deterministic():
+        out = layer(x)
+    (out.square().sum() + sum(layer_loss_terms(layer).values())).backward()
+    return {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("prior_mean", ["zero", "softmax"])
+def test_features_without_gradient_compute_the_same_and_leave_the_maps_to_the_mean(prior_mean):
+    """feature_gradient=False (docs/derivations.md §6, "The features' gradient"): the same outputs and loss terms as
+    Chen et al.'s form; the q and k rows of in_proj get the prior mean's gradient alone (none under the zero mean, the
+    softmax mean's under the softmax mean), while the KSVD pairs and the output map still learn."""
+    torch.manual_seed(0)
+    given = gpattn.build_attention("kep-svgp", 16, 2, prior_mean=prior_mean, rank=3).double()
+    torch.manual_seed(0)
+    free = gpattn.build_attention("kep-svgp", 16, 2, prior_mean=prior_mean, rank=3, feature_gradient=False).double()
+    assert "feature_gradient=False" in repr(free)
+    x = torch.randn(2, 5, 16, dtype=DT)
+    with gpattn.deterministic():
+        assert torch.equal(given(x), free(x))
+    assert all(torch.equal(a, b) for a, b in zip(layer_loss_terms(given).values(), layer_loss_terms(free).values()))
+    g_given, g_free = _grads(given, x), _grads(free, x)
+    qk = torch.arange(16 * 2)  # the q and k rows lead in_proj (projections ("q", "k", ...))
+    # the KSVD pairs learn through J (and, with q(u_c)'s mean non-zero, the GP's mean) either way
+    assert g_free["strategy.ksvd.omega_e"].abs().sum() > 0 and g_free["strategy.ksvd.log_lambda"].abs().sum() > 0
+    assert g_given["in_proj.weight"][qk].abs().sum() > 0
+    if prior_mean == "zero":  # nothing else reads q and k: in_proj gets no gradient at all
+        assert "in_proj.weight" not in g_free and g_free["strategy.out_weight"].abs().sum() > 0
+    else:  # the softmax mean's gradient alone: the twin's with the GP's output map and J's weight at zero
+        torch.manual_seed(0)
+        mean_only = gpattn.build_attention("kep-svgp", 16, 2, prior_mean=prior_mean, rank=3).double()
+        with torch.no_grad():
+            mean_only.strategy.out_weight.zero_()
+        with gpattn.deterministic():
+            out = mean_only(x)
+        out.square().sum().backward()
+        torch.testing.assert_close(g_free["in_proj.weight"][qk], mean_only.in_proj.weight.grad[qk])
+
+
 def test_prior_mean_errors_name_the_argument_and_the_fix():
     with pytest.raises(ValueError, match=r"prior_mean must be one of \['zero', 'softmax'\]"):
         gpattn.build_attention("kep-svgp", 16, 2, prior_mean="attention")

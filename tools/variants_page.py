@@ -106,7 +106,7 @@ VARIANTS = {
         "paper": "Chen, Tao, Tonin & Suykens, ICML 2024",
         "section": "6",
         "cost": "O(T·Dh·r + T·r²) per head",
-        "options": ("rank", "merge", "num_landmarks", "token_independent"),
+        "options": ("rank", "merge", "num_landmarks", "token_independent", "prior_mean", "feature_gradient"),
         "pick": "calibration from scratch and long sequences (linear in T); in a pretrained encoder only with the "
         "trunk frozen (under full fine-tuning its noise swamps the stream).",
     },

@@ -82,6 +82,10 @@ class KEPSVGPAttention(GPAttention):
         layer's own (the ``v_mean`` projection), added to the GP's mean and samples, with the GP's mean starting at
         0 (q(u_c)'s mean and the output bias zero): the encoder swap's recipe, whose mean starts at the pretrained
         attention (docs/derivations.md §6, "The softmax prior mean").
+    :param feature_gradient: True (default; Chen et al.'s): the KSVD features, and so the GP's mean, noise and the
+        ``ksvd`` term, pass their gradient to the layer input and to the q and k maps. False: they read them
+        without it, so that under ``prior_mean="softmax"`` the attention's maps are shaped by the mean alone and the
+        GP is fitted on top of them (docs/derivations.md §6, "The features' gradient").
     :param jitter: constant diagonal added to the covariance that ``posterior()`` returns (makes it
         non-singular for ``log_prob``); samples and means never include it.
     """
@@ -112,6 +116,7 @@ class KEPSVGPAttention(GPAttention):
         jitter: float = 1e-6,
         prior_variance: float = KEP_PRIOR_VARIANCE,
         prior_mean: str = "zero",
+        feature_gradient: bool = True,
         **base,
     ):
         mean_module = make_kep_mean(prior_mean)  # the name parsed once: the strategy takes the module
@@ -124,7 +129,7 @@ class KEPSVGPAttention(GPAttention):
             num_landmarks = 10 * rank
         _positive_int("num_landmarks", num_landmarks)
         _check_merge(merge, seq_len)
-        _check_flags_and_scales(token_independent, include_residual, jitter, prior_variance)
+        _check_flags_and_scales(token_independent, include_residual, feature_gradient, jitter, prior_variance)
         self.strategy = KEPSVGP(
             num_heads,
             self.head_dim,
@@ -138,6 +143,7 @@ class KEPSVGPAttention(GPAttention):
             jitter=float(jitter),
             prior_variance=float(prior_variance),
             mean_module=mean_module,
+            feature_gradient=feature_gradient,
         )
 
     @property
@@ -161,6 +167,7 @@ class KEPSVGPAttention(GPAttention):
             + (f", seq_len={k.seq_len}" if k.merge == "concat" else "")
             + f", token_independent={k.token_independent}, include_residual={k.include_residual}"
             + f", prior_variance={float(k.prior_variance):g}, prior_mean={k.mean_module.name!r}"
+            + f", feature_gradient={k.feature_gradient}"
         )
 
 
@@ -176,9 +183,11 @@ def _check_merge(merge, seq_len) -> None:
         raise ValueError(f"seq_len is only used with merge='concat' (merge={merge!r}), got seq_len={seq_len!r}")
 
 
-def _check_flags_and_scales(token_independent, include_residual, jitter, prior_variance) -> None:
-    """The two flags are bools, ``jitter`` ≥ 0 and ``prior_variance`` > 0."""
-    for name, val in (("token_independent", token_independent), ("include_residual", include_residual)):
+def _check_flags_and_scales(token_independent, include_residual, feature_gradient, jitter, prior_variance) -> None:
+    """The three flags are bools, ``jitter`` ≥ 0 and ``prior_variance`` > 0."""
+    flags = (("token_independent", token_independent), ("include_residual", include_residual),
+             ("feature_gradient", feature_gradient))
+    for name, val in flags:
         if not isinstance(val, bool):
             raise ValueError(f"{name} must be True or False, got {val!r}")
     if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not jitter >= 0:

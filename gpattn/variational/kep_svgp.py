@@ -409,6 +409,16 @@ def residual_root(phi_q: torch.Tensor, phi_k: torch.Tensor, W: torch.Tensor, mas
 
 
 # ------------------------------------------------------------------------------------ the layer
+def _as_given(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The features read the layer's tensors, with their gradient (Chen et al.'s)."""
+    return tensors
+
+
+def _detached(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The features read the layer's tensors without their gradient (docs/derivations.md §6)."""
+    return tuple(t.detach() for t in tensors)
+
+
 class KEPSVGP(AmortisedVariationalStrategy):
     r"""Kernel-eigen pair SVGP attention of one layer (Chen et al. (2024) §4, eqs. 16–21; docs/derivations.md §6).
 
@@ -443,7 +453,8 @@ class KEPSVGP(AmortisedVariationalStrategy):
     The strategy of the protocol (:mod:`gpattn.variational._strategy`): :meth:`condition` computes the
     features of a batch once and returns a :class:`KEPConditional` (mean, samples, posterior, the KL and
     the ``kl_global`` / ``ksvd`` loss terms); ``jitter`` is the constant diagonal of the posterior it
-    returns (samples and means never include it).
+    returns (samples and means never include it). ``feature_gradient=False`` computes the features from x, q and k
+    without their gradient (docs/derivations.md §6, "The features' gradient").
 
     **Released code differs** (released ``kep_svgp.py``): its sampler and KL trace permute L's output and inducing
     indices (``permute(0,1,4,2,3)``), an undimensioned squeeze breaks B = 1 / H = 1 / T = 1, and padded tokens are
@@ -465,6 +476,7 @@ class KEPSVGP(AmortisedVariationalStrategy):
         jitter: float,
         prior_variance: float,
         mean_module: nn.Module,
+        feature_gradient: bool,
     ):
         super().__init__()
         self.jitter = jitter
@@ -476,6 +488,10 @@ class KEPSVGP(AmortisedVariationalStrategy):
         self.num_heads, self.head_dim, self.value_dim, self.rank = num_heads, head_dim, value_dim, rank
         self.merge, self.seq_len = merge, seq_len
         self.token_independent, self.include_residual = token_independent, include_residual
+        #: what the features read of (x, q, k): the tensors themselves, or the tensors without their gradient
+        #: (docs/derivations.md §6, "The features' gradient"); chosen once here, not tested per forward
+        self.feature_gradient = feature_gradient
+        self._feature_inputs = _as_given if feature_gradient else _detached
         self.ksvd = KSVDProjection(num_heads, head_dim, rank, num_landmarks)
         self.variational_distribution = KEPVariationalDistribution(num_heads, rank)
         self.out_weight = nn.Parameter(torch.empty(num_heads, rank, value_dim))  # shape: (H, r, Dv)
@@ -521,6 +537,7 @@ class KEPSVGP(AmortisedVariationalStrategy):
         #        a (B, H, T, r), residual (B, H, T, 2·Dh) or None, lam (H, r) (Λ), prior_std (H, r) (σΛ)
         """
         self.check_length(x.shape[1])
+        x, q, k = self._feature_inputs(x, q, k)
         e, r, W_e, W_r = self.ksvd(x, q, k, mask)
         res = None
         if self.include_residual:
