@@ -430,3 +430,16 @@ def test_pooling_flag_overrides_a_preset_and_bad_pooling_is_refused():
             TrainConfig(pooling=bad)
     with pytest.raises(ValueError, match="pooling must be None with an encoder"):
         TrainConfig(pooling="cls", encoder="minilm", dataset="cola")
+
+
+def test_eta_flag_sets_the_ksvd_weight_in_train_and_compare():
+    """``--eta`` sets η (kep-svgp's KSVD weight) as ``--beta`` sets β; ``--loss-weight eta=...`` points to it."""
+    from gpattn.experiments import cli
+
+    parser = cli.build_parser()
+    for command in ("train", "compare"):
+        args = parser.parse_args([command, "--dataset", "digits", "--eta", "0", "--out", "x"])
+        assert cli._config(args)[0].eta == 0.0
+    assert cli._config(parser.parse_args(["train", "--out", "x"]))[0].eta == TrainConfig().eta
+    with pytest.raises(ValueError, match="--eta"):
+        TrainConfig(loss_weights={"eta": 0.0})

@@ -106,6 +106,7 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         ("--dropout", float, "dropout probability"),
         ("--beta", float, "weight β of the KL terms of the objective"),
         ("--alpha", float, "weight α of the CGP regulariser (cgp, scgp)"),
+        ("--eta", float, "weight η of kep-svgp's KSVD term"),
         ("--checkpoint-every", int, "also checkpoint every N optimizer steps (0: once an epoch)"),
     ):
         p.add_argument(flag, type=typ, help=f"{what} (default: {defaults[flag[2:].replace('-', '_')]:g})")
@@ -134,7 +135,7 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--loss-weight", type=_kv, action="append", default=[], metavar="NAME=VALUE",
-        help="the weight of a loss term other than --beta/--alpha (and eta), by the name its GPLossTerm declares "
+        help="the weight of a loss term other than --beta/--alpha/--eta, by the name its GPLossTerm declares "
         "(gpattn.objectives.term_weights() lists them; NAME_anneal_steps=N ramps an annealed one), repeatable",
     )
     p.add_argument("--kl-scaling", choices=["elbo", "peer"], help="how the KL terms are scaled (default: elbo)")
@@ -181,7 +182,7 @@ def _validate_arg(p: argparse.ArgumentParser) -> None:
 #: the TrainConfig fields that command-line flags set (given explicitly, they override a preset)
 _FLAG_FIELDS = (
     "dataset", "data_dir", "download", "attention_layers", "encoder", "encoder_max_len", "encoder_recipe", "epochs",
-    "batch_size", "lr", "num_samples", "embed_dim", "num_heads", "num_layers", "dropout", "beta", "alpha",
+    "batch_size", "lr", "num_samples", "embed_dim", "num_heads", "num_layers", "dropout", "beta", "eta", "alpha",
     "checkpoint_every", "kl_scaling", "device", "precision", "encoder_lr", "encoder_weight_decay", "warmup", "pooling",
     "compile",
 )
