@@ -86,3 +86,44 @@ def test_sequence_distance_with_energy_against_sklearn():
     threshold = np.sort(energy[:300])[284]  # the 285th lowest in-scope energy: 95 % of them at or below it
     assert got[0.0][1] == pytest.approx((energy[300:] <= threshold).mean(), abs=1e-12)
     assert got[100.0][0] > 0.999 and got[100.0][0] > got[0.0][0] and got[100.0][1] == 0.0
+
+
+def test_kep_finetune_probe_scales_the_matched_prior_and_its_posterior(tmp_path):
+    """research/kep_finetune.py: after the trainer's stream match, the swapped kep-svgp layer's σ² and q(u_c)'s
+    Cholesky factor are c and √c times what the match alone gives (the KL unchanged), the row records c, and the
+    trainer's own function is restored after ``main``."""
+    import torch
+
+    pytest.importorskip("transformers")
+    import transformers
+
+    from gpattn.experiments import training
+    from gpattn.experiments.data._bundle import Split
+    from gpattn.integrations.huggingface import HFClassifier
+
+    probe = _research("kep_finetune")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32)
+    ids = torch.randint(1, 100, (4, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(4, 7, dtype=torch.bool)
+    mask[1, 4:] = True
+
+    def matched(wrapper):
+        torch.manual_seed(0)
+        encoder = transformers.BertModel(config, add_pooling_layer=False)
+        model = HFClassifier(encoder, 2, attention="kep-svgp", attention_layers="last")
+        split = Split(inputs=ids, labels=torch.zeros(4, dtype=torch.long), mask=mask)
+        rows = wrapper(model, split, torch.device("cpu"))
+        layer = model.adapters[1].attention
+        strategy = layer.strategy
+        return rows, float(strategy.prior_variance), strategy.variational_distribution.chol_variational_covar.clone()
+
+    rows0, var0, chol0 = matched(training._match_prior_to_stream)
+    rows, var, chol = matched(probe.with_prior_factor(1e-2))
+    assert rows[0]["probe_factor"] == 1e-2 and "probe_factor" not in rows0[0]
+    assert math.isclose(var, 1e-2 * var0, rel_tol=1e-6)
+    torch.testing.assert_close(chol, 0.1 * chol0)
+    original = training._match_prior_to_stream
+    with pytest.raises(SystemExit):
+        probe.main(["--prior-factor", "2", "--", "train", "--help"])
+    assert training._match_prior_to_stream is original
