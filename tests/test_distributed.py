@@ -10,6 +10,15 @@ from _cli_helpers import run, train_cmd
 ARGS = ("--dropout", "0.0", "--num-samples", "1")
 
 
+def _failure(what: str, done) -> str:
+    """A failed torchrun's message as one string (pytest shortens a tuple's repr to 240 characters, which hid the
+    cause of a CI failure): every line of the children's output that names an error, then the output's end."""
+    words = ("Error", "error:", "Traceback", "terminate", "exitcode", "Signal")
+    named = [line for line in done.stderr.splitlines() if any(w in line for w in words)]
+    tail = done.stderr[-4000:]
+    return f"{what}: exit code {done.returncode}\n" + "\n".join(named[:60]) + f"\n--- end of stderr ---\n{tail}"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_processes_match_one(tmp_path):
@@ -17,7 +26,7 @@ def test_two_processes_match_one(tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
     two = run(train_cmd("softmax", 2, *ARGS, "--out", str(tmp_path / "two"), launcher=torchrun))
-    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.returncode == 0, _failure("torchrun", two)
     h1 = json.loads((tmp_path / "one" / "history.json").read_text())
     h2 = json.loads((tmp_path / "two" / "history.json").read_text())
     assert len(h1) == len(h2) == 2
@@ -72,7 +81,7 @@ def test_ddp_resume_is_bit_exact(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     for out, mode in (("full", "full"), ("cut", "cut"), ("cut", "resume")):
         done = run([*torchrun, str(tmp_path / out), mode])
-        assert done.returncode == 0, (mode, done.stderr[:1500], done.stderr[-1500:])
+        assert done.returncode == 0, _failure(mode, done)
     full = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)
     cut = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
     for name, value in full["model"].items():
@@ -113,6 +122,6 @@ def test_two_process_jobs_end_normally_again_and_again(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     for attempt in range(3):
         done = run([*torchrun, str(tmp_path / f"run{attempt}"), "full", "1"])
-        assert done.returncode == 0, (attempt, done.stderr[-3000:])
+        assert done.returncode == 0, _failure(f"attempt {attempt}", done)
         assert "terminate called" not in done.stderr and "exitcode" not in done.stderr, done.stderr[-3000:]
         assert (tmp_path / f"run{attempt}" / "metrics.json").is_file()
