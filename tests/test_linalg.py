@@ -1,7 +1,9 @@
 """The numerics policy: bounded jitter escalation, clear NotPSDError, exact paths, no global changes."""
 
+import contextlib
 import subprocess
 import sys
+import warnings
 
 import gpytorch
 import pytest
@@ -161,3 +163,57 @@ def test_host_fast_path_is_the_ladder_bit_for_bit(dtype):
         grads.append(A.grad)
     assert torch.equal(factors[0], factors[1]) and torch.equal(grads[0], grads[1])
     assert factors[0].stride() == factors[1].stride()  # the layout too: products round by it
+
+
+@contextlib.contextmanager
+def _tracing_quietly():
+    """What Dynamo warns about while it traces (as in tests/test_compile.py)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        warnings.filterwarnings("ignore", message=".*should not be instantiated", category=DeprecationWarning)
+        yield
+
+
+def _weighted_factor(fn, A0, weights):
+    A = A0.clone().requires_grad_(True)
+    F = fn(A)
+    (F * weights).sum().backward()
+    return F.detach(), A.grad
+
+
+def test_compiled_host_path_factorises_once_and_escalates_only_a_failing_batch():
+    """Under torch.compile a CPU batch takes the host shortcut as one operator in the graph: a batch that factorises
+    gets the plain factor, one that needs jitter the ladder's, and the written-out backward is PyTorch's own
+    Cholesky backward to float64 round-off — checked for both branches, against eager."""
+    import torch._dynamo as dynamo
+
+    g = torch.Generator().manual_seed(5)
+    v = torch.randn(3, 6, 8, dtype=torch.float64, generator=g)
+    weights = torch.randn(3, 6, 6, dtype=torch.float64, generator=g)
+    ok = v @ v.mT + 1e-2 * torch.eye(6, dtype=torch.float64)
+    w = torch.randn(3, 6, 2, dtype=torch.float64, generator=g)
+    low_rank = w @ w.mT  # rank 2: the plain factorisation fails, the ladder's first jitter succeeds
+    dynamo.reset()
+    compiled = torch.compile(L.cholesky, backend="aot_eager", fullgraph=True)
+    with _tracing_quietly():
+        for A0 in (ok, low_rank):
+            F_eager, g_eager = _weighted_factor(L.cholesky, A0, weights)
+            F_comp, g_comp = _weighted_factor(compiled, A0, weights)
+            assert torch.isfinite(F_comp).all()
+            torch.testing.assert_close(F_comp, F_eager, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(g_comp, g_eager, rtol=1e-9, atol=1e-9)
+        assert not torch.isfinite(compiled(-torch.eye(4, dtype=torch.float64))).any()  # every try fails: NaN
+    dynamo.reset()
+
+
+def test_written_out_cholesky_backward_is_the_gradient():
+    """The host operator's written-out backward against finite differences (float64 gradcheck)."""
+    g = torch.Generator().manual_seed(6)
+    v = torch.randn(2, 5, 7, dtype=torch.float64, generator=g)
+    A = (v @ v.mT + 0.1 * torch.eye(5, dtype=torch.float64)).requires_grad_(True)
+
+    def factor(X):
+        X = 0.5 * (X + X.mT)  # finite differences perturb one entry; the factorisation reads a symmetric matrix
+        return L._host_cholesky(X, 4)
+
+    assert torch.autograd.gradcheck(factor, (A,))

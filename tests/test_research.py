@@ -127,3 +127,45 @@ def test_kep_finetune_probe_scales_the_matched_prior_and_its_posterior(tmp_path)
     with pytest.raises(SystemExit):
         probe.main(["--prior-factor", "2", "--", "train", "--help"])
     assert training._match_prior_to_stream is original
+
+
+def test_random_stream_probe_draws_in_training_forwards_only(tmp_path):
+    """research/random_stream.py: the swapped softmax layer draws normals before each training forward (the
+    random stream after a forward moves, the outputs do not), nothing in eval mode, and the trainer's own
+    build_model is restored after ``main``."""
+    import copy
+
+    import torch
+
+    pytest.importorskip("transformers")
+    import transformers
+
+    from gpattn.experiments import training
+    from gpattn.integrations.huggingface import HFClassifier
+
+    probe = _research("random_stream")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    plain = HFClassifier(transformers.BertModel(config, add_pooling_layer=False), 2, attention="softmax",
+                         attention_layers="last")
+    hooked = probe.with_dummy_draws(3)._wrap(copy.deepcopy(plain))
+    ids = torch.randint(1, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+
+    def forward(model, train: bool):
+        torch.manual_seed(1)
+        model.train(train)
+        with torch.no_grad():
+            out = model(ids, mask)
+        return out, torch.randn(1)  # the stream's next draw
+
+    for train in (True, False):
+        (out_p, next_p), (out_h, next_h) = forward(plain, train), forward(hooked, train)
+        torch.testing.assert_close(out_h, out_p)  # no dropout here: the draws change nothing computed
+        assert torch.equal(next_h, next_p) != train  # ... but the stream, in training forwards only
+    original = training.build_model
+    with pytest.raises(SystemExit):
+        probe.main(["--draws", "2", "--", "train", "--help"])
+    assert training.build_model is original
