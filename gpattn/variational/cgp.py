@@ -60,6 +60,13 @@ __all__ = [
 ]
 
 
+def _solve_parts(L: torch.Tensor, *parts: torch.Tensor) -> list[torch.Tensor]:
+    """L⁻¹ X for each right-hand side X sharing the factor L, as one triangular solve of their columns side by side
+    (the columns are solved independently: the same values as a solve each, one launch and one backward).
+    # shape: L (..., n, n), each part (..., n, k_i) -> each (..., n, k_i)"""
+    return list(tri_solve(L, torch.cat(parts, -1)).split([p.shape[-1] for p in parts], -1))
+
+
 def logdet_from_cholesky(L: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """:math:`\\log|A| = 2 \\sum_t \\log L_{tt}` over the real tokens only (padded ones have a unit
     diagonal block, whose jitter must not count).  # shape: L (..., T, T), valid (B, 1, T) -> (...)"""
@@ -406,28 +413,25 @@ class CorrelatedGP(CorrelatedGPBase):
         z = add_jitter(K_k, s2[:, 0, 0]) @ v  # eq. 24: z = (K_k + σ²I) v
         if valid is not None:
             z = z * valid[..., :, None]
-        a_q = tri_solve(L_q, nu)  # L_q⁻¹ ν  # shape: (B, H, T, Dv)
-        a_k = tri_solve(L_kk, z)  # L_kk⁻¹ z
         if self.prior_samples is not None:
             B, H, T, _ = Kb["K_o"].shape  # T latent inputs (the keys' tokens)
             L_prior = cholesky(add_jitter(Kb["K_o"], self.jitter), name="cgp: K_o")
             eps = torch.randn(B, H, T, self.prior_samples, dtype=nu.dtype, device=nu.device)
             y = tri_solve(L_o, L_prior @ eps)  # L_o⁻¹ z_o⁽ⁱ⁾, z_o⁽ⁱ⁾ ~ N(0, K_o)  # shape: (B, H, T, P)
-            b_q = tri_solve(L_q, W.mT @ y)  # L_q⁻¹ m_q⁽ⁱ⁾, m_q⁽ⁱ⁾ = K_qo A⁻¹ z_o⁽ⁱ⁾
-            b_k = tri_solve(L_kk, W_k.mT @ y)  # L_kk⁻¹ m_k⁽ⁱ⁾
-            # (1/P) Σ_i ‖a − b_i‖² = ‖a‖² − 2 aᵀ b̄ + (1/P) Σ_i ‖b_i‖²  # shape: (B, H, Dv)
-            quad = [
-                a.pow(2).sum(-2)
-                - 2.0 * (a * b.mean(-1, keepdim=True)).sum(-2)
-                + b.pow(2).sum(-2).mean(-1, keepdim=True)
-                for a, b in ((a_q, b_q), (a_k, b_k))
-            ]
+            quad = []
+            for L, first, Wx in ((L_q, nu, W), (L_kk, z, W_k)):
+                # L_q⁻¹ ν and L_q⁻¹ m_q⁽ⁱ⁾ (m_q⁽ⁱ⁾ = K_qo A⁻¹ z_o⁽ⁱ⁾), and the same for k: one solve per factor
+                a, b = _solve_parts(L, first, Wx.mT @ y)
+                # (1/P) Σ_i ‖a − b_i‖² = ‖a‖² − 2 aᵀ b̄ + (1/P) Σ_i ‖b_i‖²  # shape: (B, H, Dv)
+                cross = 2.0 * (a * b.mean(-1, keepdim=True)).sum(-2)
+                quad.append(a.pow(2).sum(-2) - cross + b.pow(2).sum(-2).mean(-1, keepdim=True))
         else:
             # E over z_o ~ N(0, K_o) adds tr(Σ⁻¹ H K_o Hᵀ), H K_o Hᵀ = WᵀW − σ² GᵀG for H = K_qo A⁻¹
             G_k = tri_solve(L_o.mT, W_k, upper=True)  # A⁻¹ K_ok
             quad = []
-            for a, L, Wx, Gx in ((a_q, L_q, W, G), (a_k, L_kk, W_k, G_k)):
-                tr = tri_solve(L, Wx.mT).pow(2).sum((-2, -1)) - s2[:, 0, 0] * tri_solve(L, Gx.mT).pow(2).sum((-2, -1))
+            for first, L, Wx, Gx in ((nu, L_q, W, G), (z, L_kk, W_k, G_k)):
+                a, LW, LG = _solve_parts(L, first, Wx.mT, Gx.mT)  # L⁻¹ ν (or z), L⁻¹ Wᵀ, L⁻¹ Gᵀ: one solve
+                tr = LW.pow(2).sum((-2, -1)) - s2[:, 0, 0] * LG.pow(2).sum((-2, -1))
                 quad.append(a.pow(2).sum(-2) + tr[..., None])
         logdet = logdet_from_cholesky(L_q, valid_q) + logdet_from_cholesky(L_kk, valid)  # shape: (B, H)
         return quad[0] + quad[1] + logdet[..., None]
