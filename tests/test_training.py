@@ -443,3 +443,16 @@ def test_eta_flag_sets_the_ksvd_weight_in_train_and_compare():
     assert cli._config(parser.parse_args(["train", "--out", "x"]))[0].eta == TrainConfig().eta
     with pytest.raises(ValueError, match="--eta"):
         TrainConfig(loss_weights={"eta": 0.0})
+
+
+def test_grad_clip_flag_sets_the_clipping_norm_and_a_bad_one_is_named():
+    """``--grad-clip`` sets the norm the trainer clips a step's gradients to (0: off), in train and compare."""
+    from gpattn.experiments import cli
+
+    parser = cli.build_parser()
+    for command in ("train", "compare"):
+        args = parser.parse_args([command, "--dataset", "digits", "--grad-clip", "0", "--out", "x"])
+        assert cli._config(args)[0].grad_clip == 0.0
+    assert cli._config(parser.parse_args(["train", "--out", "x"]))[0].grad_clip == TrainConfig().grad_clip == 1.0
+    with pytest.raises(ValueError, match="grad_clip"):
+        cli._config(parser.parse_args(["train", "--grad-clip", "-1", "--out", "x"]))

@@ -107,6 +107,7 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         ("--beta", float, "weight β of the KL terms of the objective"),
         ("--alpha", float, "weight α of the CGP regulariser (cgp, scgp)"),
         ("--eta", float, "weight η of kep-svgp's KSVD term"),
+        ("--grad-clip", float, "the total gradient norm a step is clipped to (0: no clipping)"),
         ("--checkpoint-every", int, "also checkpoint every N optimizer steps (0: once an epoch)"),
     ):
         p.add_argument(flag, type=typ, help=f"{what} (default: {defaults[flag[2:].replace('-', '_')]:g})")
@@ -183,8 +184,8 @@ def _validate_arg(p: argparse.ArgumentParser) -> None:
 _FLAG_FIELDS = (
     "dataset", "data_dir", "download", "attention_layers", "encoder", "encoder_max_len", "encoder_recipe", "epochs",
     "batch_size", "lr", "num_samples", "embed_dim", "num_heads", "num_layers", "dropout", "beta", "eta", "alpha",
-    "checkpoint_every", "kl_scaling", "device", "precision", "encoder_lr", "encoder_weight_decay", "warmup", "pooling",
-    "compile",
+    "grad_clip", "checkpoint_every", "kl_scaling", "device", "precision", "encoder_lr", "encoder_weight_decay",
+    "warmup", "pooling", "compile",
 )
 
 
