@@ -15,9 +15,9 @@ Run: ``python research/kep_finetune.py --prior-factor 1e-4 -- train --dataset co
 
 from __future__ import annotations
 
-import argparse
+from _patched_cli import run_patched
 
-from gpattn.experiments import cli, training
+from gpattn.experiments import training
 
 
 def with_prior_factor(factor: float):
@@ -35,17 +35,15 @@ def with_prior_factor(factor: float):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prior-factor", type=float, required=True, help="c multiplying every swapped GP prior")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then the gpattn command line (train ...)")
-    ns = parser.parse_args(argv)
-    args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
-    original = training._match_prior_to_stream
-    training._match_prior_to_stream = with_prior_factor(ns.prior_factor)
-    try:
-        return cli.main(args)
-    finally:
-        training._match_prior_to_stream = original
+    return run_patched(
+        argv,
+        __doc__.split("\n\n")[0],
+        "--prior-factor",
+        float,
+        "c multiplying every swapped GP prior",
+        "_match_prior_to_stream",
+        with_prior_factor,
+    )
 
 
 if __name__ == "__main__":

@@ -13,11 +13,10 @@ minilm --attention softmax --epochs 1 --seed 0 --out RUN``.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
+from _patched_cli import run_patched
 
-from gpattn.experiments import cli, training
+from gpattn.experiments import training
 
 
 def with_dummy_draws(draws: int):
@@ -43,17 +42,15 @@ def with_dummy_draws(draws: int):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--draws", type=int, required=True, help="normals drawn per token by every swapped layer")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then the gpattn command line (train ...)")
-    ns = parser.parse_args(argv)
-    args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
-    original = training.build_model
-    training.build_model = with_dummy_draws(ns.draws)
-    try:
-        return cli.main(args)
-    finally:
-        training.build_model = original
+    return run_patched(
+        argv,
+        __doc__.split("\n\n")[0],
+        "--draws",
+        int,
+        "normals drawn per token by every swapped layer",
+        "build_model",
+        with_dummy_draws,
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,9 @@ RESEARCH = Path(__file__).resolve().parents[1] / "research"
 
 
 def _research(name: str):
-    """The probe research/NAME.py as a module."""
+    """The probe research/NAME.py as a module (research/ on the path, as when it runs as a script)."""
+    if str(RESEARCH) not in sys.path:
+        sys.path.insert(0, str(RESEARCH))
     spec = importlib.util.spec_from_file_location(name, RESEARCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
