@@ -145,7 +145,8 @@ class TrainConfig:
             raise bad("loss_weights", "a dict of loss-weight names to numbers (gpattn.objectives.term_weights())")
         own = sorted(set(weights) & set(_OWN_WEIGHTS))
         if own:
-            raise bad("loss_weights", f"free of {', '.join(own)}, which have their own settings (--beta, --eta, --alpha, ...)")
+            flags = "--beta, --eta, --alpha, ..."
+            raise bad("loss_weights", f"free of {', '.join(own)}, which have their own settings ({flags})")
         for name, v in weights.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"loss_weights[{name!r}] (--loss-weight) must be a finite number >= 0, got {v!r}")

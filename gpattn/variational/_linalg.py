@@ -5,8 +5,8 @@
   jitter escalation, and a ``NotPSDError`` that names the layer and the matrix size — never an
   unbounded retry loop; with validation off (the default) matrices up to :data:`LADDER_MAX_SIZE` read
   nothing back from the device: the same escalation runs branch-free, and a factor that still fails is
-  NaN, which the trainer reports as a divergence (larger ones keep the check, and so do CPU tensors in eager
-  mode, where the read is free: see :func:`cholesky`);
+  NaN, which the trainer reports as a divergence (larger ones keep the check, and so do CPU tensors, where the
+  read is free — under ``torch.compile`` inside one custom operator: see :func:`cholesky`);
 * GP algebra runs inside :func:`gp_algebra`: autocast disabled (float32 at least) and GPyTorch's
   silent CG/Lanczos switch above 800 points turned off, so the exact Cholesky paths are used;
 * variances are clamped at 0 before a square root (:func:`safe_sqrt`);
@@ -152,17 +152,17 @@ def cholesky(A: torch.Tensor, *, max_tries: int = 4, name: str = "") -> torch.Te
     ``info`` back from the device on every call, so nothing is read: they run the same escalation
     branch-free (:func:`_ladder`: the same factor, bit for bit), and a factor that still fails is NaN —
     the loss turns non-finite and the trainer stops with a divergence naming the step (``--validate``
-    then names the matrix). A CPU tensor outside ``torch.compile`` has no device to read back from: it
-    gets the plain factorisation, and the ladder only if one of its matrices fails (the ladder's 1 +
-    ``max_tries`` batched tries cost several factorisations on the host, where nothing is gained; inside
-    :func:`as_on_a_device` it takes the device path).
+    then names the matrix). A CPU tensor has no device to read back from: it gets the plain factorisation,
+    and the ladder only if one of its matrices fails (the ladder's 1 + ``max_tries`` batched tries cost several
+    factorisations on the host, where nothing is gained) — under ``torch.compile`` through the custom operator
+    :func:`_host_cholesky`, which the graph calls whole; inside :func:`as_on_a_device` it takes the device path.
     """
     if not torch.compiler.is_compiling():  # a global mutated in a compiled graph is a guard: a recompile per call
         STATS["cholesky_calls"] += 1
     if not is_validating() and A.shape[-1] <= LADDER_MAX_SIZE:
-        if _host_shortcut(A) and torch.compiler.is_compiling():
-            return _host_cholesky(A, max_tries)  # the same shortcut as one operator in the graph
         if _host_shortcut(A):
+            if torch.compiler.is_compiling():
+                return _host_cholesky(A, max_tries)  # the same shortcut as one operator in the graph
             L, info = torch.linalg.cholesky_ex(A)  # on the host, reading info is free: no ladder when none fails
             if not bool(info.any()):  # the ladder's factor, bit for bit (it keeps a plain try that succeeds), in
                 return L.contiguous()  # its row-major layout (the products that read it round by the layout)
