@@ -172,3 +172,45 @@ def test_random_stream_probe_draws_in_training_forwards_only(tmp_path):
     with pytest.raises(SystemExit):
         probe.main(["--draws", "2", "--", "train", "--help"])
     assert training.build_model is original
+
+
+def test_clip_groups_probe_clips_the_layer_and_the_rest_apart():
+    """research/clip_groups.py: with 2 groups each of (the swapped layer's new parameters, the rest) ends at norm
+    max_norm when it started above it — unlike the trainer's guard, which scales both by the total — and the guard
+    still records the step; --groups 1 is the trainer's own guard, and main restores it."""
+    import torch
+
+    pytest.importorskip("transformers")
+    import transformers
+
+    from gpattn.experiments import training
+    from gpattn.integrations.huggingface import HFClassifier
+
+    probe = _research("clip_groups")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = HFClassifier(transformers.BertModel(config, add_pooling_layer=False), 2, attention="kep-svgp",
+                         attention_layers="last")
+    layer, rest = probe.clip_groups(model)
+    assert layer and rest and all("attention" in n for n, p in model.named_parameters() if any(p is q for q in layer))
+
+    def norms(guard_class, big: float):
+        for i, p in enumerate(layer + rest):
+            p.grad = torch.full_like(p, (big if i < len(layer) else 1.0))
+        guard = guard_class(model, torch.device("cpu"))
+        found = guard.update(0, torch.tensor(False), {}, 1.0)
+        assert float(found) == 0.0
+        return [float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in g]))) for g in (layer, rest)]
+
+    assert probe.with_groups(1) is training._DivergenceGuard
+    two = norms(probe.with_groups(2), big=100.0)
+    assert two == pytest.approx([1.0, 1.0], rel=1e-5)
+    one = norms(training._DivergenceGuard, big=100.0)  # the total norm: the layer's huge gradient shrinks the rest
+    assert one[0] == pytest.approx(1.0, rel=1e-3) and one[1] < 0.1
+    with pytest.raises(ValueError, match="--groups"):
+        probe.with_groups(3)
+    original = training._DivergenceGuard
+    with pytest.raises(SystemExit):
+        probe.main(["--groups", "2", "--", "train", "--help"])
+    assert training._DivergenceGuard is original
