@@ -177,6 +177,43 @@ def test_scale_prior_scales_the_gp_output_by_its_root_and_keeps_the_kl():
     torch.testing.assert_close(after[2], before[2], rtol=1e-10, atol=0)
 
 
+def test_match_singular_values_starts_the_ksvd_term_at_zero_and_keeps_the_function():
+    """match_singular_values on a stream of another scale (float64, one padded sequence): J goes to 0 (the layer's
+    own ``ksvd`` loss term), Λ' is (r / tr(ω_eᵀω_r)) · ½ mean(e² + r²) over the real tokens (written here from the
+    features), and the mean, a sample with the same random numbers, the posterior covariance and the KL are
+    unchanged."""
+    torch.manual_seed(0)
+    layer = gpattn.build_attention("kep-svgp", 16, 2, rank=3).double()
+    with torch.no_grad():
+        layer.strategy.variational_distribution.variational_mean.normal_(0, 0.3)
+    x = 3.0 * torch.randn(3, 6, 16, dtype=DT)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+
+    def state():
+        cond = layer._condition(x, pad)
+        torch.manual_seed(3)
+        sample = cond.rsample()
+        (ksvd,) = [t for t in cond.added_loss_terms() if type(t).__name__ == "KSVDLoss"]
+        covar = cond.posterior().covariance_matrix
+        return cond.mean, sample, covar, cond.kl_divergence(), float(ksvd.loss().detach())
+
+    before = state()
+    feats = layer.strategy.features(*layer.strategy_inputs(x), pad)
+    real = (~pad)[:, None, :, None].to(DT)
+    half = 0.5 * ((feats["e"] ** 2 + feats["r"] ** 2) * real).sum((0, 2)) / real.sum((0, 2))
+    with torch.no_grad():
+        j_before, j_after = layer.match_singular_values(x, pad)
+    after = state()
+    assert before[4] == pytest.approx(j_before**2, rel=1e-10) and abs(j_before) > 1.0  # off its stationary value
+    assert abs(j_after) < 1e-10 and after[4] < 1e-20
+    ksvd = layer.strategy.ksvd
+    trace = torch.einsum("hsr,hsr->h", ksvd.omega_e, ksvd.omega_r)  # = r to float32 round-off (ω_r = ω_e orthogonal)
+    torch.testing.assert_close(ksvd.lam, half * 3 / trace[:, None], rtol=1e-12, atol=0)
+    for b, a in zip(before[:4], after[:4]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 # ------------------------------------------------------------------------------- the encoder swap
 def _config(kind):
     if kind == "distilbert":
@@ -250,6 +287,7 @@ def test_match_prior_to_stream_puts_the_swapped_noise_in_the_band():
     assert row["out_gain"] == 1.0 and row["factor"] == pytest.approx(1 / 3)  # v_s does not enter
     assert row["stream_variance"] == pytest.approx(float(x[~pad].double().pow(2).mean()))
     assert not 0.9 < row["stream_variance"] < 1.1  # a stream whose v_s would change the factor
+    assert abs(row["ksvd_before"]) > 0.1 and abs(row["ksvd_after"]) < 1e-5  # the KSVD term starts at 0 (float32)
     torch.manual_seed(1)
     mean_after, spread_after, *_ = _scale(layer, x, pad)
     assert mean_after == pytest.approx(mean_before, rel=1e-6) and MEAN_BAND[0] <= mean_after <= MEAN_BAND[1]

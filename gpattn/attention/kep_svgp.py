@@ -160,6 +160,14 @@ class KEPSVGPAttention(GPAttention):
         p, own = self.project(x), self.strategy.mean_module.projections
         return (x, p["q"], p["k"]), ({"mean_values": p[own[0]]} if own else {})
 
+    def match_singular_values(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> tuple:
+        """Λ from a batch of this layer's inputs so that the KSVD objective J starts at 0 on them, the function, its
+        prior and the KL unchanged (:meth:`gpattn.variational.kep_svgp.KEPSVGP.match_singular_values`); the step of
+        :meth:`gpattn.integrations.huggingface.HFClassifier.match_prior_to_stream` for kep-svgp. Returns J before
+        and after.  # shape: x (B, T, D), key_padding_mask (B, T) bool (True = padding) or None"""
+        x, q, k = self.strategy_inputs(x)
+        return self.strategy.match_singular_values(x, q, k, key_padding_mask)
+
     def extra_repr(self) -> str:
         k = self.strategy
         return (

@@ -33,6 +33,9 @@ def _match_layer(layer: nn.Module, x: torch.Tensor, key_padding_mask, gain: floa
             median = _median_key_distance(layer, x, key_padding_mask)
         row.update(key_distance=median, input_factor=(MEDIAN_KEY_DISTANCE / median) ** 0.5)
         layer.rescale_inputs(row["input_factor"])
+    if hasattr(layer, "match_singular_values"):  # kep-svgp: its KSVD term starts at 0 on this stream
+        with torch.no_grad():
+            row["ksvd_before"], row["ksvd_after"] = layer.match_singular_values(x, key_padding_mask)
     return row
 
 

@@ -576,7 +576,8 @@ class HFClassifier(LossTermWalkers, nn.Module):
 
         so that the noise it adds, relative to its input, is what the native design gives; kep-svgp, whose GP output
         already scales with its input's amplitude (``scales_with_input``), takes :math:`c = (1/3)/g_o`, and its
-        ``scale_prior`` multiplies σ² and q(u_c)'s covariance (docs/derivations.md §6). Layers with
+        ``scale_prior`` multiplies σ² and q(u_c)'s covariance, and its Λ is matched to the stream so that the KSVD
+        term starts at 0, the function unchanged (``match_singular_values``; docs/derivations.md §6). Layers with
         ``rescale_inputs`` (cgp, scgp: their canonical kernel has no lengthscale; sgpa-rff: its g's RBF) also get
         the median heuristic: inputs scaled by :math:`\sqrt{2/m}`, m = the median of
         :math:`\lVert k_i - k_j\rVert^2` over pairs of real tokens of one sequence and the heads
@@ -591,7 +592,8 @@ class HFClassifier(LossTermWalkers, nn.Module):
             a few hundred training sequences.
         :param key_padding_mask: ``(B, T)`` bool, True = padding.
         :returns: one row per scaled layer: ``layer``, ``stream_variance`` (v_s), ``out_gain`` (g_o), ``factor`` (c);
-            for cgp and scgp also ``key_distance`` (m, before) and ``input_factor`` (√(2/m)).
+            for cgp and scgp also ``key_distance`` (m, before) and ``input_factor`` (√(2/m)); for kep-svgp
+            ``ksvd_before`` and ``ksvd_after`` (its KSVD objective J).
         """
         if self.prior_scale is not None:
             raise ValueError("match_prior_to_stream: already applied to this model (a second call would scale twice)")

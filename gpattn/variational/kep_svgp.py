@@ -523,6 +523,42 @@ class KEPSVGP(AmortisedVariationalStrategy):
             q_u.variational_mean.mul_(factor**0.5)
             q_u.chol_variational_covar.mul_(factor**0.5)
 
+    @torch.no_grad()
+    def match_singular_values(self, x, q, k, mask=None) -> tuple[float, float]:
+        r"""Λ set so that J = 0 on a batch of the layer's inputs, q(u_c) rescaled with it: the layer computes the
+        same function, its prior and posterior over f and the KL are unchanged, only the KSVD term starts at 0
+        (docs/derivations.md §6, "The KSVD term on another stream").
+
+        Per head h and feature j, with t_h = tr(ω_eᵀ ω_r) and the means over the real tokens,
+        λ'_hj = (r / t_h) · ½ mean(e_hj² + r_hj²); then (m_c, L_c) ← D (m_c, L_c) with D = diag(λ'/λ), so that
+        a' u' = G Λ'⁻¹ D u = a u and p(u') = N(0, σ²Λ'²) = D p(u). Returns J before and after.
+
+        # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask (B, T) bool (True = padding) or None -> (float, float)
+        """
+        ksvd, q_u = self.ksvd, self.variational_distribution
+        x, q, k = full_precision(x, q, k)
+        e, r, _, _ = ksvd(x, q, k, mask)  # shape: (B, H, T, r) each
+        sq = e.pow(2) + r.pow(2)
+        real = torch.ones(sq.shape[0], 1, sq.shape[2], 1, dtype=sq.dtype, device=sq.device)
+        if mask is not None:
+            real = (~mask)[:, None, :, None].to(sq.dtype)
+        if not bool(real.any()):
+            raise ValueError("match_singular_values: mask leaves no real token to measure the features on")
+        half_mean = 0.5 * (sq * real).sum((0, 2)) / real.sum((0, 2))  # shape: (H, r)
+        trace = (ksvd.omega_e * ksvd.omega_r).sum(-2).sum(-1)  # shape: (H,): t_h
+        if not bool((trace > 0).all()) or not bool((half_mean > 0).all()):
+            raise ValueError(
+                f"match_singular_values: J = 0 needs tr(omega_e^T omega_r) > 0 and nonzero features in every head "
+                f"(got traces {trace.tolist()}); call it on a freshly built or swapped layer"
+            )
+        before = float(self.ksvd.objective(e, r, mask))
+        new = half_mean * (self.rank / trace)[:, None]
+        d = (new / ksvd.lam).to(q_u.variational_mean.dtype)  # shape: (H, r): D, per feature j
+        q_u.variational_mean.mul_(d[:, None, :])  # m_c ← D m_c  (coordinate j last)
+        q_u.chol_variational_covar.mul_(d[:, None, :, None])  # L_c ← D L_c  (row j: stays lower triangular)
+        ksvd.log_lambda.copy_(new.log())
+        return before, float(self.ksvd.objective(e, r, mask))
+
     def check_length(self, T: int) -> None:
         if self.merge == "concat" and T != self.seq_len:
             raise ValueError(
