@@ -154,18 +154,15 @@ def cholesky(A: torch.Tensor, *, max_tries: int = 4, name: str = "") -> torch.Te
     the loss turns non-finite and the trainer stops with a divergence naming the step (``--validate``
     then names the matrix). A CPU tensor has no device to read back from: it gets the plain factorisation,
     and the ladder only if one of its matrices fails (the ladder's 1 + ``max_tries`` batched tries cost several
-    factorisations on the host, where nothing is gained) — under ``torch.compile`` through the custom operator
-    :func:`_host_cholesky`, which the graph calls whole; inside :func:`as_on_a_device` it takes the device path.
+    factorisations on the host, where nothing is gained) — eagerly and under ``torch.compile`` through the custom
+    operator :func:`_host_cholesky`, which a graph calls whole and whose backward is :func:`cholesky_backward`;
+    inside :func:`as_on_a_device` it takes the device path.
     """
     if not torch.compiler.is_compiling():  # a global mutated in a compiled graph is a guard: a recompile per call
         STATS["cholesky_calls"] += 1
     if not is_validating() and A.shape[-1] <= LADDER_MAX_SIZE:
-        if _host_shortcut(A):
-            if torch.compiler.is_compiling():
-                return _host_cholesky(A, max_tries)  # the same shortcut as one operator in the graph
-            L, info = torch.linalg.cholesky_ex(A)  # on the host, reading info is free: no ladder when none fails
-            if not bool(info.any()):  # the ladder's factor, bit for bit (it keeps a plain try that succeeds), in
-                return L.contiguous()  # its row-major layout (the products that read it round by the layout)
+        if _host_shortcut(A):  # on the host, reading info is free: no ladder when none fails (one operator,
+            return _host_cholesky(A, max_tries)  # eager and compiled, with the written backward)
         L, info = _ladder(A, max_tries)
         return L.masked_fill((info > 0)[..., None, None], torch.nan)
     L, info = torch.linalg.cholesky_ex(A)
@@ -237,10 +234,19 @@ def _host_cholesky_backward(ctx, grad):
     """For A = L Lᵀ, Ā = L⁻ᵀ Φ(Lᵀ L̄) L⁻¹ with Φ(X) = ½(tril(X) + tril(X, -1)ᵀ), symmetric (docs/derivations.md,
     "Numerics policy"); a fallback's jitter is a constant, so the same formula at the jittered factor is A's."""
     (L,) = ctx.saved_tensors
-    phi = (L.mT @ grad).tril()
-    phi = 0.5 * (phi + phi.tril(-1).mT)
-    grad_A = torch.linalg.solve_triangular(L.mT, phi, upper=True, left=True)
-    return torch.linalg.solve_triangular(L, grad_A, upper=False, left=False), None
+    return cholesky_backward(L, grad), None
+
+
+def cholesky_backward(L: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Ā = L⁻ᵀ S L⁻¹ for A = L Lᵀ and L̄ = ``grad``, S = Φ(Lᵀ L̄) symmetric: as two solves from the right,
+    Y = S L⁻¹ and Ā = Āᵀ = Yᵀ L⁻¹ (a row-major factor solves from the right in ~half the time of a left solve
+    with Lᵀ: docs/benchmarks.md), with S = ½(P + Pᵀ) − ½ diag(P), P = tril(Lᵀ L̄).  # shape: (..., n, n)"""
+    P = (L.mT @ grad).tril_()
+    S = P + P.mT
+    S.diagonal(dim1=-2, dim2=-1).mul_(0.5)  # its diagonal holds 2 P_ii: P_ii, then ½ P_ii with the rest below
+    S.mul_(0.5)
+    Y = torch.linalg.solve_triangular(L, S, upper=False, left=False)
+    return torch.linalg.solve_triangular(L, Y.mT, upper=False, left=False)
 
 
 _host_cholesky.register_autograd(_host_cholesky_backward, setup_context=_host_cholesky_context)
