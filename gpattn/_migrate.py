@@ -37,6 +37,8 @@ OLD_DEFAULTS: tuple[tuple[str, tuple[str, ...], bool, str, object], ...] = (
     ("cgp's softmax prior mean (docs/derivations.md §7a, 2026-11-27)", ("cgp",), False, "prior_mean", "zero"),
     ("scgp's separate softmax mean (docs/derivations.md §7a, 2026-11-27)", ("scgp",), False, "prior_mean", "zero"),
     ("kep-svgp's encoder-swap softmax mean (docs/derivations.md §6)", ("kep-svgp",), True, "prior_mean", "zero"),
+    ("kep-svgp's softmax prior mean from scratch (docs/derivations.md §6, 2026-12-03)", ("kep-svgp",), False,
+     "prior_mean", "zero"),
 )
 
 #: (what changed, the option, the old value, {variant: the value it meant}): the old value, wherever it stands in the

@@ -161,7 +161,8 @@ def test_a_kep_svgp_run_saved_before_the_prior_outputscale_reloads_with_the_prio
     checkpoint's state dict and config lack it (written before) trained under σ² = 1 and reloads with it through the
     one load hook (gpattn._migrate.OLD_STATES), predicting what it predicted and saying what it migrated."""
     out, images = tmp_path / "run", torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
-    cfg = TrainConfig(dataset="digits", attention="kep-svgp", attention_options={"prior_variance": 1.0}, **TINY)
+    old_form = {"prior_variance": 1.0, "prior_mean": "zero"}  # the defaults then (the config migration fills both)
+    cfg = TrainConfig(dataset="digits", attention="kep-svgp", attention_options=old_form, **TINY)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GPCollapseWarning)  # one epoch of a tiny model
         train(cfg, out)
@@ -173,7 +174,8 @@ def test_a_kep_svgp_run_saved_before_the_prior_outputscale_reloads_with_the_prio
     ckpt["model"] = {k: v for k, v in ckpt["model"].items() if not k.endswith(".prior_variance")}
     assert len(ckpt["model"]) < len(torch.load(path, weights_only=True)["model"])
     torch.save(ckpt, path)
-    with pytest.warns(gpattn.OldVersionWarning, match=r"prior_variance missing .*kep-svgp.*prior_variance=1\.0"):
+    config_warning = pytest.warns(gpattn.OldVersionWarning, match=r"migrated its config .*prior_mean='zero'")
+    with config_warning, pytest.warns(gpattn.OldVersionWarning, match=r"prior_variance missing .*prior_variance=1\.0"):
         run = gpattn.experiments.load_run(out)
     assert {float(b) for k, b in run.model.named_buffers() if k.endswith(".prior_variance")} == {1.0}
     with gpattn.deterministic():

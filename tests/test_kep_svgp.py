@@ -29,6 +29,12 @@ from gpattn.variational.kep_svgp import (
 DT = torch.float64
 
 
+def paper_layer(embed_dim, num_heads, **options):
+    """A kep-svgp layer in Chen et al.'s form (the zero prior mean; the library's default is the softmax mean,
+    tested in tests/test_kep_swap.py)."""
+    return gpattn.build_attention("kep-svgp", embed_dim, num_heads, **{"prior_mean": "zero", **options})
+
+
 def _random_params(H=2, r=3, Dv=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     lam = torch.rand(H, r, generator=g, dtype=DT) + 0.3
@@ -88,7 +94,7 @@ def test_kl_matches_torch_distributions():
 def test_layer_kl_global_is_the_summed_kl_of_its_parameters(prior_variance):
     """kl_global = Σ_{h,c} KL(q(u_c) ‖ N(0, σ²Λ²)); σ² = 1 is Chen et al.'s prior N(0, Λ²)."""
     torch.manual_seed(0)
-    layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3, prior_variance=prior_variance).double()
+    layer = paper_layer(8, 2, rank=3, prior_variance=prior_variance).double()
     with torch.no_grad():
         layer.strategy.ksvd.log_lambda.normal_(0.0, 0.3)  # Λ ≠ I, so that σ² and Λ² are told apart
     x = torch.randn(2, 5, 8, dtype=DT)
@@ -111,8 +117,8 @@ def test_prior_variance_scales_the_prior_and_nothing_else():
     posterior (mean and covariance of the head outputs) does not depend on it. (``scale_prior``, which moves
     q(u_c) with σ², is tested in tests/test_kep_swap.py.)"""
     torch.manual_seed(3)
-    paper = gpattn.build_attention("kep-svgp", 8, 2, rank=3, prior_variance=1.0).double()
-    scaled = gpattn.build_attention("kep-svgp", 8, 2, rank=3, prior_variance=0.2).double()
+    paper = paper_layer(8, 2, rank=3, prior_variance=1.0).double()
+    scaled = paper_layer(8, 2, rank=3, prior_variance=0.2).double()
     scaled.load_state_dict({**paper.state_dict(), "strategy.prior_variance": scaled.strategy.prior_variance})
     assert float(scaled.strategy.prior_variance) == pytest.approx(0.2, rel=1e-7)  # a float32 buffer, made float64
     x = torch.randn(2, 5, 8, dtype=DT)
@@ -129,7 +135,7 @@ def test_prior_variance_scales_the_prior_and_nothing_else():
     )
     for bad in (0, -1.0, True, "1"):
         with pytest.raises(ValueError, match="prior_variance must be a float > 0"):
-            gpattn.build_attention("kep-svgp", 8, 2, prior_variance=bad)
+            paper_layer(8, 2, prior_variance=bad)
 
 
 # --------------------------------------------------------------------------------- sampling
@@ -168,8 +174,8 @@ def test_token_independent_marginals_equal_exact_modes_posterior():
     """The two samplers share one posterior: at the same inputs, the layer's deterministic output and
     posterior are identical whatever ``token_independent`` is; only joint draws differ."""
     torch.manual_seed(5)
-    a_layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3).double()
-    b_layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3, token_independent=True).double()
+    a_layer = paper_layer(8, 2, rank=3).double()
+    b_layer = paper_layer(8, 2, rank=3, token_independent=True).double()
     b_layer.load_state_dict(a_layer.state_dict())
     x = torch.randn(2, 6, 8, dtype=DT)
     pa, pb = a_layer.posterior(x), b_layer.posterior(x)
@@ -189,12 +195,13 @@ class TestKEPSVGP(GPAttentionTestCase):
     """merge="add": the layer against the dense brute force (padding anywhere, not only at the end)."""
 
     attention = "kep-svgp"
+    options = {"prior_mean": "zero"}  # Chen et al.'s form (the dense reference has no prior mean)
     invariants = ()  # at the default options: tests/test_attention_invariants.py
-    float64_options = {"rank": 3, "num_landmarks": 4}
+    float64_options = {"rank": 3, "num_landmarks": 4, "prior_mean": "zero"}
     reference_padding = {1: (0, 3, 5)}
     truncation_garbage = 1e3  # loud padding
     truncation_tolerance = {}
-    exact_options = {"rank": 3, "num_landmarks": 4}
+    exact_options = {"rank": 3, "num_landmarks": 4, "prior_mean": "zero"}
 
     def dense_reference(self, layer, x, mask):
         return kep_svgp_dense_posterior(layer, x, mask)
@@ -211,13 +218,13 @@ class TestKEPSVGP(GPAttentionTestCase):
 class TestKEPSVGPConcat(TestKEPSVGP):
     """merge="concat" at its fixed length T = 6 (the shapes that need another T are left out)."""
 
-    options = {"merge": "concat", "seq_len": 6}
+    options = {"merge": "concat", "seq_len": 6, "prior_mean": "zero"}
     invariants = ("shape", "padding", "all_padding_row", "float64", "pickle", "deterministic", "posterior", "errors")
     truncation_padding = moment_samples = long_padding = exact_options = None
 
 
 class TestKEPSVGPTokenIndependent(TestKEPSVGP):
-    options = {"token_independent": True}
+    options = {"token_independent": True, "prior_mean": "zero"}
     invariants = ("gradients", "small_shapes", "padding")
     independent_tokens = True
     exact_options = None  # the same posterior as TestKEPSVGP's
@@ -226,7 +233,7 @@ class TestKEPSVGPTokenIndependent(TestKEPSVGP):
 class TestKEPSVGPResidual(TestKEPSVGP):
     """include_residual=True (its dense reference: test_include_residual_matches_dense_kff_minus_qff)."""
 
-    options = {"include_residual": True, "rank": 2}
+    options = {"include_residual": True, "rank": 2, "prior_mean": "zero"}
     invariants = ("gradients", "small_shapes", "padding")
     reference_seeds = ()
     exact_options = None
@@ -236,7 +243,7 @@ def test_include_residual_matches_dense_kff_minus_qff():
     """include_residual=True adds K_ff − Q_ff per branch: κ_e = κκᵀ, κ_r = κᵀκ over the sequence,
     Q_ff = e eᵀ (resp. r rᵀ).  With small ω the middle matrices are PSD, so nothing is clamped."""
     torch.manual_seed(7)
-    layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3, num_landmarks=4, include_residual=True).double()
+    layer = paper_layer(8, 2, rank=3, num_landmarks=4, include_residual=True).double()
     with torch.no_grad():
         layer.strategy.ksvd.omega_e.mul_(0.05)
         layer.strategy.ksvd.omega_r.mul_(0.05)
@@ -263,7 +270,7 @@ def test_include_residual_matches_dense_kff_minus_qff():
 
 def test_layer_gradcheck_float64():
     torch.manual_seed(8)
-    layer = gpattn.build_attention("kep-svgp", 4, 2, rank=2, num_landmarks=3).double()
+    layer = paper_layer(4, 2, rank=2, num_landmarks=3).double()
     x = torch.randn(1, 4, 4, dtype=DT, requires_grad=True)
     mask = torch.tensor([[False, False, False, True]])
 
@@ -302,7 +309,7 @@ def _stationary_layer(pad: int, seed: int = 10):
     """
     g = torch.Generator().manual_seed(seed)
     T, n, Dh, r = 12, 12 - pad, 4, 2
-    layer = gpattn.build_attention("kep-svgp", Dh, 1, rank=r, num_landmarks=Dh).double()
+    layer = paper_layer(Dh, 1, rank=r, num_landmarks=Dh).double()
     x = torch.randn(1, T, Dh, generator=g, dtype=DT)
     mask = torch.zeros(1, T, dtype=torch.bool)
     mask[0, n:] = True
@@ -369,7 +376,7 @@ def test_ksvd_objective_formula_with_padding():
 def test_batch_one_head_one_token_one(opts):
     """B = H = T = 1 (the released `.squeeze()` bug): samples, mean, posterior and loss terms."""
     torch.manual_seed(12)
-    layer = gpattn.build_attention("kep-svgp", 4, 1, **opts)
+    layer = paper_layer(4, 1, **opts)
     x = torch.randn(1, 1, 4)
     y = layer(x)
     assert y.shape == (1, 1, 4) and torch.isfinite(y).all()
@@ -379,12 +386,12 @@ def test_batch_one_head_one_token_one(opts):
     p = layer.project(x)
     heads = layer.strategy.condition(x, p["q"], p["k"]).mean  # (1, 1, 1, Dv)
     torch.testing.assert_close(heads[0, 0, 0], post.mean[0, 0, :, 0])
-    concat = gpattn.build_attention("kep-svgp", 4, 1, merge="concat", seq_len=1, **opts)
+    concat = paper_layer(4, 1, merge="concat", seq_len=1, **opts)
     assert concat(x).shape == (1, 1, 4)
 
 
 def test_concat_rejects_a_different_sequence_length():
-    layer = gpattn.build_attention("kep-svgp", 8, 2, merge="concat", seq_len=6)
+    layer = paper_layer(8, 2, merge="concat", seq_len=6)
     assert layer(torch.randn(2, 6, 8)).shape == (2, 6, 8)
     for T in (5, 7):
         with pytest.raises(ValueError, match=rf"seq_len=6.*T=6.*got T={T}"):
@@ -407,7 +414,7 @@ def test_concat_rejects_a_different_sequence_length():
 )
 def test_option_errors(opts, words):
     with pytest.raises(ValueError) as err:
-        gpattn.build_attention("kep-svgp", 8, 2, **opts)
+        paper_layer(8, 2, **opts)
     assert all(w in str(err.value) for w in words)
 
 
@@ -460,7 +467,7 @@ def test_flops_grow_linearly_in_t():
 
     def flops(T, **opts):
         torch.manual_seed(14)
-        layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3, num_landmarks=6, **opts)
+        layer = paper_layer(8, 2, rank=3, num_landmarks=6, **opts)
         x = torch.randn(2, T, 8, requires_grad=True)
         with FlopCounterMode(display=False) as fc:
             y = layer(x)
@@ -476,9 +483,9 @@ def test_flops_grow_linearly_in_t():
 def test_a_state_dict_from_before_the_outputscale_loads_with_the_papers_prior():
     """The one load hook (gpattn._migrate): a state dict without ``prior_variance`` (saved before it existed) loads
     with σ² = 1, with a warning; everything else loads as saved."""
-    layer = gpattn.build_attention("kep-svgp", 8, 2, rank=3)
+    layer = paper_layer(8, 2, rank=3)
     old = {k: v for k, v in layer.state_dict().items() if not k.endswith("prior_variance")}
-    fresh = gpattn.build_attention("kep-svgp", 8, 2, rank=3)
+    fresh = paper_layer(8, 2, rank=3)
     with pytest.warns(gpattn.OldVersionWarning, match="prior_variance=1.0"):
         fresh.load_state_dict(old)
     assert float(fresh.strategy.prior_variance) == 1.0

@@ -83,8 +83,8 @@ def test_the_softmax_mean_is_the_papers_form_plus_a_dense_softmax_attention():
 
 
 def test_the_gp_mean_starts_at_zero_under_the_softmax_mean_and_the_papers_form_is_unchanged():
-    """With the softmax mean q(u_c)'s mean and the output bias start at 0 (the layer's mean is W_o m(x) + b_o); the
-    paper's form keeps its init (the same draws as a layer built before the option existed) and its in_proj."""
+    """With the softmax mean (the default: the same draws) q(u_c)'s mean and the output bias start at 0 (the layer's
+    mean is W_o m(x) + b_o); the paper's form keeps its random q(u_c) mean and its two-map in_proj."""
     torch.manual_seed(0)
     soft = gpattn.build_attention("kep-svgp", 16, 2, prior_mean="softmax")
     assert not soft.strategy.variational_distribution.variational_mean.any() and not soft.strategy.out_bias.any()
@@ -94,7 +94,7 @@ def test_the_gp_mean_starts_at_zero_under_the_softmax_mean_and_the_papers_form_i
     torch.manual_seed(0)
     default = gpattn.build_attention("kep-svgp", 16, 2)
     assert paper.projections == ("q", "k") and paper.strategy.variational_distribution.variational_mean.any()
-    for (name, a), b in zip(paper.state_dict().items(), default.state_dict().values()):
+    for (name, a), b in zip(soft.state_dict().items(), default.state_dict().values()):
         assert torch.equal(a, b), name
 
 
@@ -143,7 +143,7 @@ def test_prior_mean_errors_name_the_argument_and_the_fix():
     with pytest.raises(ValueError, match=r"prior_mean must be one of \['zero', 'softmax'\]"):
         gpattn.build_attention("kep-svgp", 16, 2, prior_mean="attention")
     x, q = torch.randn(1, 4, 16), torch.randn(1, 2, 4, 8)
-    zero = gpattn.build_attention("kep-svgp", 16, 2).strategy
+    zero = gpattn.build_attention("kep-svgp", 16, 2, prior_mean="zero").strategy
     refused = "mean_values: only a prior mean with values of its own reads them, not 'zero'"
     with pytest.raises(ValueError, match=refused):
         zero.condition(x, q, q, mean_values=q)
@@ -159,7 +159,7 @@ def test_scale_prior_scales_the_gp_output_by_its_root_and_keeps_the_kl():
     distribution (the mean less the output bias, and a sample's deviation with the same random numbers, float64)
     and KL(q ‖ p) is unchanged."""
     torch.manual_seed(0)
-    layer = gpattn.build_attention("kep-svgp", 16, 2).double()
+    layer = gpattn.build_attention("kep-svgp", 16, 2, prior_mean="zero").double()  # the GP's output alone
     x = torch.randn(2, 5, 16, dtype=DT)
 
     def moments():
@@ -297,15 +297,17 @@ def test_match_prior_to_stream_puts_the_swapped_noise_in_the_band():
 
 
 def test_the_encoder_swap_recipe_and_configs_written_before_it():
-    """The registry's recipe (not a branch in the swap), and a kep-svgp encoder run's config saved before it: it
-    trained the paper's form, which the migration fills in (scratch configs are left as they are)."""
-    assert attention_options("kep-svgp")["prior_mean"] == "zero"
+    """The registry's recipe (not a branch in the swap), the default recorded in every run's config, and kep-svgp
+    configs saved before either: an encoder run before the recipe and a scratch run before the default changed
+    trained the paper's form, which the migration fills in; a config that records the mean is left as it is."""
+    assert attention_options("kep-svgp")["prior_mean"] == "softmax"
     assert recipe_options("kep-svgp", "encoder-swap") == {"prior_mean": "softmax"}
-    assert recipe_options("kep-svgp") == {}
-    old = {"attention": "kep-svgp", "encoder": "minilm", "attention_options": {"rank": 5}}
-    with pytest.warns(OldVersionWarning, match="prior_mean='zero'"):
-        assert migrate_config(old)["attention_options"] == {"prior_mean": "zero", "rank": 5}
-    scratch = {"attention": "kep-svgp", "encoder": None, "attention_options": {}}
+    assert recipe_options("kep-svgp") == {"prior_mean": "softmax"}
+    for encoder in ("minilm", None):
+        old = {"attention": "kep-svgp", "encoder": encoder, "attention_options": {"rank": 5}}
+        with pytest.warns(OldVersionWarning, match="prior_mean='zero'"):
+            assert migrate_config(old)["attention_options"] == {"prior_mean": "zero", "rank": 5}
+    recorded = {"attention": "kep-svgp", "encoder": None, "attention_options": {"prior_mean": "softmax"}}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert migrate_config(scratch) is scratch
+        assert migrate_config(recorded) is recorded

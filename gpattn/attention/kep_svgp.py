@@ -48,11 +48,12 @@ class KEPSVGPAttention(GPAttention):
         f_c = G \Lambda^{-1} u_c,\quad u_c \sim q(u_c) = N(m_c, L_c L_c^\top),\quad
         p(u_c) = N(0, \Lambda^2),\quad G = e + r \ (\text{add}) \text{ or } A_e e + A_r r \ (\text{concat}),
 
-    then a linear map r → Dv per head and :math:`W_o`. Only :math:`\Lambda` (diagonal) is inverted;
-    cost O(T·Dh·r + T·r²) per head. The math and its derivation notes are in
-    :class:`gpattn.variational.kep_svgp.KEPSVGP`.
+    then a linear map r → Dv per head and :math:`W_o`, added to the prior mean (by default softmax attention over
+    values of the layer's own). Only :math:`\Lambda` (diagonal) is inverted; cost O(T·Dh·r + T·r²) per head for the
+    GP, linear in T, plus the mean's O(T²·Dh) attention (none with ``prior_mean="zero"``, Chen et al.'s form). The
+    math and its derivation notes are in :class:`gpattn.variational.kep_svgp.KEPSVGP`.
 
-    Projections: q and k only (the output is built from the KSVD features, no values).
+    Projections: q and k (the GP's output is built from the KSVD features, no values), and the mean's ``v_mean``.
     Loss terms: ``kl_global`` = :math:`\sum_{h,c} KL(q(u_c) \| N(0, \Lambda^2))` (dataset level: the
     objective divides it by N), ``ksvd`` = :math:`J^2`, the released KSVD objective
     (:func:`gpattn.variational.kep_svgp.ksvd_objective`; the objective multiplies it by η).
@@ -78,10 +79,11 @@ class KEPSVGPAttention(GPAttention):
         (the mean map :math:`G\Lambda^{-1}` does not change); 1.0 is Chen et al.'s (2024) prior, the default puts
         the prior's noise on the stream's scale (docs/derivations.md §6, "The prior's outputscale").
         ``scale_prior`` multiplies it.
-    :param prior_mean: ``"zero"`` (default; Chen et al.'s) or ``"softmax"``: softmax(q kᵀ/√Dh) u over values of the
-        layer's own (the ``v_mean`` projection), added to the GP's mean and samples, with the GP's mean starting at
-        0 (q(u_c)'s mean and the output bias zero): the encoder swap's recipe, whose mean starts at the pretrained
-        attention (docs/derivations.md §6, "The softmax prior mean").
+    :param prior_mean: ``"softmax"`` (default): softmax(q kᵀ/√Dh) u over values of the layer's own (the ``v_mean``
+        projection), added to the GP's mean and samples, with the GP's mean starting at 0 (q(u_c)'s mean and the
+        output bias zero) — in an encoder swap the mean starts at the pretrained attention; from scratch it kept
+        CoLA's NLL at or below softmax's where the paper's form overfits (docs/derivations.md §6, "The softmax prior
+        mean"). ``"zero"``: Chen et al.'s form (no values path).
     :param feature_gradient: True (default; Chen et al.'s): the KSVD features, and so the GP's mean, noise and the
         ``ksvd`` term, pass their gradient to the layer input and to the q and k maps. False: they read them
         without it, so that under ``prior_mean="softmax"`` the attention's maps are shaped by the mean alone and the
@@ -115,7 +117,7 @@ class KEPSVGPAttention(GPAttention):
         include_residual: bool = False,
         jitter: float = 1e-6,
         prior_variance: float = KEP_PRIOR_VARIANCE,
-        prior_mean: str = "zero",
+        prior_mean: str = "softmax",
         feature_gradient: bool = True,
         **base,
     ):

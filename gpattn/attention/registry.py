@@ -55,7 +55,8 @@ _ENTRIES: dict[str, VariantEntry] = {
     # the swap's g starts at ℓ = 1, so that the median heuristic of match_prior_to_stream puts κ = e⁻¹ at the median
     # pair of queries (docs/derivations.md §5f)
     "sgpa-rff": VariantEntry(recipes={"encoder-swap": {**_SGPA_SWAP, "lengthscale": 1.0}}),
-    "kep-svgp": VariantEntry(recipes={"encoder-swap": {"prior_mean": "softmax"}}),  # its mean: the pretrained attention
+    # its mean: the pretrained attention in a swap; from scratch the softmax mean too (recorded: it was "zero" before)
+    "kep-svgp": VariantEntry(recipes={"encoder-swap": {"prior_mean": "softmax"}}, recorded=("prior_mean",)),
     "cgp": VariantEntry(recorded=("prior_mean",)),
     "scgp": VariantEntry(recorded=("prior_mean",)),
 }

@@ -480,7 +480,7 @@ class KEPSVGP(AmortisedVariationalStrategy):
     ):
         super().__init__()
         self.jitter = jitter
-        #: the prior mean of the head output (:func:`gpattn.prior_means.make_kep_mean`; the paper's zero by default)
+        #: the prior mean of the head output (:func:`gpattn.prior_means.make_kep_mean`; the layer default: softmax)
         self.mean_module = mean_module
         self.prior_mean = self.mean_module.name  # the public spelling
         # σ², the kernel's outputscale: p(u_c) = N(0, σ²Λ²); a buffer, so that scale_prior is saved with the model
