@@ -12,6 +12,7 @@ import torch.nn as nn
 from gpattn.variational.means import (
     AttentionMean,
     CorrelatedSoftmaxMean,
+    KEPSeparateSoftmaxMean,
     KEPSoftmaxMean,
     SoftmaxMean,
     ZeroMean,
@@ -36,9 +37,10 @@ RFF_PRIOR_MEANS = ("attention", "softmax")
 #: the prior means of ``cgp`` and ``scgp`` (docs/derivations.md §7a): softmax attention of the canonical inputs over
 #: the GP's values or over values of its own (``mean_values``), or the papers' zero mean
 CGP_PRIOR_MEANS = ("softmax", "softmax-separate", "zero")
-#: the prior means of kep-svgp's head output (docs/derivations.md §6): Chen et al.'s zero, or softmax attention over
-#: values of the layer's own (:class:`~gpattn.variational.means.KEPSoftmaxMean`)
-KEP_PRIOR_MEANS = ("zero", "softmax")
+#: the prior means of kep-svgp's head output (docs/derivations.md §6): Chen et al.'s zero, softmax attention over
+#: values of the layer's own (:class:`~gpattn.variational.means.KEPSoftmaxMean`), or with queries and keys of its
+#: own too (:class:`~gpattn.variational.means.KEPSeparateSoftmaxMean`)
+KEP_PRIOR_MEANS = ("zero", "softmax", "softmax-separate")
 
 #: what each of the SGPA variants' prior means is, for the error message
 _SGPA_MEANS = (
@@ -89,6 +91,7 @@ def make_kep_mean(prior_mean) -> nn.Module:
         return prior_mean
     check_prior_mean(
         prior_mean, KEP_PRIOR_MEANS, "'zero': Chen et al.'s; 'softmax': softmax attention over values of the layer's "
-        "own, the pretrained attention in an encoder swap, docs/derivations.md §6",
+        "own, the pretrained attention in an encoder swap, docs/derivations.md §6; 'softmax-separate': the same with "
+        "queries and keys of its own, apart from the KSVD features'",
     )
-    return {"softmax": KEPSoftmaxMean, "zero": ZeroMean}[prior_mean]()
+    return {"softmax": KEPSoftmaxMean, "softmax-separate": KEPSeparateSoftmaxMean, "zero": ZeroMean}[prior_mean]()

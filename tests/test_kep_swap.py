@@ -82,6 +82,55 @@ def test_the_softmax_mean_is_the_papers_form_plus_a_dense_softmax_attention():
         torch.testing.assert_close(outs["soft terms"][key], outs["zero terms"][key], rtol=1e-12, atol=0)
 
 
+def test_the_separate_softmax_mean_reads_its_own_queries_and_keys_and_the_gp_is_the_papers():
+    """prior_mean="softmax-separate" (docs/derivations.md §6, "The mean's own queries and keys"): the posterior mean is
+    the paper form's (same q, k rows, strategy, out_proj) plus the dense softmax attention of the q_mean, k_mean and
+    v_mean rows over the real keys, the covariance and loss terms the paper form's; the mean's rows get no gradient
+    from the GP (with the mean's output path cut, only q, k learn) and the GP's q, k rows none from the mean."""
+    torch.manual_seed(0)
+    sep = gpattn.build_attention("kep-svgp", 16, 2, prior_mean="softmax-separate", rank=3).double()
+    zero = gpattn.build_attention("kep-svgp", 16, 2, prior_mean="zero", rank=3).double()
+    assert sep.projections == ("q", "k", "q_mean", "k_mean", "v_mean") and "softmax-separate" in repr(sep)
+    with torch.no_grad():
+        sep.strategy.variational_distribution.variational_mean.normal_(0, 0.3)
+        zero.strategy.load_state_dict(sep.strategy.state_dict())
+        zero.out_proj.load_state_dict(sep.out_proj.state_dict())
+        for name, rows in zero.projection_rows().items():
+            zero.in_proj.weight[rows] = sep.in_proj.weight[sep.projection_rows()[name]]
+            zero.in_proj.bias[rows] = sep.in_proj.bias[sep.projection_rows()[name]]
+    x = torch.randn(3, 6, 16, dtype=DT)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    p = sep.project(x)
+    m = _dense_softmax_mean(p["q_mean"], p["k_mean"], p["v_mean"], pad)
+    assert (m - _dense_softmax_mean(p["q"], p["k"], p["v_mean"], pad)).abs().max() > 1e-2  # not the features' q, k
+    post_sep, post_zero = sep.posterior(x, pad), zero.posterior(x, pad)
+    torch.testing.assert_close(post_sep.mean - post_zero.mean, m.mT, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(post_sep.covariance_matrix, post_zero.covariance_matrix, rtol=1e-12, atol=1e-14)
+    for key, term in layer_loss_terms(sep).items():
+        torch.testing.assert_close(term, layer_loss_terms(zero)[key], rtol=1e-12, atol=0)
+    rows = sep.projection_rows()
+    with torch.no_grad():  # the GP's output map at 0: the output is the mean's alone, J² the GP's alone
+        sep.strategy.out_weight.zero_()
+    sep.zero_grad()
+    with gpattn.deterministic():
+        sep(x, pad).square().sum().backward()
+    grad = sep.in_proj.weight.grad
+    assert grad[rows["q"]].abs().max() == 0 and grad[rows["k"]].abs().max() == 0
+    assert grad[rows["q_mean"]].abs().max() > 0 and grad[rows["k_mean"]].abs().max() > 0
+    sep.zero_grad()
+    sep(x, pad)
+    layer_loss_terms(sep)["ksvd"].backward()
+    grad = sep.in_proj.weight.grad
+    assert grad[rows["q"]].abs().max() > 0
+    assert all(grad[rows[n]].abs().max() == 0 for n in ("q_mean", "k_mean", "v_mean"))
+    strategy, q = sep.strategy, p["q"]
+    with pytest.raises(ValueError, match=r"reads queries, keys and values of its own .* a tuple of 3 tensors, got "):
+        strategy.condition(x, q, q, mean_values=p["v_mean"])
+    with pytest.raises(ValueError, match=r"its queries and keys of one shape \(B, H, T, Dh\)"):
+        strategy.condition(x, q, q, mean_values=(q[:, :1], q, p["v_mean"]))
+
+
 def test_the_gp_mean_starts_at_zero_under_the_softmax_mean_and_the_papers_form_is_unchanged():
     """With the softmax mean (the default: the same draws) q(u_c)'s mean and the output bias start at 0 (the layer's
     mean is W_o m(x) + b_o); the paper's form keeps its random q(u_c) mean and its two-map in_proj."""
@@ -139,8 +188,50 @@ def test_features_without_gradient_compute_the_same_and_leave_the_maps_to_the_me
         torch.testing.assert_close(g_free["in_proj.weight"][qk], mean_only.in_proj.weight.grad[qk])
 
 
+@pytest.mark.parametrize("prior_mean", ["zero", "softmax"])
+def test_the_ksvd_term_without_its_gradient_to_the_stream_fits_only_the_eigen_pairs(prior_mean):
+    """objective_gradient=False (docs/derivations.md §6, "The KSVD term's gradient"): the same outputs and loss
+    terms as Chen et al.'s form; J² passes no gradient to x or in_proj, and to ω_e, ω_r, Λ exactly the default's;
+    every other term's gradient is the default's (float64, padded keys)."""
+    torch.manual_seed(0)
+    given = gpattn.build_attention("kep-svgp", 16, 2, prior_mean=prior_mean, rank=3).double()
+    torch.manual_seed(0)
+    fit = gpattn.build_attention("kep-svgp", 16, 2, prior_mean=prior_mean, rank=3, objective_gradient=False).double()
+    assert "objective_gradient=False" in repr(fit)
+    x0 = torch.randn(2, 6, 16, dtype=DT)
+    mask = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+
+    def grads(layer, term):
+        """d(term)/d(x, parameters) after one deterministic forward; term 'ksvd' or 'rest' (output and KL)."""
+        x = x0.clone().requires_grad_()
+        with gpattn.deterministic():
+            out = layer(x, key_padding_mask=mask)
+        terms = layer_loss_terms(layer)
+        loss = terms["ksvd"] if term == "ksvd" else out.square().sum() + terms["kl_global"]
+        names, params = zip(*layer.named_parameters())
+        g = torch.autograd.grad(loss, (x, *params), allow_unused=True)
+        return out, terms, dict(zip(("x", *names), g))
+
+    out_g, terms_g, rest_g = grads(given, "rest")
+    out_f, terms_f, rest_f = grads(fit, "rest")
+    torch.testing.assert_close(out_f, out_g, rtol=0, atol=0)
+    for name in terms_g:
+        torch.testing.assert_close(terms_f[name], terms_g[name], rtol=1e-14, atol=0)
+    for name, g in rest_g.items():
+        torch.testing.assert_close(rest_f[name], g, rtol=1e-12, atol=1e-14, msg=name)
+    _, _, ksvd_g = grads(given, "ksvd")
+    _, _, ksvd_f = grads(fit, "ksvd")
+    assert terms_g["ksvd"] > 0 and ksvd_g["x"].abs().sum() > 0 and ksvd_g["in_proj.weight"].abs().sum() > 0
+    assert ksvd_f["x"] is None and ksvd_f["in_proj.weight"] is None
+    for name in ("strategy.ksvd.omega_e", "strategy.ksvd.omega_r", "strategy.ksvd.log_lambda"):
+        assert ksvd_f[name].abs().sum() > 0
+        torch.testing.assert_close(ksvd_f[name], ksvd_g[name], rtol=1e-12, atol=1e-14, msg=name)
+    with pytest.raises(ValueError, match="objective_gradient must be True or False, got 'no'"):
+        gpattn.build_attention("kep-svgp", 16, 2, objective_gradient="no")
+
+
 def test_prior_mean_errors_name_the_argument_and_the_fix():
-    with pytest.raises(ValueError, match=r"prior_mean must be one of \['zero', 'softmax'\]"):
+    with pytest.raises(ValueError, match=r"prior_mean must be one of \['zero', 'softmax', 'softmax-separate'\]"):
         gpattn.build_attention("kep-svgp", 16, 2, prior_mean="attention")
     x, q = torch.randn(1, 4, 16), torch.randn(1, 2, 4, 8)
     zero = gpattn.build_attention("kep-svgp", 16, 2, prior_mean="zero").strategy
@@ -247,7 +338,7 @@ def test_the_swapped_layer_mean_is_the_pretrained_layer(kind):
     ids, mask = _batch()
     real = mask.bool()
     outs = {}
-    for options in ({}, {"prior_mean": "zero"}):
+    for options in ({}, {"prior_mean": "softmax-separate"}, {"prior_mean": "zero"}):
         torch.manual_seed(0)
         model = _config(kind).eval()
         old = _attention_of(model)
@@ -260,6 +351,7 @@ def test_the_swapped_layer_mean_is_the_pretrained_layer(kind):
             swap_attention(model, "kep-svgp", "last", **options)
             outs[str(options)] = model(input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(outs["{}"][real], ref[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[str({"prior_mean": "softmax-separate"})][real], ref[real], atol=1e-5, rtol=1e-5)
     assert (outs[str({"prior_mean": "zero"})][real] - ref[real]).abs().max() > 1e-2
 
 

@@ -109,8 +109,9 @@ _ARCHITECTURES: dict[str, tuple[str, tuple[str, str, str, str | None]]] = {
     "DistilBertSelfAttention": ("attention", ("q_lin", "k_lin", "v_lin", "out_lin")),
 }
 #: the pretrained map (by role: q, k, v) each gpattn projection takes; others stay new (the correlated GPs' separate
-#: prior mean, ``v_mean``, takes the pretrained values, and their GP's values start at zero: :func:`_transfer`)
-_SOURCES = {"q": "q", "k": "k", "v": "v", "qk": "k", "v_mean": "v"}
+#: prior mean, ``v_mean``, takes the pretrained values, and their GP's values start at zero: :func:`_transfer`;
+#: kep-svgp's ``softmax-separate`` mean takes the pretrained queries and keys as its ``q_mean`` / ``k_mean``)
+_SOURCES = {"q": "q", "k": "k", "v": "v", "qk": "k", "v_mean": "v", "q_mean": "q", "k_mean": "k"}
 
 
 def supported_architectures() -> list[str]:

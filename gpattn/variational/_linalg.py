@@ -286,14 +286,19 @@ def safe_sqrt(var: torch.Tensor) -> torch.Tensor:
     return var.clamp_min(0).sqrt()
 
 
-def full_precision(*tensors: torch.Tensor | None) -> list:
-    """Each tensor in float32 at least (float64 stays float64; None passes through).
+def full_precision(*tensors: torch.Tensor | tuple | None) -> list:
+    """Each tensor in float32 at least (float64 stays float64; None passes through; a tuple of tensors, such as a
+    prior mean's own queries, keys and values, comes back a tuple of them).
 
     Use at the entry of a :func:`gp_algebra` block: inputs projected under bf16/fp16 autocast arrive
     in half precision, while autocast is off inside, so they would meet float32 parameters.
     """
     return [
-        t if t is None or not t.is_floating_point() else t.to(torch.promote_types(t.dtype, torch.float32))
+        tuple(full_precision(*t))
+        if isinstance(t, tuple)
+        else t
+        if t is None or not t.is_floating_point()
+        else t.to(torch.promote_types(t.dtype, torch.float32))
         for t in tensors
     ]
 

@@ -454,7 +454,8 @@ class KEPSVGP(AmortisedVariationalStrategy):
     features of a batch once and returns a :class:`KEPConditional` (mean, samples, posterior, the KL and
     the ``kl_global`` / ``ksvd`` loss terms); ``jitter`` is the constant diagonal of the posterior it
     returns (samples and means never include it). ``feature_gradient=False`` computes the features from x, q and k
-    without their gradient (docs/derivations.md §6, "The features' gradient").
+    without their gradient (docs/derivations.md §6, "The features' gradient"); ``objective_gradient=False`` lets
+    the ``ksvd`` term J² train ω and Λ but not x, q and k (docs/derivations.md §6, "The KSVD term's gradient").
 
     **Released code differs** (released ``kep_svgp.py``): its sampler and KL trace permute L's output and inducing
     indices (``permute(0,1,4,2,3)``), an undimensioned squeeze breaks B = 1 / H = 1 / T = 1, and padded tokens are
@@ -477,6 +478,7 @@ class KEPSVGP(AmortisedVariationalStrategy):
         prior_variance: float,
         mean_module: nn.Module,
         feature_gradient: bool,
+        objective_gradient: bool,
     ):
         super().__init__()
         self.jitter = jitter
@@ -492,6 +494,10 @@ class KEPSVGP(AmortisedVariationalStrategy):
         #: (docs/derivations.md §6, "The features' gradient"); chosen once here, not tested per forward
         self.feature_gradient = feature_gradient
         self._feature_inputs = _as_given if feature_gradient else _detached
+        #: whether J² trains what the features read (x, q, k) or only ω and Λ (docs/derivations.md §6, "The KSVD
+        #: term's gradient"); without the features' gradient J² has none to x, q, k either way
+        self.objective_gradient = objective_gradient
+        self._objective_features = self._as_features if objective_gradient or not feature_gradient else self._refit
         self.ksvd = KSVDProjection(num_heads, head_dim, rank, num_landmarks)
         self.variational_distribution = KEPVariationalDistribution(num_heads, rank)
         self.out_weight = nn.Parameter(torch.empty(num_heads, rank, value_dim))  # shape: (H, r, Dv)
@@ -596,14 +602,26 @@ class KEPSVGP(AmortisedVariationalStrategy):
         lam = self.ksvd.lam  # formed once per forward: the features, the KL and J read it (KEPConditional)
         a = G / lam[:, None, :]  # shape: (B, H, T, r): G Λ⁻¹ (Λ diagonal)
         prior_std = lam * self.prior_variance.to(lam.dtype).sqrt()  # shape: (H, r): σΛ, the prior's std of u_c
-        return {"e": e, "r": r, "a": a, "residual": res, "lam": lam, "prior_std": prior_std}
+        e_J, r_J = self._objective_features(e, r, x, q, k, mask)
+        return {"e": e, "r": r, "a": a, "residual": res, "lam": lam, "prior_std": prior_std, "objective": (e_J, r_J)}
+
+    @staticmethod
+    def _as_features(e, r, x, q, k, mask):
+        """J reads the features themselves (Chen et al.'s: J² trains x, q, k with ω and Λ)."""
+        return e, r
+
+    def _refit(self, e, r, x, q, k, mask):
+        """J reads the same features recomputed from x, q, k without their gradient: J² trains ω and Λ only."""
+        e_J, r_J, _, _ = self.ksvd(*_detached(x, q, k), mask)
+        return e_J, r_J
 
     def condition(self, x, q, k, mask=None, mean_values=None) -> KEPConditional:
         """Features of a batch of sequences, computed once (float32 at least, autocast off); ``mean_values`` the
-        values of a prior mean that owns them (:class:`KEPSoftmaxMean`), None for the zero mean.
+        values of a prior mean that owns them (:class:`KEPSoftmaxMean`; its queries, keys and values, a tuple, for
+        :class:`~gpattn.variational.means.KEPSeparateSoftmaxMean`), None for the zero mean.
 
         # shape: x (B, T, H·Dh), q, k (B, H, T, Dh), mask (B, T) bool (True = padding) or None,
-        #        mean_values (B, H, T, Dv) or None
+        #        mean_values (B, H, T, Dv), a tuple ((B, H, T, Dh), (B, H, T, Dh), (B, H, T, Dv)) or None
         """
         with gp_algebra(q.device.type):
             x, q, k, mean_values = full_precision(x, q, k, mean_values)
@@ -694,5 +712,5 @@ class KEPConditional(AmortisedConditional):
         with gp_algebra(self._device):
             mask = self.mask if mask is None else mask
             ksvd = self.strategy.ksvd
-            J = ksvd_objective(self.features["e"], self.features["r"], self._lam, ksvd.omega_e, ksvd.omega_r, mask)
+            J = ksvd_objective(*self.features["objective"], self._lam, ksvd.omega_e, ksvd.omega_r, mask)
             return GlobalKL(self.kl_divergence()), KSVDLoss(J.pow(2))

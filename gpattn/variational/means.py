@@ -39,6 +39,7 @@ __all__ = [
     "AttentionMean",
     "CentredVariationalMean",
     "CorrelatedSoftmaxMean",
+    "KEPSeparateSoftmaxMean",
     "KEPSoftmaxMean",
     "OWN_VALUES",
     "SoftmaxMean",
@@ -437,6 +438,10 @@ class KEPSoftmaxMean(nn.Module):
     #: the value projection this mean owns: rows of the layer's fused ``in_proj``
     projections = OWN_VALUES
 
+    def own_inputs(self, projected: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What the layer passes as ``mean_values`` from its projections by name: the own values."""
+        return projected[OWN_VALUES[0]]
+
     def mean_values_for(self, shape, mean_values) -> torch.Tensor:
         """The values the mean reads: ``mean_values``, required, of ``shape`` (B, H, T, Dv)."""
         return read_own_values(self.name, mean_values, shape, "; or use prior_mean='zero' (the paper's form)")
@@ -447,3 +452,50 @@ class KEPSoftmaxMean(nn.Module):
         scale = q.shape[-1] ** -0.25  # (q/Dh^¼)·(k/Dh^¼) = q·k/√Dh
         excluded = None if mask is None else mask[:, None, None, :]
         return softmax_attention(q * scale, k * scale, values, excluded)
+
+
+class KEPSeparateSoftmaxMean(KEPSoftmaxMean):
+    r"""Softmax attention with queries, keys and values of its own as the prior mean of kep-svgp's head output
+    (docs/derivations.md §6, "The mean's own queries and keys"):
+
+    .. math:: m(x_i) = \sum_{j \in A_i} \operatorname{softmax}_j\big(q'_i \cdot k'_j / \sqrt{D_h}\big)\, u_j,
+        \qquad q' = x W_{qm},\ k' = x W_{km},\ u = x W_{vm},
+
+    so the KSVD features' q and k and the mean's q', k' are different maps: the likelihood trains the mean's
+    attention through the mean alone, and the GP's features through the GP and the KSVD term. In an encoder swap
+    both pairs start at the pretrained maps. ``mean_values`` is the tuple (q', k', u)."""
+
+    name = "softmax-separate"
+    #: the projections this mean owns: its queries and keys (H·Dh rows each) and its values (H·Dv)
+    projections = ("q_mean", "k_mean", *OWN_VALUES)
+
+    def own_inputs(self, projected: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """(q', k', u) from the layer's projections by name."""
+        return tuple(projected[name] for name in self.projections)
+
+    def mean_values_for(self, shape, mean_values) -> tuple[torch.Tensor, ...]:
+        """(q', k', u), required: u of ``shape`` (B, H, T, Dv), q' and k' (B, H, T, Dh) alike."""
+        instead = "; or use prior_mean='softmax' (it reads the KSVD features' q and k)"
+        if not isinstance(mean_values, tuple) or len(mean_values) != 3:
+            got = type(mean_values).__name__ if not isinstance(mean_values, tuple) else f"{len(mean_values)} tensors"
+            raise ValueError(
+                f"mean_values: prior_mean={self.name!r} reads queries, keys and values of its own (the layer's "
+                f"{', '.join(self.projections)} projections), a tuple of 3 tensors, got {got}{instead}"
+            )
+        q_own, k_own, values = mean_values
+        read_own_values(self.name, values, shape, instead)
+        if not (torch.is_tensor(q_own) and torch.is_tensor(k_own)) or q_own.shape != k_own.shape or (
+            q_own.shape[:-1] != tuple(shape[:-1])
+        ):
+            shapes = [tuple(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in (q_own, k_own)]
+            raise ValueError(
+                f"mean_values: prior_mean={self.name!r} needs its queries and keys of one shape (B, H, T, Dh) with "
+                f"(B, H, T) = {tuple(shape[:-1])}, got {shapes[0]} and {shapes[1]}"
+            )
+        return mean_values
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, values, mask=None) -> torch.Tensor:
+        """m(x) from the mean's own (q', k', u); the features' q and k are not read.
+        # shape: values a tuple of (B, H, T, Dh), (B, H, T, Dh), (B, H, T, Dv), mask (B, T) or None -> (B, H, T, Dv)"""
+        q_own, k_own, own_values = values
+        return super().forward(q_own, k_own, own_values, mask)
