@@ -188,48 +188,6 @@ def test_features_without_gradient_compute_the_same_and_leave_the_maps_to_the_me
         torch.testing.assert_close(g_free["in_proj.weight"][qk], mean_only.in_proj.weight.grad[qk])
 
 
-@pytest.mark.parametrize("prior_mean", ["zero", "softmax"])
-def test_the_ksvd_term_without_its_gradient_to_the_stream_fits_only_the_eigen_pairs(prior_mean):
-    """objective_gradient=False (docs/derivations.md §6, "The KSVD term's gradient"): the same outputs and loss
-    terms as Chen et al.'s form; J² passes no gradient to x or in_proj, and to ω_e, ω_r, Λ exactly the default's;
-    every other term's gradient is the default's (float64, padded keys)."""
-    torch.manual_seed(0)
-    given = gpattn.build_attention("kep-svgp", 16, 2, prior_mean=prior_mean, rank=3).double()
-    torch.manual_seed(0)
-    fit = gpattn.build_attention("kep-svgp", 16, 2, prior_mean=prior_mean, rank=3, objective_gradient=False).double()
-    assert "objective_gradient=False" in repr(fit)
-    x0 = torch.randn(2, 6, 16, dtype=DT)
-    mask = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
-
-    def grads(layer, term):
-        """d(term)/d(x, parameters) after one deterministic forward; term 'ksvd' or 'rest' (output and KL)."""
-        x = x0.clone().requires_grad_()
-        with gpattn.deterministic():
-            out = layer(x, key_padding_mask=mask)
-        terms = layer_loss_terms(layer)
-        loss = terms["ksvd"] if term == "ksvd" else out.square().sum() + terms["kl_global"]
-        names, params = zip(*layer.named_parameters())
-        g = torch.autograd.grad(loss, (x, *params), allow_unused=True)
-        return out, terms, dict(zip(("x", *names), g))
-
-    out_g, terms_g, rest_g = grads(given, "rest")
-    out_f, terms_f, rest_f = grads(fit, "rest")
-    torch.testing.assert_close(out_f, out_g, rtol=0, atol=0)
-    for name in terms_g:
-        torch.testing.assert_close(terms_f[name], terms_g[name], rtol=1e-14, atol=0)
-    for name, g in rest_g.items():
-        torch.testing.assert_close(rest_f[name], g, rtol=1e-12, atol=1e-14, msg=name)
-    _, _, ksvd_g = grads(given, "ksvd")
-    _, _, ksvd_f = grads(fit, "ksvd")
-    assert terms_g["ksvd"] > 0 and ksvd_g["x"].abs().sum() > 0 and ksvd_g["in_proj.weight"].abs().sum() > 0
-    assert ksvd_f["x"] is None and ksvd_f["in_proj.weight"] is None
-    for name in ("strategy.ksvd.omega_e", "strategy.ksvd.omega_r", "strategy.ksvd.log_lambda"):
-        assert ksvd_f[name].abs().sum() > 0
-        torch.testing.assert_close(ksvd_f[name], ksvd_g[name], rtol=1e-12, atol=1e-14, msg=name)
-    with pytest.raises(ValueError, match="objective_gradient must be True or False, got 'no'"):
-        gpattn.build_attention("kep-svgp", 16, 2, objective_gradient="no")
-
-
 def test_prior_mean_errors_name_the_argument_and_the_fix():
     with pytest.raises(ValueError, match=r"prior_mean must be one of \['zero', 'softmax', 'softmax-separate'\]"):
         gpattn.build_attention("kep-svgp", 16, 2, prior_mean="attention")

@@ -88,10 +88,6 @@ class KEPSVGPAttention(GPAttention):
         ``ksvd`` term, pass their gradient to the layer input and to the q and k maps. False: they read them
         without it, so that under ``prior_mean="softmax"`` the attention's maps are shaped by the mean alone and the
         GP is fitted on top of them (docs/derivations.md §6, "The features' gradient").
-    :param objective_gradient: True (default; Chen et al.'s): the ``ksvd`` term J² trains the layer input and the q
-        and k maps as well as ω and Λ. False: J reads the same features without their gradient to x, q and k, so the
-        KSVD fits its eigen-pairs to the attention instead of reshaping the attention toward a decomposable one
-        (docs/derivations.md §6, "The KSVD term's gradient"); the GP's likelihood gradient is unchanged.
     :param jitter: constant diagonal added to the covariance that ``posterior()`` returns (makes it
         non-singular for ``log_prob``); samples and means never include it.
     """
@@ -123,7 +119,6 @@ class KEPSVGPAttention(GPAttention):
         prior_variance: float = KEP_PRIOR_VARIANCE,
         prior_mean: str = "softmax",
         feature_gradient: bool = True,
-        objective_gradient: bool = True,
         **base,
     ):
         mean_module = make_kep_mean(prior_mean)  # the name parsed once: the strategy takes the module
@@ -136,9 +131,7 @@ class KEPSVGPAttention(GPAttention):
             num_landmarks = 10 * rank
         _positive_int("num_landmarks", num_landmarks)
         _check_merge(merge, seq_len)
-        _check_flags_and_scales(
-            token_independent, include_residual, feature_gradient, objective_gradient, jitter, prior_variance
-        )
+        _check_flags_and_scales(token_independent, include_residual, feature_gradient, jitter, prior_variance)
         self.strategy = KEPSVGP(
             num_heads,
             self.head_dim,
@@ -153,7 +146,6 @@ class KEPSVGPAttention(GPAttention):
             prior_variance=float(prior_variance),
             mean_module=mean_module,
             feature_gradient=feature_gradient,
-            objective_gradient=objective_gradient,
         )
 
     @property
@@ -185,7 +177,7 @@ class KEPSVGPAttention(GPAttention):
             + (f", seq_len={k.seq_len}" if k.merge == "concat" else "")
             + f", token_independent={k.token_independent}, include_residual={k.include_residual}"
             + f", prior_variance={float(k.prior_variance):g}, prior_mean={k.mean_module.name!r}"
-            + f", feature_gradient={k.feature_gradient}, objective_gradient={k.objective_gradient}"
+            + f", feature_gradient={k.feature_gradient}"
         )
 
 
@@ -201,15 +193,12 @@ def _check_merge(merge, seq_len) -> None:
         raise ValueError(f"seq_len is only used with merge='concat' (merge={merge!r}), got seq_len={seq_len!r}")
 
 
-def _check_flags_and_scales(
-    token_independent, include_residual, feature_gradient, objective_gradient, jitter, prior_variance
-) -> None:
-    """The four flags are bools, ``jitter`` ≥ 0 and ``prior_variance`` > 0."""
+def _check_flags_and_scales(token_independent, include_residual, feature_gradient, jitter, prior_variance) -> None:
+    """The three flags are bools, ``jitter`` ≥ 0 and ``prior_variance`` > 0."""
     flags = (
         ("token_independent", token_independent),
         ("include_residual", include_residual),
         ("feature_gradient", feature_gradient),
-        ("objective_gradient", objective_gradient),
     )
     for name, val in flags:
         if not isinstance(val, bool):

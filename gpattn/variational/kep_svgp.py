@@ -454,8 +454,7 @@ class KEPSVGP(AmortisedVariationalStrategy):
     features of a batch once and returns a :class:`KEPConditional` (mean, samples, posterior, the KL and
     the ``kl_global`` / ``ksvd`` loss terms); ``jitter`` is the constant diagonal of the posterior it
     returns (samples and means never include it). ``feature_gradient=False`` computes the features from x, q and k
-    without their gradient (docs/derivations.md §6, "The features' gradient"); ``objective_gradient=False`` lets
-    the ``ksvd`` term J² train ω and Λ but not x, q and k (docs/derivations.md §6, "The KSVD term's gradient").
+    without their gradient (docs/derivations.md §6, "The features' gradient").
 
     **Released code differs** (released ``kep_svgp.py``): its sampler and KL trace permute L's output and inducing
     indices (``permute(0,1,4,2,3)``), an undimensioned squeeze breaks B = 1 / H = 1 / T = 1, and padded tokens are
@@ -478,7 +477,6 @@ class KEPSVGP(AmortisedVariationalStrategy):
         prior_variance: float,
         mean_module: nn.Module,
         feature_gradient: bool,
-        objective_gradient: bool,
     ):
         super().__init__()
         self.jitter = jitter
@@ -494,10 +492,6 @@ class KEPSVGP(AmortisedVariationalStrategy):
         #: (docs/derivations.md §6, "The features' gradient"); chosen once here, not tested per forward
         self.feature_gradient = feature_gradient
         self._feature_inputs = _as_given if feature_gradient else _detached
-        #: whether J² trains what the features read (x, q, k) or only ω and Λ (docs/derivations.md §6, "The KSVD
-        #: term's gradient"); without the features' gradient J² has none to x, q, k either way
-        self.objective_gradient = objective_gradient
-        self._objective_features = self._as_features if objective_gradient or not feature_gradient else self._refit
         self.ksvd = KSVDProjection(num_heads, head_dim, rank, num_landmarks)
         self.variational_distribution = KEPVariationalDistribution(num_heads, rank)
         self.out_weight = nn.Parameter(torch.empty(num_heads, rank, value_dim))  # shape: (H, r, Dv)
@@ -602,18 +596,7 @@ class KEPSVGP(AmortisedVariationalStrategy):
         lam = self.ksvd.lam  # formed once per forward: the features, the KL and J read it (KEPConditional)
         a = G / lam[:, None, :]  # shape: (B, H, T, r): G Λ⁻¹ (Λ diagonal)
         prior_std = lam * self.prior_variance.to(lam.dtype).sqrt()  # shape: (H, r): σΛ, the prior's std of u_c
-        e_J, r_J = self._objective_features(e, r, x, q, k, mask)
-        return {"e": e, "r": r, "a": a, "residual": res, "lam": lam, "prior_std": prior_std, "objective": (e_J, r_J)}
-
-    @staticmethod
-    def _as_features(e, r, x, q, k, mask):
-        """J reads the features themselves (Chen et al.'s: J² trains x, q, k with ω and Λ)."""
-        return e, r
-
-    def _refit(self, e, r, x, q, k, mask):
-        """J reads the same features recomputed from x, q, k without their gradient: J² trains ω and Λ only."""
-        e_J, r_J, _, _ = self.ksvd(*_detached(x, q, k), mask)
-        return e_J, r_J
+        return {"e": e, "r": r, "a": a, "residual": res, "lam": lam, "prior_std": prior_std}
 
     def condition(self, x, q, k, mask=None, mean_values=None) -> KEPConditional:
         """Features of a batch of sequences, computed once (float32 at least, autocast off); ``mean_values`` the
@@ -712,5 +695,5 @@ class KEPConditional(AmortisedConditional):
         with gp_algebra(self._device):
             mask = self.mask if mask is None else mask
             ksvd = self.strategy.ksvd
-            J = ksvd_objective(*self.features["objective"], self._lam, ksvd.omega_e, ksvd.omega_r, mask)
+            J = ksvd_objective(self.features["e"], self.features["r"], self._lam, ksvd.omega_e, ksvd.omega_r, mask)
             return GlobalKL(self.kl_divergence()), KSVDLoss(J.pow(2))
