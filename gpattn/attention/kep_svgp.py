@@ -83,7 +83,9 @@ class KEPSVGPAttention(GPAttention):
         projection), added to the GP's mean and samples, with the GP's mean starting at 0 (q(u_c)'s mean and the
         output bias zero) — in an encoder swap the mean starts at the pretrained attention; from scratch it kept
         CoLA's NLL at or below softmax's where the paper's form overfits (docs/derivations.md §6, "The softmax prior
-        mean"). ``"zero"``: Chen et al.'s form (no values path).
+        mean"). ``"softmax-separate"``: the same with queries and keys of its own (the ``q_mean``, ``k_mean``
+        projections), apart from the KSVD features' (docs/derivations.md §6, "The mean's own queries and keys").
+        ``"zero"``: Chen et al.'s form (no values path).
     :param feature_gradient: True (default; Chen et al.'s): the KSVD features, and so the GP's mean, noise and the
         ``ksvd`` term, pass their gradient to the layer input and to the q and k maps. False: they read them
         without it, so that under ``prior_mean="softmax"`` the attention's maps are shaped by the mean alone and the
