@@ -57,6 +57,8 @@ __getattr__ = moved_names(__name__)
 #: (docs/derivations.md §6, §7a), the ``projections`` of :class:`CorrelatedSoftmaxMean` (separate) and
 #: :class:`KEPSoftmaxMean`
 OWN_VALUES = ("v_mean",)
+#: the public spelling of a softmax mean with projections of its own (cgp/scgp's and kep-svgp's), in one place
+SEPARATE = "softmax-separate"
 
 
 def _read_gp_values(name: str, v, mean_values):
@@ -389,7 +391,7 @@ class CorrelatedSoftmaxMean(nn.Module):
         super().__init__()
         self.separate = bool(separate)
         #: the public spelling of this mean (``prior_mean=``)
-        self.name = "softmax-separate" if self.separate else "softmax"
+        self.name = SEPARATE if self.separate else "softmax"
         #: the value projections this mean owns: rows of the layer's fused ``in_proj`` (docs/derivations.md §7a)
         self.projections = OWN_VALUES if self.separate else ()
 
@@ -465,7 +467,7 @@ class KEPSeparateSoftmaxMean(KEPSoftmaxMean):
     attention through the mean alone, and the GP's features through the GP and the KSVD term. In an encoder swap
     both pairs start at the pretrained maps. ``mean_values`` is the tuple (q', k', u)."""
 
-    name = "softmax-separate"
+    name = SEPARATE
     #: the projections this mean owns: its queries and keys (H·Dh rows each) and its values (H·Dv)
     projections = ("q_mean", "k_mean", *OWN_VALUES)
 
