@@ -159,8 +159,9 @@ class KEPSVGPAttention(GPAttention):
         return self.strategy_call(x)[0]
 
     def strategy_call(self, x):
-        """The layer input, q and k and, with ``prior_mean="softmax"``, the mean's own values (the ``v_mean``
-        projection) as ``mean_values``: one projection of x for both."""
+        """The layer input, q and k and, with a mean that owns projections, what it reads of them as ``mean_values``
+        (its ``own_inputs``: the ``v_mean`` values, or with ``"softmax-separate"`` its queries, keys and values): one
+        projection of x for both."""
         p, mean = self.project(x), self.strategy.mean_module
         return (x, p["q"], p["k"]), ({"mean_values": mean.own_inputs(p)} if mean.projections else {})
 
