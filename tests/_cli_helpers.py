@@ -1,6 +1,7 @@
 """Command lines shared by the subprocess tests (resume, torchrun)."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -20,5 +21,19 @@ def single_thread_env() -> dict:
 
 
 def run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run to completion on one thread; the caller asserts on returncode with the stderr tail."""
-    return subprocess.run(cmd, env=single_thread_env(), capture_output=True, text=True, timeout=timeout)
+    """Run to completion on one thread; the caller asserts on returncode with the stderr tail. Past ``timeout`` the
+    whole process group goes (a launcher's workers too, which a kill of the launcher alone leaves running) and the
+    error carries what the processes had printed."""
+    with subprocess.Popen(
+        cmd, env=single_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(
+                f"{' '.join(cmd)} ran past {timeout} s and was killed; its stderr ends:\n{err[-6000:]}\n"
+                f"its stdout ends:\n{out[-2000:]}"
+            ) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -42,10 +42,14 @@ def test_two_processes_match_one(tmp_path):
 
 
 _SCRIPT = """
+import faulthandler
 import os
 import sys
 
 import torch
+
+# a hung rank prints every thread's stack and leaves before the test's timeout, so a failure says where it hung
+faulthandler.dump_traceback_later(200, exit=True)
 
 from gpattn.experiments.training import TrainConfig, train
 
@@ -125,3 +129,34 @@ def test_two_process_jobs_end_normally_again_and_again(tmp_path):
         assert done.returncode == 0, _failure(f"attempt {attempt}", done)
         assert "terminate called" not in done.stderr and "exitcode" not in done.stderr, done.stderr[-3000:]
         assert (tmp_path / f"run{attempt}" / "metrics.json").is_file()
+
+
+def test_close_waits_at_the_store_until_every_rank_has_left_the_group():
+    """_Dist.close's check-in: a rank returns only once every rank has checked in (two ranks as threads on one
+    in-memory store); one rank alone waits, here until the store's timeout."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from gpattn.experiments._dist import _Dist
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=2))
+
+    def rank(r: int) -> _Dist:
+        d = object.__new__(_Dist)
+        d.world, d.rank, d.store, d.close_key = 2, r, store, key
+        return d
+
+    key = "alone"
+    with pytest.raises(RuntimeError, match="(?i)timeout"):  # alone: nobody else checks in
+        rank(0)._all_checked_in()
+    key = "both"
+    done = []
+    threads = [threading.Thread(target=lambda r=r: (rank(r)._all_checked_in(), done.append(r))) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert sorted(done) == [0, 1]

@@ -3,6 +3,7 @@ state (:func:`_rng_state`, :func:`_set_rng_state`). Split from :mod:`gpattn.expe
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -10,6 +11,8 @@ import torch
 from gpattn.experiments._runs import resolve_device
 
 __all__: list[str] = []
+
+_GROUPS = itertools.count()  # the process groups this process has started (the key of each one's check-in)
 
 
 class _Dist:
@@ -26,7 +29,7 @@ class _Dist:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.owned = False
         self.device = resolve_device(device_spec)
-        self.cpu_group = None
+        self.cpu_group = self.store = self.close_key = None
         if self.world > 1 and not dist.is_initialized():
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
@@ -36,7 +39,16 @@ class _Dist:
             # tears that module down, where rank 1 occasionally aborted ("terminate called without an active
             # exception"). Imported before any group exists, the defaults are None.
             import torch.distributed.nn as _distributed_nn  # noqa: F401  (binds only this name, not torch)
-            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
+
+            # the rendezvous init_process_group would make, kept: its store (torchrun's agent holds it, apart from
+            # gloo's connections) is where close() waits for every rank before the group is torn down
+            store, rank, world = next(dist.rendezvous("env://"))
+            self.store = dist.PrefixStore("gpattn", store)
+            # every rank starts its groups in the same order: the n-th group's key is the same on each (a worker
+            # restart, its own)
+            self.close_key = f"closed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_GROUPS)}"
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world)
             self.owned = True
         if self.world > 1:
             gloo = dist.get_backend() == "gloo"
@@ -100,12 +112,25 @@ class _Dist:
         """End the process group this object started (``barrier``: wait for every rank first; off when
         leaving on an exception, which every rank may not share). Left open, or kept alive by a reference
         (see ``__init__``), gloo's threads run into interpreter teardown, which they occasionally abort
-        ("terminate called without an active exception")."""
+        ("terminate called without an active exception").
+
+        The wait is the group's barrier, then a check-in at the rendezvous store: a rank leaves the barrier once
+        it has the others' messages, while another may still be in it, and a group torn down under a peer's
+        last collective left that peer hung in the group's destructor (a 2-process CPU run, rarely). Past the
+        store every rank has finished every collective of the group."""
         if self.owned and self.dist.is_initialized():
             if barrier:
                 self.dist.barrier()
+                self._all_checked_in()
             self.dist.destroy_process_group()
             self.owned = False
+
+    def _all_checked_in(self) -> None:
+        """Return once every rank has called this for the group (a count and a flag in the store)."""
+        key = self.close_key
+        if self.store.add(key, 1) == self.world:
+            self.store.set(f"{key}/all", "1")
+        self.store.wait([f"{key}/all"])
 
 
 def _rng_state(device: torch.device) -> dict:
