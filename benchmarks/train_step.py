@@ -15,6 +15,7 @@ Inductor), the objective and optimizer eager; its first step (compilation includ
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 import warnings
@@ -27,6 +28,57 @@ from gpattn.models import TransformerClassifier
 from gpattn.objectives import DeepGPELBO
 
 MODES = ("eager", "compiled")
+aten = torch.ops.aten
+
+
+def _batch_size(*shapes) -> int:
+    return math.prod(torch.broadcast_shapes(*(s[:-2] for s in shapes)))
+
+
+def _tri_solve_flops(L, rhs, *args, out_shape=None, **kwargs) -> int:
+    """L X = B or X L = B with L (…, n, n): n² flops per right-hand side (n²/2 multiply-adds)."""
+    n = L[-1]
+    return _batch_size(L, rhs) * n * n * math.prod(rhs[-2:]) // n
+
+
+def _cholesky_flops(A, *args, out_shape=None, **kwargs) -> int:
+    """A = L Lᵀ with A (…, n, n): n³/3 flops."""
+    return _batch_size(A) * A[-1] ** 3 // 3
+
+
+def _cholesky_solve_flops(rhs, L, *args, out_shape=None, **kwargs) -> int:
+    """Two triangular solves of (…, n, k) against L (…, n, n)."""
+    return 2 * _batch_size(L, rhs) * L[-1] ** 2 * rhs[-1]
+
+
+#: what FlopCounterMode does not count by itself (it counts the matrix products and attention): the factorisations
+#: and solves of the GP layers, at their textbook counts
+LINALG_FLOPS = {
+    aten.linalg_solve_triangular: _tri_solve_flops,
+    aten.linalg_cholesky_ex: _cholesky_flops,
+    aten.cholesky_solve: _cholesky_solve_flops,
+    torch.ops.gpattn.host_cholesky: _cholesky_flops,  # gpattn's CPU factorisation, one operator (its body unseen)
+}
+
+
+def _model(name: str, T: int, cfg: argparse.Namespace) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return TransformerClassifier(
+        2, vocab_size=cfg.vocab, max_len=T, embed_dim=cfg.width, num_heads=cfg.heads, num_layers=2, attention=name
+    ).train().to(cfg.device)
+
+
+def step_flops(name: str, T: int, cfg: argparse.Namespace) -> int:
+    """The floating-point operations of one eager forward + backward (the step's arithmetic: matrix products,
+    attention, factorisations and solves; elementwise work and Adam are not counted), the same in either mode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _model(name, T, cfg)
+    objective = DeepGPELBO(model, num_data=10_000)
+    ids, mask, y = (t.to(cfg.device) for t in _batch(cfg.batch_size, T, cfg.vocab))
+    with FlopCounterMode(display=False, custom_mapping=LINALG_FLOPS) as counter:
+        objective(model(ids, mask), y).backward()
+    return counter.get_total_flops()
 
 
 def _batch(B: int, T: int, vocab: int, seed: int = 0):
@@ -40,10 +92,7 @@ def _batch(B: int, T: int, vocab: int, seed: int = 0):
 
 def time_steps(name: str, T: int, mode: str, cfg: argparse.Namespace) -> dict:
     """One variant at one (T, mode): first step and the median of the timed steps, in ms."""
-    torch.manual_seed(0)
-    model = TransformerClassifier(
-        2, vocab_size=cfg.vocab, max_len=T, embed_dim=cfg.width, num_heads=cfg.heads, num_layers=2, attention=name
-    ).train().to(cfg.device)
+    model = _model(name, T, cfg)
     forward = torch.compile(model, backend=cfg.backend, mode=cfg.compile_mode) if mode == "compiled" else model
     objective = DeepGPELBO(model, num_data=10_000)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -76,6 +125,8 @@ def _timed_row(name: str, T: int, mode: str, cfg: argparse.Namespace) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             row.update(time_steps(name, T, mode, cfg))
+            if cfg.flops and mode == cfg.modes[0]:  # the same arithmetic in either mode: counted once
+                row["flops"] = step_flops(name, T, cfg)
     except Exception as err:  # a failing variant is a row, not the end of the run
         row.update(status="error", reason=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
     print(f"T={T} {mode} {name}: {row.get('step_ms', float('nan')):.1f} ms {row['reason']}", flush=True)
@@ -106,22 +157,28 @@ def add_ratios(rows: list[dict]) -> None:
         (r["T"], r["mode"]): r.get("reference_ms", r.get("step_ms"))
         for r in rows if r["variant"] == "softmax" and r["status"] == "ok"
     }
+    flops = {r["T"]: r["flops"] for r in rows if r["variant"] == "softmax" and r.get("flops")}
     for r in rows:
         base = ref.get((r["T"], r["mode"]))
         r["ratio_to_softmax"] = r["step_ms"] / base if base and r["status"] == "ok" else None
+        if r.get("flops") and r["T"] in flops:  # the step's arithmetic over softmax's: what no launch saving removes
+            r["flops_ratio"] = r["flops"] / flops[r["T"]]
 
 
 def to_markdown(result: dict) -> str:
     rows, meta = result["rows"], result["meta"]
-    cols = [(T, mode) for T in meta["ts"] for mode in meta["modes"]]
+    flops = meta.get("flops", False)
+    cols = [(T, mode) for T in meta["ts"] for mode in (*meta["modes"], *(("FLOPs",) if flops else ()))]
     cell = {(r["variant"], r["T"], r["mode"]): r for r in rows}
     out = ["| variant | " + " | ".join(f"T={T} {mode}" for T, mode in cols) + " |", "|---" + "|---:" * len(cols) + "|"]
     for name in meta["variants"]:
         parts = []
         for T, mode in cols:
-            r = cell[(name, T, mode)]
+            r = cell[(name, T, meta["modes"][0] if mode == "FLOPs" else mode)]
             if r["status"] != "ok":
                 parts.append("error")
+            elif mode == "FLOPs":
+                parts.append(f"{r['flops'] / 1e9:.2f} G" if name == "softmax" else f"{r['flops_ratio']:.2f}×")
             elif name == "softmax":
                 again = f" / {r['step_ms_again']:.1f}" if "step_ms_again" in r else ""
                 parts.append(f"{r['step_ms']:.1f}{again} ms")
@@ -131,7 +188,10 @@ def to_markdown(result: dict) -> str:
     head = (
         f"B={meta['batch_size']}, width {meta['width']}, {meta['heads']} heads, 2 blocks, {meta['threads']} threads, "
         f"backend {meta['backend']}, median of {meta['steps']} steps; softmax in ms (timed first / again last), "
-        "the others as a multiple of the mean of the two\n\n"
+        "the others as a multiple of the mean of the two"
+        + ("; FLOPs: one forward + backward's arithmetic (matrix products, attention, factorisations, solves), "
+           "softmax's in GFLOP, the others' as a multiple of it" if flops else "")
+        + "\n\n"
     )
     return head + "\n".join(out) + "\n"
 
@@ -151,6 +211,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-flops", dest="flops", action="store_false",
+                   help="skip counting each step's FLOPs (a column per T: the arithmetic over softmax's)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run: B=4, T=8, width 16, 2 steps")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
@@ -172,7 +234,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(cfg.threads)
     rows = run(cfg)
     keys = ("ts", "modes", "variants", "backend", "compile_mode", "device", "batch_size", "width", "heads", "steps",
-            "warmup", "threads")
+            "warmup", "threads", "flops")
     return finish(rows, cfg, keys, to_markdown)
 
 

@@ -417,7 +417,36 @@ def test_train_step_smoke_schema(tmp_path):
         assert soft["reference_ms"] == pytest.approx((soft["step_ms"] + soft["step_ms_again"]) / 2, rel=1e-12)
         assert r["ratio_to_softmax"] == pytest.approx(r["step_ms"] / soft["reference_ms"], rel=1e-12)
     table = (tmp_path / "step.md").read_text()
-    assert "| variant | T=8 eager | T=8 compiled |" in table and "| kernel |" in table
+    assert "| variant | T=8 eager | T=8 compiled | T=8 FLOPs |" in table and "| kernel |" in table
+    soft = rows[("softmax", "eager")]
+    assert soft["flops"] > 0 and rows[("kernel", "eager")]["flops_ratio"] == pytest.approx(
+        rows[("kernel", "eager")]["flops"] / soft["flops"], rel=1e-12
+    )
+    assert "flops" not in rows[("kernel", "compiled")]  # counted once per variant and T
+
+
+def test_train_step_counts_factorisations_and_solves_at_their_textbook_flops():
+    """The counter's additions (train_step.LINALG_FLOPS): gpattn's Cholesky (the CPU custom operator, its body not
+    counted again) n³/3, a triangular solve from either side n² per right-hand side, cholesky_solve two of them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gpattn.variational._linalg import cholesky, tri_solve
+
+    train_step = importlib.import_module("train_step")
+    A = torch.randn(3, 8, 8, dtype=torch.float64)
+    A = A @ A.mT + 8 * torch.eye(8, dtype=torch.float64)
+    L = torch.linalg.cholesky(A)
+    cases = {
+        "cholesky": (lambda: cholesky(A), 3 * 8**3 // 3),
+        "left solve": (lambda: tri_solve(L, torch.randn(3, 8, 5, dtype=A.dtype)), 3 * 8 * 8 * 5),
+        "right solve": (lambda: tri_solve(L, torch.randn(3, 5, 8, dtype=A.dtype), left=False), 3 * 8 * 8 * 5),
+        "one L for a batch": (lambda: tri_solve(L[0], torch.randn(3, 8, 5, dtype=A.dtype)), 3 * 8 * 8 * 5),
+        "cholesky_solve": (lambda: torch.cholesky_solve(torch.randn(3, 8, 5, dtype=A.dtype), L), 2 * 3 * 8 * 8 * 5),
+    }
+    for what, (fn, expected) in cases.items():
+        with FlopCounterMode(display=False, custom_mapping=train_step.LINALG_FLOPS) as counter:
+            fn()
+        assert counter.get_total_flops() == expected, what
 
 
 def test_compile_lengths_smoke_schema(tmp_path):
