@@ -6,7 +6,9 @@ variant, batch B = 64 with a quarter of the sequences padded to half length; the
 (N = 10,000), backward, ``torch.optim.Adam``. "compiled" is ``torch.compile(model)`` (``--backend``, default
 Inductor), the objective and optimizer eager; its first step (compilation included) is reported apart and
 ``--warmup`` steps are not timed. Each row is the median of ``--steps`` timed steps, in one process, with
-``--threads`` torch threads. ``--quick``: a tiny smoke run (B = 4, T = 8, width 16, 2 steps).
+``--threads`` torch threads. ``--quick``: a tiny smoke run (B = 4, T = 8, width 16, 2 steps). The FLOPs column
+(``--no-flops`` skips it) is one forward + backward's arithmetic as a multiple of softmax's: a time ratio near it
+is bound by arithmetic, one far above it by launches and memory traffic.
 
     python benchmarks/train_step.py --ts 16,128 --steps 5 --json train_step.json --markdown train_step.md
     python benchmarks/train_step.py --device cuda --compile-mode reduce-overhead --ts 16,64,256,1024   # CUDA graphs
