@@ -92,8 +92,8 @@ def _batch(B: int, T: int, vocab: int, seed: int = 0):
     return ids, mask, torch.randint(0, 2, (B,), generator=g)
 
 
-def time_steps(name: str, T: int, mode: str, cfg: argparse.Namespace) -> dict:
-    """One variant at one (T, mode): first step and the median of the timed steps, in ms."""
+def make_step(name: str, T: int, mode: str, cfg: argparse.Namespace):
+    """One variant's training step at one (T, mode): a function that runs it once and returns its time in ms."""
     model = _model(name, T, cfg)
     forward = torch.compile(model, backend=cfg.backend, mode=cfg.compile_mode) if mode == "compiled" else model
     objective = DeepGPELBO(model, num_data=10_000)
@@ -113,52 +113,61 @@ def time_steps(name: str, T: int, mode: str, cfg: argparse.Namespace) -> dict:
         sync()
         return (time.perf_counter() - start) * 1e3
 
-    first = step()
-    for _ in range(cfg.warmup):
-        step()
-    times = [step() for _ in range(cfg.steps)]
-    return {"first_step_ms": first, "step_ms": statistics.median(times), "steps_timed": len(times)}
+    return step
 
 
-def _timed_row(name: str, T: int, mode: str, cfg: argparse.Namespace) -> dict:
-    row = {"variant": name, "T": T, "mode": mode, "status": "ok", "reason": ""}
+def _failed(row: dict, err: Exception) -> None:
+    row.update(status="error", reason=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+
+
+def time_block(T: int, mode: str, cfg: argparse.Namespace) -> list[dict]:
+    """Every variant at one (T, mode): each built, stepped once (``first_step_ms``, compilation included) and
+    ``cfg.warmup`` times, then the timed steps interleaved — the k-th step of each variant runs between the others'
+    k-th steps — so that a drift of the machine's load moves every variant's median alike. A failing variant is a
+    row with its reason, not the end of the run."""
     torch._dynamo.reset()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            row.update(time_steps(name, T, mode, cfg))
-            if cfg.flops and mode == cfg.modes[0]:  # the same arithmetic in either mode: counted once
-                row["flops"] = step_flops(name, T, cfg)
-    except Exception as err:  # a failing variant is a row, not the end of the run
-        row.update(status="error", reason=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
-    print(f"T={T} {mode} {name}: {row.get('step_ms', float('nan')):.1f} ms {row['reason']}", flush=True)
-    return row
+    rows, steps = [], {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in cfg.variants:
+            row = {"variant": name, "T": T, "mode": mode, "status": "ok", "reason": ""}
+            rows.append(row)
+            try:
+                step = make_step(name, T, mode, cfg)
+                row["first_step_ms"] = step()
+                for _ in range(cfg.warmup):
+                    step()
+                if cfg.flops and mode == cfg.modes[0]:  # the same arithmetic in either mode: counted once
+                    row["flops"] = step_flops(name, T, cfg)
+                steps[name] = (row, step, [])
+            except Exception as err:
+                _failed(row, err)
+        for _ in range(cfg.steps):
+            for name, (row, step, times) in list(steps.items()):
+                try:
+                    times.append(step())
+                except Exception as err:
+                    _failed(row, err)
+                    del steps[name]
+    for row, _, times in steps.values():
+        row.update(step_ms=statistics.median(times), steps_timed=len(times))
+    for row in rows:
+        print(f"T={T} {mode} {row['variant']}: {row.get('step_ms', float('nan')):.1f} ms {row['reason']}", flush=True)
+    return rows
 
 
 def run(cfg: argparse.Namespace) -> list[dict]:
-    """Every (T, mode, variant); softmax timed first and again after the others (``step_ms_again``), the ratios'
-    reference the mean of the two (``reference_ms``): on a shared machine the load drifts during a run."""
-    rows = []
-    for T in cfg.ts:
-        for mode in cfg.modes:
-            block = [_timed_row(name, T, mode, cfg) for name in cfg.variants]
-            first = block[0]
-            if first["status"] == "ok" and len(block) > 1:
-                again = _timed_row("softmax", T, mode, cfg)
-                if again["status"] == "ok":
-                    first["step_ms_again"] = again["step_ms"]
-                    first["reference_ms"] = (first["step_ms"] + again["step_ms"]) / 2
-            rows += block
+    """Every (T, mode, variant), the timed steps of one (T, mode) interleaved (:func:`time_block`)."""
+    # each variant's compiled model is the same forward code with its own guards: room for every one of them
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(cfg.variants))
+    rows = [row for T in cfg.ts for mode in cfg.modes for row in time_block(T, mode, cfg)]
     add_ratios(rows)
     return rows
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """``ratio_to_softmax``: the step over softmax's reference at the same T and mode (None where either failed)."""
-    ref = {
-        (r["T"], r["mode"]): r.get("reference_ms", r.get("step_ms"))
-        for r in rows if r["variant"] == "softmax" and r["status"] == "ok"
-    }
+    """``ratio_to_softmax``: the step over softmax's at the same T and mode (None where either failed)."""
+    ref = {(r["T"], r["mode"]): r["step_ms"] for r in rows if r["variant"] == "softmax" and r["status"] == "ok"}
     flops = {r["T"]: r["flops"] for r in rows if r["variant"] == "softmax" and r.get("flops")}
     for r in rows:
         base = ref.get((r["T"], r["mode"]))
@@ -182,15 +191,14 @@ def to_markdown(result: dict) -> str:
             elif mode == "FLOPs":
                 parts.append(f"{r['flops'] / 1e9:.2f} G" if name == "softmax" else f"{r['flops_ratio']:.2f}×")
             elif name == "softmax":
-                again = f" / {r['step_ms_again']:.1f}" if "step_ms_again" in r else ""
-                parts.append(f"{r['step_ms']:.1f}{again} ms")
+                parts.append(f"{r['step_ms']:.1f} ms")
             else:
                 parts.append(f"{r['ratio_to_softmax']:.2f}×")
         out.append(f"| {name} | " + " | ".join(parts) + " |")
     head = (
         f"B={meta['batch_size']}, width {meta['width']}, {meta['heads']} heads, 2 blocks, {meta['threads']} threads, "
-        f"backend {meta['backend']}, median of {meta['steps']} steps; softmax in ms (timed first / again last), "
-        "the others as a multiple of the mean of the two"
+        f"backend {meta['backend']}, median of {meta['steps']} interleaved steps; softmax in ms, the others as a "
+        "multiple of it"
         + ("; FLOPs: one forward + backward's arithmetic (matrix products, attention, factorisations, solves), "
            "softmax's in GFLOP, the others' as a multiple of it" if flops else "")
         + "\n\n"
