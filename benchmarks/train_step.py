@@ -122,9 +122,11 @@ def _failed(row: dict, err: Exception) -> None:
 
 def time_block(T: int, mode: str, cfg: argparse.Namespace) -> list[dict]:
     """Every variant at one (T, mode): each built, stepped once (``first_step_ms``, compilation included) and
-    ``cfg.warmup`` times, then the timed steps interleaved — the k-th step of each variant runs between the others'
-    k-th steps — so that a drift of the machine's load moves every variant's median alike. A failing variant is a
-    row with its reason, not the end of the run."""
+    ``cfg.warmup`` times, then the timed steps interleaved — the k-th timed step of each variant runs between the
+    others' k-th — so that a drift of the machine's load moves every variant's median alike. Each timed step follows
+    an untimed one of the same variant: timed right after another variant's, a small model's step ran on caches that
+    model had lost (softmax's at T = 16: +27 %). A failing variant is a row with its reason, not the end of the
+    run."""
     torch._dynamo.reset()
     rows, steps = [], {}
     with warnings.catch_warnings():
@@ -145,6 +147,7 @@ def time_block(T: int, mode: str, cfg: argparse.Namespace) -> list[dict]:
         for _ in range(cfg.steps):
             for name, (row, step, times) in list(steps.items()):
                 try:
+                    step()  # untimed: the caches warm with this variant's data again, as in a run of its own steps
                     times.append(step())
                 except Exception as err:
                     _failed(row, err)
