@@ -222,3 +222,33 @@ def test_written_out_cholesky_backward_is_the_gradient():
         return L._host_cholesky(X, 4)
 
     assert torch.autograd.gradcheck(factor, (A,))
+
+
+@pytest.mark.parametrize("upper", [False, True])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((1, 3, 5, 5), (4, 3, 5, 2)),  # a per-head factor against a batch of sequences
+        ((2, 1, 3, 5, 5), (2, 4, 3, 5, 5)),  # scgp's stacked pair: the shared axis in the middle
+        ((1, 1, 5, 5), (3, 2, 5, 1)),  # two shared axes
+        ((3, 1, 5, 5), (1, 2, 5, 3)),  # each has a broadcast axis: only the factor's is folded
+    ],
+)
+def test_tri_solve_with_a_shared_factor_is_the_broadcast_solve(shapes, upper):
+    """A factor of size 1 along batch axes of the right-hand side solves those axes as columns side by side: the
+    values and both gradients of the broadcast solve (float64, to round-off), for lower and upper factors."""
+    (ls, bs), gen = shapes, torch.Generator().manual_seed(3)
+    A = torch.randn(*ls, dtype=torch.float64, generator=gen)
+    factor = torch.linalg.cholesky(A @ A.mT + ls[-1] * torch.eye(ls[-1], dtype=torch.float64))
+    factor = factor.mT if upper else factor
+    rhs = torch.randn(*bs, dtype=torch.float64, generator=gen)
+    weight = torch.randn(torch.broadcast_shapes(ls[:-2], bs[:-2]) + bs[-2:], dtype=torch.float64, generator=gen)
+    grads = []
+    for solve in (L.tri_solve, torch.linalg.solve_triangular):
+        f, b = factor.clone().requires_grad_(), rhs.clone().requires_grad_()
+        out = solve(f, b, upper=upper)
+        (out * weight).sum().backward()
+        grads.append((out.detach(), f.grad, b.grad))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert L._shared_axes(factor, rhs), "the case should take the folded path"

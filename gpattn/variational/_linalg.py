@@ -277,8 +277,28 @@ def _in_default_dtype(x: float) -> float | torch.Tensor:
 
 
 def tri_solve(L: torch.Tensor, B: torch.Tensor, *, upper: bool = False, left: bool = True) -> torch.Tensor:
-    """Solve L X = B (left) or X L = B (right) for triangular L."""
-    return torch.linalg.solve_triangular(L, B, upper=upper, left=left)
+    """Solve L X = B (left) or X L = B (right) for triangular L.
+
+    A left solve whose factor is shared along batch axes of B (L's size 1 there, B's not: a per-head factor
+    against a batch of sequences) runs as one solve of those axes' columns side by side: the columns of a
+    triangular solve are independent, so the values are the broadcast solve's, in one call per matrix of L instead
+    of one per matrix of the broadcast batch.  # shape: L (..., n, n), B (..., n, k) -> (..., n, k)"""
+    shared = _shared_axes(L, B) if left else ()
+    if not shared:
+        return torch.linalg.solve_triangular(L, B, upper=upper, left=left)
+    nb = B.dim() - 2
+    own = [i for i in range(nb) if i not in shared]
+    cols = B.permute(*own, nb, *shared, nb + 1)  # shape: (own..., n, shared..., k)
+    X = torch.linalg.solve_triangular(L.squeeze(shared), cols.reshape(*cols.shape[: len(own) + 1], -1), upper=upper)
+    inverse = sorted(range(B.dim()), key=[*own, nb, *shared, nb + 1].__getitem__)
+    return X.view(*X.shape[:-1], *cols.shape[len(own) + 1 :]).permute(*inverse)  # own axes broadcast against L's
+
+
+def _shared_axes(L: torch.Tensor, B: torch.Tensor) -> tuple[int, ...]:
+    """The batch axes of B along which L has size 1 (B's larger), when L has B's number of axes."""
+    if L.dim() != B.dim():
+        return ()
+    return tuple(i for i in range(B.dim() - 2) if L.shape[i] == 1 and B.shape[i] != 1)
 
 
 def safe_sqrt(var: torch.Tensor) -> torch.Tensor:

@@ -221,9 +221,9 @@ class SparseCorrelatedGP(CorrelatedGPBase):
         """:math:`\\mathrm{tr}(B^{-1}SK_{mm}^{-1}SB^{-1}G) + \\sigma^2\\mathrm{tr}(B^{-1}G)` for
         :math:`B = \\sigma^2K_{mm} + S = L_BL_B^\\top`.  # shape: G, S, K_mm (..., B, H, m, m) -> (..., B, H)"""
         L_mm = cholesky(add_jitter(K_mm, self.jitter), name="scgp: inducing Gram")
-        V = tri_solve(L_mm, torch.cholesky_solve(S, L_B).mT)  # L_mm⁻¹ S B⁻¹
-        trace_BG = torch.cholesky_solve(G, L_B).diagonal(dim1=-2, dim2=-1).sum(-1)  # tr(B⁻¹ G)
-        return ((V @ G) * V).sum((-2, -1)) + s2[:, 0, 0] * trace_BG
+        BS, BG = torch.cholesky_solve(torch.cat((S, G), -1), L_B).split(S.shape[-1], -1)  # B⁻¹S, B⁻¹G: one solve
+        V = tri_solve(L_mm, BS.mT)  # L_mm⁻¹ S B⁻¹ (a per-head L_mm solves the batch's columns at once)
+        return ((V @ G) * V).sum((-2, -1)) + s2[:, 0, 0] * BG.diagonal(dim1=-2, dim2=-1).sum(-1)  # … + σ² tr(B⁻¹G)
 
     def regularizer(self, t: DTCTerms, nu: torch.Tensor, z: torch.Tensor, valid, valid_q) -> torch.Tensor:
         """App. E, per head and value column (see the class docstring).  # shape: (B, H, Dv)"""
