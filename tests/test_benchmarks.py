@@ -502,3 +502,44 @@ def test_first_call_rss_smoke_schema(tmp_path):
     assert "| kernel | 32 |" in first_call_rss.to_markdown(rows)
     bad = first_call_rss.measure("no-such-variant", 8, 1, 2, 16, 1)
     assert bad["status"] == "error" and bad["reason"]
+
+
+def test_device_session_steps_parse_and_fit_one_device_call(tmp_path):
+    """Every step of the prepared GPU session is a command its script accepts (its own parser, the same argv), the
+    limits sum within one device command (600 s, with a minute for the machine's start), and what comes back stays
+    within the device tool's eight files."""
+    session = importlib.import_module("device_session")
+    parsers = {
+        "gpu_check.py": importlib.import_module("gpu_check").parse_args,
+        "attention_scaling.py": scaling.parse_args,
+        "train_step.py": importlib.import_module("train_step").parse_args,
+    }
+    steps = session.steps(tmp_path)
+    for name, limit, argv in steps:
+        cfg = parsers[argv[0]](argv[1:])  # argparse exits on an unknown flag
+        assert limit > 0 and cfg is not None, name
+    assert sum(limit for _, limit, _ in steps) <= 540
+    # session.log, gpu_check.md/.json, logs.tar.gz, and each step's own files (the scaling plot beside its JSON)
+    written = {a for _, _, argv in steps for a in argv if a.startswith(str(tmp_path)) and a.endswith(".json")}
+    assert len(written) + 1 + 3 + 1 <= 8  # + scaling.png
+
+
+def test_device_session_records_a_timeout_and_goes_on(tmp_path, monkeypatch):
+    """A step past its limit is killed with its children and recorded; the next step still runs and its output tail
+    is in session.log; the per-step logs come back in one archive."""
+    session = importlib.import_module("device_session")
+    (tmp_path / "hang.py").write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    (tmp_path / "ok.py").write_text("print('finished')\n")
+    out = tmp_path / "out"
+    monkeypatch.setattr(
+        session, "steps", lambda out: [("hang", 2, [str(tmp_path / "hang.py")]), ("ok", 30, [str(tmp_path / "ok.py")])]
+    )
+    start = time.monotonic()
+    assert session.main(["--out", str(out)]) == 1
+    assert time.monotonic() - start < 30
+    log = (out / "session.log").read_text()
+    assert "== hang: timed out" in log and "| started" in log
+    assert "== ok: exit 0" in log and "| finished" in log
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "session.log"]
+    with pytest.raises(SystemExit):
+        session.main(["--out", str(out), "--only", "nope"])
