@@ -39,65 +39,29 @@ REPO = BENCH.parent
 NON_CUBIC = "kernel,kernel-asym,sto,h-sto,kep-svgp,sgpa-decoupled,sgpa-rff,scgp"
 
 
+#: what both step-benchmark runs share: five timed steps after two untimed ones on the GPU, no FLOPs count
+STEP = "train_step.py --device cuda --steps 5 --warmup 2 --no-flops"
+SCALING = (
+    "attention_scaling.py --device cuda --quick --ts 1024,4096,16384,65536 --batch 2 --heads 8 --head-dim 64 "
+    "--variants kernel,kernel-asym,sgpa-decoupled,sto,h-sto --modes fwd+bwd --timeout 40 --mem-limit-mb 70000"
+)
+
+
 def steps(out: Path) -> list[tuple[str, float, list[str]]]:
     """(name, time limit in seconds, argv after the interpreter) of each step, in the order they run."""
     return [
         ("gpu_check", 150, ["gpu_check.py", "--out", str(out / "gpu_check")]),
-        (
-            "scaling",
-            170,
-            [
-                "attention_scaling.py",
-                "--device",
-                "cuda",
-                "--quick",
-                "--ts",
-                "1024,4096,16384,65536",
-                "--batch",
-                "2",
-                "--heads",
-                "8",
-                "--head-dim",
-                "64",
-                "--variants",
-                "kernel,kernel-asym,sgpa-decoupled,sto,h-sto",
-                "--modes",
-                "fwd+bwd",
-                "--timeout",
-                "40",
-                "--mem-limit-mb",
-                "70000",
-                "--json",
-                str(out / "scaling.json"),
-            ],
-        ),
+        ("scaling", 170, [*SCALING.split(), "--json", str(out / "scaling.json")]),
         (
             "step_eager",
             80,
-            [
-                "train_step.py",
-                "--device",
-                "cuda",
-                "--modes",
-                "eager",
-                "--ts",
-                "16,1024",
-                "--steps",
-                "5",
-                "--warmup",
-                "2",
-                "--no-flops",
-                "--json",
-                str(out / "step_eager.json"),
-            ],
+            [*STEP.split(), "--modes", "eager", "--ts", "16,1024", "--json", str(out / "step_eager.json")],
         ),
         (
             "step_graphs",
             140,
             [
-                "train_step.py",
-                "--device",
-                "cuda",
+                *STEP.split(),
                 "--modes",
                 "compiled",
                 "--compile-mode",
@@ -106,11 +70,6 @@ def steps(out: Path) -> list[tuple[str, float, list[str]]]:
                 "1024",
                 "--variants",
                 NON_CUBIC,
-                "--steps",
-                "5",
-                "--warmup",
-                "2",
-                "--no-flops",
                 "--json",
                 str(out / "step_graphs.json"),
             ],
