@@ -309,3 +309,22 @@ def test_option_errors():
             layer.kernel, layer.strategy.variational_distribution, torch.randn(H, 3, D), jitter=1e-6, covariance="diag",
             prior_mean="zero",
         )
+
+
+def test_row_quadratic_backward_is_autograds():
+    """The diagonal variance's a_t S_d a_tᵀ (one matmul of outer products, its backward written out) against the same
+    product through autograd, float64: values and both gradients to round-off, a non-symmetric S, and gradcheck."""
+    from gpattn.variational.sgpa_decoupled import _RowQuadratic
+
+    gen = torch.Generator().manual_seed(2)
+    rows = torch.randn(3, 7, 4, dtype=torch.float64, generator=gen, requires_grad=True)  # (H, N, M)
+    S = torch.randn(3, 5, 4, 4, dtype=torch.float64, generator=gen, requires_grad=True)  # (H, Dv, M, M)
+    weight = torch.randn(3, 7, 5, dtype=torch.float64, generator=gen)
+    ref = torch.einsum("hni,hdij,hnj->hnd", rows, S, rows)
+    got = _RowQuadratic.apply(rows, S)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for g_got, g_ref in zip(
+        torch.autograd.grad((got * weight).sum(), (rows, S)), torch.autograd.grad((ref * weight).sum(), (rows, S))
+    ):
+        torch.testing.assert_close(g_got, g_ref, rtol=1e-12, atol=1e-12)
+    torch.autograd.gradcheck(_RowQuadratic.apply, (rows, S))
