@@ -10,8 +10,8 @@ Four steps, each a child process under its own time limit (a hang or a crash in 
     Hugging Face, timing).
 ``scaling``     ``attention_scaling.py`` at T in {1024, 4096, 16384, 65536}, B = 2, H = 8, Dh = 64, fwd + bwd: the
     long-context bars (sgpa-decoupled's memory at 64k, sto and h-sto's time).
-``step-eager``  ``train_step.py`` eager at T in {16, 1024}: the whole-model step, every variant against softmax.
-``step-graphs`` ``train_step.py`` compiled with CUDA graphs (``mode="reduce-overhead"``) at T = 1024 for the
+``step_eager``  ``train_step.py`` eager at T in {16, 1024}: the whole-model step, every variant against softmax.
+``step_graphs`` ``train_step.py`` compiled with CUDA graphs (``mode="reduce-overhead"``) at T = 1024 for the
     layers the GPU bar names (the non-cubic ones).
 
 What comes back is at most eight files two folders down (the device tool's limit): ``session.log`` (each

@@ -519,9 +519,12 @@ def test_device_session_steps_parse_and_fit_one_device_call(tmp_path):
         cfg = parsers[argv[0]](argv[1:])  # argparse exits on an unknown flag
         assert limit > 0 and cfg is not None, name
     assert sum(limit for _, limit, _ in steps) <= 540
-    # session.log, gpu_check.md/.json, logs.tar.gz, and each step's own files (the scaling plot beside its JSON)
-    written = {a for _, _, argv in steps for a in argv if a.startswith(str(tmp_path)) and a.endswith(".json")}
-    assert len(written) + 1 + 3 + 1 <= 8  # + scaling.png
+    # what comes back: each step's JSON in the folder, the scaling plot beside its JSON, and what main() adds
+    # (gpu_check's own folder goes into the archive, its two summaries copied out)
+    written = {Path(a).name for _, _, argv in steps for a in argv if Path(a).parent == tmp_path and a.endswith(".json")}
+    assert written == {"scaling.json", "step_eager.json", "step_graphs.json"}
+    returned = written | {"scaling.png", "session.log", "gpu_check.md", "gpu_check.json", "logs.tar.gz"}
+    assert len(returned) <= 8
 
 
 def test_device_session_records_a_timeout_and_goes_on(tmp_path, monkeypatch):
