@@ -314,20 +314,17 @@ def _three_steps(net, inner, x, y, num_data: int) -> torch.Tensor:
 
 
 def _process_group(device: str) -> str:
-    """A world-size-1 process group on a free local port (NCCL on CUDA, else gloo); its backend."""
-    import socket
-
+    """A world-size-1 process group (NCCL on CUDA, else gloo) over an in-process store; its backend. (A free port
+    found by binding port 0 and passed to ``tcp://`` is free only until the socket closes: once, in CI, the group's
+    initialisation then hung until the check's limit.)"""
     import torch.distributed as tdist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     if backend == "nccl" and not tdist.is_nccl_available():
         raise Skip("NCCL is not available in this torch build")
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(cuda_index(device))
-    tdist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1)
     return backend
 
 
