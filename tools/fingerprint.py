@@ -1,7 +1,8 @@
 """Fingerprint every attention variant × form, to prove a refactor changes no number.
 
 For each variant of ``gpattn.list_attention()`` and each of its forms (the option values that select a model:
-``prior_mean``, ``qk``, ``covariance``, ``learn_sigma``, ``amortize``), in float32 and float64, under fixed
+``prior_mean``, ``qk``, ``covariance``, ``gp_input``, ``merge``, kep-svgp's and the correlated GPs' flags, ``amortize``,
+and the recipes' settings), in float32 and float64, under fixed
 seeds, it records: the train-mode output (a seeded sample) and the ``deterministic()`` output under no mask,
 key padding, a causal mask, a general per-query mask and cross-attention (an error's type and message where a
 form refuses a mask); ``loss_terms()``; the gradient of a scalar of both w.r.t. every parameter; and the state
@@ -34,8 +35,26 @@ FORMS = {
     "sgpa-rff": {
         "prior_mean": ["attention", "softmax"], "qk": ["shared", "separate"], "gp_input": ["query", "sequence"],
     },
-    "cgp": {"prior_mean": ["softmax", "softmax-separate", "zero"], "learn_sigma": [False, True]},
-    "scgp": {"prior_mean": ["softmax", "softmax-separate", "zero"], "amortize": [False, True]},
+    "kep-svgp": {
+        "prior_mean": ["softmax", "softmax-separate", "zero"], "merge": ["add", "concat"],
+        "token_independent": [False, True], "include_residual": [False, True], "feature_gradient": [True, False],
+    },
+    "cgp": {
+        "prior_mean": ["softmax", "softmax-separate", "zero"], "learn_sigma": [False, True],
+        "prior_samples": [10, None],
+    },
+    "scgp": {
+        "prior_mean": ["softmax", "softmax-separate", "zero"], "amortize": [False, True], "learn_sigma": [False, True],
+    },
+}
+#: forms outside the grids: the recipes' settings as the options that spelled them (sgpa-rff's encoder swap; the
+#: sequence form with the CLINC150 setting), per variant
+EXTRA = {
+    "sgpa-rff": [
+        {"prior_mean": "softmax", "qk": "separate", "gp_input": "query", "lengthscale": 1.0},
+        {"prior_mean": "softmax", "qk": "separate", "gp_input": "sequence", "num_features": 1024, "lengthscale": 0.2,
+         "data_weight": 10000.0},
+    ],
 }
 #: fixed options per variant (sizes)
 FIXED = {
@@ -48,9 +67,9 @@ B, T, S, D, H = 2, 5, 4, 8, 2
 def forms(name):
     """Every combination of the variant's form options (one empty form for the others)."""
     grid = FORMS.get(name, {})
-    for values in itertools.product(*grid.values()):
-        form = dict(zip(grid, values))
-        if form.get("amortize"):
+    combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    for form in combos + [dict(f) for f in EXTRA.get(name, [])]:
+        if form.get("amortize") or form.get("merge") == "concat":
             form["seq_len"] = T
         yield form
 
@@ -70,7 +89,7 @@ def record(name, form, dtype):
     """The fingerprint of one variant, form and dtype: a dict of tensors and strings."""
     out = {}
     torch.manual_seed(0)
-    layer = gpattn.build_attention(name, D, H, **FIXED.get(name, {}), **form).to(dtype)
+    layer = gpattn.build_attention(name, D, H, **{**FIXED.get(name, {}), **form}).to(dtype)
     torch.manual_seed(1)
     x = torch.randn(B, T, D, dtype=dtype)
     context = torch.randn(B, T if form.get("amortize") else S, D, dtype=dtype)
