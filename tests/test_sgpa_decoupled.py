@@ -18,6 +18,7 @@ from gpattn.testing.references import (
     sgpa_decoupled_kl_parts,
     sgpa_heads,
 )
+from gpattn.variational.covariances import DiagonalCovariance, FullCovariance
 from gpattn.variational.sgpa_decoupled import (
     DecoupledSGPAVariationalStrategy,
     WhitenedGlobalVariationalDistribution,
@@ -140,7 +141,7 @@ def test_global_keys_at_sequence_keys_reduce_to_standard_sgpa():
         q_u.inducing_values.copy_(p["v"][0])
         q_u.chol_variational_covar.copy_(torch.diag_embed(s.transpose(-1, -2)))
     dec = DecoupledSGPAVariationalStrategy(
-        std.kernel, q_u, torch.zeros(H, T, D), jitter=0.0, covariance="full", prior_mean="zero"
+        std.kernel, q_u, torch.zeros(H, T, D), jitter=0.0, covariance=FullCovariance(), prior_mean="zero"
     )
     post = dec(p["qk"], p["v"], p["qk"][0])
     ref_post = ref.posterior()
@@ -153,7 +154,7 @@ def test_diag_is_diagonal_of_full():
     mask = torch.zeros(2, 6, dtype=torch.bool)
     mask[0, :2] = True
     full = layer.posterior(x, mask)
-    layer.strategy.covariance = "diag"
+    layer.strategy.covariance = DiagonalCovariance()
     diag = layer.posterior(x, mask)
     torch.testing.assert_close(diag.mean, full.mean)
     torch.testing.assert_close(diag.variance, full.variance, rtol=1e-10, atol=1e-12)

@@ -10,7 +10,7 @@ import torch
 import gpattn
 from gpattn.testing import GPAttentionTestCase
 from gpattn.testing.references import DenseReference, prior_mean_dense, sgpa_heads
-from gpattn.variational.sgpa_rff import TrainingQueryCovariance
+from gpattn.variational.covariances import TrainingQueryCovariance
 
 F64 = torch.float64
 

@@ -45,7 +45,7 @@ def separate_dense_reference(layer, x, mask, reference):
     test compares the truncated sequence)."""
     assert mask is None
     ref = reference(shared_twin(layer), twin_queries(layer, x), x)
-    if layer.strategy.covariance == "diag":  # independent tokens: the reference's marginals
+    if layer.strategy.covariance.name == "diag":  # independent tokens: the reference's marginals
         ref = ref._replace(covariance=torch.diag_embed(ref.covariance.diagonal(dim1=-2, dim2=-1)))
     return ref
 

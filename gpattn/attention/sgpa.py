@@ -11,6 +11,7 @@ from gpattn.attention.registry import register
 from gpattn.kernels import make_kernel
 from gpattn.prior_means import check_prior_mean
 from gpattn.variational._scale import PRIOR_VARIANCE, attention_lengthscale
+from gpattn.variational.covariances import DiagonalCovariance, FullCovariance
 from gpattn.variational.sgpa import AmortisedDiagonalVariationalDistribution, SGPAVariationalStrategy
 from gpattn.variational.sgpa_decoupled import (
     DecoupledSGPAVariationalStrategy,
@@ -21,6 +22,19 @@ __all__ = ["DEFAULT_KERNEL", "DecoupledSGPAttention", "QK_MAPS", "SGPAttention"]
 
 #: the query-key maps: one shared map W_q = W_k (Chen & Li, the default) or separate W_q, W_k (docs/derivations.md §5d)
 QK_MAPS = ("shared", "separate")
+
+
+#: the covariance forms by their public spelling (docs/derivations.md §5a)
+COVARIANCES = {"full": FullCovariance, "diag": DiagonalCovariance}
+
+
+def _covariance(covariance):
+    """The covariance form of ``covariance=``: a name of :data:`COVARIANCES`, or a form object as it is."""
+    if isinstance(covariance, str):
+        if covariance not in COVARIANCES:
+            raise ValueError(f"covariance must be one of {list(COVARIANCES)}, got {covariance!r}")
+        return COVARIANCES[covariance]()
+    return covariance
 
 
 #: the kernel of ``kernel=None`` per prior mean: the stationary ARD-RBF with the attention mean (its rows are
@@ -134,7 +148,7 @@ class SGPAttention(_QueryKeyMaps):
             _kernel(kernel, num_heads, self.head_dim, prior_mean),
             AmortisedDiagonalVariationalDistribution(num_heads, self.head_dim, self.value_dim),
             jitter=jitter,
-            covariance=covariance,
+            covariance=_covariance(covariance),
             prior_mean=prior_mean,
         )
 
@@ -194,7 +208,7 @@ class DecoupledSGPAttention(_QueryKeyMaps):
             WhitenedGlobalVariationalDistribution(num_heads, num_global, self.value_dim),
             torch.randn(num_heads, num_global, embed_dim),
             jitter=jitter,
-            covariance=covariance,
+            covariance=_covariance(covariance),
             prior_mean=prior_mean,
         )
         self._qk_offset = self.projection_rows()["qk" if qk == "shared" else "k"].start

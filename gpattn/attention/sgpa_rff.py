@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import math
-
 from gpytorch.kernels import Kernel
 
 from gpattn.attention.registry import register
 from gpattn.attention.sgpa import _kernel, _QueryKeyMaps
-from gpattn.prior_means import RFF_PRIOR_MEANS, check_prior_mean
-from gpattn.variational.sgpa_rff import GP_INPUTS, FeatureSGPAVariationalStrategy
+from gpattn.prior_means import RFF_PRIOR_MEANS, check_prior_mean, make_prior_mean
+from gpattn.variational.covariances import TrainingQueryCovariance, TrainingSequenceCovariance
+from gpattn.variational.sgpa_rff import FeatureSGPAVariationalStrategy
 
 __all__ = ["DistanceAwareSGPAttention"]
+
+#: g's input (``gp_input``): each query, or each sequence's unit mean query (docs/derivations.md §5f)
+GP_INPUTS = {"query": TrainingQueryCovariance, "sequence": TrainingSequenceCovariance}
 
 
 @register("sgpa-rff")
@@ -69,17 +71,15 @@ class DistanceAwareSGPAttention(_QueryKeyMaps):
                              f"sequence's mean query), got {gp_input!r}")
         super().__init__(embed_dim, num_heads, qk, **base)
         self.gp_input = gp_input
-        sequence = gp_input == "sequence"  # parsed once, here: the covariance object is the form
-        if lengthscale is None:
-            lengthscale = 0.4 if sequence else math.sqrt(self.head_dim / 3)
+        # the covariance object is the form: its input's width, its default lengthscale and its masks are its own
         covariance = GP_INPUTS[gp_input](
-            num_heads, self.head_dim * (num_heads if sequence else 1), num_features=num_features,
-            prior_variance=prior_variance, lengthscale=lengthscale, data_weight=data_weight, momentum=momentum,
+            num_heads, self.head_dim, num_features=num_features, prior_variance=prior_variance,
+            lengthscale=lengthscale, data_weight=data_weight, momentum=momentum,
         )
-        self.per_query_masks = not sequence
+        self.per_query_masks = covariance.per_query_masks
+        kernel = _kernel(kernel, num_heads, self.head_dim, prior_mean)
         self.strategy = FeatureSGPAVariationalStrategy(
-            _kernel(kernel, num_heads, self.head_dim, prior_mean), covariance, self.value_dim,
-            prior_mean=prior_mean, jitter=jitter,
+            kernel, covariance, self.value_dim, mean_module=make_prior_mean(prior_mean, kernel), jitter=jitter,
         )
 
     def rescale_inputs(self, factor: float) -> None:

@@ -72,13 +72,11 @@ from gpattn.variational._strategy import AmortisedConditional, AmortisedVariatio
 from gpattn.variational.means import add_means, variational_mean_for
 
 __all__ = [
-    "COVARIANCE_MODES",
     "AmortisedDiagonalVariationalDistribution",
     "CrossSGPAConditional",
     "MaskedSGPAConditional",
     "SGPAConditional",
     "SGPAVariationalStrategy",
-    "check_covariance",
     "check_jitter",
     "check_sequence_inputs",
     "isolate_padding",
@@ -88,23 +86,12 @@ __all__ = [
     "standard_normal",
 ]
 
-#: sampling modes: exact joint samples over the tokens, or independent tokens (marginal variances only)
-COVARIANCE_MODES = ("full", "diag")
-
-
 # ---------------------------------------------------------------------------------- shared helpers
 def check_jitter(jitter) -> float:
     """``jitter`` must be a finite float ≥ 0 (relative to the mean diagonal of the Gram matrix)."""
     if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not math.isfinite(jitter) or jitter < 0:
         raise ValueError(f"jitter must be a finite number >= 0, got {jitter!r}")
     return float(jitter)
-
-
-def check_covariance(covariance) -> str:
-    """``covariance`` must be one of :data:`COVARIANCE_MODES`."""
-    if covariance not in COVARIANCE_MODES:
-        raise ValueError(f"covariance must be one of {list(COVARIANCE_MODES)}, got {covariance!r}")
-    return covariance
 
 
 def check_sequence_inputs(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> None:
@@ -248,24 +235,27 @@ class SGPAConditional(AmortisedConditional):
         return self.chol.square() @ self.std.square()
 
     def posterior(self) -> MultivariateNormal:
-        """q(f): ``covariance="full"``: Σ_d = L diag(s_d²) Lᵀ, whose Cholesky factor is L diag(s_d)
-        (lower triangular, positive diagonal: a ``CholLinearOperator``, so solves and log-determinants
-        reuse it); ``"diag"``: its diagonal (independent tokens). The full factor is (B, H, Dv, T, T):
-        for verification, the forward pass never forms it."""
-        if self.covariance == "diag":
-            return posterior_distribution(self.mean, DiagLinearOperator(self.variance().transpose(-1, -2)))
-        root = self.chol[:, :, None] * self.std.transpose(-1, -2)[..., None, :]  # shape: (B, H, Dv, T, T)
-        return posterior_distribution(self.mean, CholLinearOperator(TriangularLinearOperator(root)))
+        """q(f) in the covariance form of the strategy (:mod:`gpattn.variational.covariances`)."""
+        return self.covariance.posterior(self)
 
     def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Exact reparameterised sample(s) with the shared factor L: f_d = K̂ v_d + L (s_d ⊙ ε_d)
-        (full) or K̂ v_d + sqrt(diag Σ_d) ⊙ ε_d (diag).
+        """Exact reparameterised sample(s) in the covariance form of the strategy.
 
         # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P
         """
+        return self.covariance.rsample(self, num_samples, generator)
+
+    def joint_posterior(self) -> MultivariateNormal:
+        """q(f) with Σ_d = L diag(s_d²) Lᵀ, whose Cholesky factor is L diag(s_d) (lower triangular, positive
+        diagonal: a ``CholLinearOperator``, so solves and log-determinants reuse it). The factor is
+        (B, H, Dv, T, T): for verification, the forward pass never forms it."""
+        root = self.chol[:, :, None] * self.std.transpose(-1, -2)[..., None, :]  # shape: (B, H, Dv, T, T)
+        return posterior_distribution(self.mean, CholLinearOperator(TriangularLinearOperator(root)))
+
+    def joint_sample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """f_d = K̂ v_d + L (s_d ⊙ ε_d) with the shared factor L: exact joint samples.
+        # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
         eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)
-        if self.covariance == "diag":
-            return self.mean + safe_sqrt(self.variance()) * eps
         return self.mean + matmul_samples(self.chol, self.std * eps)
 
 
@@ -309,22 +299,17 @@ class CrossSGPAConditional(SGPAConditional):
         """K_qq − K_qk K̂_kk⁻¹ K_kq, shared by the Dv output dims.  # shape: -> (B, H, T, T)"""
         return self.gram - self.interp @ self.interp.mT
 
-    def posterior(self) -> MultivariateNormal:
-        """q(f): ``"full"``: the residual plus the root A diag(s_d) ((B, H, Dv, T, T) when evaluated: for
-        verification); ``"diag"``: diag Σ_d."""
-        if self.covariance == "diag":
-            return posterior_distribution(self.mean, DiagLinearOperator(self.variance().transpose(-1, -2)))
+    def joint_posterior(self) -> MultivariateNormal:
+        """q(f) with the residual plus the root A diag(s_d) ((B, H, Dv, T, T) when evaluated: for verification)."""
         R = self.residual()
         dense = DenseLinearOperator(R[:, :, None].expand(*R.shape[:2], self.std.shape[-1], *R.shape[2:]))
         root = self.interp[:, :, None] * self.std.transpose(-1, -2)[..., None, :]  # shape: (B, H, Dv, T, S)
         return posterior_distribution(self.mean, SumLinearOperator(dense, RootLinearOperator(root)))
 
-    def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Exact reparameterised sample(s): μ + chol(R + jitter·mean diag K_qq) ε₁ + A (s ⊙ ε₂) (full), or
-        μ + sqrt(diag Σ) ⊙ ε (diag).  # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
+    def joint_sample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Exact joint sample(s): μ + chol(R + jitter·mean diag K_qq) ε₁ + A (s ⊙ ε₂).
+        # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
         eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)
-        if self.covariance == "diag":
-            return self.mean + safe_sqrt(self.variance()) * eps
         eps_k = standard_normal(self.std.shape, self.mean, num_samples, generator)  # shape: (..., B, H, S, Dv)
         jit = relative_jitter(self.gram_diag, self.jitter)[..., 0, 0]  # shape: (B, H)
         with gp_algebra(self.mean.device.type):
@@ -349,12 +334,11 @@ class MaskedSGPAConditional(AmortisedConditional):
     :ivar real: the queries that count in the KL: not padding, A_i ≠ ∅.  # shape: (B, H, T)
     """
 
-    def __init__(self, mean, variance, query_kl, real, covariance):
+    def __init__(self, mean, variance, query_kl, real):
         self.mean = mean  # shape: (B, H, T, Dv)
         self._variance = variance  # shape: (B, H, T, Dv)
         self._query_kl = query_kl  # shape: (B, H, T, Dv)
         self.real = real  # shape: (B, H, T)
-        self.covariance = covariance
 
     def _one_q_per_query(self, member: str):
         raise NotImplementedError(
@@ -419,7 +403,8 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
     :param kernel: a gpytorch kernel with batch_shape broadcasting against (B, H).
     :param variational_distribution: the amortised q(ũ) scales.
     :param jitter: relative jitter (module docstring).
-    :param covariance: ``"full"`` exact joint samples, ``"diag"`` independent tokens.
+    :param covariance: the covariance form (:mod:`gpattn.variational.covariances`): ``FullCovariance()`` exact joint
+        samples, ``DiagonalCovariance()`` independent tokens.
     """
 
     def __init__(
@@ -428,7 +413,7 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         variational_distribution: AmortisedDiagonalVariationalDistribution,
         *,
         jitter: float,
-        covariance: str,
+        covariance,
         prior_mean: str | nn.Module,
         variational_mean=None,
     ):
@@ -436,7 +421,7 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         self.kernel = kernel
         self.variational_distribution = variational_distribution
         self.jitter = check_jitter(jitter)
-        self.covariance = check_covariance(covariance)
+        self.covariance = covariance
         #: the prior mean function (GPyTorch's ``mean_module``), built once from its name ``prior_mean`` (or given)
         self.mean_module = make_prior_mean(prior_mean, kernel)
         self.prior_mean = self.mean_module.name  # the public spelling
@@ -479,7 +464,7 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
                 K_qk = K_qk.masked_fill(mask[:, None, None, :], 0.0)  # padded keys leave the basis
             A = tri_solve(L.mT, K_qk, upper=True, left=False)  # shape: (B, H, T, S); A Lᵀ = K_qk
             m = self._prior_mean(K_qk, values, queries, keys, None if mask is None else mask[:, None, None, :])
-            gram = evaluate_kernel(self.kernel, queries, queries) if self.covariance == "full" else None
+            gram = self.covariance.query_gram(self.kernel, queries)  # K_qq where the covariance form reads it
             return CrossSGPAConditional(
                 L, values, std, jit, self.covariance, mean=add_means(m, self.variational_mean.update(K_qk, values)),
                 interp=A, gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), gram=gram,
@@ -547,7 +532,7 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         real = keys.new_ones(keys.shape[:3], dtype=torch.bool) if pad is None else ~pad[:, None, :].expand(
             keys.shape[:3]
         )
-        return MaskedSGPAConditional(mean, variance, query_kl, real, self.covariance)
+        return MaskedSGPAConditional(mean, variance, query_kl, real)
 
     def _condition_general(self, keys, values, excluded, pad) -> MaskedSGPAConditional:
         """Any per-query mask: one Cholesky factorisation of K_SS per query, batched over the queries
@@ -580,4 +565,4 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
             self.variational_mean.query_quadratic(L, allowed, values),
         )
         real = allowed.any(-1) & ~pad[:, None, :]  # shape: (B, H, T)
-        return MaskedSGPAConditional(mean, variance, query_kl, real, self.covariance)
+        return MaskedSGPAConditional(mean, variance, query_kl, real)

@@ -51,7 +51,6 @@ from gpattn.variational._linalg import (
     full_precision,
     gp_algebra,
     matmul_samples,
-    safe_sqrt,
     tri_solve,
 )
 from gpattn.variational._strategy import (
@@ -60,9 +59,9 @@ from gpattn.variational._strategy import (
     check_query_inputs,
     sequence_mean,
 )
+from gpattn.variational.covariances import FullCovariance
 from gpattn.variational.means import add_means, variational_mean_for
 from gpattn.variational.sgpa import (
-    check_covariance,
     check_jitter,
     check_sequence_inputs,
     posterior_distribution,
@@ -233,10 +232,12 @@ class DecoupledSGPAConditional(AmortisedConditional):
         return blockwise(_diag_variance, A, S, rows=rows, per_query=(self.gram_diag[..., None],))
 
     def posterior(self) -> MultivariateNormal:
-        """q(f): ``"full"``: Σ_d = (K_qq − Q_qq) + (A L_s,d)(A L_s,d)ᵀ as a sum of a dense and a root
-        operator ((B, H, Dv, T, T) when evaluated: for verification); ``"diag"``: diag Σ_d."""
-        if self.covariance == "diag":
-            return posterior_distribution(self.mean, DiagLinearOperator(self.variance().transpose(-1, -2)))
+        """q(f) in the covariance form of the strategy (:mod:`gpattn.variational.covariances`)."""
+        return self.covariance.posterior(self)
+
+    def joint_posterior(self) -> MultivariateNormal:
+        """q(f) with Σ_d = (K_qq − Q_qq) + (A L_s,d)(A L_s,d)ᵀ as a sum of a dense and a root operator
+        ((B, H, Dv, T, T) when evaluated: for verification)."""
         Dv = self.mean.shape[-1]
         R = self.residual()
         dense = DenseLinearOperator(R[:, :, None].expand(*R.shape[:2], Dv, *R.shape[2:]))
@@ -271,19 +272,19 @@ class DecoupledSGPAConditional(AmortisedConditional):
         return matmul_samples(L, eps).gather(-2, inv)  # rows back in token order (ε's row order is immaterial)
 
     def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Exact reparameterised sample(s).
+        """Exact reparameterised sample(s) in the covariance form of the strategy.
+        # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
+        with gp_algebra(self.mean.device.type):
+            return self.covariance.rsample(self, num_samples, generator)
 
-        ``"full"``: Σ_d = R + (A L_s,d)(A L_s,d)ᵀ is a sum of two covariances, so
-        f_d = μ_d + chol(R) ε₁ + A (L_s,d ε₂,d) with independent ε₁ ∈ R^T, ε₂ ∈ R^M: exact, one T×T
-        Cholesky per (B, H) instead of one per (B, H, d). ``"diag"``: f_d = μ_d + sqrt(diag Σ_d) ⊙ ε
-        (independent tokens).
+    def joint_sample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Σ_d = R + (A L_s,d)(A L_s,d)ᵀ is a sum of two covariances, so f_d = μ_d + chol(R) ε₁ + A (L_s,d ε₂,d)
+        with independent ε₁ ∈ R^T, ε₂ ∈ R^M: exact, one T×T Cholesky per (B, H) instead of one per (B, H, d).
 
         # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P
         """
         with gp_algebra(self.mean.device.type):
             eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)  # shape: (..., B, H, T, Dv)
-            if self.covariance == "diag":
-                return self.mean + safe_sqrt(self.variance()) * eps
             B, H, T, Dv = self.mean.shape
             M = self.interp.shape[-1]
             eps_g = standard_normal((B, H, Dv, M), self.mean, num_samples, generator)  # shape: (..., B, H, Dv, M)
@@ -403,7 +404,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
     :param variational_distribution: the global q(ũ_g).
     :param inducing_inputs: initial Z_g.  # shape: (H, M, D)
     :param jitter: relative jitter (see :mod:`gpattn.variational.sgpa`).
-    :param covariance: ``"full"`` or ``"diag"``.
+    :param covariance: the covariance form (:mod:`gpattn.variational.covariances`).
     """
 
     def __init__(
@@ -413,7 +414,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         inducing_inputs: torch.Tensor,
         *,
         jitter: float,
-        covariance: str,
+        covariance,
         prior_mean: str | nn.Module,
         variational_mean=None,
     ):
@@ -427,7 +428,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         self.variational_distribution = variational_distribution
         self.inducing_inputs = nn.Parameter(inducing_inputs.clone())  # shape: (H, M, D)
         self.jitter = check_jitter(jitter)
-        self.covariance = check_covariance(covariance)
+        self.covariance = covariance
         #: the prior mean function (GPyTorch's ``mean_module``; docs/derivations.md §5c), built once from its name
         #: ``prior_mean`` (or given); :class:`~gpattn.variational.means.ZeroMean` is the paper's zero mean
         self.mean_module = make_prior_mean(prior_mean, kernel)
@@ -520,7 +521,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         """The factors of a cross-attention conditional shared by every q(ũ)-mean: the Gram at the queries
         (``"full"``), its diagonal, the global basis A_q and ũ."""
         return dict(
-            gram=evaluate_kernel(self.kernel, queries, queries) if self.covariance == "full" else None,
+            gram=self.covariance.query_gram(self.kernel, queries),
             gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), interp=A, values=values,
             whitened_values=u_tilde, scale_tril=self.variational_distribution.scale_tril(), mask=None,
             jitter=self.jitter, covariance=self.covariance,
@@ -552,7 +553,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         needs no (T, T) Gram (docs/derivations.md §12): the mean m(q) from fused attention, or (a kernel without the
         log-linear form, a long sequence) the rows of its query blocks; None: the Gram is formed (the q(ũ)-mean
         decides, :meth:`~gpattn.variational.means.CentredVariationalMean.without_gram`)."""
-        if self.covariance != "diag" or excluded is not None:
+        if self.covariance.query_gram is FullCovariance.query_gram or excluded is not None:
             return None
         fused = self.mean_module.fused(self.kernel, queries, queries, values, mask)
         if fused is not None:
