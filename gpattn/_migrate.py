@@ -10,7 +10,7 @@ Four tables, one rule (docs/new_variant.md, "The one rule for a breaking change"
 * :data:`MOVED_NAMES`: a public name that left its module raises an ``AttributeError`` that says where it went.
 * :data:`OLD_STATES`: a state dict saved before a strategy gained a buffer lacks its key (it trained at the value the
   row names); :func:`migrate_state_dict`, the load-state-dict pre-hook every GP strategy registers (as gpytorch's
-  ``VariationalStrategy`` does for its old format), fills it in.
+  ``VariationalStrategy`` does for its old format), fills it in. :data:`OLD_KEYS`: a key that moved is renamed there.
 
 Both warn with :class:`gpattn.OldVersionWarning` naming what they migrated. A change no row can express takes the next
 checkpoint format instead (gpattn.experiments._io.CHECKPOINT_FORMAT).
@@ -25,7 +25,8 @@ import torch
 from gpattn._warnings import OldVersionWarning
 
 __all__ = [
-    "MOVED_NAMES", "OLD_DEFAULTS", "OLD_STATES", "OLD_VALUES", "migrate_config", "migrate_state_dict", "moved_names",
+    "MOVED_NAMES", "OLD_DEFAULTS", "OLD_KEYS", "OLD_STATES", "OLD_VALUES", "migrate_config", "migrate_state_dict",
+    "moved_names",
 ]
 
 _SGPA = ("sgpa", "sgpa-decoupled")
@@ -83,6 +84,12 @@ def moved_names(module: str):
 #: dict saved before the change trained with): a missing key is filled with that value, in the dtype of the other key
 OLD_STATES: tuple[tuple[str, str, str, str, float], ...] = (
     ("kep-svgp had a prior outputscale (docs/derivations.md §6)", "KEPSVGP", "prior_variance", "out_weight", 1.0),
+)
+#: (what changed, the strategy class, the key a state dict saved before the change has, the key it has now): the old
+#: key is read as the new one
+OLD_KEYS: tuple[tuple[str, str, str, str], ...] = (
+    ("the correlated GPs' softmax prior mean keeps its temperature in its module (issue 56)", "CorrelatedGPBase",
+     "mean_temperature", "mean_module.temperature"),
 )
 
 
@@ -144,10 +151,20 @@ def migrate_config(d: dict) -> dict:
 
 
 def migrate_state_dict(module, state_dict: dict, prefix: str, *args) -> None:
-    """Load-state-dict pre-hook of every GP strategy (``module``): fills the keys an :data:`OLD_STATES` row names for
-    its class when a state dict saved before lacks them, with an :class:`gpattn.OldVersionWarning` naming each."""
+    """Load-state-dict pre-hook of every GP strategy (``module``): renames the keys an :data:`OLD_KEYS` row names for
+    its class and fills those an :data:`OLD_STATES` row names when a state dict saved before lacks them, with an
+    :class:`gpattn.OldVersionWarning` naming each."""
+    classes = {c.__name__ for c in type(module).__mro__}
+    for what, owner, old_key, key in OLD_KEYS:
+        if owner not in classes or prefix + old_key not in state_dict or prefix + key in state_dict:
+            continue
+        state_dict[prefix + key] = state_dict.pop(prefix + old_key)
+        warnings.warn(
+            f"{prefix}{old_key} in the state dict (saved before {what}): migrated to {prefix}{key}",
+            OldVersionWarning,
+            stacklevel=3,
+        )
     for what, owner, key, present, old in OLD_STATES:
-        classes = {c.__name__ for c in type(module).__mro__}
         if owner not in classes or prefix + key in state_dict or prefix + present not in state_dict:
             continue
         state_dict[prefix + key] = torch.tensor(old, dtype=state_dict[prefix + present].dtype)

@@ -45,6 +45,7 @@ import torch
 import gpattn
 from gpattn.kernels import evaluate_kernel
 from gpattn.testing.references import canonical_rbf, cgp_dense_blocks, cgp_dense_moments
+from gpattn.variational.means import ZeroMean
 from gpattn.variational.scgp import SparseCorrelatedGP
 
 SIZE = os.environ.get("GPATTN_NOTEBOOK_SIZE", "full")
@@ -168,7 +169,9 @@ fig.savefig(OUT / "cgp_sample_paths.png", dpi=120)
 # inducing inputs at random points of the canonical space.
 
 # %%
-sparse = SparseCorrelatedGP(H, q.shape[-1], num_inducing=T, num_inducing_keys=T, sigma=S2**0.5, jitter=0.0).double()
+sparse = SparseCorrelatedGP(
+    H, q.shape[-1], num_inducing=T, num_inducing_keys=T, sigma=S2**0.5, jitter=0.0, mean_module=ZeroMean()
+).double()
 with torch.no_grad():
     sparse.covar.sigma_q = gp.covar.sigma_q
     sparse.covar.sigma_k = gp.covar.sigma_k
@@ -246,7 +249,9 @@ fig.savefig(OUT / "cgp_regularizer_vs_P_o.png", dpi=120)
 
 # %%
 m = max(3, T // 3)
-scgp = SparseCorrelatedGP(H, q.shape[-1], num_inducing=m, num_inducing_keys=m, sigma=S2**0.5, jitter=0.0).double()
+scgp = SparseCorrelatedGP(
+    H, q.shape[-1], num_inducing=m, num_inducing_keys=m, sigma=S2**0.5, jitter=0.0, mean_module=ZeroMean()
+).double()
 with torch.no_grad():
     scgp.covar.sigma_q = gp.covar.sigma_q
     scgp.covar.sigma_k = gp.covar.sigma_k

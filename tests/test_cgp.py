@@ -17,6 +17,7 @@ from gpattn.testing import GPAttentionTestCase, assert_samples_match_moments, la
 from gpattn.testing.base_attention_test_case import ATTENTION_INVARIANTS
 from gpattn.testing.references import cgp_dense_blocks, cgp_dense_moments, cgp_dense_posterior
 from gpattn.variational.cgp import CorrelatedGP
+from gpattn.variational.means import ZeroMean
 
 B, H, T, DH, DV = 2, 2, 6, 3, 4
 SIGMA = 0.3
@@ -54,7 +55,7 @@ class TestCGP(GPAttentionTestCase):
 
 
 def make_gp(prior_samples=None, jitter=0.0, sigma=SIGMA):
-    gp = CorrelatedGP(H, sigma=sigma, jitter=jitter, prior_samples=prior_samples).double()
+    gp = CorrelatedGP(H, sigma=sigma, jitter=jitter, prior_samples=prior_samples, mean_module=ZeroMean()).double()
     gp.covar.sigma_q = SIG_Q
     gp.covar.sigma_k = SIG_K
     return gp
@@ -446,7 +447,7 @@ def test_rescale_inputs_keeps_the_softmax_mean(name, mean):
     before = twin.posterior(x).mean - zero.posterior(x).mean
     for layer in (zero, twin):
         layer.rescale_inputs(1.7)
-    torch.testing.assert_close(twin.strategy.mean_temperature, torch.tensor(1.7**-2, dtype=torch.float64))
+    torch.testing.assert_close(twin.strategy.mean_module.temperature, torch.tensor(1.7**-2, dtype=torch.float64))
     after = twin.posterior(x).mean - zero.posterior(x).mean
     torch.testing.assert_close(after, before, rtol=1e-10, atol=1e-12)
     reloaded = gpattn.build_attention(name, 8, 2, prior_mean=mean).double()
@@ -496,7 +497,16 @@ def test_mean_values_only_with_the_separate_mean(name):
 
 
 def test_zero_mean_state_dict_has_no_temperature():
-    """The papers' form keeps its state dict (checkpoints saved before §7a load unchanged)."""
-    assert "strategy.mean_temperature" not in gpattn.build_attention("cgp", 8, 2, prior_mean="zero").state_dict()
+    """The papers' form keeps its state dict (checkpoints saved before §7a load unchanged); the softmax mean keeps its
+    temperature in its module, and a state dict saved with the strategy's ``mean_temperature`` loads through the one
+    load hook (gpattn._migrate.OLD_KEYS), with a warning naming the key."""
+    assert not any("temperature" in k for k in gpattn.build_attention("cgp", 8, 2, prior_mean="zero").state_dict())
     for mean in SOFTMAX_MEANS:
-        assert "strategy.mean_temperature" in gpattn.build_attention("cgp", 8, 2, prior_mean=mean).state_dict()
+        layer = gpattn.build_attention("cgp", 8, 2, prior_mean=mean)
+        assert "strategy.mean_module.temperature" in layer.state_dict()
+        old = dict(layer.state_dict())
+        old["strategy.mean_temperature"] = torch.tensor(0.25)
+        del old["strategy.mean_module.temperature"]
+        with pytest.warns(gpattn.OldVersionWarning, match="strategy.mean_temperature .* migrated"):
+            layer.load_state_dict(old)
+        assert float(layer.strategy.mean_module.temperature) == 0.25

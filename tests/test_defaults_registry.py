@@ -14,6 +14,7 @@ import torch
 import gpattn
 from gpattn._migrate import OLD_DEFAULTS, OLD_STATES, migrate_config, migrate_state_dict
 from gpattn.attention import RECIPES, attention_options, recipe_options
+from gpattn.attention.registry import FORMS, resolve
 from gpattn.experiments.training import TrainConfig
 
 
@@ -156,10 +157,18 @@ def test_each_older_config_reads_as_the_model_it_trained(name, encoder, saved, t
 _NOT_KEPT = {"bias", "kernel"}
 
 
+#: the attribute of the strategy that holds the object a form option's name resolves to (gpattn.attention.registry)
+_FORM_ATTRIBUTES = {"prior_mean": "mean_module", "covariance": "covariance", "gp_input": "covariance"}
+
+
 def _resolved(layer, option):
     """The value ``layer`` runs with for ``option``: the attribute of that name of the layer, its strategy, its
-    q(u) or its covariance object (sgpa-rff's; a tensor as its values), or :data:`_MISSING`."""
+    q(u) or its covariance object (sgpa-rff's; a tensor as its values); for a form option, the class of the object
+    its name resolved to; or :data:`_MISSING`."""
     strategy = getattr(layer, "strategy", None)
+    if option in FORMS.get(layer.name, {}):
+        form = getattr(strategy, _FORM_ATTRIBUTES[option])
+        return form if isinstance(form, type) else type(form)
     owners = (layer, strategy, getattr(strategy, "variational_distribution", None),
               getattr(strategy, "covariance", None))
     for owner in owners:
@@ -186,7 +195,10 @@ def test_the_registry_s_options_are_what_a_layer_built_without_options_runs_with
             continue
         value = _resolved(layer, option)
         assert value is not _MISSING, f"{name}: {option} is kept under no attribute of that name"
-        if isinstance(value, list):  # a buffer or a per-head parameter, in its dtype
+        if option in FORMS.get(name, {}):  # the object the name resolves to
+            resolved = resolve(name, option, default)
+            assert value is (resolved if isinstance(resolved, type) else type(resolved)), (name, option, value)
+        elif isinstance(value, list):  # a buffer or a per-head parameter, in its dtype
             assert value == [pytest.approx(default, rel=1e-6)] * len(value), (name, option, value, default)
         else:
             assert value == default, (name, option, value, default)

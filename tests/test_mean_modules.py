@@ -9,11 +9,12 @@ import re
 import torch
 
 import gpattn
-from gpattn.prior_means import make_correlated_mean, make_prior_mean
+from gpattn.attention.registry import resolve
 from gpattn.variational.means import (
     OWN_VALUES,
     AmortisedValueMean,
     CentredVariationalMean,
+    CorrelatedSeparateSoftmaxMean,
     CorrelatedSoftmaxMean,
     SoftmaxMean,
     ZeroMean,
@@ -90,9 +91,9 @@ CHECK = re.compile(
 #: the own-values projection's name (one constant), and the refusal of ``mean_values`` given to a mean that owns none
 #: (an input check, not a form test)
 ALLOWED = {
-    ("means.py", 'SEPARATE = "softmax-separate"'),
+    ("means.py", 'name = "softmax-separate"'),
     ("means.py", 'OWN_VALUES = ("v_mean",)'),
-    ("means.py", "if mean_values is not None:"),
+    ("means.py", 'ROLES = {"q_mean": "queries", "k_mean": "keys", "v_mean": "values"}'),
 }
 
 
@@ -123,16 +124,16 @@ def test_the_check_finds_a_string_test():
 
 
 def test_strings_build_the_modules():
-    kernel = gpattn.build_attention("sgpa", 8, 2).kernel
-    assert isinstance(make_prior_mean("zero", kernel), ZeroMean)
-    assert isinstance(make_prior_mean("softmax", kernel), SoftmaxMean)
+    assert isinstance(resolve("sgpa", "prior_mean", "zero"), ZeroMean)
+    assert isinstance(resolve("sgpa", "prior_mean", "softmax"), SoftmaxMean)
     mean = ZeroMean()
-    assert make_prior_mean(mean, kernel) is mean and make_correlated_mean(mean) is mean
-    separate = make_correlated_mean("softmax-separate")
-    assert isinstance(separate, CorrelatedSoftmaxMean) and separate.projections == OWN_VALUES == ("v_mean",)
-    assert make_correlated_mean("softmax").projections == () and make_correlated_mean("zero").projections == ()
+    assert resolve("sgpa", "prior_mean", mean) is mean and resolve("cgp", "prior_mean", mean) is mean
+    separate = resolve("cgp", "prior_mean", "softmax-separate")
+    assert isinstance(separate, CorrelatedSeparateSoftmaxMean) and separate.projections == OWN_VALUES == ("v_mean",)
+    assert type(resolve("cgp", "prior_mean", "softmax")) is CorrelatedSoftmaxMean
+    assert resolve("cgp", "prior_mean", "softmax").projections == () == resolve("cgp", "prior_mean", "zero").projections
     layer = gpattn.build_attention("scgp", 8, 2, num_inducing=3, num_inducing_keys=3)
-    assert "v_mean" in layer.projections and layer.strategy.prior_mean == "softmax-separate"
+    assert "v_mean" in layer.projections and isinstance(layer.strategy.mean_module, CorrelatedSeparateSoftmaxMean)
 
 
 def test_a_strategy_given_modules_equals_one_given_the_name():
@@ -141,7 +142,7 @@ def test_a_strategy_given_modules_equals_one_given_the_name():
     s = layer.strategy
     keys, values = torch.randn(2, 2, 5, 4, dtype=torch.float64), torch.randn(2, 2, 5, 4, dtype=torch.float64)
     given = SGPAVariationalStrategy(
-        s.kernel, s.variational_distribution, jitter=s.jitter, covariance=s.covariance, prior_mean=ZeroMean(),
+        s.kernel, s.variational_distribution, jitter=s.jitter, covariance=s.covariance, mean_module=ZeroMean(),
         variational_mean=AmortisedValueMean(),
     )
     for mask in (None, torch.ones(5, 5, dtype=torch.bool).triu(1)[None, None]):
@@ -168,7 +169,7 @@ def test_the_decoupled_strategy_asks_its_q_mean_object_for_the_gamma_basis():
         s = gpattn.build_attention("sgpa-decoupled", 8, 2, num_global=3, prior_mean=prior_mean).double().strategy
         given = DecoupledSGPAVariationalStrategy(
             s.kernel, s.variational_distribution, s.inducing_inputs.detach(), jitter=s.jitter,
-            covariance=s.covariance, prior_mean=make_prior_mean(prior_mean, s.kernel), variational_mean=q_mean(),
+            covariance=s.covariance, mean_module=resolve("sgpa", "prior_mean", prior_mean), variational_mean=q_mean(),
         )
         paired = type(s.variational_mean) is q_mean  # the pairing the name builds
         for call in calls:
@@ -177,16 +178,3 @@ def test_the_decoupled_strategy_asks_its_q_mean_object_for_the_gamma_basis():
             if paired:
                 assert type(a) is type(b) and torch.equal(a.mean, b.mean)
                 assert torch.equal(a.kl_divergence(), b.kl_divergence())
-
-
-def test_the_moved_parsers_say_where_they_went():
-    import pytest
-
-    import gpattn.variational.kep_svgp as kep
-    import gpattn.variational.means as means
-
-    for module, name in ((means, "make_prior_mean"), (means, "CGP_PRIOR_MEANS"), (kep, "make_kep_mean")):
-        with pytest.raises(AttributeError, match=rf"moved to gpattn\.prior_means\.{name}"):
-            getattr(module, name)
-    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
-        _ = means.nothing

@@ -18,6 +18,7 @@ from gpattn.testing import GPAttentionTestCase, assert_samples_match_moments, la
 from gpattn.testing.base_attention_test_case import ATTENTION_INVARIANTS
 from gpattn.testing.references import scgp_dense_blocks, scgp_dense_moments, scgp_dense_posterior
 from gpattn.variational.cgp import CorrelatedGP
+from gpattn.variational.means import ZeroMean
 from gpattn.variational.scgp import SparseCorrelatedGP
 
 B, H, T, DH, DV, M, L = 2, 2, 7, 3, 4, 3, 4
@@ -28,7 +29,9 @@ F64 = torch.float64
 
 
 def make_gp(m=M, l=L, sigma=SIGMA, **kw):
-    gp = SparseCorrelatedGP(H, DH, num_inducing=m, num_inducing_keys=l, sigma=sigma, jitter=0.0, **kw).double()
+    gp = SparseCorrelatedGP(
+        H, DH, num_inducing=m, num_inducing_keys=l, sigma=sigma, jitter=0.0, mean_module=ZeroMean(), **kw
+    ).double()
     gp.covar.sigma_q = SIG_Q
     gp.covar.sigma_k = SIG_K
     return gp
@@ -105,7 +108,7 @@ def test_sparse_limit_recovers_exact_cgp_mean():
     mean for the same observations z_k (the layers feed different z, so compare predictive means)."""
     q, k, o, _ = make_inputs(3, scale=1.0)
     z = torch.randn(B, H, T, DV, generator=torch.Generator().manual_seed(4), dtype=F64)
-    exact = CorrelatedGP(H, sigma=SIGMA, jitter=0.0).double()
+    exact = CorrelatedGP(H, sigma=SIGMA, jitter=0.0, mean_module=ZeroMean()).double()
     exact.covar.sigma_q, exact.covar.sigma_k = SIG_Q, SIG_K
     sparse = make_gp(m=T, l=T)
     ref = exact.conditional_mean(q, k, o, z)
@@ -121,7 +124,7 @@ def test_amortized_initialisation_is_the_sparse_limit():
     CGP conditional mean E[z_q | z_k = v]."""
     q, k, o, v = make_inputs(6)
     gp = make_gp(m=T, l=T, amortize=True, seq_len=T)
-    exact = CorrelatedGP(H, sigma=SIGMA, jitter=0.0).double()
+    exact = CorrelatedGP(H, sigma=SIGMA, jitter=0.0, mean_module=ZeroMean()).double()
     exact.covar.sigma_q, exact.covar.sigma_k = SIG_Q, SIG_K
     got = gp.condition(q, k, o, v).mean
     assert (got - exact.conditional_mean(q, k, o, v)).abs().max() < 1e-8

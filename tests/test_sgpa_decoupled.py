@@ -19,6 +19,7 @@ from gpattn.testing.references import (
     sgpa_heads,
 )
 from gpattn.variational.covariances import DiagonalCovariance, FullCovariance
+from gpattn.variational.means import ZeroMean
 from gpattn.variational.sgpa_decoupled import (
     DecoupledSGPAVariationalStrategy,
     WhitenedGlobalVariationalDistribution,
@@ -141,7 +142,7 @@ def test_global_keys_at_sequence_keys_reduce_to_standard_sgpa():
         q_u.inducing_values.copy_(p["v"][0])
         q_u.chol_variational_covar.copy_(torch.diag_embed(s.transpose(-1, -2)))
     dec = DecoupledSGPAVariationalStrategy(
-        std.kernel, q_u, torch.zeros(H, T, D), jitter=0.0, covariance=FullCovariance(), prior_mean="zero"
+        std.kernel, q_u, torch.zeros(H, T, D), jitter=0.0, covariance=FullCovariance(), mean_module=ZeroMean()
     )
     post = dec(p["qk"], p["v"], p["qk"][0])
     ref_post = ref.posterior()
@@ -307,8 +308,8 @@ def test_option_errors():
         layer.strategy.condition(p["qk"], p["v"], torch.randn(H, M, DH + 1))
     with pytest.raises(ValueError, match="inducing_inputs"):
         DecoupledSGPAVariationalStrategy(
-            layer.kernel, layer.strategy.variational_distribution, torch.randn(H, 3, D), jitter=1e-6, covariance="diag",
-            prior_mean="zero",
+            layer.kernel, layer.strategy.variational_distribution, torch.randn(H, 3, D), jitter=1e-6,
+            covariance=DiagonalCovariance(), mean_module=ZeroMean(),
         )
 
 

@@ -21,7 +21,7 @@ F64 = torch.float64
 def shared_twin(layer):
     """The shared-map layer with W_qk = the separate layer's W_k and every other parameter the same."""
     options = {"qk": "shared", "jitter": layer.strategy.jitter, "covariance": layer.strategy.covariance,
-               "prior_mean": layer.strategy.prior_mean, "kernel": layer.kernel}
+               "prior_mean": layer.strategy.mean_module, "kernel": layer.kernel}
     if layer.name == "sgpa-decoupled":
         options["num_global"] = layer.strategy.variational_distribution.num_global
     twin = gpattn.build_attention(layer.name, layer.embed_dim, layer.num_heads, **options).to(F64)

@@ -137,9 +137,22 @@ def fingerprint():
     return result
 
 
+def _moved_keys(case: dict) -> dict:
+    """``case`` with the state-dict keys that moved (gpattn._migrate.OLD_KEYS, when this checkout has it) renamed,
+    so that a fingerprint recorded before the move compares key by key."""
+    from gpattn import _migrate
+
+    out = dict(case)
+    for _, _, old, new in getattr(_migrate, "OLD_KEYS", ()):
+        for key in [k for k in out if k.startswith("state/") and k.endswith("." + old)]:
+            out.setdefault(key[: -len(old)] + new, out.pop(key))
+    return out
+
+
 def compare(after, before) -> int:
     """Print per case the max abs diff (and any key, shape or string difference); return the number of
-    cases that differ beyond bit-identity."""
+    cases that differ beyond bit-identity. A state-dict key that moved is compared under its new name."""
+    before = {case: _moved_keys(fp) for case, fp in before.items()}
     differing = 0
     worst = {}
     for case in sorted(set(before) | set(after)):

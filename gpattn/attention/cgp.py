@@ -7,9 +7,8 @@ import torch
 from gpytorch.kernels import Kernel
 
 from gpattn.attention._gp import GPAttention
-from gpattn.attention.registry import register
+from gpattn.attention.registry import register, resolve
 from gpattn.kernels import make_kernel
-from gpattn.prior_means import make_correlated_mean
 from gpattn.variational.cgp import CorrelatedGP
 from gpattn.variational.scgp import SparseCorrelatedGP
 
@@ -32,8 +31,8 @@ class _CorrelatedGPAttention(GPAttention):
     cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
 
     def __init__(self, embed_dim: int, num_heads: int, mean_module, **base):
-        if mean_module.projections:  # the mean's own values, before AttentionBase sizes the fused in_proj
-            self.projections = (*type(self).projections, *mean_module.projections)
+        # the mean's own projections (its values), before AttentionBase sizes the fused in_proj
+        self.projections = (*type(self).projections, *mean_module.projections)
         super().__init__(embed_dim, num_heads, **base)
 
     def _init_scale(self, input_scale):
@@ -57,10 +56,10 @@ class _CorrelatedGPAttention(GPAttention):
         return p["q"] * c, p["k"] * c, p["o"] * c, p["v"]
 
     def strategy_call(self, x):
-        """The scaled inputs and, with ``prior_mean="softmax-separate"``, the mean's own values (the ``v_mean``
-        projection) as ``mean_values``: one projection of x for both."""
-        p, own = self.project(x), self.strategy.mean_module.projections
-        return self._scaled(p), ({"mean_values": p[own[0]]} if own else {})
+        """The scaled inputs and the mean's own projections (``prior_mean="softmax-separate"``: its values, the
+        ``v_mean`` rows; none for the others) as ``mean_values``: one projection of x for both."""
+        p = self.project(x)
+        return self._scaled(p), {"mean_values": tuple(p[name] for name in self.strategy.mean_module.projections)}
 
     @torch.no_grad()
     def rescale_inputs(self, factor: float) -> None:
@@ -82,7 +81,7 @@ class _CorrelatedGPAttention(GPAttention):
             inducing = getattr(self.strategy, name, None)
             if inducing is not None:
                 inducing *= factor
-        self.strategy.rescale_mean(factor)  # the softmax prior mean stays the attention it was
+        self.strategy.mean_module.rescale_inputs(factor)  # the softmax prior mean stays the attention it was
 
     def query_inputs(self, x):
         """Cross-attention's queries, scaled by ``input_scale``.  # shape: (B, H, T, Dh)"""
@@ -123,8 +122,8 @@ class CGPAttention(_CorrelatedGPAttention):
         prior_mean: str = "softmax",
         **base,
     ):
-        prior_mean = make_correlated_mean(prior_mean)  # the name parsed once: the strategy takes the module
-        super().__init__(embed_dim, num_heads, prior_mean, **base)
+        mean_module = resolve("cgp", "prior_mean", prior_mean)
+        super().__init__(embed_dim, num_heads, mean_module, **base)
         self._init_scale(input_scale)
         self.strategy = CorrelatedGP(
             num_heads,
@@ -133,7 +132,7 @@ class CGPAttention(_CorrelatedGPAttention):
             learn_sigma=learn_sigma,
             jitter=jitter,
             prior_samples=prior_samples,
-            prior_mean=prior_mean,
+            mean_module=mean_module,
         )
 
 
@@ -174,8 +173,8 @@ class SCGPAttention(_CorrelatedGPAttention):
         prior_mean: str = "softmax-separate",
         **base,
     ):
-        prior_mean = make_correlated_mean(prior_mean)  # the name parsed once: the strategy takes the module
-        super().__init__(embed_dim, num_heads, prior_mean, **base)
+        mean_module = resolve("scgp", "prior_mean", prior_mean)
+        super().__init__(embed_dim, num_heads, mean_module, **base)
         self._init_scale(input_scale)
         # initial inducing inputs spread like the scaled projections of unit-variance tokens under
         # nn.Linear's default initialisation (coordinate std 1/√3 before scaling)
@@ -191,5 +190,5 @@ class SCGPAttention(_CorrelatedGPAttention):
             sigma=sigma,
             learn_sigma=learn_sigma,
             jitter=jitter,
-            prior_mean=prior_mean,
+            mean_module=mean_module,
         )

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from gpattn.attention._gp import GPAttention
-from gpattn.attention.registry import register
-from gpattn.prior_means import make_kep_mean
+from gpattn.attention.registry import register, resolve
 from gpattn.variational._scale import KEP_PRIOR_VARIANCE
 from gpattn.variational.kep_svgp import KEPSVGP, MERGES
 
@@ -123,9 +122,9 @@ class KEPSVGPAttention(GPAttention):
         feature_gradient: bool = True,
         **base,
     ):
-        mean_module = make_kep_mean(prior_mean)  # the name parsed once: the strategy takes the module
-        if mean_module.projections:  # the mean's own values, before AttentionBase sizes the fused in_proj
-            self.projections = (*type(self).projections, *mean_module.projections)
+        mean_module = resolve("kep-svgp", "prior_mean", prior_mean)
+        # the mean's own projections (its values; its queries and keys), before AttentionBase sizes the fused in_proj
+        self.projections = (*type(self).projections, *mean_module.projections)
         super().__init__(embed_dim, num_heads, **base)
         _check_kernel(kernel)
         _positive_int("rank", rank)
@@ -159,11 +158,10 @@ class KEPSVGPAttention(GPAttention):
         return self.strategy_call(x)[0]
 
     def strategy_call(self, x):
-        """The layer input, q and k and, with a mean that owns projections, what it reads of them as ``mean_values``
-        (its ``own_inputs``: the ``v_mean`` values, or with ``"softmax-separate"`` its queries, keys and values): one
-        projection of x for both."""
-        p, mean = self.project(x), self.strategy.mean_module
-        return (x, p["q"], p["k"]), ({"mean_values": mean.own_inputs(p)} if mean.projections else {})
+        """The layer input, q and k, and the mean's own projections as ``mean_values`` (the ``v_mean`` values, with
+        ``"softmax-separate"`` its queries, keys and values; none for the zero mean): one projection of x for both."""
+        p = self.project(x)
+        return (x, p["q"], p["k"]), {"mean_values": tuple(p[name] for name in self.strategy.mean_module.projections)}
 
     def match_singular_values(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> tuple:
         """Λ from a batch of this layer's inputs so that the KSVD objective J starts at 0 on them, the function, its

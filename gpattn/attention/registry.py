@@ -3,6 +3,10 @@
 Every module in ``gpattn/attention/`` whose name does not start with ``_`` is imported by the
 package, so a new variant needs no edit anywhere else.
 
+The names of the modelling choices resolve here, once (:func:`resolve`): a layer's ``prior_mean=`` or
+``covariance=`` is a name of :data:`FORMS` (the object it names is built here) or the object itself; the conditioning
+code in :mod:`gpattn.variational` receives objects and reads no name.
+
 A variant's defaults are data: its layer's keyword defaults (the papers'), and its entry in :data:`_ENTRIES`, which
 holds the options each named recipe (:data:`RECIPES`) sets on top of them and the options a run's config records
 even at their default. :func:`attention_options` ``(name, recipe=...)`` returns the resolved options;
@@ -16,7 +20,24 @@ import inspect
 
 import torch.nn as nn
 
+from gpattn.variational.covariances import (
+    DiagonalCovariance,
+    FullCovariance,
+    TrainingQueryCovariance,
+    TrainingSequenceCovariance,
+)
+from gpattn.variational.means import (
+    AttentionMean,
+    CorrelatedSeparateSoftmaxMean,
+    CorrelatedSoftmaxMean,
+    KEPSeparateSoftmaxMean,
+    KEPSoftmaxMean,
+    SoftmaxMean,
+    ZeroMean,
+)
+
 __all__ = [
+    "FORMS",
     "RECIPES",
     "VariantEntry",
     "attention_class",
@@ -25,6 +46,7 @@ __all__ = [
     "list_attention",
     "recipe_options",
     "register",
+    "resolve",
 ]
 
 _REGISTRY: dict[str, type[nn.Module]] = {}
@@ -60,6 +82,60 @@ _ENTRIES: dict[str, VariantEntry] = {
     "cgp": VariantEntry(recorded=("prior_mean",)),
     "scgp": VariantEntry(recorded=("prior_mean",)),
 }
+
+
+#: the SGPA variants' prior means by name: (the mean, what it is)
+_SGPA_MEANS = {
+    "attention": (AttentionMean, "normalised kernel attention as the GP's prior mean, docs/derivations.md §5c"),
+    "softmax": (SoftmaxMean, "softmax attention with the kernel's lengthscale, §5e"),
+    "zero": (ZeroMean, "the paper's form"),
+}
+_SGPA_COVARIANCES = {
+    "full": (FullCovariance, "exact joint samples over the tokens"),
+    "diag": (DiagonalCovariance, "independent tokens"),
+}
+_CORRELATED_MEANS = {
+    "softmax": (CorrelatedSoftmaxMean, "softmax attention of the canonical inputs as the prior mean of z_q and z_k, "
+                "docs/derivations.md §7a"),
+    "softmax-separate": (CorrelatedSeparateSoftmaxMean, "the same over values of its own"),
+    "zero": (ZeroMean, "the paper's form"),
+}
+#: every public name of a modelling choice, per variant and option: ``{variant: {option: {name: (what builds the
+#: object it names, what it is)}}}``; :func:`resolve` builds it
+FORMS: dict[str, dict[str, dict[str, tuple]]] = {
+    "sgpa": {"prior_mean": _SGPA_MEANS, "covariance": _SGPA_COVARIANCES},
+    "sgpa-decoupled": {"prior_mean": _SGPA_MEANS, "covariance": _SGPA_COVARIANCES},
+    "sgpa-rff": {
+        "prior_mean": {k: _SGPA_MEANS[k] for k in ("attention", "softmax")},
+        "gp_input": {  # the covariance's class: the layer builds it with its sizes
+            "query": (lambda: TrainingQueryCovariance, "g on each query, per head"),
+            "sequence": (lambda: TrainingSequenceCovariance, "g on each sequence's unit mean query"),
+        },
+    },
+    "kep-svgp": {
+        "prior_mean": {
+            "zero": (ZeroMean, "Chen et al.'s"),
+            "softmax": (KEPSoftmaxMean, "softmax attention over values of the layer's own, the pretrained attention "
+                        "in an encoder swap, docs/derivations.md §6"),
+            "softmax-separate": (KEPSeparateSoftmaxMean, "the same with queries and keys of its own, apart from the "
+                                 "KSVD features'"),
+        },
+    },
+    "cgp": {"prior_mean": _CORRELATED_MEANS},
+    "scgp": {"prior_mean": _CORRELATED_MEANS},
+}
+
+
+def resolve(variant: str, option: str, value):
+    """The object ``value`` of ``option`` stands for in ``variant``: a name of :data:`FORMS` builds a fresh one (for a
+    form the layer builds with its sizes, sgpa-rff's covariance, its class), anything else is the object itself. A
+    name the variant does not have is a ``ValueError`` that lists its names and what each is."""
+    table = FORMS[variant][option]
+    if isinstance(value, str) and value not in table:
+        meanings = "; ".join(f"{name!r}: {meaning}" for name, (_, meaning) in table.items())
+        raise ValueError(f"{option} must be one of {list(table)} ({meanings}), got {value!r}")
+    named = table.get(value) if isinstance(value, str) else None
+    return value if named is None else named[0]()
 
 
 def register(name: str):

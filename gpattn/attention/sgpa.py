@@ -7,50 +7,28 @@ import torch
 from gpytorch.kernels import Kernel
 
 from gpattn.attention._gp import GPAttention
-from gpattn.attention.registry import register
+from gpattn.attention.registry import register, resolve
 from gpattn.kernels import make_kernel
-from gpattn.prior_means import check_prior_mean
-from gpattn.variational._scale import PRIOR_VARIANCE, attention_lengthscale
-from gpattn.variational.covariances import DiagonalCovariance, FullCovariance
+from gpattn.variational._scale import PRIOR_VARIANCE
 from gpattn.variational.sgpa import AmortisedDiagonalVariationalDistribution, SGPAVariationalStrategy
 from gpattn.variational.sgpa_decoupled import (
     DecoupledSGPAVariationalStrategy,
     WhitenedGlobalVariationalDistribution,
 )
 
-__all__ = ["DEFAULT_KERNEL", "DecoupledSGPAttention", "QK_MAPS", "SGPAttention"]
+__all__ = ["DecoupledSGPAttention", "QK_MAPS", "SGPAttention"]
 
 #: the query-key maps: one shared map W_q = W_k (Chen & Li, the default) or separate W_q, W_k (docs/derivations.md §5d)
 QK_MAPS = ("shared", "separate")
 
 
-#: the covariance forms by their public spelling (docs/derivations.md §5a)
-COVARIANCES = {"full": FullCovariance, "diag": DiagonalCovariance}
-
-
-def _covariance(covariance):
-    """The covariance form of ``covariance=``: a name of :data:`COVARIANCES`, or a form object as it is."""
-    if isinstance(covariance, str):
-        if covariance not in COVARIANCES:
-            raise ValueError(f"covariance must be one of {list(COVARIANCES)}, got {covariance!r}")
-        return COVARIANCES[covariance]()
-    return covariance
-
-
-#: the kernel of ``kernel=None`` per prior mean: the stationary ARD-RBF with the attention mean (its rows are
-#: a similarity smoother and its prior variance does not grow with the sharpness of the attention), the
-#: exponential dot-product kernel of Chen & Li (2023) on text with the paper's zero mean (docs/derivations.md §5c)
-DEFAULT_KERNEL = {"attention": "ard-rbf", "softmax": "ard-rbf", "zero": "exponential"}
-
-
-def _kernel(kernel, num_heads: int, head_dim: int, prior_mean: str):
-    """The kernel of a spec on the stream's scale; with the attention or softmax prior mean its lengthscale starts
-    at Dh^¼, so that the mean starts at softmax attention's temperature (docs/derivations.md §5c, §5e)."""
-    if kernel is None:
-        kernel = DEFAULT_KERNEL[check_prior_mean(prior_mean)]
-    lengthscale = attention_lengthscale(head_dim) if prior_mean != "zero" else None
+def _kernel(kernel, num_heads: int, head_dim: int, mean_module):
+    """The kernel of a spec on the stream's scale; ``kernel=None``: the prior mean's own (its ``default_kernel``,
+    docs/derivations.md §5c), and a spec's lengthscale starts where the mean says (Dh^¼ for a mean that attends:
+    softmax attention's temperature, §5c, §5e)."""
+    spec = mean_module.default_kernel if kernel is None else kernel
     return make_kernel(
-        kernel, num_heads, head_dim, prior_variance=PRIOR_VARIANCE, lengthscale=lengthscale
+        spec, num_heads, head_dim, prior_variance=PRIOR_VARIANCE, lengthscale=mean_module.initial_lengthscale(head_dim)
     )
 
 
@@ -143,13 +121,14 @@ class SGPAttention(_QueryKeyMaps):
         qk: str = "shared",
         **base,
     ):
+        mean_module = resolve("sgpa", "prior_mean", prior_mean)
         super().__init__(embed_dim, num_heads, qk, **base)
         self.strategy = SGPAVariationalStrategy(
-            _kernel(kernel, num_heads, self.head_dim, prior_mean),
+            _kernel(kernel, num_heads, self.head_dim, mean_module),
             AmortisedDiagonalVariationalDistribution(num_heads, self.head_dim, self.value_dim),
             jitter=jitter,
-            covariance=_covariance(covariance),
-            prior_mean=prior_mean,
+            covariance=resolve("sgpa", "covariance", covariance),
+            mean_module=mean_module,
         )
 
 
@@ -200,16 +179,17 @@ class DecoupledSGPAttention(_QueryKeyMaps):
         qk: str = "shared",
         **base,
     ):
+        mean_module = resolve("sgpa-decoupled", "prior_mean", prior_mean)
         super().__init__(embed_dim, num_heads, qk, **base)
         if isinstance(num_global, bool) or not isinstance(num_global, int) or num_global < 1:
             raise ValueError(f"num_global must be a positive int, got {num_global!r}")
         self.strategy = DecoupledSGPAVariationalStrategy(
-            _kernel(kernel, num_heads, self.head_dim, prior_mean),
+            _kernel(kernel, num_heads, self.head_dim, mean_module),
             WhitenedGlobalVariationalDistribution(num_heads, num_global, self.value_dim),
             torch.randn(num_heads, num_global, embed_dim),
             jitter=jitter,
-            covariance=_covariance(covariance),
-            prior_mean=prior_mean,
+            covariance=resolve("sgpa-decoupled", "covariance", covariance),
+            mean_module=mean_module,
         )
         self._qk_offset = self.projection_rows()["qk" if qk == "shared" else "k"].start
 

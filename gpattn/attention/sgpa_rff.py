@@ -4,16 +4,11 @@ from __future__ import annotations
 
 from gpytorch.kernels import Kernel
 
-from gpattn.attention.registry import register
+from gpattn.attention.registry import register, resolve
 from gpattn.attention.sgpa import _kernel, _QueryKeyMaps
-from gpattn.prior_means import RFF_PRIOR_MEANS, check_prior_mean, make_prior_mean
-from gpattn.variational.covariances import TrainingQueryCovariance, TrainingSequenceCovariance
 from gpattn.variational.sgpa_rff import FeatureSGPAVariationalStrategy
 
 __all__ = ["DistanceAwareSGPAttention"]
-
-#: g's input (``gp_input``): each query, or each sequence's unit mean query (docs/derivations.md §5f)
-GP_INPUTS = {"query": TrainingQueryCovariance, "sequence": TrainingSequenceCovariance}
 
 
 @register("sgpa-rff")
@@ -65,21 +60,19 @@ class DistanceAwareSGPAttention(_QueryKeyMaps):
         jitter: float = 1e-6,
         **base,
     ):
-        check_prior_mean(prior_mean, RFF_PRIOR_MEANS, "the attention mean of the sequence")  # parsed once, here
-        if gp_input not in GP_INPUTS:
-            raise ValueError(f"gp_input must be one of {sorted(GP_INPUTS)} (g's input: each query, or each "
-                             f"sequence's mean query), got {gp_input!r}")
+        mean_module = resolve("sgpa-rff", "prior_mean", prior_mean)
+        covariance = resolve("sgpa-rff", "gp_input", gp_input)
         super().__init__(embed_dim, num_heads, qk, **base)
         self.gp_input = gp_input
         # the covariance object is the form: its input's width, its default lengthscale and its masks are its own
-        covariance = GP_INPUTS[gp_input](
+        covariance = covariance(
             num_heads, self.head_dim, num_features=num_features, prior_variance=prior_variance,
             lengthscale=lengthscale, data_weight=data_weight, momentum=momentum,
         )
         self.per_query_masks = covariance.per_query_masks
-        kernel = _kernel(kernel, num_heads, self.head_dim, prior_mean)
         self.strategy = FeatureSGPAVariationalStrategy(
-            kernel, covariance, self.value_dim, mean_module=make_prior_mean(prior_mean, kernel), jitter=jitter,
+            _kernel(kernel, num_heads, self.head_dim, mean_module), covariance, self.value_dim,
+            mean_module=mean_module, jitter=jitter,
         )
 
     def rescale_inputs(self, factor: float) -> None:

@@ -498,12 +498,12 @@ def _mean_values(layer, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def correlated_prior_mean_dense(gp, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The prior mean of ``cgp`` / ``scgp`` (docs/derivations.md §7a) by its formula: 0 for the papers' zero mean;
-    for ``prior_mean="softmax"`` exp(t q_i·k_j) v_j normalised over the keys, t the strategy's ``mean_temperature``
+    for ``prior_mean="softmax"`` exp(t q_i·k_j) v_j normalised over the keys, t the mean module's ``temperature``
     (``"softmax-separate"``: pass the mean's own values u as ``v``). No padding (compare truncated sequences).
     # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv) -> (B, H, T, Dv)"""
     if isinstance(gp.mean_module, ZeroMean):
         return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=v.dtype)
-    return attention_mean_dense(torch.exp(gp.mean_temperature.detach() * (q @ k.mT)), v)
+    return attention_mean_dense(torch.exp(gp.mean_module.temperature.detach() * (q @ k.mT)), v)
 
 
 def _sigmas(gp):

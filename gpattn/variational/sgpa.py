@@ -55,7 +55,6 @@ from linear_operator.operators import (
 )
 
 from gpattn.kernels import evaluate_kernel
-from gpattn.prior_means import make_prior_mean
 from gpattn.variational._linalg import (
     add_jitter,
     cholesky,
@@ -405,6 +404,7 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
     :param jitter: relative jitter (module docstring).
     :param covariance: the covariance form (:mod:`gpattn.variational.covariances`): ``FullCovariance()`` exact joint
         samples, ``DiagonalCovariance()`` independent tokens.
+    :param mean_module: the prior mean (:mod:`gpattn.variational.means`).
     """
 
     def __init__(
@@ -414,7 +414,7 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         *,
         jitter: float,
         covariance,
-        prior_mean: str | nn.Module,
+        mean_module: nn.Module,
         variational_mean=None,
     ):
         super().__init__()
@@ -422,9 +422,9 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         self.variational_distribution = variational_distribution
         self.jitter = check_jitter(jitter)
         self.covariance = covariance
-        #: the prior mean function (GPyTorch's ``mean_module``), built once from its name ``prior_mean`` (or given)
-        self.mean_module = make_prior_mean(prior_mean, kernel)
-        self.prior_mean = self.mean_module.name  # the public spelling
+        #: the prior mean function (GPyTorch's ``mean_module``, :mod:`gpattn.variational.means`)
+        self.mean_module = mean_module
+        mean_module.check_kernel(kernel)  # a mean that cannot read the kernel fails here, not at a forward
         #: q(ũ)'s mean (docs/derivations.md §5a, §5c); by default the one the prior mean pairs with
         self.variational_mean = variational_mean_for(self.mean_module) if variational_mean is None else variational_mean
 
@@ -474,7 +474,7 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
     def _prior_mean(self, gram, values, queries, keys, excluded=None) -> torch.Tensor | None:
         """m(q) of the prior mean function (None: the papers' zero mean), the keys in ``excluded`` left out.
         # shape: gram (B, H, T, S) = κ(q, k), excluded broadcastable to it or None"""
-        return self.mean_module(gram, values, excluded, kernel=self.kernel, queries=queries, keys=keys)
+        return self.mean_module(queries, keys, values, kernel=self.kernel, excluded=excluded, gram=gram)
 
     def _factorise(self, keys, values, mask):
         """The padded factors: (L, K̂, v̂, s, jitter).  # shape: mask (B, T) or None"""

@@ -42,7 +42,6 @@ from linear_operator.operators import (
 
 from gpattn.kernels import evaluate_kernel
 from gpattn.objectives import GlobalKL, SequenceKL
-from gpattn.prior_means import make_prior_mean
 from gpattn.variational import _blockwise
 from gpattn.variational._blockwise import block_rows, blockwise
 from gpattn.variational._linalg import (
@@ -405,6 +404,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
     :param inducing_inputs: initial Z_g.  # shape: (H, M, D)
     :param jitter: relative jitter (see :mod:`gpattn.variational.sgpa`).
     :param covariance: the covariance form (:mod:`gpattn.variational.covariances`).
+    :param mean_module: the prior mean (:mod:`gpattn.variational.means`).
     """
 
     def __init__(
@@ -415,7 +415,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         *,
         jitter: float,
         covariance,
-        prior_mean: str | nn.Module,
+        mean_module: nn.Module,
         variational_mean=None,
     ):
         super().__init__()
@@ -429,10 +429,10 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         self.inducing_inputs = nn.Parameter(inducing_inputs.clone())  # shape: (H, M, D)
         self.jitter = check_jitter(jitter)
         self.covariance = covariance
-        #: the prior mean function (GPyTorch's ``mean_module``; docs/derivations.md §5c), built once from its name
-        #: ``prior_mean`` (or given); :class:`~gpattn.variational.means.ZeroMean` is the paper's zero mean
-        self.mean_module = make_prior_mean(prior_mean, kernel)
-        self.prior_mean = self.mean_module.name  # the public spelling
+        #: the prior mean function (GPyTorch's ``mean_module``; docs/derivations.md §5c);
+        #: :class:`~gpattn.variational.means.ZeroMean` is the paper's zero mean
+        self.mean_module = mean_module
+        mean_module.check_kernel(kernel)  # a mean that cannot read the kernel fails here, not at a forward
         #: q(ũ)'s mean, which brings the mean basis γ: amortised on the sequence's keys and values (the paper's, with
         #: the zero mean; its ``decoupled*`` methods), or centred (a prior mean that attends: no γ-basis, no
         #: per-sequence KL)
@@ -531,12 +531,12 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         """m(q) over the context's keys: through fused attention where it runs (no (T, S) matrix; key padding
         only, docs/derivations.md §12), else from the kernel's (T, S) block (the attention mean) or the dense
         softmax (the softmax mean).  # shape: queries (B, H, T, Dh), keys (B, H, S, Dh), mask (B, S) or None"""
-        fused = self.mean_module.fused(self.kernel, queries, keys, values, mask)
+        fused = self.mean_module.fused(queries, keys, values, kernel=self.kernel, pad=mask)
         if fused is not None:
             return fused
         pad = None if mask is None else mask[:, None, None, :]
         # a mean that reads the Gram κ(q, k) evaluates its (T, S) block from the kernel inputs (gram=None)
-        return self.mean_module(None, values, pad, kernel=self.kernel, queries=queries, keys=keys)
+        return self.mean_module(queries, keys, values, kernel=self.kernel, excluded=pad)
 
     def _global_basis(self, queries: torch.Tensor, global_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A, ũ)``: A = K_qg L_g⁻ᵀ (L_g = chol(K_gg + jitter)) and ũ = L_gᵀ u, the whitened global basis.
@@ -555,7 +555,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         decides, :meth:`~gpattn.variational.means.CentredVariationalMean.without_gram`)."""
         if self.covariance.query_gram is FullCovariance.query_gram or excluded is not None:
             return None
-        fused = self.mean_module.fused(self.kernel, queries, queries, values, mask)
+        fused = self.mean_module.fused(queries, queries, values, kernel=self.kernel, pad=mask)
         if fused is not None:
             return fused
         rows = block_rows(*queries.shape[:3], queries.shape[-2], device=queries.device)
@@ -564,7 +564,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
     def _attention_mean_rows(self, queries, keys, values, pad=None) -> torch.Tensor:
         """The attention prior mean m(q) of one block of queries.  # shape: queries (B, H, b, Dh) -> (B, H, b, Dv)"""
         with gp_algebra(queries.device.type):
-            return self.mean_module(None, values, pad, kernel=self.kernel, queries=queries, keys=keys)
+            return self.mean_module(queries, keys, values, kernel=self.kernel, excluded=pad)
 
     def _self_prior_mean(
         self, factors: dict, excluded: torch.Tensor | None, queries: torch.Tensor, rows: int | torch.Tensor | None
@@ -578,7 +578,7 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             return rows
         if rows is None:
             return self.mean_module(
-                factors["gram"], factors["values"], not_allowed, kernel=self.kernel, queries=queries, keys=queries
+                queries, queries, factors["values"], kernel=self.kernel, excluded=not_allowed, gram=factors["gram"]
             )
         return blockwise(
             self._attention_mean_rows, queries, queries, factors["values"], rows=rows, per_query=(not_allowed,)

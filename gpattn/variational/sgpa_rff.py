@@ -144,6 +144,7 @@ class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
         self.kernel = kernel
         #: the prior mean function (GPyTorch's ``mean_module``)
         self.mean_module = mean_module
+        mean_module.check_kernel(kernel)  # a mean that cannot read the kernel fails here, not at a forward
         self.covariance = covariance
         H, R = covariance.outputscale.shape[0], covariance.num_features
         #: μ, the posterior mean of β  # shape: (H, R, Dv)
@@ -174,7 +175,7 @@ class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
             queries, keys, values = full_precision(queries, keys, values)
             not_allowed = excluded if excluded is not None else None if mask is None else mask[:, None, None, :]
             # m(q): a mean that reads the Gram κ(q, k) evaluates it from the kernel inputs (gram=None)
-            m = self.mean_module(None, values, not_allowed, kernel=self.kernel, queries=queries, keys=keys)
+            m = self.mean_module(queries, keys, values, kernel=self.kernel, excluded=not_allowed)
             cov = self.covariance
             real = None if (mask is None or query_inputs is not None) else ~mask
             features = cov.unit_features(queries, real)  # shape: (B, H|1, T|1, R); once, with its gradient for the mean
