@@ -293,7 +293,7 @@ for c in scales:
             one.kernel,
             p1["qk"][0, 0],
             one.global_keys()[0],
-            c1.values[0, 0, :, d],
+            c1.inducing_values[0, 0, :, d],
             c1.whitened_values[0, :, d],
             c1.scale_tril[0, d],
         ).eval()

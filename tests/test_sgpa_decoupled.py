@@ -19,7 +19,7 @@ from gpattn.testing.references import (
     sgpa_heads,
 )
 from gpattn.variational.covariances import DiagonalCovariance, FullCovariance
-from gpattn.variational.means import ZeroMean
+from gpattn.variational.means import AmortisedValueMean, ZeroMean
 from gpattn.variational.sgpa_decoupled import (
     DecoupledSGPAVariationalStrategy,
     WhitenedGlobalVariationalDistribution,
@@ -142,7 +142,8 @@ def test_global_keys_at_sequence_keys_reduce_to_standard_sgpa():
         q_u.inducing_values.copy_(p["v"][0])
         q_u.chol_variational_covar.copy_(torch.diag_embed(s.transpose(-1, -2)))
     dec = DecoupledSGPAVariationalStrategy(
-        std.kernel, q_u, torch.zeros(H, T, D), jitter=0.0, covariance=FullCovariance(), mean_module=ZeroMean()
+        std.kernel, q_u, torch.zeros(H, T, D), jitter=0.0, covariance=FullCovariance(), mean_module=ZeroMean(),
+        variational_mean=AmortisedValueMean(),
     )
     post = dec(p["qk"], p["v"], p["qk"][0])
     ref_post = ref.posterior()
@@ -257,7 +258,7 @@ def _gpytorch_vs_ours(diag_scale=None):
     d = 1
     kernel = layer.kernel  # batch_shape (1,) = (H,): GPyTorch's outputs get a leading batch axis of 1
     L_s = cond.scale_tril[0, d].detach()
-    gamma = cond.values[0, 0, :, d].detach()
+    gamma = cond.inducing_values[0, 0, :, d].detach()
     model = _GPyTorchODVGP(kernel, qk, kg, gamma, cond.whitened_values[0, :, d].detach(), L_s).eval()
     with torch.no_grad():
         gp_mean = model(qk).mean[0]
@@ -309,7 +310,7 @@ def test_option_errors():
     with pytest.raises(ValueError, match="inducing_inputs"):
         DecoupledSGPAVariationalStrategy(
             layer.kernel, layer.strategy.variational_distribution, torch.randn(H, 3, D), jitter=1e-6,
-            covariance=DiagonalCovariance(), mean_module=ZeroMean(),
+            covariance=DiagonalCovariance(), mean_module=ZeroMean(), variational_mean=AmortisedValueMean(),
         )
 
 

@@ -129,6 +129,7 @@ class SGPAttention(_QueryKeyMaps):
             jitter=jitter,
             covariance=resolve("sgpa", "covariance", covariance),
             mean_module=mean_module,
+            variational_mean=mean_module.variational_mean(),  # q(ũ)'s mean: the one the prior mean pairs with
         )
 
 
@@ -190,6 +191,7 @@ class DecoupledSGPAttention(_QueryKeyMaps):
             jitter=jitter,
             covariance=resolve("sgpa-decoupled", "covariance", covariance),
             mean_module=mean_module,
+            variational_mean=mean_module.variational_mean(),  # q(ũ)'s mean: the one the prior mean pairs with
         )
         self._qk_offset = self.projection_rows()["qk" if qk == "shared" else "k"].start
 

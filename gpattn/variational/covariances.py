@@ -23,6 +23,7 @@ from linear_operator.operators import DiagLinearOperator
 from gpattn.kernels import evaluate_kernel
 from gpattn.variational._linalg import safe_sqrt, standard_normal
 from gpattn.variational._scale import check_prior_factor
+from gpattn.variational.means import when_present
 from gpattn.variational.sgpa import posterior_distribution
 from gpattn.variational.sgpa_rff import FeatureSGPAConditional, SequenceFeatureConditional
 
@@ -40,8 +41,9 @@ class FullCovariance:
         return f"{type(self).__name__}()"
 
     @staticmethod
-    def query_gram(kernel, queries: torch.Tensor) -> torch.Tensor:
-        """K_qq, which the joint covariance's residual reads.  # shape: queries (B, H, T, Dh) -> (B, H, T, T)"""
+    def query_gram(kernel, queries: torch.Tensor, coefficients: torch.Tensor | None = None) -> torch.Tensor:
+        """K_qq, which the joint covariance's residual reads (and a mean basis with ``coefficients`` too).
+        # shape: queries (B, H, T, Dh) -> (B, H, T, T)"""
         return evaluate_kernel(kernel, queries, queries)
 
     @staticmethod
@@ -65,9 +67,11 @@ class DiagonalCovariance:
         return f"{type(self).__name__}()"
 
     @staticmethod
-    def query_gram(kernel, queries: torch.Tensor) -> None:
-        """None: the marginals need no K_qq beyond its diagonal."""
-        return None
+    def query_gram(kernel, queries: torch.Tensor, coefficients: torch.Tensor | None = None) -> torch.Tensor | None:
+        """K_qq only where a mean basis on the queries reads it (its ``coefficients`` given: sgpa-decoupled's γ, K α);
+        None otherwise: the marginals need no K_qq beyond its diagonal, and the prior mean runs without it.
+        # shape: queries (B, H, T, Dh) -> (B, H, T, T) or None"""
+        return when_present(lambda _: evaluate_kernel(kernel, queries, queries), coefficients)
 
     @staticmethod
     def posterior(conditional) -> MultivariateNormal:

@@ -13,8 +13,10 @@ costs no operation. A mean owns what a layer needs of it: the projections it rea
 (:attr:`PriorMean.projections`, rows of the layer's fused ``in_proj``; :meth:`PriorMean.inputs` puts them in the
 roles they take), the kernel an SGPA layer builds for it (:attr:`PriorMean.default_kernel`,
 :meth:`PriorMean.initial_lengthscale`), the q(ũ) mean an SGPA strategy pairs with it
-(:attr:`PriorMean.variational_mean`) and its own state (the correlated GPs' temperature). Names resolve to these
-objects once, in the registry (``gpattn.attention.registry``): nothing here reads a name.
+(:attr:`PriorMean.variational_mean`: :class:`AmortisedValueMean` or :class:`CentredVariationalMean`, which reach the
+conditioning code through one interface, their ``inducing_values``) and its own state (the correlated GPs'
+temperature). Names resolve to these objects once, in the registry (``gpattn.attention.registry``): nothing here reads
+a name.
 
 * :class:`AttentionMean`: the normalised kernel attention of the sequence with the GP's own kernel (the SGPA
   variants' default),
@@ -56,8 +58,8 @@ __all__ = [
     "SoftmaxMean",
     "ZeroMean",
     "add_means",
+    "present",
     "softmax_attention",
-    "variational_mean_for",
     "when_present",
 ]
 
@@ -68,22 +70,56 @@ OWN_VALUES = ("v_mean",)
 ROLES = {"q_mean": "queries", "k_mean": "keys", "v_mean": "values"}
 
 
+def present(*terms):
+    """The terms that are not None, in order: None is the zero of :class:`ZeroMean` and of a q(ũ) centred at the prior
+    mean (a posterior mean's term, a KL's, a loss term built from one), which costs no operation."""
+    return [t for t in terms if t is not None]
+
+
 def add_means(*terms: torch.Tensor | None) -> torch.Tensor | None:
-    """The sum of the terms of a posterior mean (a prior mean m(q), a q(ũ) update, ...) or of a KL, None (the zero
-    of :class:`ZeroMean` and of a centred q(ũ)) left out, so a zero costs no operation; None if all are."""
-    present = [t for t in terms if t is not None]
-    if not present:
-        return None
-    total = present[0]
-    for term in present[1:]:
-        total = total + term
+    """The sum of the terms of a posterior mean (a prior mean m(q), a q(ũ) update, ...) or of a KL, the zeros (None)
+    left out; None if all are."""
+    total = None
+    for term in present(*terms):
+        total = term if total is None else total + term
     return total
 
 
 def when_present(fn, *terms: torch.Tensor | None):
     """``fn(*terms)``, or None where a term is None: for the terms that vanish with a zero mean (products and quadratic
     forms of a zero prior mean or of a q(ũ) centred at the prior mean), so that a zero costs no operation."""
-    return None if any(t is None for t in terms) else fn(*terms)
+    return fn(*terms) if len(present(*terms)) == len(terms) else None
+
+
+# -------------------------------------------------------------- q(ũ)'s mean (SGPA, docs/derivations.md §5a-§5c)
+class AmortisedValueMean:
+    r"""q(ũ) = N(Lᵀv, ·): the sequence's values are q(u)'s mean, m_u = K v (Chen & Li 2023, docs/derivations.md §5a),
+    the pairing of the papers' zero prior mean; in sgpa-decoupled the coefficients of the mean basis γ on the
+    sequence's keys (§5b). Its one interface, :meth:`inducing_values`, is what the conditioning code reads, as
+    GPyTorch's strategies read ``inducing_values``: every term of q(ũ)'s mean (the posterior mean's K̂ v, the KL's
+    ½ vᵀK̂v, the decoupled γ-basis) is formed from it there."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    @staticmethod
+    def inducing_values(values: torch.Tensor) -> torch.Tensor:
+        """q(u)'s mean in coefficient form, α with m_u = K α: the values.  # shape: (B, H, T, Dv) -> (B, H, T, Dv)"""
+        return values
+
+
+class CentredVariationalMean:
+    """q(ũ) = N(0, ·) with ũ = L⁻¹(u − m(k)): centred at the prior mean (docs/derivations.md §5c), the pairing of a
+    prior mean that attends. Its coefficients are None, the zero: every term of q(ũ)'s mean vanishes (no K̂ v, no
+    ½ vᵀK̂v, no γ-basis, no per-sequence KL)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    @staticmethod
+    def inducing_values(values: torch.Tensor) -> None:
+        """None: q(ũ)'s mean is 0."""
+        return None
 
 
 class PriorMean(nn.Module):
@@ -101,6 +137,8 @@ class PriorMean(nn.Module):
     default_kernel = "ard-rbf"
     #: the other form, named in the error for a wrong ``mean_values``
     instead = ""
+    #: the q(ũ) mean an SGPA strategy pairs with this prior mean: centred at it
+    variational_mean = CentredVariationalMean
 
     @staticmethod
     def initial_lengthscale(head_dim: int) -> float | None:
@@ -183,6 +221,8 @@ class ZeroMean(PriorMean):
 
     name = "zero"
     default_kernel = "exponential"
+    #: the papers' pairing: q(ũ)'s mean is the amortised one on the values
+    variational_mean = AmortisedValueMean
 
     @staticmethod
     def initial_lengthscale(head_dim: int) -> None:
@@ -351,150 +391,3 @@ class KEPSeparateSoftmaxMean(KEPSoftmaxMean):
     #: the projections this mean owns: its queries and keys (H·Dh rows each) and its values (H·Dv)
     projections = ("q_mean", "k_mean", *OWN_VALUES)
     instead = "; or use prior_mean='softmax' (it reads the KSVD features' q and k)"
-
-
-# ------------------------------------------------------------- q(ũ)'s mean (SGPA, docs/derivations.md §5a, §5c)
-class AmortisedValueMean:
-    r"""q(ũ) = N(Lᵀ v, ·): the sequence's values are q(u)'s mean, m_u = K v (Chen & Li 2023, docs/derivations.md §5a),
-    the pairing of the papers' zero prior mean. It adds K̂ v to the posterior mean and ½‖Lᵀv‖² = ½ vᵀK̂v to the KL,
-    in the form each conditioning path (self, cross, causal, general mask) has the factors for."""
-
-
-    @staticmethod
-    def without_gram(plan):
-        """None: the posterior mean's part K̂ v reads the sequence's Gram, so no Gram-free path runs (``plan`` is not
-        called)."""
-        return None
-
-    @staticmethod
-    def whitened(chol: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """m̃ = Lᵀ v.  # shape: chol (B, H, T, T), values (B, H, T, Dv) -> (B, H, T, Dv)"""
-        return chol.mT @ values
-
-    @staticmethod
-    def update(gram: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """The posterior mean's part K̂ v, ``gram`` with the keys out of the basis zeroed.
-        # shape: gram (B, H, T, S), values (B, H, S, Dv) -> (B, H, T, Dv)"""
-        return gram @ values
-
-    @staticmethod
-    def quadratic(values: torch.Tensor, update: torch.Tensor, jitter_abs: torch.Tensor) -> torch.Tensor:
-        """‖Lᵀv‖² = vᵀ(K + jI)v, reusing the mean K v (self-attention).  # shape: -> (B, H, Dv)"""
-        return (values * update).sum(-2) + jitter_abs[..., 0] * values.square().sum(-2)
-
-    @staticmethod
-    def cross_quadratic(chol: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """‖Lᵀv‖² of the context's keys (cross-attention).  # shape: -> (B, H, Dv)"""
-        return (chol.mT @ values).square().sum(-2)
-
-    @staticmethod
-    def causal(gram: torch.Tensor, values: torch.Tensor, jit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Σ_{j≤i} K_ij v_j, ½ v_{≤i}ᵀ K̂_{≤i} v_{≤i}) under the causal mask, the second a prefix sum of v_j
-        (2 Σ_{k<j} K_jk v_k + (K_jj + c_j) v_j).  # shape: gram (B, H, T, T), jit (B, H, T) -> (B, H, T, Dv) twice"""
-        mean = gram.tril() @ values  # shape: (B, H, T, Dv)
-        diag = gram.diagonal(dim1=-2, dim2=-1)[..., None]  # shape: (B, H, T, 1)
-        return mean, 0.5 * (values * (2 * mean - (diag - jit[..., None]) * values)).cumsum(-2)
-
-    @staticmethod
-    def query_quadratic(chol: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """½‖L_Sᵀ v_S‖² = ½ v_Sᵀ K̂_SS v_S per query (a general per-query mask).
-        # shape: chol (B, H, T, T, T), allowed (B, H, T, T) -> (B, H, T, Dv)"""
-        w = allowed[..., None] * values[:, :, None]  # shape: (B, H, T, T, Dv): v_S per query, 0 elsewhere
-        return 0.5 * (chol.mT @ w).square().sum(-2)
-
-    # -- the decoupled γ-basis (docs/derivations.md §5b): (mean update, global coefficients, the γ factors)
-    @staticmethod
-    def decoupled(gram, interp, values, whitened) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """The mean basis γ on the sequence (self-attention): K_qa v_a in the mean, ũ − c on the global basis with
-        c = L_g⁻¹ K_ga v_a, and the γ-part's factors (K_aa v_a, c).
-        # shape: gram (B, H, T, T), interp (B, H, T, M), values (B, H, T, Dv), whitened (H, M, Dv)"""
-        Kv = gram @ values  # shape: (B, H, T, Dv); K_qa v_a (padded keys have v = 0)
-        c = interp.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
-        return Kv, whitened - c, dict(gram_values=Kv, proj_values=c)
-
-    @staticmethod
-    def decoupled_cross(kernel, queries, keys, values, global_basis, factors_for) -> tuple:
-        """Cross-attention (docs/derivations.md §13): the γ-basis is the context's keys, so the global basis is taken
-        at the queries and the keys at once (one L_g for both). Returns (the factors ``factors_for(A_q, ũ)``,
-        K_qa v_a, ũ − c, the γ factors).
-        # shape: queries (B, H, T, Dh), keys (B, H, S, Dh), values (B, H, S, Dv); global_basis(inputs) -> (A, ũ)"""
-        both, u_tilde = global_basis(torch.cat([queries, keys], -2))
-        A, A_a = both.split([queries.shape[-2], keys.shape[-2]], -2)  # shape: (B, H, T, M), (B, H, S, M)
-        factors = factors_for(A, u_tilde)
-        K_qa = evaluate_kernel(kernel, queries, keys)  # shape: (B, H, T, S)
-        c = A_a.mT @ values  # shape: (B, H, M, Dv); L_g⁻¹ K_ga v_a
-        K_aa_v = evaluate_kernel(kernel, keys, keys) @ values  # shape: (B, H, S, Dv), for the γ-part
-        return factors, K_qa @ values, u_tilde - c, dict(gram_values=K_aa_v, proj_values=c)
-
-    @staticmethod
-    def decoupled_per_query(gram, interp, values, whitened, excluded, causal, mask) -> tuple:
-        """Under a per-query mask query i's γ-basis is A_i (docs/derivations.md §11b). With R = K_aa − K_ag K_gg⁻¹ K_ga
-        (self-attention: q = a), the update Σ_{j∈A_i} R_ij v_j and γ_i = ½ v_Sᵀ R_SS v_S. Causal: R.tril() and a
-        prefix sum, O(T²·Dv); any other mask O(T³·Dv) time, O(T²·Dv) memory per (B, H).
-        # shape: excluded (B, H, T, T) with padding joined, mask (B, T) or None"""
-        R = gram - interp @ interp.mT  # shape: (B, H, T, T)
-        allowed = ~excluded
-        if causal:
-            Rv = R.tril() @ values  # shape: (B, H, T, Dv); Σ_{j≤i} R_ij v_j
-            diag = R.diagonal(dim1=-2, dim2=-1)[..., None]  # shape: (B, H, T, 1)
-            # v_{≤i}ᵀ R_{≤i} v_{≤i} as a prefix sum of v_j (2 Σ_{k<j} R_jk v_k + R_jj v_j)
-            quad = (values * (2 * Rv - diag * values)).cumsum(-2)
-        else:
-            Rv = R.masked_fill(excluded, 0.0) @ values
-            w = allowed[..., None] * values[:, :, None]  # shape: (B, H, T, T, Dv): v_S per query, 0 elsewhere
-            quad = (w * (R[:, :, None] @ w)).sum(-2)  # shape: (B, H, T, Dv)
-        real = allowed.any(-1)
-        if mask is not None:
-            real = real & ~mask[:, None, :]
-        return Rv, whitened, dict(query_gamma=0.5 * quad, real=real)
-
-
-class CentredVariationalMean:
-    """q(ũ) = N(0, ·) with ũ = L⁻¹(u − m(k)): centred at the prior mean (docs/derivations.md §5c), the pairing of a
-    prior mean that attends. It adds nothing to the posterior mean or the KL (None, which :func:`add_means` leaves
-    out)."""
-
-
-    @staticmethod
-    def without_gram(plan):
-        """``plan()``: nothing this q(ũ)-mean adds reads the sequence's Gram, so the strategy's Gram-free path may run
-        (docs/derivations.md §12)."""
-        return plan()
-
-    @staticmethod
-    def whitened(chol: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """m̃ = 0.  # shape: -> (B, H, T, Dv)"""
-        return torch.zeros_like(values)
-
-    @staticmethod
-    def update(*factors) -> None:
-        return None
-
-    quadratic = cross_quadratic = query_quadratic = update
-
-    @staticmethod
-    def causal(*factors) -> tuple[None, None]:
-        return None, None
-
-    # -- decoupled SGPA (docs/derivations.md §5c): no γ-basis, ũ alone on the global basis, no per-sequence KL
-    @staticmethod
-    def decoupled(gram, interp, values, whitened) -> tuple[None, torch.Tensor, dict]:
-        """No γ-basis: no update, ũ on the global basis, no γ factors."""
-        return None, whitened, dict(gram_values=None, proj_values=None)
-
-    @staticmethod
-    def decoupled_cross(kernel, queries, keys, values, global_basis, factors_for) -> tuple:
-        """The global basis at the queries alone: (the factors, no update, ũ, no γ factors)."""
-        A, u_tilde = global_basis(queries)  # shape: (B, H, T, M)
-        return factors_for(A, u_tilde), None, u_tilde, dict(gram_values=None, proj_values=None)
-
-    @staticmethod
-    def decoupled_per_query(gram, interp, values, whitened, *mask) -> tuple[None, torch.Tensor, dict]:
-        """No γ-basis under a per-query mask either (the prior mean carries the mask)."""
-        return None, whitened, dict(query_gamma=None, real=None)
-
-
-def variational_mean_for(mean_module: nn.Module):
-    """The q(ũ)-mean the SGPA variants pair with a prior mean: amortised on the values for the zero mean (the
-    papers'), centred for a mean that attends (docs/derivations.md §5c)."""
-    return AmortisedValueMean() if isinstance(mean_module, ZeroMean) else CentredVariationalMean()
