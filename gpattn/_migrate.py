@@ -6,7 +6,8 @@ Four tables, one rule (docs/new_variant.md, "The one rule for a breaking change"
   the change lacks the option (it trained at the old default): one row per such change, with the value it trained
   with; :func:`migrate_config` fills it in before the model is built.
 * :data:`OLD_VALUES`: a value an older gpattn accepted and today's refuses (a renamed option value) is read as the
-  one it meant for the saved variant.
+  one it meant for the saved variant; :data:`OLD_OPTIONS`: options that left the layers are read as the recipe that
+  owns their form now.
 * :data:`MOVED_NAMES`: a public name that left its module raises an ``AttributeError`` that says where it went.
 * :data:`OLD_STATES`: a state dict saved before a strategy gained a buffer lacks its key (it trained at the value the
   row names); :func:`migrate_state_dict`, the load-state-dict pre-hook every GP strategy registers (as gpytorch's
@@ -25,8 +26,8 @@ import torch
 from gpattn._warnings import OldVersionWarning
 
 __all__ = [
-    "MOVED_NAMES", "OLD_DEFAULTS", "OLD_KEYS", "OLD_STATES", "OLD_VALUES", "migrate_config", "migrate_state_dict",
-    "moved_names",
+    "MOVED_NAMES", "OLD_DEFAULTS", "OLD_KEYS", "OLD_OPTIONS", "OLD_STATES", "OLD_VALUES", "migrate_config",
+    "migrate_state_dict", "moved_names",
 ]
 
 _SGPA = ("sgpa", "sgpa-decoupled")
@@ -48,6 +49,32 @@ OLD_VALUES: tuple[tuple[str, str, str, dict[str, str]], ...] = (
     ("the kernel name 'rbf' split into 'ard-rbf' and 'canonical-rbf' (gpattn 0.2)", "kernel", "rbf",
      {**dict.fromkeys(("sgpa", "sgpa-decoupled", "kernel", "kernel-asym"), "ard-rbf"),
       **dict.fromkeys(("cgp", "scgp"), "canonical-rbf")}),
+)
+
+_GONE = "(options that left the layers' signatures for recipes, objects and research/knobs.py)"
+#: (what changed, the variants, the options a config wrote, what they are now): the options of a form that became a
+#: recipe's, or that the layers now always have, rewritten (each row whose options a config holds, all with those
+#: values, in order; the config's other options stay and win over the row's). A removed option no row matches stays,
+#: and building the layer names the recipe that owns its form now (gpattn.attention.build_attention).
+OLD_OPTIONS: tuple[tuple[str, tuple[str, ...], dict, dict], ...] = (
+    (f"sgpa-rff's sequence form at the CLINC150 setting became the out-of-scope recipe {_GONE}", ("sgpa-rff",),
+     {"qk": "separate", "prior_mean": "softmax", "gp_input": "sequence", "num_features": 1024, "lengthscale": 0.2,
+      "data_weight": 10000.0}, {"recipe": "out-of-scope", "num_features": 1024, "lengthscale": 0.2}),
+    (f"the encoder swap's separate maps and softmax mean became the encoder-swap recipe {_GONE}",
+     ("sgpa", "sgpa-decoupled", "sgpa-rff"), {"qk": "separate", "prior_mean": "softmax"}, {"recipe": "encoder-swap"}),
+    (f"separate query and key maps became the encoder-swap recipe's form {_GONE}", ("sgpa", "sgpa-decoupled"),
+     {"qk": "separate"}, {"recipe": "encoder-swap", "prior_mean": "attention"}),
+    (f"separate query and key maps became the encoder-swap recipe's form {_GONE}", ("sgpa-rff",),
+     {"qk": "separate"}, {"recipe": "encoder-swap", "prior_mean": "attention", "lengthscale": None}),
+    (f"the shared query-key map is the SGPA layers' own form {_GONE}", ("sgpa", "sgpa-decoupled", "sgpa-rff"),
+     {"qk": "shared"}, {"recipe": "scratch"}),
+    *((f"{option}={value!r} is what the layers always do now {_GONE}", variants, {option: value}, {})
+      for variants, option, value in (
+          (("sgpa-rff",), "gp_input", "query"), (("sgpa-rff",), "data_weight", 1000.0),
+          (("sgpa-rff",), "momentum", 0.01), (("kep-svgp",), "feature_gradient", True),
+          (("kep-svgp",), "token_independent", False), (("kep-svgp",), "include_residual", False),
+          (("cgp",), "prior_samples", 10), (("cgp", "scgp"), "learn_sigma", False),
+      )),
 )
 
 #: {(module, name): the message of its AttributeError}: names that moved, read by the modules' ``__getattr__``
@@ -88,7 +115,7 @@ OLD_STATES: tuple[tuple[str, str, str, str, float], ...] = (
 #: (what changed, the strategy class, the key a state dict saved before the change has, the key it has now): the old
 #: key is read as the new one
 OLD_KEYS: tuple[tuple[str, str, str, str], ...] = (
-    ("the correlated GPs' softmax prior mean keeps its temperature in its module (issue 56)", "CorrelatedGPBase",
+    ("the correlated GPs' softmax prior mean keeps its temperature in its module", "CorrelatedGPBase",
      "mean_temperature", "mean_module.temperature"),
 )
 
@@ -96,7 +123,8 @@ OLD_KEYS: tuple[tuple[str, str, str, str], ...] = (
 def _old_options(d: dict) -> dict[str, tuple[object, str]]:
     """The options a saved config ``d`` lacks that an :data:`OLD_DEFAULTS` row fills: option -> (value, what)."""
     attention, options = d.get("attention"), d.get("attention_options", {})
-    if not isinstance(attention, str) or not isinstance(options, dict):
+    # a config that records its recipe was written after the recipes owned these options (OLD_OPTIONS)
+    if not isinstance(attention, str) or not isinstance(options, dict) or "recipe" in options:
         return {}
     filled: dict[str, tuple[object, str]] = {}
     for what, variants, encoder_only, option, old in OLD_DEFAULTS:
@@ -134,20 +162,36 @@ def _old_values(d: dict) -> dict[str, tuple[object, str]]:
     return out
 
 
+def _recast(attention: str, options: dict) -> tuple[dict, list[str]]:
+    """``options`` with the :data:`OLD_OPTIONS` rows that match them applied, and what each applied row changed."""
+    said = []
+    for what, variants, old, new in OLD_OPTIONS:
+        if attention in variants and all(k in options and options[k] == v for k, v in old.items()):
+            options = {**new, **{k: v for k, v in options.items() if k not in old}}
+            said.append(f"{', '.join(f'{k}={v!r}' for k, v in old.items())} -> {new} ({what})")
+    return options, said
+
+
 def migrate_config(d: dict) -> dict:
     """A saved run's config ``d`` (config.json, or a checkpoint's ``config``) in today's options, with an
-    :class:`gpattn.OldVersionWarning` naming every option it filled in; ``d`` itself when it needs nothing."""
+    :class:`gpattn.OldVersionWarning` naming every option it filled in or rewrote; ``d`` itself when it needs
+    nothing."""
     filled, renamed = _old_options(d), _old_values(d)
-    if not filled and not renamed:
+    options = d.get("attention_options")
+    if isinstance(options, dict):
+        options = {**{k: v for k, (v, _) in filled.items()}, **options, **{k: v for k, (v, _) in renamed.items()}}
+    recast, said = _recast(d["attention"], options) if isinstance(d.get("attention"), str) and options else (None, [])
+    if not filled and not renamed and not said:
         return d
-    named = "; ".join(f"{k}={v!r} (saved before {what})" for k, (v, what) in {**filled, **renamed}.items())
+    named = "; ".join(
+        [f"{k}={v!r} (saved before {what})" for k, (v, what) in {**filled, **renamed}.items()] + said
+    )
     warnings.warn(
         f"a {d['attention']} run written by an older gpattn: migrated its config to the form it trained: {named}",
         OldVersionWarning,
         stacklevel=3,
     )
-    options = {**{k: v for k, (v, _) in filled.items()}, **d["attention_options"]}
-    return {**d, "attention_options": {**options, **{k: v for k, (v, _) in renamed.items()}}}
+    return {**d, "attention_options": recast if said else options}
 
 
 def migrate_state_dict(module, state_dict: dict, prefix: str, *args) -> None:

@@ -14,11 +14,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import gpattn
+from gpattn.attention.cgp import SCGPAttention
 from gpattn.testing import GPAttentionTestCase, assert_samples_match_moments, layer_loss_terms
 from gpattn.testing.base_attention_test_case import ATTENTION_INVARIANTS
 from gpattn.testing.references import scgp_dense_blocks, scgp_dense_moments, scgp_dense_posterior
 from gpattn.variational.cgp import CorrelatedGP
-from gpattn.variational.means import ZeroMean
+from gpattn.variational.means import CorrelatedSoftmaxMean, ZeroMean
 from gpattn.variational.scgp import SparseCorrelatedGP
 
 B, H, T, DH, DV, M, L = 2, 2, 7, 3, 4, 3, 4
@@ -348,11 +349,19 @@ def test_crowded_inducing_inputs_stay_finite_in_float32():
     torch.testing.assert_close(mean.double(), reference, rtol=1e-4, atol=1e-5)
 
 
-class TestSCGPSoftmaxMean(TestSCGP):
-    """``prior_mean="softmax"`` (docs/derivations.md §7a): the dense reference adds softmax(q kᵀ) v of the scaled inputs
-    to eq. 33's mean; the covariance is the DTC one (the contract's invariants too: not the default form)."""
+class _SoftmaxMeanSCGP(SCGPAttention):
+    """scgp with the softmax mean over the GP's values (cgp's; an object for scgp, fresh per layer)."""
 
-    options = {"prior_mean": "softmax"}
+    def __init__(self, embed_dim, num_heads, **options):
+        super().__init__(embed_dim, num_heads, **{"prior_mean": CorrelatedSoftmaxMean(), **options})
+
+
+class TestSCGPSoftmaxMean(TestSCGP):
+    """The softmax mean over the GP's values (docs/derivations.md §7a): the dense reference adds softmax(q kᵀ) v of the
+    scaled inputs to eq. 33's mean; the covariance is the DTC one (the contract's invariants too: not the default
+    form)."""
+
+    attention = _SoftmaxMeanSCGP
     invariants = ATTENTION_INVARIANTS
 
 

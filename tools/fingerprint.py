@@ -10,6 +10,10 @@ dict (keys, shapes, values); a GP variant's ``posterior(x)`` mean and variance.
 
     python tools/fingerprint.py /tmp/fp_before.pt          # record (gpattn imported from this checkout)
     python tools/fingerprint.py /tmp/fp_after.pt --compare /tmp/fp_before.pt
+
+A case is named by its form's options as 6d6cabf spelled them; in a checkout where an option left
+the layers (``gpattn.attention.registry.RECIPES`` has ``"out-of-scope"``), :func:`layer_options` builds the same model
+through the recipe, object or research probe (research/knobs.py) that owns the form now.
 """
 
 from __future__ import annotations
@@ -85,11 +89,52 @@ def masks():
             ("general", {"attn_mask": general}), ("cross", {"context": "context"})]
 
 
+def layer_options(name, form: dict) -> tuple[object, dict]:
+    """(what to build, its options) of a case: the options as they were spelled, or, in a checkout with recipes, the
+    recipe (separate maps and the softmax mean: "encoder-swap"), object (a mean, a covariance) or research probe that
+    builds the same model."""
+    from gpattn.attention import registry
+
+    options = {**FIXED.get(name, {}), **form}
+    if "out-of-scope" not in getattr(registry, "RECIPES", ()):
+        return name, options
+    import functools
+
+    from gpattn.variational import covariances, means
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "research"))
+    import knobs
+
+    qk, gp_input = options.pop("qk", "shared"), options.pop("gp_input", None)
+    weight = {k: options.pop(k) for k in ("data_weight",) if k in options}
+    if qk == "separate":
+        options["recipe"] = "encoder-swap"
+        options.setdefault("prior_mean", "attention")  # the recipe's own mean is the softmax one
+        if name == "sgpa-rff":
+            options.setdefault("lengthscale", None)  # the recipe's own ℓ is 1: the case's is the layer's default
+        if options["prior_mean"] == "softmax":
+            del options["prior_mean"]
+    if options.get("prior_mean") == "softmax" and name in ("sgpa", "sgpa-decoupled", "sgpa-rff"):
+        options["prior_mean"] = means.SoftmaxMean()
+    if gp_input is not None:
+        cls = {"query": covariances.TrainingQueryCovariance, "sequence": covariances.TrainingSequenceCovariance}
+        options["covariance"] = functools.partial(cls[gp_input], **weight)
+    if name == "cgp" and options.get("prior_mean") == "softmax-separate":
+        options["prior_mean"] = means.CorrelatedSeparateSoftmaxMean()
+    if name == "scgp" and options.get("prior_mean") == "softmax":
+        options["prior_mean"] = means.CorrelatedSoftmaxMean()
+    probe = knobs.PROBES.get(name)
+    knobs_given = probe is not None and set(options) & {"token_independent", "include_residual", "feature_gradient",
+                                                        "prior_samples", "learn_sigma"}
+    return (probe if knobs_given else name), options
+
+
 def record(name, form, dtype):
     """The fingerprint of one variant, form and dtype: a dict of tensors and strings."""
     out = {}
+    built, options = layer_options(name, form)
     torch.manual_seed(0)
-    layer = gpattn.build_attention(name, D, H, **{**FIXED.get(name, {}), **form}).to(dtype)
+    layer = gpattn.build_attention(built, D, H, **options).to(dtype)
     torch.manual_seed(1)
     x = torch.randn(B, T, D, dtype=dtype)
     context = torch.randn(B, T if form.get("amortize") else S, D, dtype=dtype)

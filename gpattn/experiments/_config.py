@@ -125,9 +125,9 @@ class TrainConfig:
             return isinstance(v, int) and not isinstance(v, bool)
 
         if isinstance(self.attention, str) and isinstance(self.attention_options, dict):
-            # the recipe's options written out (gpattn.attention.recipe_options), so config.json (and compare's
-            # reuse check) says which form ran
-            recipe = "encoder-swap" if self.encoder is not None else "scratch"
+            # the recipe (given as the option ``recipe``, else the swap's with an encoder) and its options written out
+            # (gpattn.attention.recipe_options), so config.json (and compare's reuse check) says which form ran
+            recipe = self.attention_options.get("recipe", "encoder-swap" if self.encoder is not None else "scratch")
             self.attention_options = {**recipe_options(self.attention, recipe), **self.attention_options}
         if self.batch_size is None:
             recipe = ENCODER_DEFAULTS.get(self.encoder_recipe, {}) if self.encoder is not None else {}

@@ -37,7 +37,6 @@ from linear_operator.operators import (
     LowRankRootLinearOperator,
 )
 
-from gpattn._migrate import moved_names
 from gpattn.objectives import GlobalKL, KSVDLoss
 from gpattn.variational._linalg import (
     LowRankPlusDiagLinearOperator,
@@ -68,9 +67,6 @@ __all__ = [
     "landmark_indices",
     "residual_root",
 ]
-
-#: a name that moved raises an error that says where it went (gpattn._migrate.MOVED_NAMES)
-__getattr__ = moved_names(__name__)
 
 MERGES = ("add", "concat")
 
@@ -471,12 +467,12 @@ class KEPSVGP(AmortisedVariationalStrategy):
         num_landmarks: int,
         merge: str,
         seq_len: int | None,
-        token_independent: bool,
-        include_residual: bool,
         jitter: float,
         prior_variance: float,
         mean_module: nn.Module,
-        feature_gradient: bool,
+        token_independent: bool = False,
+        include_residual: bool = False,
+        feature_gradient: bool = True,
     ):
         super().__init__()
         self.jitter = jitter

@@ -37,6 +37,9 @@ a name.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 import torch.nn as nn
 
@@ -72,23 +75,21 @@ ROLES = {"q_mean": "queries", "k_mean": "keys", "v_mean": "values"}
 
 def present(*terms):
     """The terms that are not None, in order: None is the zero of :class:`ZeroMean` and of a q(ũ) centred at the prior
-    mean (a posterior mean's term, a KL's, a loss term built from one), which costs no operation."""
-    return [t for t in terms if t is not None]
+    mean (a posterior mean's term, a KL's, a loss term built from one), which costs no operation. With
+    :func:`when_present`, the one place the conditioning code asks whether a term is there."""
+    return [term for term in terms if term is not None]
 
 
-def add_means(*terms: torch.Tensor | None) -> torch.Tensor | None:
+def add_means(*terms: torch.Tensor | None) -> torch.Tensor:
     """The sum of the terms of a posterior mean (a prior mean m(q), a q(ũ) update, ...) or of a KL, the zeros (None)
-    left out; None if all are."""
-    total = None
-    for term in present(*terms):
-        total = term if total is None else total + term
-    return total
+    left out, in order (at least one term is present)."""
+    return functools.reduce(operator.add, present(*terms))
 
 
 def when_present(fn, *terms: torch.Tensor | None):
     """``fn(*terms)``, or None where a term is None: for the terms that vanish with a zero mean (products and quadratic
     forms of a zero prior mean or of a q(ũ) centred at the prior mean), so that a zero costs no operation."""
-    return fn(*terms) if len(present(*terms)) == len(terms) else None
+    return None if any(term is None for term in terms) else fn(*terms)
 
 
 # -------------------------------------------------------------- q(ũ)'s mean (SGPA, docs/derivations.md §5a-§5c)

@@ -473,23 +473,25 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             alpha = self.variational_mean.inducing_values(values)  # shape: (B, H, T, Dv) or None
             if excluded is not None:
                 return self._condition_per_query(queries, values, alpha, global_keys, excluded, causal, mask)
-            # K_qq where the covariance or the mean basis reads it (shape: (B, H, T, T)); else None, and m(q) runs
-            # without it (§12): through fused attention where it runs, evaluated first
-            K = self.covariance.query_gram(self.kernel, queries, alpha)
-            fused = None if K is not None else self.mean_module.fused(
-                queries, queries, values, kernel=self.kernel, pad=mask
-            )
-            A, u_tilde = self._global_basis(queries, global_keys)
-            factors = self._factors(K, queries, A, u_tilde, mask)
-            m = fused if fused is not None else self._self_prior_mean(queries, values, mask, K)
-            update = when_present(lambda a: K @ a, alpha)  # K_qa α (padded keys have α = 0)
-            shift = when_present(lambda a: A.mT @ a, alpha)  # c = L_g⁻¹ K_ga α: the mean basis' part on the global
-            coefficients = add_means(u_tilde, when_present(torch.neg, shift))  # ũ − c
-            mean = add_means(m, update, A @ coefficients)
-            gamma = when_present(lambda a, Ka, c: 0.5 * ((a * Ka).sum(-2) - c.square().sum(-2)), alpha, update, shift)
-            return DecoupledSGPAConditional(
-                mean=mean, gamma=gamma, inducing_values=alpha, proj_values=shift, **factors
-            )
+            return self._condition_self(queries, values, alpha, global_keys, mask)
+
+    def _condition_self(self, queries, values, alpha, global_keys, mask) -> DecoupledSGPAConditional:
+        """Self-attention under key padding: the Gram K_qq where the covariance or the mean basis reads it, else none,
+        and m(q) runs without it (docs/derivations.md §12: through fused attention where it runs, evaluated first).
+        # shape: queries (B, H, T, Dh), values (B, H, T, Dv), alpha (B, H, T, Dv) or None, mask (B, T) or None"""
+        K = self.covariance.query_gram(self.kernel, queries, alpha)  # shape: (B, H, T, T) or None
+        fused = None if K is not None else self.mean_module.fused(
+            queries, queries, values, kernel=self.kernel, pad=mask
+        )
+        A, u_tilde = self._global_basis(queries, global_keys)
+        factors = self._factors(K, queries, A, u_tilde, mask)
+        m = fused if fused is not None else self._self_prior_mean(queries, values, mask, K)
+        update = when_present(lambda a: K @ a, alpha)  # K_qa α (padded keys have α = 0)
+        shift = when_present(lambda a: A.mT @ a, alpha)  # c = L_g⁻¹ K_ga α: the mean basis' part on the global
+        coefficients = add_means(u_tilde, when_present(torch.neg, shift))  # ũ − c
+        mean = add_means(m, update, A @ coefficients)
+        gamma = when_present(lambda a, Ka, c: 0.5 * ((a * Ka).sum(-2) - c.square().sum(-2)), alpha, update, shift)
+        return DecoupledSGPAConditional(mean=mean, gamma=gamma, inducing_values=alpha, proj_values=shift, **factors)
 
     def _condition_per_query(self, queries, values, alpha, global_keys, excluded, causal, mask):
         """Under a per-query mask query i's mean basis is A_i (docs/derivations.md §11b). With R = K_aa − K_ag K_gg⁻¹
