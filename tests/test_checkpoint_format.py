@@ -87,24 +87,20 @@ def test_evaluate_and_resume_refuse_a_newer_format(run, capsys):
     assert code == 2 and f"checkpoint of format {CHECKPOINT_FORMAT + 1}" in err, err
 
 
-def test_an_unversioned_checkpoint_of_the_strategy_layout_is_format_2_and_refused(run):
-    """gpattn 0.1.0 after the strategy protocol wrote format 2 without saying so, with the SGPA variants' zero mean;
-    format 3 kept such a run from being read as the attention-mean model, so it is refused (0.2.0's own format-2
-    runs name their version and load: tests/test_release_compat.py)."""
-    path = _rewrite(run, format_version=None, gpattn_version=None)
-    assert checkpoint_format(torch.load(path, weights_only=True)) == 2 == CHECKPOINT_FORMAT - 1
-    with pytest.raises(ValueError, match="checkpoint of format 2"):
-        load_run_with_data(run)
-
-
-def test_an_unversioned_checkpoint_with_the_old_keys_is_format_1(run):
-    path = run / "checkpoint.pt"
-    ckpt = torch.load(path, weights_only=True)
-    _rewrite(run, format_version=None, gpattn_version=None, model=_format_1_keys(ckpt["model"]))
+@pytest.mark.parametrize("found", [1, 2])
+def test_an_unversioned_checkpoint_of_a_development_version_is_refused_saying_what_to_do(run, found):
+    """A checkpoint without ``format_version`` is of the 0.1.0 series, read off its keys: format 1 before the strategy
+    protocol (KEP-SVGP under ``kep.``), format 2 after it, with the SGPA variants' zero mean, which format 3 keeps from
+    being read as the attention-mean model (0.2.0's own format-2 runs name their version and load:
+    tests/test_release_compat.py)."""
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    model = _format_1_keys(ckpt["model"]) if found == 1 else ckpt["model"]
+    path = _rewrite(run, format_version=None, gpattn_version=None, model=model)
+    assert checkpoint_format(torch.load(path, weights_only=True)) == found < CHECKPOINT_FORMAT
     with pytest.raises(ValueError) as err:
         load_run_with_data(run)
     text = str(err.value)
-    assert "checkpoint of format 1 (written before checkpoints named their gpattn version)" in text, text
+    assert f"checkpoint of format {found} (written before checkpoints named their gpattn version)" in text, text
     assert f"reads checkpoint format {CHECKPOINT_FORMAT} and the runs of gpattn 0.2.0 (format 2)" in text, text
     assert "train the run again with this version" in text, text
 

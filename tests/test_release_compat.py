@@ -1,7 +1,8 @@
 """What a user of the last release keeps (docs/development.md, "Versions and compatibility"): a run folder written by
 gpattn 0.2.0 (checkpoint format 2) loads through gpattn._migrate and predicts what 0.2.0 predicted, each migration
-named by an OldVersionWarning; ``--resume`` of such a run is refused naming the version; the public names 0.2.0
-exported that moved say where they went; and every migration row is one a 0.2.0 run needs.
+named by an OldVersionWarning; ``--resume`` of such a run is refused naming the version (other old formats:
+tests/test_checkpoint_format.py); the public names 0.2.0 exported that moved say where they went; and every
+migration row is one a 0.2.0 run needs.
 
 The committed fixture (tests/fixtures/gpattn-0.2.0, written by 0.2.0's own code: tests/fixtures/make_release_run.py)
 runs everywhere; the slow tests train a run of every variant with the release's code from the repository's
@@ -82,21 +83,6 @@ def test_resuming_a_release_run_is_refused_naming_the_version_and_the_ways_on(re
         warnings.simplefilter("ignore", gpattn.experiments.diagnostics.GPCollapseWarning)
         assert main([*argv, "--overwrite"]) == 0  # the way on the message gives
     assert torch.load(release_run / "checkpoint.pt", weights_only=True)["format_version"] == CHECKPOINT_FORMAT
-
-
-def test_a_format_2_run_of_no_release_is_refused_naming_what_to_do(release_run):
-    """Format 2 without a version is the 0.1.0 development series' (the SGPA variants' zero mean): no migration
-    reads it as the model it trained."""
-    path = release_run / "checkpoint.pt"
-    ckpt = torch.load(path, weights_only=True)
-    del ckpt["gpattn_version"]
-    torch.save(ckpt, path)
-    with pytest.raises(ValueError) as err:
-        load_run(release_run)
-    text = str(err.value)
-    assert "checkpoint of format 2 (written before checkpoints named their gpattn version)" in text, text
-    assert f"reads checkpoint format 3 and the runs of gpattn {RELEASE} (format 2)" in text, text
-    assert "train the run again with this version" in text, text
 
 
 # ----------------------------------------------------------------------------- names
