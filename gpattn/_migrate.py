@@ -14,6 +14,10 @@ Four tables, one rule (docs/new_variant.md, "The one rule for a breaking change"
 
 Both warn with :class:`gpattn.OldVersionWarning` naming what they migrated. A change no row can express takes the next
 checkpoint format instead (gpattn.experiments._io.CHECKPOINT_FORMAT).
+
+A row serves what a release wrote or shipped: a run folder of gpattn 0.2.0 loads through these tables
+(gpattn.experiments._io.MIGRATED_RELEASES; docs/development.md, "Versions and compatibility"), and a name moves
+here only if a release exported it. tests/test_release_compat.py loads 0.2.0's runs and names.
 """
 
 from __future__ import annotations
@@ -49,23 +53,19 @@ OLD_VALUES: tuple[tuple[str, str, str, dict[str, str]], ...] = (
       **dict.fromkeys(("cgp", "scgp"), "canonical-rbf")}),
 )
 
-#: {(module, name): the message of its AttributeError}: names that moved, read by the modules' ``__getattr__``
+#: {(module, name): the message of its AttributeError}: public names of a release (0.2.0) that moved since, read by
+#: the modules' ``__getattr__``
 MOVED_NAMES: dict[tuple[str, str], str] = {
-    ("gpattn", "load_run"): "gpattn.load_run moved to gpattn.experiments.load_run in 0.2.0 (the core never imports the "
-    "experiment application; pip install 'gpattn[experiments]'): gpattn.experiments.load_run(run_dir).predict([...])",
+    ("gpattn", "load_run"): "gpattn.load_run moved to gpattn.experiments.load_run after 0.2.0 (the core never imports "
+    "the experiment application; pip install 'gpattn[experiments]'): "
+    "gpattn.experiments.load_run(run_dir).predict([...])",
     ("gpattn.experiments.training", "load_run"): "gpattn.experiments.training.load_run is now load_run_with_data (it "
     "reloads the data set and returns (config, model, data bundle, checkpoint)); to score new inputs without the data "
     "files use gpattn.experiments.load_run (a Run with .predict)",
     **{
-        (module, name): f"{module}.{name} moved to gpattn.prior_means.{name} (the prior means' names are parsed there, "
-        "where a variant is built; gpattn/variational/ receives the mean modules)"
-        for module, names in (
-            ("gpattn.variational.means",
-             ("PRIOR_MEANS", "CGP_PRIOR_MEANS", "check_prior_mean", "make_prior_mean", "make_correlated_mean")),
-            ("gpattn.variational.kep_svgp", ("KEP_PRIOR_MEANS", "make_kep_mean")),
-            ("gpattn.variational.sgpa_rff", ("RFF_PRIOR_MEANS",)),
-        )
-        for name in names
+        ("gpattn.variational.means", name): f"gpattn.variational.means.{name} moved to gpattn.prior_means.{name} (the "
+        "prior means' names are parsed there, where a variant is built; gpattn/variational/ receives the mean modules)"
+        for name in ("PRIOR_MEANS", "check_prior_mean")
     },
 }
 

@@ -185,8 +185,11 @@ def test_the_moved_parsers_say_where_they_went():
     import gpattn.variational.kep_svgp as kep
     import gpattn.variational.means as means
 
-    for module, name in ((means, "make_prior_mean"), (means, "CGP_PRIOR_MEANS"), (kep, "make_kep_mean")):
+    for name in ("PRIOR_MEANS", "check_prior_mean"):  # what gpattn 0.2.0 exported (tests/test_release_compat.py)
         with pytest.raises(AttributeError, match=rf"moved to gpattn\.prior_means\.{name}"):
+            getattr(means, name)
+    for module, name in ((means, "make_prior_mean"), (means, "CGP_PRIOR_MEANS"), (kep, "make_kep_mean")):
+        with pytest.raises(AttributeError, match=f"has no attribute '{name}'$"):  # no release had them
             getattr(module, name)
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
         _ = means.nothing

@@ -45,7 +45,7 @@ from gpattn.experiments._config import RUN_SETTINGS, TrainConfig, _same_run  # n
 from gpattn.experiments._data_check import load_checked_data, record_run_paths
 from gpattn.experiments._dist import _Dist, _rng_state, _set_rng_state
 from gpattn.experiments._guard import TrainingDivergedError, _DivergenceGuard
-from gpattn.experiments._io import CHECKPOINT_FORMAT
+from gpattn.experiments._io import CHECKPOINT_FORMAT, check_resumable
 from gpattn.experiments._optim import build_optimizer
 from gpattn.experiments._runlock import locked_run
 from gpattn.experiments._runs import (
@@ -488,6 +488,7 @@ def _restore(run: _Run) -> None:
     if run.checkpoint is None or not run.checkpoint.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {run.checkpoint}")
     ckpt = load_checkpoint(run.checkpoint)  # on the CPU: RNG states must be host tensors
+    check_resumable(ckpt, run.checkpoint)  # a release's run (migrated on load) is finished by its own version
     same, diff = _same_run(ckpt["config"], run.cfg)
     if not same:
         raise ValueError(f"--resume: the checkpoint was written with a different configuration ({diff})")
