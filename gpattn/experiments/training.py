@@ -32,7 +32,6 @@ import math
 import os
 import signal
 import tempfile
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +40,7 @@ from tqdm.auto import tqdm
 
 from gpattn import __version__
 from gpattn._settings import is_validating
+from gpattn._warnings import warn
 from gpattn.experiments._config import RUN_SETTINGS, TrainConfig, _same_run  # noqa: F401  (re-exported)
 from gpattn.experiments._data_check import load_checked_data, record_run_paths
 from gpattn.experiments._dist import _Dist, _rng_state, _set_rng_state
@@ -59,8 +59,8 @@ from gpattn.experiments._runs import (
     run_checkpoint,
 )
 from gpattn.experiments.diagnostics import (
+    CollapseWarning,
     EpochStats,
-    GPCollapseWarning,
     attention_use,
     base_rate_entropy,
     collapse_warnings,
@@ -637,7 +637,7 @@ def _evaluate(run: _Run) -> dict:
     warnings_ = collapse_warnings(run.history, run.base_rate)
     if dist.main:
         for msg in warnings_:
-            warnings.warn(f"{cfg.attention} seed {cfg.seed}: {msg}", GPCollapseWarning, stacklevel=4)
+            warn(f"{cfg.attention} seed {cfg.seed}: {msg}", CollapseWarning)  # at the caller's line
     preds = {
         key: {
             "logits": predict(

@@ -8,7 +8,8 @@ shift metrics on one example without a word.
 from __future__ import annotations
 
 import re
-import warnings
+
+from gpattn._warnings import DataWarning, warn
 
 #: an evaluation split with fewer labelled rows than this gets a warning: its metrics are mostly noise
 MIN_EVAL_ROWS = 5
@@ -38,9 +39,9 @@ def warn_small_splits(labels_by_split: dict, where: str) -> None:
         n = len(labels)
         if n < MIN_EVAL_ROWS:
             labelled = sum(1 for v in labels if v >= 0)
-            warnings.warn(
+            warn(
                 f"{where}: evaluation split {split!r} has {n} row(s) ({labelled} labelled): its metrics rest on "
                 f"so few examples that they say little (fewer than {MIN_EVAL_ROWS}). Give it more rows (a larger "
                 f"evaluation file).",
-                stacklevel=3,
+                DataWarning,
             )
