@@ -16,6 +16,7 @@ format with an error naming both formats, before any of it is used.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import re
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch
 
 from gpattn import __version__
 
-__all__ = ["CHECKPOINT_FORMAT", "check_checkpoint_format", "checkpoint_format", "load_file"]
+__all__ = ["CHECKPOINT_FORMAT", "check_checkpoint_format", "checkpoint_format", "file_sha256", "load_file"]
 
 #: the checkpoint format this gpattn writes and reads. 1: before the GP strategy protocol (gpattn 0.1.0 up
 #: to 2026-11-25; KEP-SVGP's parameters under ``kep.``, CGP's and SCGP's under ``gp.``, decoupled SGPA's
@@ -62,6 +63,15 @@ def load_file(path, *, map_location="cpu", what: str = "checkpoint"):
         ) from None
     except Exception as err:  # truncated, empty or foreign files fail with EOFError, RuntimeError, ...
         raise ValueError(f"{path} is not a readable gpattn {what} ({type(err).__name__}: {err})") from err
+
+
+def file_sha256(path) -> str:
+    """The SHA-256 of a file's content, read in 1 MiB chunks (data files, checkpoints an evaluation names)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def checkpoint_format(ckpt: dict) -> object:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import codecs
 import csv
-import hashlib
 import io
 import re
 from collections import Counter
 from pathlib import Path
 
+from gpattn.experiments._io import file_sha256
 from gpattn.experiments.data._bundle import DataNotFoundError, DatasetBundle, register_dataset
 from gpattn.experiments.data._label_checks import check_label_spellings
 from gpattn.experiments.data._split import check_fraction, stratified_split
@@ -250,12 +250,8 @@ def _sort_labels(values) -> list[str]:
 
 def file_record(path: Path, role: str, rows: int) -> dict:
     """What the report says about a data file: role, path, size in bytes, SHA-256 of its content, rows."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
     return {"role": role, "path": str(Path(path).resolve()), "bytes": path.stat().st_size,
-            "sha256": digest.hexdigest(), "rows": rows}
+            "sha256": file_sha256(path), "rows": rows}
 
 
 def _check_header(path: Path, header: bool, header_line, names, rows, label_idx, label_column, text_idx) -> None:
