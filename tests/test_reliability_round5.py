@@ -85,7 +85,8 @@ def test_evaluate_of_a_run_folder_writes_into_the_run_never_its_parent(tmp_path,
     assert "evaluate's default folder when no --out is given" in capsys.readouterr().err
     # retraining the run: the evaluation of the replaced model goes with it, and says so
     _train(tmp_path, "run", "softmax", "--overwrite")
-    assert not (run / "evaluation").exists() and "an evaluation of the run --overwrite replaces" in capsys.readouterr().out
+    assert not (run / "evaluation").exists()
+    assert "an evaluation of the run --overwrite replaces" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- item 3: zero samples
@@ -178,3 +179,159 @@ def test_python_warnings_point_at_the_callers_line(tmp_path):
     shown = {(w.category.__name__, Path(w.filename).name) for w in caught}
     assert ("DuplicateTextWarning", Path(__file__).name) in shown and ("CollapseWarning", Path(__file__).name) in shown
     assert all(Path(w.filename).name == Path(__file__).name for w in caught), shown
+
+
+# ----------------------------------------------------------------------------- item 5: C1 characters
+def _all_texts(bundle) -> list[str]:
+    return [t for split in bundle.texts.values() for t in split]
+
+
+def _two_class_rows(n=30):
+    return [f"a fine film number {i}\t1" if i % 2 else f"a dull film number {i}\t0" for i in range(n)]
+
+
+def test_c1_characters_in_a_utf8_file_are_named_and_cp1252_is_not_suggested(tmp_path):
+    # before: "Pass encoding=cp1252" for a UTF-8 file holding U+0096; following it garbled every multibyte
+    # character ("Québec" -> "QuÃ©bec") and the run trained on that without a word
+    from gpattn.experiments.data import load_dataset
+
+    rows = _two_class_rows()
+    rows[3] = "Québec \u0096 a fine film\u0085\t1"
+    rows[7] = "a dull \u0097 film\t1"
+    path = tmp_path / "mojibake.tsv"
+    path.write_text("text\tlabel\n" + "\n".join(rows) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError) as caught:
+        load_dataset("text_table", path=path)
+    msg = str(caught.value)
+    assert "mojibake.tsv line 5: decoded with encoding='utf-8', the file holds 3 C1 control character(s)" in msg
+    assert "U+0096 (1x, first at line 5, column 8), U+0085 (1x, first at line 5, column 21), U+0097" in msg
+    assert "encoding=cp1252 would misread its other characters" in msg and "Pass encoding=cp1252" not in msg
+    assert "c1_characters='repair'" in msg and "c1_characters='keep'" in msg
+    repaired = load_dataset("text_table", path=path, c1_characters="repair")
+    texts = _all_texts(repaired)
+    assert "Québec \u2013 a fine film\u2026" in texts and "a dull \u2014 film" in texts
+    kept = load_dataset("text_table", path=path, c1_characters="keep")
+    assert "Québec \u0096 a fine film\u0085" in _all_texts(kept)
+
+
+def test_latin1_on_a_utf8_file_says_the_file_is_utf8(tmp_path):
+    from gpattn.experiments.data import load_dataset
+
+    rows = _two_class_rows()
+    rows[2] = "Québec \u2013 a fine film\t1"
+    path = tmp_path / "utf8.tsv"
+    path.write_text("text\tlabel\n" + "\n".join(rows) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"its bytes are valid UTF-8: the file is UTF-8.*Leave encoding unset"):
+        load_dataset("text_table", path=path, encoding="latin-1")
+    assert "Québec \u2013 a fine film" in _all_texts(load_dataset("text_table", path=path))  # the hint, followed
+
+
+def test_bytes_that_are_not_cp1252_get_a_hint_that_loads(tmp_path):
+    # the old hint "encoding='cp1252' or encoding='latin-1'": cp1252 fails on 0x81, latin-1 then fails the C1 check
+    from gpattn.experiments.data import load_dataset
+
+    rows = _two_class_rows()
+    path = tmp_path / "odd.tsv"
+    path.write_bytes(("text\tlabel\n" + "\n".join(rows) + "\n").encode().replace(b"number 3\t", b"number \x81 3\t"))
+    with pytest.raises(ValueError) as caught:
+        load_dataset("text_table", path=path)
+    assert "encoding='latin-1' with c1_characters='keep'" in str(caught.value)
+    bundle = load_dataset("text_table", path=path, encoding="latin-1", c1_characters="keep")
+    assert len(bundle.splits["train"]) > 0
+
+
+# ----------------------------------------------------------------------------- item 6: a very long text
+@pytest.mark.parametrize("suffix", [".tsv", ".csv"])
+def test_a_text_longer_than_the_csv_field_limit_is_read(tmp_path, suffix):
+    # before: _csv.Error: field larger than field limit (131072), with no file, line or option
+    import csv
+
+    from gpattn.experiments.data import load_dataset
+
+    long = " ".join(["word"] * 60_000)  # 300 kB in one cell
+    rows = _two_class_rows()
+    rows[4] = f"{long}\t0"
+    delim = "\t" if suffix == ".tsv" else ","
+    path = tmp_path / f"long{suffix}"
+    path.write_text("text\tlabel\n".replace("\t", delim) + "\n".join(r.replace("\t", delim) for r in rows) + "\n",
+                    encoding="utf-8")
+    before = csv.field_size_limit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cut to max_len is warned about (item 13)
+        bundle = load_dataset("text_table", path=path)
+    assert long in _all_texts(bundle) and csv.field_size_limit() == before
+
+
+# ----------------------------------------------------------------------------- item 7: hints that lead somewhere
+def test_a_missing_evaluation_file_names_its_own_option(tmp_path):
+    # before: a missing shift_file said "Pass path="
+    from gpattn.experiments.data import DataNotFoundError, load_dataset
+
+    train = make_text_table(tmp_path / "train.tsv", n=60, class_names=("0", "1"))
+    with pytest.raises(DataNotFoundError, match=r"^shift_file: text table not found: tried .*Pass shift_file= an "):
+        load_dataset("text_table", path=train, shift_file=tmp_path / "nosuch.tsv")
+
+
+def test_a_wrong_delimiter_is_named_not_header_false(tmp_path):
+    # before: delimiter=comma on a TSV suggested header=false (a second error) and never named the delimiter
+    from gpattn.experiments.data import load_dataset
+
+    train = make_text_table(tmp_path / "train.tsv", n=60, class_names=("0", "1"))
+    with pytest.raises(ValueError, match=r"looks tab-delimited\. Pass delimiter=tab") as caught:
+        load_dataset("text_table", path=train, delimiter="comma")
+    assert "header=false" not in str(caught.value)
+    assert len(load_dataset("text_table", path=train, delimiter="tab").splits["train"]) > 0
+    # the OOD file's own delimiter: a .csv next to a training file read with delimiter=tab
+    ood = make_text_table(tmp_path / "ood.csv", n=10, seed=3, columns=("text",))
+    with pytest.raises(ValueError, match=r"ood.csv: its extension says comma-delimited, but it would be read with "
+                                         r"delimiter=tab, the training file.s; pass ood_delimiter=comma"):
+        load_dataset("text_table", path=train, delimiter="tab", ood_file=ood)
+    bundle = load_dataset("text_table", path=train, delimiter="tab", ood_file=ood, ood_delimiter="comma")
+    assert len(bundle.splits["ood"]) == 10
+
+
+def test_an_evaluation_file_without_a_header_has_its_own_header_option(tmp_path):
+    # before: an OOD file without a header row suggested header=false, which then failed on the training file
+    # (header, delimiter and encoding were one setting for every file)
+    from gpattn.experiments.data import load_dataset
+
+    train = make_text_table(tmp_path / "train.tsv", n=60, class_names=("0", "1"))
+    ood = tmp_path / "questions.tsv"
+    ood.write_text("".join(f"how do i reset the clock number {i}\n" for i in range(12)), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"questions.tsv has no header row .* pass ood_header=false \(this file "
+                                         r"alone: header is the training file's"):
+        load_dataset("text_table", path=train, ood_file=ood)
+    bundle = load_dataset("text_table", path=train, ood_file=ood, ood_header=False)
+    assert bundle.texts["ood"][0] == "how do i reset the clock number 0" and len(bundle.splits["ood"]) == 12
+    assert (bundle.splits["ood"].labels == -1).all()
+    # a headerless labelled shift file is read at the training file's column positions
+    shift = make_text_table(tmp_path / "shift.tsv", n=20, seed=10, class_names=("0", "1"), header=False)
+    with pytest.raises(ValueError, match="pass shift_header=false"):
+        load_dataset("text_table", path=train, shift_file=shift)
+    bundle = load_dataset("text_table", path=train, shift_file=shift, shift_header="no")
+    assert len(bundle.splits["shift"]) == 20 and set(bundle.splits["shift"].labels.tolist()) == {0, 1}
+    with pytest.raises(ValueError, match="ood_header given without ood_file"):
+        load_dataset("text_table", path=train, ood_header=False)
+
+
+def test_a_comma_string_path_and_a_folder_path_get_hints_that_work(tmp_path, monkeypatch, capsys):
+    # before: path=a.tsv,b.tsv and path=<a folder> both said "not found"
+    import re
+    import shlex
+
+    from gpattn.experiments.data import DataNotFoundError, load_dataset
+
+    monkeypatch.chdir(tmp_path)
+    make_text_table(tmp_path / "a.tsv", n=30, class_names=("0", "1"))
+    make_text_table(tmp_path / "b.tsv", n=30, seed=5, class_names=("0", "1"))
+    with pytest.raises(DataNotFoundError, match=r"2 file names in one string.*pass a list") as caught:
+        load_dataset("text_table", path="a.tsv,b.tsv")
+    hinted = re.search(r"--dataset-option (\"path=[^\"]+\")", str(caught.value)).group(0)
+    assert main(["train", "--dataset", "text_table", *shlex.split(hinted), *TINY, "--num-samples", "1",
+                 "--out", "pooled"]) == 0  # the hint, pasted as a shell would split it
+    assert [f["role"] for f in json.loads((tmp_path / "pooled" / "data.json").read_text())["files"]] == ["train"] * 2
+    (tmp_path / "data").mkdir()
+    (tmp_path / "a.tsv").rename(tmp_path / "data" / "a.tsv")
+    with pytest.raises(DataNotFoundError, match=r"path='data' is a folder .*it holds: a.tsv\), e.g. path=data/a.tsv"):
+        load_dataset("text_table", path="data")
+    assert len(load_dataset("text_table", path="data/a.tsv").splits["train"]) > 0

@@ -16,19 +16,71 @@ MIN_EVAL_ROWS = 5
 _C1 = re.compile("[\x80-\x9f]")
 
 
-def check_c1(path, text: str, encoding: str) -> str:
-    """``text`` (decoded from ``path`` in ``encoding``) or a ``ValueError`` naming the line of the first C1
-    control character, which ordinary text never holds, and suggesting cp1252."""
-    found = _C1.search(text)
-    if found is None:
+#: ``c1_characters``: what to do with C1 control characters (U+0080-U+009F) in a file's decoded text
+C1_POLICIES = ("error", "keep", "repair")
+
+
+def _c1_list(text: str, found: list) -> str:
+    """Each C1 character of ``text``: its code point, how often, and the line and column of its first occurrence."""
+    first, counts = {}, {}
+    for m in found:
+        counts[m.group()] = counts.get(m.group(), 0) + 1
+        first.setdefault(m.group(), m.start())
+    parts = []
+    for char, at in sorted(first.items(), key=lambda kv: kv[1])[:6]:
+        line = text.count("\n", 0, at) + 1
+        column = at - (text.rfind("\n", 0, at) + 1) + 1
+        parts.append(f"U+{ord(char):04X} ({counts[char]}x, first at line {line}, column {column})")
+    return ", ".join(parts) + (f" and {len(first) - 6} more" if len(first) > 6 else "")
+
+
+def _as_cp1252(char: str) -> str | None:
+    """The cp1252 character whose byte is the code point of the C1 character ``char`` (None: undefined there)."""
+    try:
+        return char.encode("latin-1").decode("cp1252")
+    except UnicodeDecodeError:
+        return None
+
+
+def check_c1(path, data: bytes, text: str, encoding: str, policy: str = "error", role: str = "train") -> str:
+    """``text`` (``data`` decoded from ``path`` in ``encoding``) without C1 control characters, which ordinary text
+    never holds: kept (``policy="keep"``), each read as the cp1252 character of its code (``"repair"``: U+0096 is
+    '–'), or a ``ValueError`` listing them by code point and line with the fix that fits how the file decoded."""
+    from gpattn.experiments.data._table_hints import decodes, is_latin1, option
+
+    found = list(_C1.finditer(text))
+    if not found or policy == "keep":
         return text
-    line = text.count("\n", 0, found.start()) + 1
-    count = len(_C1.findall(text))
+    listed = _c1_list(text, found)
+    undefined = sorted({m.group() for m in found if _as_cp1252(m.group()) is None})
+    undefined_text = ", ".join(f"U+{ord(c):04X}" for c in undefined)
+    if policy == "repair" and not undefined:
+        return _C1.sub(lambda m: _as_cp1252(m.group()), text)
+    encoding_opt = option(role, "encoding")
+    if policy == "repair":
+        fix = (f"c1_characters='repair' cannot read {undefined_text}: no cp1252 character has that code. Pass "
+               f"c1_characters='keep' to keep them as they are, or remove them from the file")
+    elif is_latin1(encoding) and decodes(data, "utf-8"):
+        also = " with c1_characters='repair' (the UTF-8 text holds C1 characters too)" if _C1.search(
+            data.decode("utf-8")) else ""
+        fix = (f"its bytes are valid UTF-8: the file is UTF-8, which latin-1 misreads ('é' becomes "
+               f"'Ã©'). Leave {encoding_opt} unset (utf-8 is the default){also}")
+    elif is_latin1(encoding) and decodes(data, "cp1252"):
+        fix = (f"the file is most likely cp1252 (Windows; curly quotes and dashes are bytes 0x80-0x9F there). Pass "
+               f"{encoding_opt}=cp1252 (--dataset-option {encoding_opt}=cp1252), or re-save the file as UTF-8")
+    elif is_latin1(encoding):
+        fix = (f"its bytes are not cp1252 either ({undefined_text} have no cp1252 character). Pass "
+               f"c1_characters='keep' to keep them as they are, or remove them from the file")
+    else:
+        repair = ("c1_characters='repair' reads each as the cp1252 character of its code (U+0096 as '–', "
+                  "U+0085 as '…'), " if not undefined else "")
+        fix = (f"the file is valid {encoding}, so these characters are in its text, usually mojibake (Windows text "
+               f"once decoded as latin-1); {encoding_opt}=cp1252 would misread its other characters. Pass {repair}"
+               f"c1_characters='keep' to keep them as they are (--dataset-option c1_characters=keep), or replace "
+               f"them in the file")
     raise ValueError(
-        f"{path} line {line}: decoded with encoding={encoding!r}, the file holds {count} C1 control character(s) "
-        f"(first U+{ord(found.group()):04X}), which ordinary text never contains: the file is most likely cp1252 "
-        f"(Windows; curly quotes and dashes are bytes 0x80-0x9F there). Pass encoding=cp1252 "
-        f"(--dataset-option encoding=cp1252), or re-save the file as UTF-8."
+        f"{path} line {text.count(chr(10), 0, found[0].start()) + 1}: decoded with encoding={encoding!r}, the file "
+        f"holds {len(found)} C1 control character(s), which ordinary text never contains: {listed}. {fix}."
     )
 
 
