@@ -335,3 +335,112 @@ def test_a_comma_string_path_and_a_folder_path_get_hints_that_work(tmp_path, mon
     with pytest.raises(DataNotFoundError, match=r"path='data' is a folder .*it holds: a.tsv\), e.g. path=data/a.tsv"):
         load_dataset("text_table", path="data")
     assert len(load_dataset("text_table", path="data/a.tsv").splits["train"]) > 0
+
+
+# ----------------------------------------------------------------------------- item 8: a clone shadowing the package
+#: what an editable install's finder does (setuptools' __editable__ finder): gpattn's submodules from the package
+#: folder, consulted after Python's own path search (which finds a folder named gpattn first)
+_EDITABLE = """
+import importlib.machinery, sys
+class Finder:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.rpartition(".")[0] == "gpattn":
+            return importlib.machinery.PathFinder.find_spec(name, [{package!r}])
+        return None
+sys.meta_path.insert(sys.meta_path.index(importlib.machinery.PathFinder) + 1, Finder)
+{then}
+"""
+
+
+def test_a_clone_that_shadows_the_package_is_an_import_error_that_says_so(tmp_path):
+    # before: ImportError: cannot import name '_lazy_submodules' from 'gpattn' (unknown location)
+    import os
+
+    import gpattn
+
+    package = str(Path(gpattn.__file__).parent)
+    (tmp_path / "gpattn").symlink_to(Path(package).parent)  # `git clone ... gpattn`: the repository as ./gpattn
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def run(cwd, then):
+        code = _EDITABLE.format(package=package, then=then)
+        return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    script = "from gpattn.experiments import load_run; print('imported')"
+    done = run(tmp_path, script)
+    assert done.returncode != 0 and "_lazy_submodules" not in done.stderr
+    assert f"`import gpattn` found the folder {tmp_path / 'gpattn'}, which has no __init__.py" in done.stderr
+    assert f"cd {tmp_path / 'gpattn'}" in done.stderr
+    cli = run(tmp_path, "import runpy, sys; sys.argv = ['gpattn', 'data']; runpy.run_module('gpattn', "
+                        "run_name='__main__', alter_sys=True)")
+    assert cli.returncode == 2 and "Traceback" not in cli.stderr and cli.stderr.startswith("gpattn: error: `import")
+    followed = run(tmp_path / "gpattn", script)  # the hint: run from the clone, where ./gpattn is the package
+    assert followed.returncode == 0 and followed.stdout.strip() == "imported", followed.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- item 13: rows cut by max_len
+def test_rows_cut_by_max_len_are_counted_per_split_warned_and_recorded(tmp_path):
+    # before: max_len cut 75 % of one domain's reviews and nothing said so (data.json counted only rows beyond the
+    # model's width)
+    from gpattn.experiments.data import DataWarning
+    from gpattn.experiments.training import TrainConfig, train
+
+    table = make_text_table(tmp_path / "train.tsv", n=60, class_names=("0", "1"))
+    shift = make_text_table(tmp_path / "shift.tsv", n=20, seed=10, class_names=("0", "1"))
+    cfg = TrainConfig(dataset="text_table", dataset_options={"path": str(table), "shift_file": str(shift),
+                                                             "max_len": 4},
+                      embed_dim=8, num_heads=2, num_layers=1, epochs=1, num_samples=1, progress=False)
+    lines = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(cfg, tmp_path / "cut", log=lines.append)
+    cut = [w for w in caught if issubclass(w.category, DataWarning)]
+    assert len(cut) == 1 and cut[0].filename == __file__
+    msg = str(cut[0].message)
+    assert "text_table: max_len=4 cuts " in msg and " rows of 'train' (" in msg and " rows of 'shift' (" in msg
+    assert "pass a larger max_len (--dataset-option max_len=N; the longest training text has" in msg
+    record = json.loads((tmp_path / "cut" / "data.json").read_text())["max_len_cut"]
+    assert record["max_len"] == 4 and record["rows"]["shift"] == record["of"]["shift"] == 20
+    assert 0 < record["rows"]["train"] <= record["of"]["train"] and record["longest"]["train"] > 4
+    assert any(line.startswith("  - rows cut to their first 4 tokens by the data set's max_len: ") for line in lines)
+    # the hint, followed: a max_len above the longest text cuts nothing, and says nothing
+    longest = max(record["longest"].values())
+    import dataclasses
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DataWarning)
+        train(dataclasses.replace(cfg, dataset_options={**cfg.dataset_options, "max_len": longest}), tmp_path / "all")
+    assert json.loads((tmp_path / "all" / "data.json").read_text())["max_len_cut"]["rows"] == {}
+
+
+# ----------------------------------------------------------------------------- item 15: run folder names
+def test_run_folders_need_no_shell_quoting_and_an_old_folder_is_still_reused(tmp_path):
+    # before: compare wrote runs/sto[tau=2.0]/seed0, a glob in bash and an error in zsh
+    import re
+    import shutil
+
+    from gpattn.experiments.compare import compare, parse_variant
+    from gpattn.experiments.training import TrainConfig
+
+    table = make_text_table(tmp_path / "train.tsv", n=60, class_names=("0", "1"))
+    base = TrainConfig(dataset="text_table", dataset_options={"path": str(table)}, embed_dim=8, num_heads=2,
+                       num_layers=1, epochs=1, num_samples=1, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one tiny epoch sits at the base rate
+        compare("sto[tau=2.0]", [0], tmp_path / "out", base, log=lambda line: None)
+    folders = [p.relative_to(tmp_path / "out") for p in (tmp_path / "out").rglob("*")]
+    assert Path("runs/sto_tau=2.0/seed0/checkpoint.pt") in folders
+    assert not [p for p in folders if re.search(r"[^A-Za-z0-9_.,=+/-]", str(p))]
+    # a compare folder written before keeps its name and its runs: reused, not trained again
+    shutil.move(tmp_path / "out" / "runs" / "sto_tau=2.0", tmp_path / "out" / "runs" / "sto[tau=2.0]")
+    logs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compare("sto[tau=2.0]", [0], tmp_path / "out", base, log=logs.append)
+    assert any(f"reused {tmp_path / 'out' / 'runs' / 'sto[tau=2.0]' / 'seed0'}" in line for line in logs), logs
+    assert not (tmp_path / "out" / "runs" / "sto_tau=2.0").exists()
+    # options whose values hold other characters keep a hash of the run name: two specs never share a folder
+    a, b = (parse_variant(s).folder_name for s in ("sgpa[kernel='ard rbf']", "sgpa[kernel='ard_rbf']"))
+    assert a != b and not re.search(r"[^A-Za-z0-9_.,=+-]", a + b)

@@ -424,7 +424,7 @@ def _run_data(cfg: TrainConfig, out: Path | None, writes: bool, bundle, log):
     """The run's data (loaded unless given, an encoder's recipe applied, rows longer than the model's width
     cut), its data.json, and the data header given to ``log``."""
     from gpattn.experiments.data import load_dataset
-    from gpattn.experiments.data.summary import data_summary, summary_lines
+    from gpattn.experiments.data.summary import data_summary, summary_lines, warn_max_len_cut
 
     if bundle is None:
         bundle = load_dataset(
@@ -432,6 +432,8 @@ def _run_data(cfg: TrainConfig, out: Path | None, writes: bool, bundle, log):
         )
     bundle = _for_model(cfg, bundle, resolve_device(cfg.device))
     summary = data_summary(bundle)  # the data as loaded: its fingerprint does not depend on the model's width
+    if int(os.environ.get("RANK", "0")) == 0:
+        warn_max_len_cut(summary)  # rows the data set's max_len cut, per split (issue #59)
     if cfg.encoder is None and bundle.kind == "text":  # evaluation files longer than training: cut, with a warning
         width = model_positions(bundle)
         bundle, cut = fit_to_positions(bundle, width)
