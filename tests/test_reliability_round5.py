@@ -99,6 +99,8 @@ def test_zero_samples_is_refused_not_read_as_the_default(sampled_run, capsys):
         load_run(run).predict(["a fine film"], num_samples=0)
     assert main(["evaluate", "--checkpoint", str(run), "--num-samples", "0", "--out", str(run / "e0")]) == 2
     assert "--num-samples must be a positive int (leave it out for the run's 3), got 0" in capsys.readouterr().err
+    assert main(["evaluate", "--checkpoint", str(run), "--seed", "-1", "--out", str(run / "e0")]) == 2
+    assert "--seed must be a non-negative int (leave it out for the run's 0), got -1" in capsys.readouterr().err
     assert not (run / "e0").exists()
 
 

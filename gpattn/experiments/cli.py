@@ -357,6 +357,8 @@ def cmd_evaluate(args) -> int:
         raise ValueError(f"--num-samples must be a positive int (leave it out for the run's {cfg.num_samples}), "
                          f"got {P}")
     seed = cfg.seed if args.seed is None else args.seed
+    if seed < 0:
+        raise ValueError(f"--seed must be a non-negative int (leave it out for the run's {cfg.seed}), got {seed}")
     torch.manual_seed(seed)  # the Monte-Carlo draws: the same command gives the same metrics
     with _validation(args):
         preds = {
