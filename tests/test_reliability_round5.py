@@ -83,6 +83,8 @@ def test_evaluate_of_a_run_folder_writes_into_the_run_never_its_parent(tmp_path,
     assert f"wrote {run / 'evaluation' / 'metrics.json'}" in capsys.readouterr().out
     assert main(["evaluate", "--checkpoint", str(run), "--no-progress"]) == 2
     assert "evaluate's default folder when no --out is given" in capsys.readouterr().err
+    assert main(["evaluate", "--checkpoint", str(tmp_path), "--no-progress"]) == 2  # the folder that holds the run
+    assert f"{tmp_path} holds run folders, pass one of those: {run}" in capsys.readouterr().err
     # retraining the run: the evaluation of the replaced model goes with it, and says so
     _train(tmp_path, "run", "softmax", "--overwrite")
     assert not (run / "evaluation").exists()
@@ -209,6 +211,9 @@ def test_c1_characters_in_a_utf8_file_are_named_and_cp1252_is_not_suggested(tmp_
     assert "U+0096 (1x, first at line 5, column 8), U+0085 (1x, first at line 5, column 21), U+0097" in msg
     assert "encoding=cp1252 would misread its other characters" in msg and "Pass encoding=cp1252" not in msg
     assert "c1_characters='repair'" in msg and "c1_characters='keep'" in msg
+    # the old advice, followed anyway: refused, since the file is UTF-8 (it garbled "Québec" into "QuÃ©bec")
+    with pytest.raises(ValueError, match=r"encoding='cp1252', but the file is UTF-8.*c1_characters='repair'"):
+        load_dataset("text_table", path=path, encoding="cp1252")
     repaired = load_dataset("text_table", path=path, c1_characters="repair")
     texts = _all_texts(repaired)
     assert "Québec \u2013 a fine film\u2026" in texts and "a dull \u2014 film" in texts
@@ -223,8 +228,10 @@ def test_latin1_on_a_utf8_file_says_the_file_is_utf8(tmp_path):
     rows[2] = "Québec \u2013 a fine film\t1"
     path = tmp_path / "utf8.tsv"
     path.write_text("text\tlabel\n" + "\n".join(rows) + "\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"its bytes are valid UTF-8: the file is UTF-8.*Leave encoding unset"):
-        load_dataset("text_table", path=path, encoding="latin-1")
+    for wrong in ("latin-1", "cp1252"):
+        with pytest.raises(ValueError, match=rf"encoding='{wrong}', but the file is UTF-8 \(its non-ASCII bytes are "
+                                             rf"valid UTF-8.*'é' at line 4 as 'Ã©'\. Leave encoding unset"):
+            load_dataset("text_table", path=path, encoding=wrong)
     assert "Québec \u2013 a fine film" in _all_texts(load_dataset("text_table", path=path))  # the hint, followed
 
 

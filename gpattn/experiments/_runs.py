@@ -100,7 +100,9 @@ def _run_folder_hint(folder: Path) -> str:
     """Where the runs are when ``folder`` is a ``gpattn compare`` output (``runs/<variant>/seed<N>``)."""
     found = sorted(p.parent for p in folder.glob(f"runs/*/seed*/{CHECKPOINT}"))
     if not found:
-        return ""
+        runs = sorted(p.parent for p in folder.glob(f"*/{CHECKPOINT}"))  # a folder of run folders
+        shown = ", ".join(str(p) for p in runs[:6]) + (f" and {len(runs) - 6} more" if len(runs) > 6 else "")
+        return f": {folder} holds run folders, pass one of those: {shown}" if runs else ""
     shown = ", ".join(str(p) for p in found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
     return (f": {folder} is a `gpattn compare` folder, which holds one run per variant and seed under "
             f"{folder / 'runs' / '<variant>' / 'seed<N>'} — pass one of those: {shown}")

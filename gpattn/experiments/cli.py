@@ -349,9 +349,6 @@ def cmd_evaluate(args) -> int:
 
     cfg, model, bundle, ckpt = load_run_with_data(args.checkpoint, device=args.device or "auto",
                                                   dataset_options=dict(args.dataset_option), data_dir=args.data_dir)
-    given = Path(args.checkpoint)
-    ckpt_path = given / CHECKPOINT if given.is_dir() else given
-    out = _evaluation_out(args, ckpt_path.parent)  # after the data check: a changed data file is the first error
     P = cfg.num_samples if args.num_samples is None else args.num_samples
     if isinstance(P, bool) or P < 1:
         raise ValueError(f"--num-samples must be a positive int (leave it out for the run's {cfg.num_samples}), "
@@ -359,6 +356,9 @@ def cmd_evaluate(args) -> int:
     seed = cfg.seed if args.seed is None else args.seed
     if seed < 0:
         raise ValueError(f"--seed must be a non-negative int (leave it out for the run's {cfg.seed}), got {seed}")
+    given = Path(args.checkpoint)
+    ckpt_path = given / CHECKPOINT if given.is_dir() else given
+    out = _evaluation_out(args, ckpt_path.parent)  # after the data check: a changed data file is the first error
     torch.manual_seed(seed)  # the Monte-Carlo draws: the same command gives the same metrics
     with _validation(args):
         preds = {

@@ -42,10 +42,40 @@ def _as_cp1252(char: str) -> str | None:
         return None
 
 
+def _utf8_c1_fix() -> str:
+    return ("Pass c1_characters='repair' to read each as the cp1252 character of its code (U+0096 as '–', U+0085 "
+            "as '…'), or c1_characters='keep' to keep them as they are (--dataset-option c1_characters=keep), "
+            "or replace them in the file")
+
+
+def check_misread_utf8(path, data: bytes, text: str, encoding: str, role: str = "train") -> None:
+    """A ``ValueError`` when a single-byte ``encoding`` (latin-1, cp1252, ...) decoded a file whose non-ASCII bytes
+    are valid UTF-8: every multibyte character would be misread ('é' as 'Ã©'), and a file in another
+    encoding is valid UTF-8 almost never."""
+    import codecs
+
+    from gpattn.experiments.data._table_hints import decodes, option
+
+    if data.isascii() or codecs.lookup(encoding).name.startswith("utf") or not decodes(data, "utf-8"):
+        return
+    utf8 = data.decode("utf-8")
+    at = next(i for i, c in enumerate(utf8) if ord(c) > 127)
+    char, line = utf8[at], utf8.count("\n", 0, at) + 1
+    misread = char.encode("utf-8").decode(encoding, errors="replace")
+    also = (" It then holds C1 control characters (mojibake in its text): " + _utf8_c1_fix()
+            if _C1.search(utf8) else "")
+    raise ValueError(
+        f"{path}: encoding={encoding!r}, but the file is UTF-8 (its non-ASCII bytes are valid UTF-8, which a "
+        f"{encoding} file almost never is): {encoding} would misread every such character, e.g. {char!r} at line "
+        f"{line} as {misread!r}. Leave {option(role, 'encoding')} unset (utf-8 is the default).{also}"
+    )
+
+
 def check_c1(path, data: bytes, text: str, encoding: str, policy: str = "error", role: str = "train") -> str:
     """``text`` (``data`` decoded from ``path`` in ``encoding``) without C1 control characters, which ordinary text
     never holds: kept (``policy="keep"``), each read as the cp1252 character of its code (``"repair"``: U+0096 is
-    '–'), or a ``ValueError`` listing them by code point and line with the fix that fits how the file decoded."""
+    '–'), or a ``ValueError`` listing them by code point and line with the fix that fits how the file decoded
+    (a single-byte encoding's misreading of a UTF-8 file is :func:`check_misread_utf8`'s)."""
     from gpattn.experiments.data._table_hints import decodes, is_latin1, option
 
     found = list(_C1.finditer(text))
@@ -57,27 +87,18 @@ def check_c1(path, data: bytes, text: str, encoding: str, policy: str = "error",
     if policy == "repair" and not undefined:
         return _C1.sub(lambda m: _as_cp1252(m.group()), text)
     encoding_opt = option(role, "encoding")
+    keep = "Pass c1_characters='keep' to keep them as they are, or remove them from the file"
     if policy == "repair":
-        fix = (f"c1_characters='repair' cannot read {undefined_text}: no cp1252 character has that code. Pass "
-               f"c1_characters='keep' to keep them as they are, or remove them from the file")
-    elif is_latin1(encoding) and decodes(data, "utf-8"):
-        also = " with c1_characters='repair' (the UTF-8 text holds C1 characters too)" if _C1.search(
-            data.decode("utf-8")) else ""
-        fix = (f"its bytes are valid UTF-8: the file is UTF-8, which latin-1 misreads ('é' becomes "
-               f"'Ã©'). Leave {encoding_opt} unset (utf-8 is the default){also}")
+        fix = f"c1_characters='repair' cannot read {undefined_text}: no cp1252 character has that code. {keep}"
     elif is_latin1(encoding) and decodes(data, "cp1252"):
-        fix = (f"the file is most likely cp1252 (Windows; curly quotes and dashes are bytes 0x80-0x9F there). Pass "
+        fix = (f"The file is most likely cp1252 (Windows; curly quotes and dashes are bytes 0x80-0x9F there). Pass "
                f"{encoding_opt}=cp1252 (--dataset-option {encoding_opt}=cp1252), or re-save the file as UTF-8")
     elif is_latin1(encoding):
-        fix = (f"its bytes are not cp1252 either ({undefined_text} have no cp1252 character). Pass "
-               f"c1_characters='keep' to keep them as they are, or remove them from the file")
+        fix = f"Its bytes are not cp1252 either ({undefined_text} have no cp1252 character). {keep}"
     else:
-        repair = ("c1_characters='repair' reads each as the cp1252 character of its code (U+0096 as '–', "
-                  "U+0085 as '…'), " if not undefined else "")
-        fix = (f"the file is valid {encoding}, so these characters are in its text, usually mojibake (Windows text "
-               f"once decoded as latin-1); {encoding_opt}=cp1252 would misread its other characters. Pass {repair}"
-               f"c1_characters='keep' to keep them as they are (--dataset-option c1_characters=keep), or replace "
-               f"them in the file")
+        fix = (f"The file is valid {encoding}, so these characters are in its text, usually mojibake (Windows text "
+               f"once decoded as latin-1); {encoding_opt}=cp1252 would misread its other characters. "
+               + (_utf8_c1_fix() if not undefined else keep))
     raise ValueError(
         f"{path} line {text.count(chr(10), 0, found[0].start()) + 1}: decoded with encoding={encoding!r}, the file "
         f"holds {len(found)} C1 control character(s), which ordinary text never contains: {listed}. {fix}."

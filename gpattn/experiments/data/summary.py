@@ -81,15 +81,19 @@ def max_len_cut(bundle) -> dict | None:
 
 
 def warn_max_len_cut(summary: dict) -> None:
-    """A :class:`gpattn.experiments.data.DataWarning` when ``max_len`` cut rows (:func:`max_len_cut`), with the counts
-    per split and the option that changes it."""
+    """A :class:`gpattn.experiments.data.DataWarning` when ``max_len`` cut training rows (:func:`max_len_cut`), with
+    the counts per split and the option that changes it (evaluation rows longer than ``max_len`` are also longer than
+    the model's width, which cuts them with a warning of its own, :func:`gpattn.experiments._runs.fit_to_positions`)."""
     cut = summary.get("max_len_cut")
-    if not cut or not cut["rows"]:
+    if not cut or not set(cut["rows"]) & {"train", "val"}:  # evaluation rows alone: the model's width cuts them too
         return
     from gpattn._warnings import DataWarning, warn
 
-    shown = ", ".join(f"{n} of {cut['of'][k]} rows of {k!r} ({100 * n / max(cut['of'][k], 1):.0f} %)"
-                      for k, n in cut["rows"].items())
+    def share(n, of):
+        pct = 100 * n / max(of, 1)
+        return f"{pct:.0f} %" if pct >= 1 else "<1 %"
+
+    shown = ", ".join(f"{n} of {cut['of'][k]} rows of {k!r} ({share(n, cut['of'][k])})" for k, n in cut["rows"].items())
     longest = cut["longest"].get("train")
     warn(
         f"{summary['dataset']}: max_len={cut['max_len']} cuts {shown} to their first {cut['max_len']} tokens. To keep "

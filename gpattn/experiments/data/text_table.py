@@ -16,7 +16,7 @@ from gpattn.experiments.data._label_checks import check_label_spellings
 from gpattn.experiments.data._split import check_fraction, stratified_split
 from gpattn.experiments.data._table_hints import PER_FILE, delimiter_hint, find_table, option, suggest_encoding
 from gpattn.experiments.data._text import build_text_bundle
-from gpattn.experiments.data._text_checks import C1_POLICIES, check_c1, warn_small_splits
+from gpattn.experiments.data._text_checks import C1_POLICIES, check_c1, check_misread_utf8, warn_small_splits
 
 __all__ = ["load_text_table", "read_table"]
 
@@ -205,7 +205,9 @@ def decode_file(path, encoding: str = "utf-8", c1_characters: str = "error", rol
             f"({err.reason}). Pass the file's encoding as a data set option, e.g. {suggest}, or re-save the file "
             f"as UTF-8."
         ) from None
-    return check_c1(path, data, text[1:] if text.startswith("\ufeff") else text, encoding, c1_characters, role)
+    text = text[1:] if text.startswith("\ufeff") else text
+    check_misread_utf8(path, data, text, encoding, role)  # cp1252 or latin-1 on a UTF-8 file
+    return check_c1(path, data, text, encoding, c1_characters, role)
 
 
 def _numbered(reader):
