@@ -43,7 +43,7 @@ def _as_cp1252(char: str) -> str | None:
 
 
 def _utf8_c1_fix() -> str:
-    return ("Pass c1_characters='repair' to read each as the cp1252 character of its code (U+0096 as '–', U+0085 "
+    return ("pass c1_characters='repair' to read each as the cp1252 character of its code (U+0096 as '–', U+0085 "
             "as '…'), or c1_characters='keep' to keep them as they are (--dataset-option c1_characters=keep), "
             "or replace them in the file")
 
@@ -98,7 +98,7 @@ def check_c1(path, data: bytes, text: str, encoding: str, policy: str = "error",
     else:
         fix = (f"The file is valid {encoding}, so these characters are in its text, usually mojibake (Windows text "
                f"once decoded as latin-1); {encoding_opt}=cp1252 would misread its other characters. "
-               + (_utf8_c1_fix() if not undefined else keep))
+               + ("P" + _utf8_c1_fix()[1:] if not undefined else keep))
     raise ValueError(
         f"{path} line {text.count(chr(10), 0, found[0].start()) + 1}: decoded with encoding={encoding!r}, the file "
         f"holds {len(found)} C1 control character(s), which ordinary text never contains: {listed}. {fix}."
