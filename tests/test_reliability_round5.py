@@ -122,6 +122,25 @@ def test_texts_of_unknown_words_only_warn_naming_their_positions(sampled_run):
         run.predict(["a fine film", "film 🙂"], num_samples=2, seed=0)
 
 
+def test_an_encoder_run_warns_for_texts_of_unknown_word_pieces_and_the_test_tokenizer_knows_its_words(tmp_path):
+    # an encoder's tokenizer: [CLS]/[SEP] aside, every piece [UNK]. The tests' tiny tokenizer (write_table_tokenizer)
+    # had been built with the five specials alone under transformers 5, every word [UNK]: this warning showed it
+    import torch
+
+    from gpattn.experiments.data.fixtures import write_table_tokenizer
+    from gpattn.experiments.inference import UnknownWordsWarning, _warn_unknown
+
+    ids = torch.tensor([[2, 1, 1, 3, 0], [2, 7, 1, 3, 0]])
+    mask = ids == 0
+    with pytest.warns(UnknownWordsWarning, match=r"1 of 2 texts hold no word the model knows \(positions 0,"):
+        _warn_unknown(["🙂🙂", "film 🙂"], ids, mask, 1, [0, 1, 2, 3, 4])
+    transformers = pytest.importorskip("transformers")
+    table = make_text_table(tmp_path / "t.tsv", n=30)
+    write_table_tokenizer(table, tmp_path / "tok")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert tokenizer.unk_token_id not in tokenizer("the film was awful")["input_ids"]
+
+
 # ----------------------------------------------------------------------------- item 9: evaluate's flags
 def test_evaluate_takes_no_progress_and_max_len_without_encoder_points_at_the_data_option(sampled_run, tmp_path,
                                                                                          capsys):

@@ -149,7 +149,7 @@ class Run:
 
     def encode(self, texts) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and padding mask of ``texts`` with the run's vocabulary and tokenizer."""
-        from gpattn.experiments.data._text import UNK, encode, tokenize
+        from gpattn.experiments.data._text import encode, tokenize
 
         if self.meta["kind"] != "text":
             raise ValueError(f"this run was trained on images ({self.meta['dataset']}); pass an image tensor")
@@ -160,14 +160,17 @@ class Run:
 
             if self._tokenizer is None:
                 self._tokenizer = tokenizer_from_meta(self.meta)
-            ids, mask = encode_texts(self._tokenizer, texts, self.meta["max_len"])
-            if self._tokenizer.unk_token_id is not None:
-                _warn_unknown(texts, ids, mask, self._tokenizer.unk_token_id, self._tokenizer.all_special_ids)
-            return ids, mask
+            return encode_texts(self._tokenizer, texts, self.meta["max_len"])
         limit = min(v for v in (self.meta.get("max_len"), self.meta["model_max_len"]) if v is not None)
-        ids, mask = encode([tokenize(t) for t in texts], self.meta["vocab"], limit)
-        _warn_unknown(texts, ids, mask, UNK)
-        return ids, mask
+        return encode([tokenize(t) for t in texts], self.meta["vocab"], limit)
+
+    def _unknown_id(self) -> tuple[int | None, list[int]]:
+        """The unknown-token id of the run's tokenizer and its special ids (an encoder's [CLS], [SEP], ...)."""
+        from gpattn.experiments.data._text import UNK
+
+        if self._tokenizer is None:
+            return UNK, []
+        return self._tokenizer.unk_token_id, list(self._tokenizer.all_special_ids)
 
     @torch.no_grad()
     def predict(self, inputs, num_samples: int | None = None, batch_size: int = 256, seed: int | None = None
@@ -185,6 +188,9 @@ class Run:
             texts = _as_texts(inputs)  # a bare string is one text
             _warn_empty(texts)
             ids, mask = self.encode(texts)
+            unknown, special = self._unknown_id()
+            if unknown is not None:
+                _warn_unknown(texts, ids, mask, unknown, special)
         else:
             ids = torch.as_tensor(inputs, dtype=torch.float32)
             if ids.dim() != 4 or tuple(ids.shape[1:]) != tuple(self.meta["image_shape"]):

@@ -1,15 +1,18 @@
 """Checks of decoded text and of evaluation split sizes.
 
 ``encoding=latin-1`` on a cp1252 file (the usual Windows encoding) decodes curly quotes and dashes into C1
-control characters (U+0080–U+009F), which then became vocabulary tokens; and a one-row shift file gave
-shift metrics on one example without a word.
+control characters (U+0080–U+009F), which then became vocabulary tokens; the advice for them (cp1252) garbled a
+UTF-8 file that held such characters in its text; cp1252 on a UTF-8 file misread every accent without a word; and a
+one-row shift file gave shift metrics on one example without a word.
 """
 
 from __future__ import annotations
 
+import codecs
 import re
 
 from gpattn._warnings import DataWarning, warn
+from gpattn.experiments.data._table_hints import decodes, is_latin1, option
 
 #: an evaluation split with fewer labelled rows than this gets a warning: its metrics are mostly noise
 MIN_EVAL_ROWS = 5
@@ -52,10 +55,6 @@ def check_misread_utf8(path, data: bytes, text: str, encoding: str, role: str = 
     """A ``ValueError`` when a single-byte ``encoding`` (latin-1, cp1252, ...) decoded a file whose non-ASCII bytes
     are valid UTF-8: every multibyte character would be misread ('é' as 'Ã©'), and a file in another
     encoding is valid UTF-8 almost never."""
-    import codecs
-
-    from gpattn.experiments.data._table_hints import decodes, option
-
     if data.isascii() or codecs.lookup(encoding).name.startswith("utf") or not decodes(data, "utf-8"):
         return
     utf8 = data.decode("utf-8")
@@ -76,8 +75,6 @@ def check_c1(path, data: bytes, text: str, encoding: str, policy: str = "error",
     never holds: kept (``policy="keep"``), each read as the cp1252 character of its code (``"repair"``: U+0096 is
     '–'), or a ``ValueError`` listing them by code point and line with the fix that fits how the file decoded
     (a single-byte encoding's misreading of a UTF-8 file is :func:`check_misread_utf8`'s)."""
-    from gpattn.experiments.data._table_hints import decodes, is_latin1, option
-
     found = list(_C1.finditer(text))
     if not found or policy == "keep":
         return text

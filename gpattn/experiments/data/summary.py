@@ -43,7 +43,8 @@ def bundle_fingerprint(bundle) -> str:
 def data_summary(bundle) -> dict:
     """Plain data: data set name, files read (role, path, bytes, sha256, rows) where the loader records
     them, rows per split, labelled class counts per split, what was done with unknown labels, exact duplicate
-    texts within and between splits (text data), and the content fingerprint."""
+    texts within and between splits (text data), the rows ``max_len`` cut (:func:`max_len_cut`), and the content
+    fingerprint."""
     names = bundle.info.get("class_names") or [str(k) for k in range(bundle.num_classes)]
     sizes, counts, unlabelled = {}, {}, {}
     for key, split in bundle.splits.items():
