@@ -340,6 +340,13 @@ def test_an_evaluation_file_without_a_header_has_its_own_header_option(tmp_path)
     assert len(bundle.splits["shift"]) == 20 and set(bundle.splits["shift"].labels.tolist()) == {0, 1}
     with pytest.raises(ValueError, match="ood_header given without ood_file"):
         load_dataset("text_table", path=train, ood_header=False)
+    # one question per line in a .txt: both options in one hint, which then loads
+    txt = tmp_path / "questions.txt"
+    txt.write_bytes(ood.read_bytes())
+    with pytest.raises(ValueError, match=r"one text per line: pass ood_delimiter=tab and ood_header=false"):
+        load_dataset("text_table", path=train, ood_file=txt)
+    assert len(load_dataset("text_table", path=train, ood_file=txt, ood_delimiter="tab", ood_header=False)
+               .splits["ood"]) == 12
 
 
 def test_a_comma_string_path_and_a_folder_path_get_hints_that_work(tmp_path, monkeypatch, capsys):

@@ -69,6 +69,21 @@ def delimiter_hint(first: list[str], delim: str, role: str) -> str:
             f"file, whose extension says it)")
 
 
+def sniff_delimiter(path: Path, role: str, column_words) -> str:
+    """For a file whose extension names no delimiter: the one its line 1 holds most, or, where it holds none, that
+    the file is one text per line (an evaluation file; a headerless one also needs ``<role>_header=false``)."""
+    with open(path, "rb") as handle:
+        first = handle.readline(1 << 16).decode("utf-8", errors="replace").strip().lstrip("\ufeff")
+    counts = {name: first.count(char) for name, char in _COMMON.items() if char in first}
+    if counts:
+        name = max(counts, key=counts.get)
+        return f"; its line 1 holds {counts[name]} {name} character(s): {option(role, 'delimiter')}={name}?"
+    if role == "train":
+        return ""
+    header = "" if first.lower() in column_words else f" and {option(role, 'header')}=false (line 1 is a text)"
+    return f"; its line 1 holds no delimiter, one text per line: pass {option(role, 'delimiter')}=tab{header}"
+
+
 def find_table(path, data_dir, role: str) -> Path:
     """The file ``path`` names (in the working directory, then in ``data_dir``), or a
     :class:`DataNotFoundError` naming the option, and what ``path`` is when it is not a file: a folder (its tables

@@ -14,7 +14,14 @@ from gpattn.experiments._io import file_sha256
 from gpattn.experiments.data._bundle import DatasetBundle, register_dataset
 from gpattn.experiments.data._label_checks import check_label_spellings
 from gpattn.experiments.data._split import check_fraction, stratified_split
-from gpattn.experiments.data._table_hints import PER_FILE, delimiter_hint, find_table, option, suggest_encoding
+from gpattn.experiments.data._table_hints import (
+    PER_FILE,
+    delimiter_hint,
+    find_table,
+    option,
+    sniff_delimiter,
+    suggest_encoding,
+)
 from gpattn.experiments.data._text import build_text_bundle
 from gpattn.experiments.data._text_checks import C1_POLICIES, check_c1, check_misread_utf8, warn_small_splits
 
@@ -28,6 +35,8 @@ DELIMITER_NAMES = {
     "tab": "\t", "\\t": "\t", "tsv": "\t", "comma": ",", "csv": ",", "semicolon": ";", "pipe": "|",
     "space": " ", "colon": ":",
 }
+#: cells of a first row that name columns (a header row), not data
+COLUMN_WORDS = {"label", "labels", "class", "target", "y", "category", "sentiment", "text", "sentence"}
 _TRUE = ("true", "yes", "y", "on", "1")
 _FALSE = ("false", "no", "n", "off", "0")
 #: ``unknown_labels``: what to do with a label of an evaluation file (``shift_file``, ``ood_file``) that
@@ -140,7 +149,7 @@ def _delimiter_for(path: Path, delimiter: str | None, role: str = "train") -> st
         raise ValueError(
             f"cannot infer the delimiter of {path} from its extension {suffix!r} (known: "
             f"{', '.join(_DELIMITERS)}); pass {option(role, 'delimiter')}=... (a character, or tab, comma, semicolon, "
-            f"pipe)"
+            f"pipe){sniff_delimiter(path, role, COLUMN_WORDS)}"
         )
     return _DELIMITERS[suffix]
 
@@ -315,9 +324,8 @@ def _check_header(path: Path, header: bool, header_line, names, rows, label_idx,
     if not header and rows:
         line, first = rows[0]
         value = first[label_idx].strip() if label_idx < len(first) else ""
-        column_words = {"label", "labels", "class", "target", "y", "category", "sentiment", "text", "sentence"}
-        looks_named = value.lower() in column_words or (
-            text_idx < len(first) and first[text_idx].strip().lower() in column_words
+        looks_named = value.lower() in COLUMN_WORDS or (
+            text_idx < len(first) and first[text_idx].strip().lower() in COLUMN_WORDS
         )
         rare = counts[value] == 1 and len(labels) >= _HEADER_MIN_ROWS and min(
             (c for v, c in counts.items() if v != value), default=0
