@@ -161,7 +161,7 @@ def test_train_with_encoder_then_load_run_predicts(tmp_path):
         f.unlink()
     enc.rmdir()
     run = gpattn.experiments.load_run(out)
-    pred = run.predict(["a great film , really good", "terrible"], num_samples=3)
+    pred = run.predict(["a great film , really good", "awful"], num_samples=3)
     assert pred.probs.shape == (2, 3) and pred.sample_probs.shape == (2, 3, 3)
     torch.testing.assert_close(pred.probs.sum(1), torch.ones(2))
     ids, mask = run.encode(["a great film"])
@@ -341,7 +341,7 @@ def test_train_and_compare_with_a_frozen_trunk(tmp_path):
         if k.startswith(("embeddings.", "encoder.layer.0.")):
             torch.testing.assert_close(ckpt["model"]["encoder." + k], v, rtol=0, atol=0)
     run = gpattn.experiments.load_run(out / "runs" / "sgpa" / "seed0")
-    pred = run.predict(["a great film , really good", "terrible"], num_samples=3)
+    pred = run.predict(["a great film , really good", "awful"], num_samples=3)
     assert pred.probs.shape == (2, 3)
 
 
@@ -507,7 +507,7 @@ def test_a_run_saved_before_the_swap_defaults_reloads_in_its_own_form(tmp_path, 
     with pytest.warns(GPCollapseWarning):
         assert main(argv) == 0
     assert json.loads((out / "config.json").read_text())["attention_options"] == trained
-    texts = ["a great film , really good", "terrible"]
+    texts = ["a great film , really good", "awful"]
     with gpattn.deterministic():
         before = gpattn.experiments.load_run(out).predict(texts, num_samples=1).probs
     ckpt = torch.load(out / CHECKPOINT, weights_only=False)

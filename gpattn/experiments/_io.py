@@ -18,6 +18,7 @@ it is used.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import re
 from pathlib import Path
@@ -32,6 +33,7 @@ __all__ = [
     "check_checkpoint_format",
     "check_resumable",
     "checkpoint_format",
+    "file_sha256",
     "load_file",
 ]
 
@@ -77,6 +79,15 @@ def load_file(path, *, map_location="cpu", what: str = "checkpoint"):
         ) from None
     except Exception as err:  # truncated, empty or foreign files fail with EOFError, RuntimeError, ...
         raise ValueError(f"{path} is not a readable gpattn {what} ({type(err).__name__}: {err})") from err
+
+
+def file_sha256(path) -> str:
+    """The SHA-256 of a file's content, read in 1 MiB chunks (data files, checkpoints an evaluation names)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def checkpoint_format(ckpt: dict) -> object:
