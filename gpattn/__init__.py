@@ -19,7 +19,7 @@ from gpattn._warnings import OldVersionWarning
 from gpattn.attention import attention_options, build_attention, list_attention
 
 #: gpattn's version (the package metadata reads it from here; CHANGELOG.md lists every version)
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
 _SUBMODULES = (
     "attention",

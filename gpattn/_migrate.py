@@ -6,8 +6,8 @@ Four tables, one rule (docs/new_variant.md, "The one rule for a breaking change"
   the change lacks the option (it trained at the old default): one row per such change, with the value it trained
   with; :func:`migrate_config` fills it in before the model is built.
 * :data:`OLD_VALUES`: a value an older gpattn accepted and today's refuses (a renamed option value) is read as the
-  one it meant for the saved variant; :data:`OLD_OPTIONS`: options that left the layers are read as the recipe that
-  owns their form now.
+  one it meant for the saved variant; :data:`OLD_OPTIONS`: an option that left the layers, at the value a release's configs
+  recorded, is read as what the layers do now.
 * :data:`MOVED_NAMES`: a public name that left its module raises an ``AttributeError`` that says where it went.
 * :data:`OLD_STATES`: a state dict saved before a strategy gained a buffer lacks its key (it trained at the value the
   row names); :func:`migrate_state_dict`, the load-state-dict pre-hook every GP strategy registers (as gpytorch's
@@ -15,6 +15,10 @@ Four tables, one rule (docs/new_variant.md, "The one rule for a breaking change"
 
 Both warn with :class:`gpattn.OldVersionWarning` naming what they migrated. A change no row can express takes the next
 checkpoint format instead (gpattn.experiments._io.CHECKPOINT_FORMAT).
+
+A row serves what a release wrote or shipped: a run folder of gpattn 0.2.0 loads through these tables
+(gpattn.experiments._io.MIGRATED_RELEASES; docs/development.md, "Versions and compatibility"), and a name moves
+here only if a release exported it. tests/test_release_compat.py loads 0.2.0's runs and names.
 """
 
 from __future__ import annotations
@@ -51,50 +55,36 @@ OLD_VALUES: tuple[tuple[str, str, str, dict[str, str]], ...] = (
       **dict.fromkeys(("cgp", "scgp"), "canonical-rbf")}),
 )
 
-_GONE = "(options that left the layers' signatures for recipes, objects and research/knobs.py)"
-#: (what changed, the variants, the options a config wrote, what they are now): the options of a form that became a
-#: recipe's, or that the layers now always have, rewritten (each row whose options a config holds, all with those
-#: values, in order; the config's other options stay and win over the row's). A removed option no row matches stays,
-#: and building the layer names the recipe that owns its form now (gpattn.attention.build_attention).
+#: (what changed, the variants, the options a config wrote, what they are now): options that left the layers'
+#: signatures for recipes, objects and research/knobs.py's probes, at the values a 0.2.0 config could record and the
+#: layers always have now (each row whose options a config holds, all with those values, is applied; the config's
+#: other options stay). Any other value stays, and building the layer names what owns its form now
+#: (gpattn.attention.build_attention).
 OLD_OPTIONS: tuple[tuple[str, tuple[str, ...], dict, dict], ...] = (
-    (f"sgpa-rff's sequence form at the CLINC150 setting became the out-of-scope recipe {_GONE}", ("sgpa-rff",),
-     {"qk": "separate", "prior_mean": "softmax", "gp_input": "sequence", "num_features": 1024, "lengthscale": 0.2,
-      "data_weight": 10000.0}, {"recipe": "out-of-scope", "num_features": 1024, "lengthscale": 0.2}),
-    (f"the encoder swap's separate maps and softmax mean became the encoder-swap recipe {_GONE}",
-     ("sgpa", "sgpa-decoupled", "sgpa-rff"), {"qk": "separate", "prior_mean": "softmax"}, {"recipe": "encoder-swap"}),
-    (f"separate query and key maps became the encoder-swap recipe's form {_GONE}", ("sgpa", "sgpa-decoupled"),
-     {"qk": "separate"}, {"recipe": "encoder-swap", "prior_mean": "attention"}),
-    (f"separate query and key maps became the encoder-swap recipe's form {_GONE}", ("sgpa-rff",),
-     {"qk": "separate"}, {"recipe": "encoder-swap", "prior_mean": "attention", "lengthscale": None}),
-    (f"the shared query-key map is the SGPA layers' own form {_GONE}", ("sgpa", "sgpa-decoupled", "sgpa-rff"),
-     {"qk": "shared"}, {"recipe": "scratch"}),
-    *((f"{option}={value!r} is what the layers always do now {_GONE}", variants, {option: value}, {})
+    ("the shared query-key map is the SGPA layers' own form: the option left them", _SGPA, {"qk": "shared"},
+     {"recipe": "scratch"}),
+    *(("what the layers always do now: the option left them", variants, {option: value}, {})
       for variants, option, value in (
-          (("sgpa-rff",), "gp_input", "query"), (("sgpa-rff",), "data_weight", 1000.0),
-          (("sgpa-rff",), "momentum", 0.01), (("kep-svgp",), "feature_gradient", True),
           (("kep-svgp",), "token_independent", False), (("kep-svgp",), "include_residual", False),
           (("cgp",), "prior_samples", 10), (("cgp", "scgp"), "learn_sigma", False),
       )),
 )
 
-#: {(module, name): the message of its AttributeError}: names that moved, read by the modules' ``__getattr__``
+#: {(module, name): the message of its AttributeError}: public names of a release (0.2.0) that moved since, read by
+#: the modules' ``__getattr__``
 MOVED_NAMES: dict[tuple[str, str], str] = {
-    ("gpattn", "load_run"): "gpattn.load_run moved to gpattn.experiments.load_run in 0.2.0 (the core never imports the "
-    "experiment application; pip install 'gpattn[experiments]'): gpattn.experiments.load_run(run_dir).predict([...])",
+    ("gpattn", "load_run"): "gpattn.load_run moved to gpattn.experiments.load_run after 0.2.0 (the core never imports "
+    "the experiment application; pip install 'gpattn[experiments]'): "
+    "gpattn.experiments.load_run(run_dir).predict([...])",
     ("gpattn.experiments.training", "load_run"): "gpattn.experiments.training.load_run is now load_run_with_data (it "
     "reloads the data set and returns (config, model, data bundle, checkpoint)); to score new inputs without the data "
     "files use gpattn.experiments.load_run (a Run with .predict)",
-    **{
-        (module, name): f"{module}.{name} moved to gpattn.prior_means.{name} (the prior means' names are parsed there, "
-        "where a variant is built; gpattn/variational/ receives the mean modules)"
-        for module, names in (
-            ("gpattn.variational.means",
-             ("PRIOR_MEANS", "CGP_PRIOR_MEANS", "check_prior_mean", "make_prior_mean", "make_correlated_mean")),
-            ("gpattn.variational.kep_svgp", ("KEP_PRIOR_MEANS", "make_kep_mean")),
-            ("gpattn.variational.sgpa_rff", ("RFF_PRIOR_MEANS",)),
-        )
-        for name in names
-    },
+    ("gpattn.variational.means", "PRIOR_MEANS"): "gpattn.variational.means.PRIOR_MEANS moved to "
+    "gpattn.attention.registry.CHOICES['sgpa']['prior_mean'] (every variant's names of its modelling choices, resolved "
+    "where a variant is built; gpattn/variational/ receives the objects)",
+    ("gpattn.variational.means", "check_prior_mean"): "gpattn.variational.means.check_prior_mean moved to "
+    "gpattn.attention.registry.resolve('sgpa', 'prior_mean', name) (it returns the mean module the name stands for; "
+    "gpattn/variational/ receives the objects)",
 }
 
 
@@ -168,7 +158,8 @@ def _recast(attention: str, options: dict) -> tuple[dict, list[str]]:
     for what, variants, old, new in OLD_OPTIONS:
         if attention in variants and all(k in options and options[k] == v for k, v in old.items()):
             options = {**new, **{k: v for k, v in options.items() if k not in old}}
-            said.append(f"{', '.join(f'{k}={v!r}' for k, v in old.items())} -> {new} ({what})")
+            read = f"read as {new}" if new else "dropped"
+            said.append(f"{', '.join(f'{k}={v!r}' for k, v in old.items())} {read} ({what})")
     return options, said
 
 

@@ -1,5 +1,5 @@
 """Does the trainer's one clipping norm keep a swapped GP layer from fine-tuning like softmax? A probe
-(docs/results.md, "The encoder swap: fine-tuning MiniLM on CoLA").
+(research/notes/kep_svgp_robustness.md, "The gradient clipping").
 
 ``gpattn train`` with one change: each step's gradients are clipped in two groups, each to ``--grad-clip`` by its
 own norm — the swapped layers' new parameters (``split_pretrained``'s new ones other than the head) and everything

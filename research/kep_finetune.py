@@ -1,5 +1,5 @@
 """What keeps kep-svgp at the class prior when MiniLM is fine-tuned, mechanism by mechanism? A probe
-(docs/results.md, "The encoder swap: fine-tuning MiniLM on CoLA").
+(research/notes/kep_svgp_robustness.md, "One mechanism at a time").
 
 ``gpattn train`` with one change: after the stream match (``HFClassifier.match_prior_to_stream``) every swapped GP
 layer's prior is multiplied by ``--prior-factor`` c through ``scale_prior`` — for kep-svgp σ² and q(u_c) together

@@ -1,5 +1,5 @@
-"""Is a GP layer's fine-tuning gap on MiniLM the random stream? A probe (docs/results.md, "The encoder swap:
-fine-tuning MiniLM on CoLA").
+"""Is a GP layer's fine-tuning gap on MiniLM the random stream? A probe (research/notes/kep_svgp_robustness.md,
+"The random stream").
 
 A swapped GP layer draws normals in every training forward; each draw moves the position of every later dropout
 mask in the stream. ``gpattn train`` with one change: every swapped attention layer draws ``--draws`` normals per

@@ -6,8 +6,8 @@ posterior variance σ²ψᵀ(I + w E_train[ψψᵀ])⁻¹ψ (σ² = 1) with Mini
   multiple of the median distance of the queries;
 * ``unit-sequence``: the unit mean query over the tokens and all heads (``gp_input="sequence"``), ℓ on the sphere;
 
-beside a kNN cosine distance (k = 10) of the layer's mean-pooled input. Finding: docs/results.md, "Does the
-variance grow away from the data?", and docs/derivations.md §5f.
+beside a kNN cosine distance (k = 10) of the layer's mean-pooled input. Finding: research/notes/sgpa_rff_variance.md
+and docs/derivations.md §5f.
 
 With ``--predictions`` (a trained softmax run's predictions.pt on the official test split, ``--split test``) it also
 prints how much each score adds to the model's energy: the OOD AUROC and FPR95 (metrics.json's) of z(energy) +

@@ -3,8 +3,7 @@
 For finished text runs (``gpattn train`` / ``compare`` folders), the posterior variance of every swapped or built GP
 layer at each real token of in-domain and out-of-domain texts: its mean per sequence, the ratio OOD / in domain,
 and the OOD AUROC of the per-sequence mean variance (scikit-learn's ``roc_auc_score``). A layer whose variance is
-the same everywhere (a temperature) reads ratio ≈ 1 and AUROC ≈ 0.5. Finding: docs/results.md, "Does the variance
-grow away from the data?".
+the same everywhere (a temperature) reads ratio ≈ 1 and AUROC ≈ 0.5. Finding: research/notes/sgpa_rff_variance.md.
 
     python research/variance_by_domain.py RUN_DIR [RUN_DIR ...] --in-texts in.txt --ood-texts ood.txt
     python research/variance_by_domain.py RUN_DIR --clinc150 ../shared/data/clinc150/data_full.json --n 500

@@ -1,6 +1,7 @@
 """Checkpoints carry their format: a fresh run writes ``format_version`` (and the gpattn version), and a
 checkpoint of another format, older or newer, is refused by every reader (``load_run``, ``evaluate``,
-``--resume``) with an error naming the file, its format and the format this gpattn reads. Checkpoints of
+``--resume``) with an error naming the file, its format and the formats this gpattn reads — but a release's
+(gpattn 0.2.0's format 2: tests/test_release_compat.py), which loads through the migrations. Checkpoints of
 gpattn 0.1.0, written before the field, are read off their state-dict keys."""
 
 import shutil
@@ -79,30 +80,29 @@ def test_evaluate_and_resume_refuse_a_newer_format(run, capsys):
     path = _rewrite(run, format_version=CHECKPOINT_FORMAT + 1)
     assert main(["evaluate", "--checkpoint", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"checkpoint of format {CHECKPOINT_FORMAT + 1}" in err and f"format {CHECKPOINT_FORMAT})" in err, err
+    assert f"checkpoint of format {CHECKPOINT_FORMAT + 1}" in err and f"format {CHECKPOINT_FORMAT} and" in err, err
+    assert "pip install --upgrade gpattn" in err, err
     code = main(["train", *TINY_DIGITS, "--attention", "softmax", "--out", str(run), "--resume"])
     err = capsys.readouterr().err
     assert code == 2 and f"checkpoint of format {CHECKPOINT_FORMAT + 1}" in err, err
 
 
-def test_an_unversioned_checkpoint_of_the_strategy_layout_is_format_2_and_refused(run):
-    """gpattn 0.1.0 after the strategy protocol wrote format 2 without saying so; format 3 (0.2.0) changed
-    the SGPA variants' default model, so such a run is refused rather than read as another model."""
-    path = _rewrite(run, format_version=None, gpattn_version=None)
-    assert checkpoint_format(torch.load(path, weights_only=True)) == 2 == CHECKPOINT_FORMAT - 1
-    with pytest.raises(ValueError, match="checkpoint of format 2"):
-        load_run_with_data(run)
-
-
-def test_an_unversioned_checkpoint_with_the_old_keys_is_format_1(run):
-    path = run / "checkpoint.pt"
-    ckpt = torch.load(path, weights_only=True)
-    _rewrite(run, format_version=None, gpattn_version=None, model=_format_1_keys(ckpt["model"]))
+@pytest.mark.parametrize("found", [1, 2])
+def test_an_unversioned_checkpoint_of_a_development_version_is_refused_saying_what_to_do(run, found):
+    """A checkpoint without ``format_version`` is of the 0.1.0 series, read off its keys: format 1 before the strategy
+    protocol (KEP-SVGP under ``kep.``), format 2 after it, with the SGPA variants' zero mean, which format 3 keeps from
+    being read as the attention-mean model (0.2.0's own format-2 runs name their version and load:
+    tests/test_release_compat.py)."""
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    model = _format_1_keys(ckpt["model"]) if found == 1 else ckpt["model"]
+    path = _rewrite(run, format_version=None, gpattn_version=None, model=model)
+    assert checkpoint_format(torch.load(path, weights_only=True)) == found < CHECKPOINT_FORMAT
     with pytest.raises(ValueError) as err:
         load_run_with_data(run)
     text = str(err.value)
-    assert "checkpoint of format 1 (written before checkpoints named their gpattn version)" in text, text
-    assert f"reads checkpoint format {CHECKPOINT_FORMAT} only" in text, text
+    assert f"checkpoint of format {found} (written before checkpoints named their gpattn version)" in text, text
+    assert f"reads checkpoint format {CHECKPOINT_FORMAT} and the runs of gpattn 0.2.0 (format 2)" in text, text
+    assert "train the run again with this version" in text, text
 
 
 @pytest.mark.parametrize("value", ["2", 2.0, True])
@@ -114,7 +114,7 @@ def test_a_format_that_is_no_number_is_named(run, value):
 
 def test_compare_retrains_a_cached_run_of_an_older_format(tmp_path):
     """compare reuses a cached run only if its checkpoint is of this format: a run cached by an older gpattn
-    may be another model under the same configuration (0.2.0 changed the SGPA variants' default model)."""
+    may be another model under the same configuration (defaults changed since)."""
     import warnings
 
     from gpattn.experiments.compare import compare

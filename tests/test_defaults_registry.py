@@ -112,12 +112,10 @@ def test_every_old_default_migrates_and_says_so(row):
         said = rf"a {name} run .*{option}={old!r} \(saved before {re.escape(what)}"
         with pytest.warns(gpattn.OldVersionWarning, match=said):
             migrated = migrate_config(saved)
-        if option in _LEFT:  # qk="shared": the layers' own form since it left their options
-            assert option not in migrated["attention_options"] and migrated["attention_options"]["recipe"] == "scratch"
-            assert TrainConfig.from_dict(migrated).attention_options["recipe"] == "scratch"
-            continue
-        assert migrated["attention_options"][option] == old
-        assert TrainConfig.from_dict(migrated).attention_options[option] == old
+        # as an OLD_OPTIONS row reads it where the option left the layers since (qk="shared": their own form)
+        read = next((new for _, vs, row, new in OLD_OPTIONS if name in vs and row == {option: old}), {option: old})
+        assert read.items() <= migrated["attention_options"].items()
+        assert read.items() <= TrainConfig.from_dict(migrated).attention_options.items()
 
 
 def _strategies(name):
@@ -178,34 +176,23 @@ def test_an_encoder_row_leaves_a_run_from_scratch_alone():
     assert migrate_config(saved) is saved
 
 
-#: the options that left the layers' signatures (a row of OLD_OPTIONS reads them)
-_LEFT = {k for _, _, old, _ in OLD_OPTIONS for k in old if k in ("qk", "gp_input", "data_weight", "momentum")}
-
-
 @pytest.mark.parametrize(
     ("name", "encoder", "saved", "trained"),
     [
         ("sgpa", "minilm", {}, {"recipe": "scratch", "prior_mean": "attention"}),  # gpattn 0.2: the shared map
-        ("sgpa-decoupled", "minilm", {"qk": "separate"}, {"recipe": "encoder-swap", "prior_mean": "attention"}),
+        ("sgpa-decoupled", "minilm", {}, {"recipe": "scratch", "prior_mean": "attention"}),
         ("cgp", None, {}, {"prior_mean": "zero"}),  # before the softmax mean
         ("scgp", "minilm", {"v_dim": 4}, {"prior_mean": "zero", "v_dim": 4}),  # before the separate softmax mean
-        # written before the recipes owned options (today's configs record the recipe instead of the options it owns)
-        ("sgpa", "minilm", {"qk": "separate", "prior_mean": "softmax"}, {"recipe": "encoder-swap"}),
-        ("sgpa-rff", "minilm", {"qk": "separate", "prior_mean": "softmax", "lengthscale": 1.0},
-         {"recipe": "encoder-swap", "lengthscale": 1.0}),
-        ("sgpa-rff", "minilm", {"qk": "separate", "prior_mean": "softmax", "lengthscale": 0.2, "gp_input": "sequence",
-                                "num_features": 1024, "data_weight": 10000.0},
-         {"recipe": "out-of-scope", "num_features": 1024, "lengthscale": 0.2}),
-        ("sgpa-rff", None, {"qk": "separate", "data_weight": 1000.0},
-         {"recipe": "encoder-swap", "prior_mean": "attention", "lengthscale": None}),
-        ("kep-svgp", None, {"prior_mean": "softmax", "feature_gradient": True, "token_independent": False},
-         {"prior_mean": "softmax"}),
-        ("cgp", None, {"prior_mean": "softmax", "prior_samples": 10, "learn_sigma": False}, {"prior_mean": "softmax"}),
+        # options of gpattn 0.2's layers that left them (OLD_OPTIONS), at the value the layers always have now
+        ("kep-svgp", None, {"token_independent": False, "include_residual": False, "rank": 2},
+         {"prior_mean": "zero", "rank": 2}),
+        ("cgp", None, {"prior_samples": 10, "learn_sigma": False}, {"prior_mean": "zero"}),
+        ("scgp", None, {"learn_sigma": False}, {"prior_mean": "zero"}),
     ],
 )
 def test_each_older_config_reads_as_the_model_it_trained(name, encoder, saved, trained):
-    """A config written before a default changed, or before an option left the layers, reads as the
-    options that build the model it trained, and the layer builds."""
+    """A config gpattn 0.2 wrote, before a default changed or with an option that left the layers since at the value
+    they always have now, reads as the options that build the model it trained, and the layer builds."""
     old = {**TrainConfig(attention=name, encoder=encoder).to_dict(), "attention_options": saved}
     with pytest.warns(gpattn.OldVersionWarning, match=f"a {name} run written by an older gpattn"):
         migrated = migrate_config(old)
@@ -214,19 +201,55 @@ def test_each_older_config_reads_as_the_model_it_trained(name, encoder, saved, t
     gpattn.build_attention(name, 16, 2, **{k: v for k, v in options.items() if k != "v_dim"})
 
 
+def test_every_old_option_row_is_an_option_of_gpattn_0_2_at_the_value_the_layers_have_now():
+    """OLD_OPTIONS serves gpattn 0.2's configs only (docs/development.md, "Migration rows serve releases"): each row
+    reads an option that left the layers (the registry's error names its owner) at the value they always have now:
+    dropped, or the SGPA layers' shared map (which OLD_DEFAULTS fills into gpattn 0.2's encoder configs) as their own
+    form."""
+    from gpattn.attention.registry import former_options
+
+    for what, variants, old, new in OLD_OPTIONS:
+        assert new in ({}, {"recipe": "scratch"}) and len(old) == 1, what
+        (option, value), = old.items()
+        for name in variants:
+            assert set(former_options(name, old)) == {option}
+            with pytest.raises(ValueError, match=rf"unknown option\(s\) \['{option}'\]"):
+                gpattn.build_attention(name, 16, 2, **old)
+
+
+@pytest.mark.parametrize(
+    ("name", "encoder", "saved", "owner"),
+    [  # configs of development commits (a form no release had) and settings no recipe owns
+        ("sgpa", "minilm", {"qk": "separate", "prior_mean": "softmax"}, "recipe='encoder-swap'"),
+        ("sgpa-decoupled", None, {"qk": "separate"}, "recipe='encoder-swap'"),
+        ("sgpa-rff", "minilm", {"qk": "separate", "prior_mean": "softmax", "lengthscale": 0.2, "gp_input": "sequence",
+                                "num_features": 1024, "data_weight": 10000.0}, "recipe='out-of-scope'"),
+        ("sgpa-rff", None, {"gp_input": "sequence"}, "recipe='out-of-scope'"),
+        ("kep-svgp", None, {"feature_gradient": False}, "research/knobs.py"),
+        ("cgp", None, {"prior_samples": None}, "research/knobs.py"),
+        ("scgp", None, {"learn_sigma": True}, "research/knobs.py"),
+    ],
+)
+def test_a_saved_config_with_an_option_that_left_gives_one_clear_error(name, encoder, saved, owner):
+    """A saved config recording an option that left the layers at a value no migration reads is not guessed at:
+    loading it is one error that names the option, that such runs are trained again, and what owns the form now."""
+    old = {**TrainConfig(attention=name, encoder=encoder).to_dict(), "attention_options": saved}
+    old["attention_options"].setdefault("prior_mean", gpattn.attention_options(name)["prior_mean"])  # as they record
+    with pytest.raises(ValueError, match=r"this run's config records .*trained again.*" + re.escape(owner)):
+        TrainConfig.from_saved(old)
+
+
 @pytest.mark.parametrize(
     ("name", "saved", "owner"),
     [
-        ("sgpa-rff", {"gp_input": "sequence"}, "recipe='out-of-scope'"),  # at another setting than the recipe's
         ("sgpa", {"prior_mean": "softmax"}, "encoder-swap recipe's"),  # the softmax mean from scratch
-        ("kep-svgp", {"feature_gradient": False}, "research/knobs.py"),
-        ("cgp", {"prior_samples": None}, "research/knobs.py"),
         ("scgp", {"prior_mean": "softmax"}, "CorrelatedSoftmaxMean"),
+        ("cgp", {"prior_mean": "softmax-separate"}, "CorrelatedSeparateSoftmaxMean"),
     ],
 )
-def test_a_config_with_a_form_no_option_spells_gives_one_clear_error(name, saved, owner):
-    """A config recording a removed option at a value no recipe owns, or a prior mean that is no name of the variant
-    any more, is not guessed at: building it is one error that names what owns the form now."""
+def test_a_name_a_variant_no_longer_takes_gives_one_clear_error(name, saved, owner):
+    """A prior mean that is no name of the variant any more is not guessed at: building it is one error that names
+    what owns the form now."""
     config = TrainConfig.from_dict({**TrainConfig(attention=name).to_dict(), "attention_options": saved})
     with pytest.raises(ValueError, match=re.escape(owner)):
         gpattn.build_attention(name, 16, 2, **config.attention_options)

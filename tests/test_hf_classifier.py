@@ -161,7 +161,7 @@ def test_train_with_encoder_then_load_run_predicts(tmp_path):
         f.unlink()
     enc.rmdir()
     run = gpattn.experiments.load_run(out)
-    pred = run.predict(["a great film , really good", "terrible"], num_samples=3)
+    pred = run.predict(["a great film , really good", "awful"], num_samples=3)
     assert pred.probs.shape == (2, 3) and pred.sample_probs.shape == (2, 3, 3)
     torch.testing.assert_close(pred.probs.sum(1), torch.ones(2))
     ids, mask = run.encode(["a great film"])
@@ -341,7 +341,7 @@ def test_train_and_compare_with_a_frozen_trunk(tmp_path):
         if k.startswith(("embeddings.", "encoder.layer.0.")):
             torch.testing.assert_close(ckpt["model"]["encoder." + k], v, rtol=0, atol=0)
     run = gpattn.experiments.load_run(out / "runs" / "sgpa" / "seed0")
-    pred = run.predict(["a great film , really good", "terrible"], num_samples=3)
+    pred = run.predict(["a great film , really good", "awful"], num_samples=3)
     assert pred.probs.shape == (2, 3)
 
 
@@ -482,19 +482,11 @@ def test_match_prior_to_stream_puts_the_median_key_distance_of_cgp_at_two(name):
     assert median_distance() == pytest.approx(2.0, rel=1e-6)
 
 
-@pytest.mark.parametrize(
-    ("trained", "saved"),
-    [
-        ({"recipe": "scratch", "prior_mean": "attention"}, {}),
-        ({"recipe": "encoder-swap", "prior_mean": "attention"}, {"qk": "separate"}),
-    ],
-    ids=["gpattn-0.2", "before-the-softmax-mean"],
-)
-def test_a_run_saved_before_the_swap_defaults_reloads_in_its_own_form(tmp_path, trained, saved):
-    """A run's config.json records the encoder swap's recipe (separate maps, the softmax mean); a checkpoint written
-    before one of them was a default (its config lacks the option, its weights trained the layer's default of then:
-    the shared map, the attention mean), or before the maps became the recipe's (``qk="separate"``), reloads in the
-    form it trained."""
+def test_a_run_saved_before_the_swap_defaults_reloads_in_its_own_form(tmp_path):
+    """A run's config.json records the encoder swap's recipe (separate maps, the softmax mean); a checkpoint gpattn
+    0.2 wrote before they were its defaults (its config lacks them, its weights trained the layer's own form: the
+    shared map, the attention mean) reloads in the form it trained."""
+    trained, saved = {"recipe": "scratch", "prior_mean": "attention"}, {}
     from gpattn.experiments._runs import CHECKPOINT
     from gpattn.experiments.cli import main
 
@@ -508,13 +500,14 @@ def test_a_run_saved_before_the_swap_defaults_reloads_in_its_own_form(tmp_path, 
     with pytest.warns(GPCollapseWarning):
         assert main(argv) == 0
     assert json.loads((out / "config.json").read_text())["attention_options"] == trained
-    texts = ["a great film , really good", "terrible"]
+    texts = ["a great film , really good", "awful"]
     with gpattn.deterministic():
         before = gpattn.experiments.load_run(out).predict(texts, num_samples=1).probs
     ckpt = torch.load(out / CHECKPOINT, weights_only=False)
     ckpt["config"]["attention_options"] = saved  # as the older gpattn wrote it
     torch.save(ckpt, out / CHECKPOINT)
-    with pytest.warns(gpattn.OldVersionWarning, match="migrated its config to the form it trained: .*qk="):
+    said = "migrated its config to the form it trained: .*qk='shared' read as {'recipe': 'scratch'}"
+    with pytest.warns(gpattn.OldVersionWarning, match=said):
         run = gpattn.experiments.load_run(out)
     assert run.cfg.attention_options == trained
     with gpattn.deterministic():

@@ -285,3 +285,22 @@ def test_the_decoupled_strategy_asks_its_q_mean_object_for_the_mean_basis():
             if paired:
                 assert type(a) is type(b) and torch.equal(a.mean, b.mean)
                 assert torch.equal(a.kl_divergence(), b.kl_divergence())
+
+
+def test_the_moved_parsers_say_where_they_went_and_what_they_say_works():
+    import gpattn.variational.kep_svgp as kep
+    import gpattn.variational.means as means
+    from gpattn.attention.registry import CHOICES, resolve
+
+    for name in ("PRIOR_MEANS", "check_prior_mean"):  # what gpattn 0.2.0 exported (tests/test_release_compat.py)
+        with pytest.raises(AttributeError, match=rf"means\.{name} moved to gpattn\.attention\.registry\."):
+            getattr(means, name)
+    assert set(CHOICES["sgpa"]["prior_mean"]) == {"attention", "zero"}  # 0.2.0's PRIOR_MEANS
+    assert isinstance(resolve("sgpa", "prior_mean", "zero"), means.ZeroMean)
+    with pytest.raises(ValueError, match="prior_mean must be one of"):
+        resolve("sgpa", "prior_mean", "nothing")
+    for module, name in ((means, "make_prior_mean"), (means, "CGP_PRIOR_MEANS"), (kep, "make_kep_mean")):
+        with pytest.raises(AttributeError, match=f"has no attribute '{name}'$"):  # no release had them
+            getattr(module, name)
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        _ = means.nothing

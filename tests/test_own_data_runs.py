@@ -94,7 +94,10 @@ def test_readme_recipe_three_files_report_and_cache(tmp_path, capsys):
     for f in data.iterdir():
         f.unlink()
     run = gpattn.experiments.load_run(out / "runs" / "softmax" / "seed0")
-    pred = run.predict(["a wonderful , delightful film", "dull and tedious", "unseen words only"], num_samples=4)
+    from gpattn.experiments.inference import UnknownWordsWarning
+
+    with pytest.warns(UnknownWordsWarning, match="unseen words only"):  # a text of unknown words: said, not silent
+        pred = run.predict(["a wonderful , delightful film", "dull and tedious", "unseen words only"], num_samples=4)
     assert pred.probs.shape == (3, 3) and torch.allclose(pred.probs.sum(1), torch.ones(3), atol=1e-5)
     assert pred.sample_probs.shape == (3, 4, 3)
     assert torch.allclose(pred.total_entropy, pred.expected_entropy + pred.mutual_information, atol=1e-5)

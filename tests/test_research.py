@@ -41,7 +41,7 @@ def test_variance_by_domain_smoke(tmp_path):
     """research/variance_by_domain.py on a tiny sgpa-rff text run: one variance per text and GP layer, finite and
     positive, and the captured conditionals leave the layer as it was."""
     from gpattn.experiments.data.fixtures import make_text_table
-    from gpattn.experiments.inference import load_run
+    from gpattn.experiments.inference import UnknownWordsWarning, load_run
     from gpattn.experiments.training import TrainConfig, train
 
     table = make_text_table(tmp_path / "t.tsv", n=40, class_names=("0", "1"))
@@ -52,7 +52,8 @@ def test_variance_by_domain_smoke(tmp_path):
     probe = _research("variance_by_domain")
     run = load_run(tmp_path / "run")
     (layer,) = probe.gp_layers(run.model)
-    (var,) = probe.sequence_variances(run, ["a good film", "a bad one indeed", "zzz qqq"])
+    with pytest.warns(UnknownWordsWarning, match="zzz qqq"):  # the unknown text is on purpose
+        (var,) = probe.sequence_variances(run, ["a good film", "a bad one indeed", "zzz qqq"])
     assert var.shape == (3,) and bool((var > 0).all()) and bool(var.isfinite().all())
     assert "_condition" not in vars(layer)
 

@@ -2,27 +2,38 @@
 
     python tools/variants_page.py                 # rewrite docs/variants.md from the result file
     python tools/variants_page.py --check         # exit 1 if docs/variants.md is not what the files give
+    python tools/variants_page.py --refresh       # run every claim's run list, then rewrite both files
     python tools/variants_page.py --refresh digits --results runs/digits/results.json \\
         --command "gpattn compare --preset digits --out runs/digits" --commit 1234abc --date 2026-12-01
 
 What each variant is and when to pick it is the text below; its defaults come from
 ``gpattn.attention_options(name)``; its numbers come from the result file, one entry per claim with the
-command, commit and date of every run behind it. ``--refresh CLAIM`` reads a ``results.json`` that
-``gpattn compare`` wrote and *replaces* the rows of the variants it measured (an older run that no longer
-backs any row is dropped), so a re-measurement changes the numbers instead of adding a section.
+command, commit and date of every run behind it. A claim's ``refresh`` entry is its run list: the command that
+re-measures it at today's defaults (``{out}``: its folder under ``--runs``) and how to read what that writes
+(``compare``: the ``results.json`` of ``gpattn compare``; ``suite``: ``benchmarks/attention_suite.py --json``;
+``cost``: ``benchmarks/attention_scaling.py --json``). ``--refresh`` alone runs every claim's list (``--refresh
+CLAIM`` one claim's) at the checked-out commit and *replaces* the rows of the variants it measured (an older run
+that no longer backs any row is dropped), so a re-measurement changes the numbers instead of adding a section;
+with ``--results`` it reads a file already written instead of running anything. Each refresh also writes
+``RUNS/tables.md``, the claims' new rows with their command and commit, for docs/results.md (whose tables the
+page's numbers must come from). Data sets are found as ``gpattn`` finds them (``$GPATTN_DATA_DIR``).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "data" / "headline.json"
 PAGE = ROOT / "docs" / "variants.md"
+RUNS = ROOT / "runs" / "variants-page"
 
 #: what each registered variant is: paper, section of docs/derivations.md, cost and the options that matter
 VARIANTS = {
@@ -198,15 +209,16 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 
 
 def cell(results: dict, spec: str, field: dict) -> str:
-    """One table cell from results.json: mean ± sample std over seeds; a paired difference against another spec
-    (``against``) or, with ``better_than``, the seeds in which the spec beats that one, as ``k/n``."""
+    """One table cell from results.json: mean ± sample std over seeds (``format: "ratio"``: the mean as a multiple,
+    ``1.25×``); a paired difference against another spec (``against``) or, with ``better_than``, the seeds in which
+    the spec beats that one, as ``k/n``."""
     mine = _values(results, spec, field["split"], field["metric"])
     if not mine:
         return "–"
     other = field.get("against") or field.get("better_than")
     if other is None or other == spec:
         mean, std = _mean_std(list(mine.values()))
-        return f"{mean:.3f} ± {std:.3f}"
+        return f"{mean:.2f}×" if field.get("format") == "ratio" else f"{mean:.3f} ± {std:.3f}"
     theirs = _values(results, other, field["split"], field["metric"])
     seeds = sorted(set(mine) & set(theirs))
     if not seeds:
@@ -226,7 +238,7 @@ def refresh(data: dict, claim: str, results: dict, command: str, commit: str, da
     entry = data["claims"][claim]
     fields = entry.get("fields")
     if not fields:
-        raise SystemExit(f"claim {claim!r} is not measured by gpattn compare (no 'fields'); edit the result file")
+        raise SystemExit(f"claim {claim!r} has no 'fields' (what to read from its runs); edit the result file")
     known = set(VARIANTS) | set(BASELINES)
     measured = [spec for spec in results if spec in known]
     rows = {spec: {col: cell(results, spec, fields[col]) for col in entry["columns"]} for spec in measured}
@@ -239,6 +251,97 @@ def refresh(data: dict, claim: str, results: dict, command: str, commit: str, da
             runs.append({**run, "rows": kept})
     runs.append({"command": command, "commit": commit, "date": date, "rows": rows})
     return {**data, "claims": {**data["claims"], claim: {**entry, "runs": runs}}}
+
+
+def _suite_results(path: Path) -> dict:
+    """``benchmarks/attention_suite.py --json`` as compare's results.json: spec -> seed -> task -> accuracy."""
+    out: dict = {}
+    for r in json.loads(path.read_text())["results"]:
+        if "accuracy" in r:
+            config = r["config"]
+            out.setdefault(r["variant"], {}).setdefault(str(config["seed"]), {})[config["task"]] = {
+                "accuracy": r["accuracy"]
+            }
+    return out
+
+
+def _cost_results(path: Path) -> dict:
+    """``benchmarks/attention_scaling.py --json`` as compare's results.json: variant -> "0" -> mode -> T -> time as a
+    multiple of softmax's in the same run (configurations other than a variant's default are left out)."""
+    out: dict = {}
+    for r in json.loads(path.read_text())["rows"]:
+        if r.get("ratio_to_softmax") is not None and r["variant"] == r.get("name"):  # another label: not the default
+            row = out.setdefault(r["variant"], {}).setdefault("0", {}).setdefault(r["mode"], {})
+            row[str(r["T"])] = r["ratio_to_softmax"]
+    return out
+
+
+#: how a claim's run list writes its numbers: the file under the claim's folder and the reader of that file
+READERS = {
+    "compare": ("results.json", lambda path: json.loads(path.read_text())),
+    "suite": ("suite.json", _suite_results),
+    "cost": ("cost.json", _cost_results),
+}
+
+
+def _argv(command: str) -> list[str]:
+    """A run-list command as a process to start: ``gpattn ...`` and ``python ...`` run with this interpreter (so
+    with this checkout's gpattn, whatever ``gpattn`` on the PATH is)."""
+    argv = shlex.split(command)
+    if argv[0] == "gpattn":
+        return [sys.executable, "-m", "gpattn", *argv[1:]]
+    if argv[0] == "python":
+        return [sys.executable, *argv[1:]]
+    return argv
+
+
+def current_commit() -> str:
+    """The checked-out commit that computes a refresh's numbers; an error if gpattn/, benchmarks/ or a preset has
+    uncommitted changes (the page would name a commit that does not compute them)."""
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "gpattn", "benchmarks"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    if dirty:
+        raise SystemExit(f"uncommitted changes under gpattn/ or benchmarks/ ({dirty.splitlines()[0]} ...): commit them "
+                         f"first, or name the commit with --commit")  # fmt: skip
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+
+
+def run_claim(data: dict, claim: str, runs: Path, commit: str, date: str, log=print) -> dict:
+    """Run ``claim``'s run list into ``runs/claim`` and return the result file with its rows replaced by what the
+    run measured; the run's own output is in ``runs/claim.log``."""
+    entry = data["claims"].get(claim)
+    if entry is None:
+        raise SystemExit(f"no claim {claim!r} in the result file; claims: {', '.join(data['claims'])}")
+    plan = entry.get("refresh")
+    if not plan:
+        raise SystemExit(f"claim {claim!r} has no run list ('refresh'): re-measure it by hand and pass --results")
+    out = runs / claim
+    out.mkdir(parents=True, exist_ok=True)
+    shown = str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out)
+    command = plan["command"].format(out=shown)
+    log(f"[variants_page] {claim}: {command}")
+    with open(runs / f"{claim}.log", "w") as f:
+        done = subprocess.run(_argv(plan["command"].format(out=out)), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"{claim}: the run list's command failed (exit {done.returncode}); its output: "
+                         f"{runs / f'{claim}.log'}")  # fmt: skip
+    name, read = READERS[plan["reads"]]
+    return refresh(data, claim, read(out / name), command, commit, date)
+
+
+def tables(data: dict, claims: list[str]) -> str:
+    """The claims' latest rows as Markdown tables with their command and commit (for docs/results.md)."""
+    lines = []
+    for claim in claims:
+        entry, run = data["claims"][claim], data["claims"][claim]["runs"][-1]
+        lines += [f"## {entry['title']}", "", "```bash", f"{run['command']}   # at {run['commit']}, {run['date']}",
+                  "```", "", "| variant | " + " | ".join(entry["columns"]) + " |",
+                  "|---|" + "---|" * len(entry["columns"])]  # fmt: skip
+        for variant, cells in run["rows"].items():
+            lines.append(f"| {variant} | " + " | ".join(cells.get(c, "–") for c in entry["columns"]) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _row_of(entry: dict) -> dict[str, tuple[dict, int]]:
@@ -345,18 +448,29 @@ def main(argv=None) -> int:
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--out", type=Path, default=PAGE)
     parser.add_argument("--check", action="store_true", help="exit 1 if --out differs from the generated page")
-    parser.add_argument("--refresh", metavar="CLAIM", help="replace CLAIM's rows with a gpattn compare results.json")
-    parser.add_argument("--results", type=Path, help="the results.json of --refresh")
+    parser.add_argument("--refresh", metavar="CLAIM", nargs="?", const="all",
+                        help="re-measure CLAIM (default: every claim with a run list), or read --results for it")
+    parser.add_argument("--runs", type=Path, default=RUNS, help="where --refresh runs (default runs/variants-page)")
+    parser.add_argument("--results", type=Path, help="a results file already written: replace CLAIM's rows with it")
     parser.add_argument("--command", help="the command that wrote --results")
-    parser.add_argument("--commit", help="the commit --results was measured at")
-    parser.add_argument("--date", help="the date --results was measured (YYYY-MM-DD)")
+    parser.add_argument("--commit", help="the commit the numbers were measured at (default: the checked-out one)")
+    parser.add_argument("--date", help="the date they were measured (YYYY-MM-DD; default: today)")
     args = parser.parse_args(argv)
     data = json.loads(args.data.read_text())
-    if args.refresh:
-        if not (args.results and args.command and args.commit and args.date):
-            parser.error("--refresh needs --results, --command, --commit and --date")
+    if args.refresh and args.results:
+        if args.refresh == "all" or not (args.command and args.commit and args.date):
+            parser.error("--refresh CLAIM --results FILE needs --command, --commit and --date")
         data = refresh(data, args.refresh, json.loads(args.results.read_text()), args.command, args.commit, args.date)
         args.data.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    elif args.refresh:
+        claims = [c for c, e in data["claims"].items() if e.get("refresh")] if args.refresh == "all" else [args.refresh]
+        commit = args.commit or current_commit()
+        date = args.date or datetime.date.today().isoformat()
+        for claim in claims:
+            data = run_claim(data, claim, args.runs, commit, date)
+            args.data.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")  # each claim as it finishes
+        (args.runs / "tables.md").write_text(tables(data, claims))
+        print(f"[variants_page] the new rows, for docs/results.md: {args.runs / 'tables.md'}")
     text = page(data)
     if args.check:
         same = args.out.is_file() and args.out.read_text() == text

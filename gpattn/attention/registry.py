@@ -47,6 +47,7 @@ __all__ = [
     "attention_class",
     "attention_options",
     "build_attention",
+    "former_options",
     "list_attention",
     "recipe_options",
     "register",
@@ -176,21 +177,28 @@ _FORMER_NAMES = {
 }
 #: options that left the layers' signatures and what owns their form now (the error of build_attention)
 _FORMER_OPTIONS = {
-    "qk": "separate query and key maps are the encoder-swap recipe's form (recipe='encoder-swap', what an --encoder "
-    "run builds); the layer's own map is Chen & Li's shared one",
-    "gp_input": "g on the sequence is the out-of-scope recipe's covariance (recipe='out-of-scope': R = 1024, l = 0.2, "
-    "w = 1e4, the clinc150-minilm preset), or covariance=functools.partial(gpattn.variational.covariances."
-    "TrainingSequenceCovariance, data_weight=...) for another setting",
+    "qk": "separate query and key maps are the encoder-swap recipe's form: recipe='encoder-swap' (what an --encoder "
+    "run builds, with the softmax mean: it replaces qk='separate' and prior_mean='softmax'); qk='shared' is the "
+    "layers' own form (recipe='scratch'): drop it",
+    "gp_input": "g on the sequence is the out-of-scope recipe's covariance: recipe='out-of-scope' (R = 1024, l = 0.2, "
+    "w = 1e4, the clinc150-minilm preset's; it replaces gp_input='sequence', data_weight, qk and prior_mean), or "
+    "covariance=functools.partial(gpattn.variational.covariances.TrainingSequenceCovariance, data_weight=...) for "
+    "another setting; gp_input='query' is the default covariance: drop it",
     "data_weight": "w is a setting of g's covariance object (gpattn.variational.covariances.TrainingQueryCovariance"
-    "(..., data_weight=...), passed as covariance=); the out-of-scope recipe sets 1e4",
+    "(..., data_weight=...), passed as covariance=); the out-of-scope recipe sets 1e4; 1000.0 is the default: drop it",
     "momentum": "the running moment's weight is a setting of g's covariance object "
-    "(gpattn.variational.covariances.TrainingQueryCovariance(..., momentum=...), passed as covariance=)",
-    "feature_gradient": "a research probe: research/knobs.py's KEPSVGPProbe takes it",
-    "token_independent": "the released code's sampler, a research probe: research/knobs.py's KEPSVGPProbe takes it",
-    "include_residual": "a research probe: research/knobs.py's KEPSVGPProbe takes it",
+    "(gpattn.variational.covariances.TrainingQueryCovariance(..., momentum=...), passed as covariance=); 0.01 is the "
+    "default: drop it",
+    "feature_gradient": "a research probe: research/knobs.py's KEPSVGPProbe takes it; True is what the layer does: "
+    "drop it",
+    "token_independent": "the released code's sampler, a research probe: research/knobs.py's KEPSVGPProbe takes it; "
+    "False is what the layer does: drop it",
+    "include_residual": "a research probe: research/knobs.py's KEPSVGPProbe takes it; False is what the layer does: "
+    "drop it",
     "prior_samples": "a research probe (the exact expectation, prior_samples=None, is a verification tool: set "
-    "layer.strategy.prior_samples); research/knobs.py's CGPProbe takes it",
-    "learn_sigma": "a research probe: research/knobs.py's CGPProbe and SCGPProbe take it",
+    "layer.strategy.prior_samples); research/knobs.py's CGPProbe takes it; 10 is what the layer does: drop it",
+    "learn_sigma": "a research probe: research/knobs.py's CGPProbe and SCGPProbe take it; False is what the layers "
+    "do: drop it",
 }
 
 
@@ -292,6 +300,13 @@ def recipe_options(name, recipe: str = "scratch") -> dict[str, object]:
     return {**named, **{k: resolved[k] for k in (*_recipe(name, recipe).options, *entry.recorded)}}
 
 
+def former_options(name, options) -> dict[str, str]:
+    """The options of ``options`` (names) that left the layer of ``name`` (a registered name or a layer class), each
+    with what owns its form now; empty when there are none."""
+    valid = _signature_options(attention_class(name))
+    return {k: _FORMER_OPTIONS[k] for k in sorted(options) if k in _FORMER_OPTIONS and k not in valid}
+
+
 def build_attention(name, embed_dim: int, num_heads: int, *, recipe: str = "scratch", **options) -> nn.Module:
     """Build the attention layer ``name`` (a registered name, or a layer class) for inputs of width
     ``embed_dim`` with ``num_heads`` heads, as the named ``recipe`` of :data:`RECIPES` has it (its options and
@@ -306,9 +321,10 @@ def build_attention(name, embed_dim: int, num_heads: int, *, recipe: str = "scra
     unknown = sorted(set(options) - set(valid))
     if unknown:
         shown = name if isinstance(name, str) else cls.name or cls.__name__
-        former = "".join(f"; {k}: {_FORMER_OPTIONS[k]}" for k in unknown if k in _FORMER_OPTIONS)
+        former = "".join(f"; {k}: {owner}" for k, owner in former_options(cls, unknown).items())
         raise ValueError(
-            f"unknown option(s) {unknown} for attention {shown!r}; valid options: {', '.join(sorted(valid))}{former}"
+            f"unknown option(s) {unknown} for attention {shown!r}; valid options: recipe, "
+            f"{', '.join(sorted(valid))}{former}"
         )
     objects = {option: build() for option, build in chosen.objects.items()}
     return cls(embed_dim, num_heads, **{**chosen.options, **objects, **options})

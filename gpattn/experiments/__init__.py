@@ -13,7 +13,11 @@ Its own dependencies (scikit-learn, scipy, tqdm, matplotlib) come with the extra
 imported on first use, so ``import gpattn.experiments`` itself needs none of them.
 """
 
-from gpattn import _lazy_submodules
+from gpattn._shadow import check_not_shadowed
+
+check_not_shadowed()  # a folder named gpattn (a clone) shadowing the package: an ImportError that says so
+
+from gpattn import _lazy_submodules  # noqa: E402
 
 _SUBMODULES = (
     "cli",

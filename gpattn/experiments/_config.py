@@ -9,7 +9,7 @@ import json
 import math
 
 from gpattn._migrate import migrate_config
-from gpattn.attention.registry import recipe_options
+from gpattn.attention.registry import former_options, list_attention, recipe_options
 from gpattn.experiments._optim import DEFAULT_BATCH_SIZE, ENCODER_DEFAULTS
 from gpattn.experiments._runs import valid_device
 from gpattn.kernels import require_kernel_spec
@@ -210,8 +210,19 @@ class TrainConfig:
     def from_saved(cls, d: dict) -> TrainConfig:
         """A run's saved config (its checkpoint's): as ``from_dict``, after
         :func:`gpattn._migrate.migrate_config` (a config written by an older gpattn keeps the form it
-        trained, with an ``OldVersionWarning``)."""
-        return cls.from_dict(migrate_config(d))
+        trained, with an ``OldVersionWarning``); one that records an option its layer no longer takes at a value no
+        migration reads is an error naming what owns that form now."""
+        d = migrate_config(d)
+        name, options = d.get("attention"), d.get("attention_options")
+        left = former_options(name, options) if name in list_attention() and isinstance(options, dict) else {}
+        if left:
+            raise ValueError(
+                f"this run's config records {', '.join(f'{k}={options[k]!r}' for k in left)}, no option of the {name} "
+                "layer any more and at a value no migration reads (runs of development commits are trained again: "
+                "docs/development.md, 'Versions and compatibility'): train it again with today's form; "
+                + "; ".join(f"{k}: {owner}" for k, owner in left.items())
+            )
+        return cls.from_dict(d)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

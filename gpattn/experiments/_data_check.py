@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import warnings
 from pathlib import Path
+
+from gpattn._warnings import DataWarning, warn
 
 #: text_table options that name files, and the role data.json records their files under
 _FILE_OPTIONS = {"path": "train", "shift_file": "shift", "ood_file": "ood"}
@@ -103,8 +104,8 @@ def load_checked_data(ckpt_path, cfg, for_model, explicit=()):
     bundle = for_model(load_dataset(cfg.dataset, data_dir=cfg.data_dir, download=cfg.download, seed=cfg.seed,
                                     **cfg.dataset_options))
     if recorded is None or "fingerprint" not in recorded:
-        warnings.warn(f"{data_file} is missing or holds no data fingerprint: cannot check that the data set is the "
-                      f"one the run was trained on", stacklevel=3)
+        warn(f"{data_file} is missing or holds no data fingerprint: cannot check that the data set is the one the "
+             f"run was trained on", DataWarning)
         return bundle
     now = data_summary(bundle)
     if now["fingerprint"] != recorded["fingerprint"]:

@@ -13,15 +13,20 @@ import inspect
 import json
 import os
 import socket
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
+
+from gpattn._warnings import warn
 
 LOCK_NAME = "run.lock"
 
 
 class RunFolderLockedError(ValueError):
     """Another live process writes the run folder."""
+
+
+class StaleLockWarning(UserWarning):
+    """A run folder's lock was left by a process that no longer runs (killed, a crash) and was replaced."""
 
 
 def _alive(pid: int) -> bool:
@@ -65,7 +70,7 @@ def run_lock(out):
         held = _holder(path) or {}
         pid, host = held.get("pid"), held.get("host")
         if isinstance(pid, int) and host == mine["host"] and not _alive(pid):
-            warnings.warn(f"{path}: replacing a stale lock of process {pid}, which no longer runs", stacklevel=3)
+            warn(f"{path}: replacing a stale lock of process {pid}, which no longer runs", StaleLockWarning)
         elif isinstance(pid, int):
             raise RunFolderLockedError(
                 f"{out} is being written by another run (process {pid} on {host}, lock file {path}); wait for it "

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from pathlib import Path
 
 import torch
 
+from gpattn._warnings import DataWarning, warn
 from gpattn.experiments._io import check_checkpoint_format, load_file
 
 __all__ = [
@@ -100,7 +100,9 @@ def _run_folder_hint(folder: Path) -> str:
     """Where the runs are when ``folder`` is a ``gpattn compare`` output (``runs/<variant>/seed<N>``)."""
     found = sorted(p.parent for p in folder.glob(f"runs/*/seed*/{CHECKPOINT}"))
     if not found:
-        return ""
+        runs = sorted(p.parent for p in folder.glob(f"*/{CHECKPOINT}"))  # a folder of run folders
+        shown = ", ".join(str(p) for p in runs[:6]) + (f" and {len(runs) - 6} more" if len(runs) > 6 else "")
+        return f": {folder} holds run folders, pass one of those: {shown}" if runs else ""
     shown = ", ".join(str(p) for p in found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
     return (f": {folder} is a `gpattn compare` folder, which holds one run per variant and seed under "
             f"{folder / 'runs' / '<variant>' / 'seed<N>'} — pass one of those: {shown}")
@@ -151,11 +153,11 @@ def fit_to_positions(bundle, width: int):
             continue
         cut[key] = int((~split.mask).sum(1).gt(width).sum())
         splits[key] = dataclasses.replace(split, inputs=split.inputs[:, :width], mask=split.mask[:, :width])
-        warnings.warn(
+        warn(
             f"{bundle.name}: {cut[key]} of {len(split)} rows of split {key!r} are longer than the {width} tokens of "
             f"the longest training sequence (train/val), which sizes the model's positional embedding; they keep "
             f"their first {width} tokens (data.json's \"cut_to_model\" counts them). To cut every split alike, pass "
             f"the data set's max_len option (at most {width}); or put longer texts in the training file.",
-            stacklevel=3,
+            DataWarning,
         )
     return (dataclasses.replace(bundle, splits=splits) if cut else bundle), cut

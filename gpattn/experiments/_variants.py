@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
 import re
 
 from gpattn.attention.registry import attention_class, attention_options, list_attention
@@ -32,7 +33,20 @@ class VariantSpec:
         opts = "[" + ",".join(f"{k}={v}" for k, v in self.options) + "]" if self.options else ""
         return self.attention + opts + ("+mcdropout" if self.mcdropout else "") + ("+sngp" if self.sngp else "")
 
+    @property
+    def folder_name(self) -> str:
+        """:attr:`run_name` as a folder name no shell needs quoted (``sgpa-rff[gp_input=sequence]`` is a glob in bash
+        and an error in zsh): ``sgpa-rff_gp_input=sequence``; a name that lost more than its brackets keeps a short
+        hash of the run name, so that two runs never share a folder."""
+        name = self.run_name
+        safe = _UNSAFE.sub("_", name).strip("_")
+        if _UNSAFE.sub("", name.replace("[", "").replace("]", "")) != name.replace("[", "").replace("]", ""):
+            safe += "-" + hashlib.sha256(name.encode()).hexdigest()[:8]
+        return safe
 
+
+#: characters a folder name keeps (others need quoting in some shell)
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.,=+-]+")
 _SPEC = re.compile(r"\s*([A-Za-z0-9_-]+)\s*(?:\[([^\]]*)\])?\s*((?:\+[^+]*)*)\s*")
 
 

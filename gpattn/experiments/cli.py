@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import re
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 __all__ = ["main"]
@@ -215,7 +217,19 @@ def _config(args, **extra):
         values["loss_weights"] = {**values.get("loss_weights", {}), **dict(args.loss_weight)}
     values["progress"] = not args.no_progress
     values.update(extra)
+    if values.get("encoder_max_len") is not None and values.get("encoder") is None:
+        raise ValueError(_max_len_hint(values.get("dataset") or "digits", values["encoder_max_len"]))
     return TrainConfig.from_dict(values), preset
+
+
+def _max_len_hint(dataset: str, given: int) -> str:
+    """``--max-len`` without ``--encoder``: the data set's own ``max_len`` option is what cuts its texts."""
+    from gpattn.experiments.data import dataset_options
+
+    own = dataset_options(dataset).get("max_len")
+    then = (f"without --encoder the tokens kept per text are the data set's max_len option (default {own}): "
+            f"--dataset-option max_len={given}" if own is not None else f"data set {dataset!r} has no max_len option")
+    return f"--max-len is the word pieces a pretrained --encoder keeps per text; {then}"
 
 
 def _print_metrics(metrics: dict, ood_scores=("msp",)) -> None:
@@ -270,6 +284,8 @@ def _check_out(out: Path, args) -> None:
     from gpattn.experiments._compare_guard import check_out_folder
 
     check_out_folder(out)  # a regular file at --out: an error, not a FileExistsError traceback
+    if args.overwrite:
+        _drop_evaluation(out)
     if args.resume or args.overwrite:
         return
     if (out / "metrics.json").is_file():
@@ -284,28 +300,89 @@ def _check_out(out: Path, args) -> None:
         )
 
 
+#: where ``evaluate`` writes without ``--out``: a folder of the run folder (the run's own metrics.json is training's)
+EVALUATION_DIR = "evaluation"
+#: the record ``evaluate`` writes beside its metrics.json: checkpoint, seed, samples, device
+EVALUATION_RECORD = "evaluation.json"
+
+
+def _evaluation_out(args, run_dir: Path) -> Path:
+    """``--out`` (default ``RUN/evaluation``), refused when it holds a metrics.json and ``--overwrite`` is not given:
+    training's own record, or an earlier evaluation (named by its seed and samples)."""
+    from gpattn.experiments._compare_guard import check_out_folder
+
+    out = check_out_folder(Path(args.out) if args.out else run_dir / EVALUATION_DIR)
+    if args.overwrite or not (out / "metrics.json").is_file():
+        return out
+    record = out / EVALUATION_RECORD
+    if record.is_file():
+        prev = json.loads(record.read_text())
+        what = (f"an earlier evaluation (seed {prev.get('seed')}, {prev.get('num_samples')} samples, of "
+                f"{prev.get('checkpoint')})")
+    else:
+        what = "a metrics.json that training wrote (the run's own record)"
+    default = "" if args.out else " (evaluate's default folder when no --out is given)"
+    raise ValueError(f"--out {out}{default} holds {what}; pass --overwrite to replace it, or --out DIR to write "
+                     f"this evaluation elsewhere")
+
+
+def _drop_evaluation(run_dir: Path) -> None:
+    """``train --overwrite``: the files ``evaluate`` wrote into ``RUN/evaluation`` describe the model being replaced."""
+    folder = run_dir / EVALUATION_DIR
+    written = [folder / name for name in ("metrics.json", EVALUATION_RECORD) if (folder / name).is_file()]
+    if (folder / EVALUATION_RECORD).is_file():
+        for path in written:
+            path.unlink()
+        if not any(folder.iterdir()):
+            folder.rmdir()
+        print(f"removed {', '.join(map(str, written))}: an evaluation of the run --overwrite replaces", flush=True)
+
+
 def cmd_evaluate(args) -> int:
     import torch
 
+    from gpattn import __version__
+    from gpattn.experiments._io import file_sha256
+    from gpattn.experiments._runlock import run_lock
+    from gpattn.experiments._runs import CHECKPOINT
     from gpattn.experiments.training import evaluate_predictions, load_run_with_data, predict
 
-    cfg, model, bundle, _ = load_run_with_data(args.checkpoint, device=args.device or "auto",
-                                               dataset_options=dict(args.dataset_option), data_dir=args.data_dir)
-    P = args.num_samples or cfg.num_samples
-    torch.manual_seed(cfg.seed)
+    cfg, model, bundle, ckpt = load_run_with_data(args.checkpoint, device=args.device or "auto",
+                                                  dataset_options=dict(args.dataset_option), data_dir=args.data_dir)
+    P = cfg.num_samples if args.num_samples is None else args.num_samples
+    if isinstance(P, bool) or P < 1:
+        raise ValueError(f"--num-samples must be a positive int (leave it out for the run's {cfg.num_samples}), "
+                         f"got {P}")
+    seed = cfg.seed if args.seed is None else args.seed
+    if seed < 0:
+        raise ValueError(f"--seed must be a non-negative int (leave it out for the run's {cfg.seed}), got {seed}")
+    given = Path(args.checkpoint)
+    ckpt_path = given / CHECKPOINT if given.is_dir() else given
+    out = _evaluation_out(args, ckpt_path.parent)  # after the data check: a changed data file is the first error
+    torch.manual_seed(seed)  # the Monte-Carlo draws: the same command gives the same metrics
     with _validation(args):
         preds = {
             k: {
-                "logits": predict(model, bundle.splits[k], P, cfg.eval_batch_size, precision=cfg.precision),
+                "logits": predict(model, bundle.splits[k], P, cfg.eval_batch_size, precision=cfg.precision,
+                                  progress=None if args.no_progress else f"evaluating {k}"),
                 "labels": bundle.splits[k].labels,
             }
             for k in sorted({"val", *bundle.eval_splits.values()})
         }
     metrics = evaluate_predictions(preds, bundle, cfg.average)
-    out = Path(args.out) if args.out else Path(args.checkpoint).resolve().parent
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    print(f"wrote {out / 'metrics.json'}")
+    data_json = ckpt_path.parent / "data.json"
+    record = {
+        "checkpoint": str(ckpt_path.resolve()), "checkpoint_sha256": file_sha256(ckpt_path), "step": ckpt.get("step"),
+        "seed": seed, "seed_from": "--seed" if args.seed is not None else "the run's seed (the default)",
+        "num_samples": P, "device": str(next(model.parameters()).device), "precision": cfg.precision,
+        "dataset_options": cfg.dataset_options,
+        "data_fingerprint": json.loads(data_json.read_text()).get("fingerprint") if data_json.is_file() else None,
+        "gpattn_version": __version__,
+    }
+    with run_lock(out):
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        (out / EVALUATION_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+    print(f"wrote {out / 'metrics.json'} and {out / EVALUATION_RECORD} (seed {seed}, {P} samples)")
     _print_metrics(metrics, args.ood_score)
     return 0
 
@@ -405,8 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("evaluate", help="evaluate a checkpoint; writes metrics.json")
-    p.add_argument("--checkpoint", required=True)
+    p = sub.add_parser(
+        "evaluate", help="evaluate a run again; writes metrics.json and evaluation.json into RUN/evaluation or --out",
+    )
+    p.add_argument("--checkpoint", required=True, metavar="RUN_OR_CHECKPOINT",
+                   help="a run folder or its checkpoint.pt")
     p.add_argument(
         "--dataset-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
         help="replace a data set option of the run, repeatable: where moved data now is (text_table: "
@@ -414,8 +494,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--data-dir", help="the folder that now holds the run's data files (default: the run's)")
     p.add_argument("--num-samples", type=int, help="Monte-Carlo samples P (default: the run's)")
+    p.add_argument("--seed", type=int, help="seed of the Monte-Carlo draws (default: the run's seed; recorded in "
+                   "evaluation.json); the data split stays the run's")
     p.add_argument("--ood-score", type=_ood_scores, default=["msp"], help="OOD score(s) printed (all in metrics.json)")
-    p.add_argument("--out")
+    p.add_argument("--out", help=f"folder for metrics.json and evaluation.json (default: RUN/{EVALUATION_DIR}; the "
+                   f"run's own metrics.json is training's and is never replaced without --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace the metrics.json that --out already holds")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     _device_arg(p)
     _validate_arg(p)
     p.set_defaults(func=cmd_evaluate)
@@ -477,13 +562,33 @@ def main(argv=None) -> int:
         return 1
 
 
+@contextlib.contextmanager
+def _warnings_as_lines(command: str):
+    """gpattn's own warnings shown as ``gpattn COMMAND: warning: message`` lines, as errors are (a warning's
+    ``file:line`` would name a line inside gpattn, not the user's); other packages' warnings as Python shows them.
+    Only the text changes: filters, ``-W`` and recorded warnings (``pytest.warns``) see every warning as before."""
+    shown = warnings.formatwarning
+
+    def line(message, category, filename, lineno, line=None):
+        if category.__module__.partition(".")[0] == "gpattn":
+            return f"gpattn {command}: warning: {message}\n"
+        return shown(message, category, filename, lineno, line)
+
+    warnings.formatwarning = line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = shown
+
+
 def _run(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from gpattn.experiments.data import DataNotFoundError
 
     try:
-        return args.func(args)
+        with _warnings_as_lines(args.command):
+            return args.func(args)
     except (DataNotFoundError, FileNotFoundError, ValueError) as err:
         print(f"gpattn {args.command}: error: {err}", file=sys.stderr)
         return 2
@@ -491,6 +596,9 @@ def _run(argv) -> int:
         print(f"gpattn {args.command}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:
+        if args.command == "evaluate":
+            print("gpattn evaluate: interrupted; nothing was written — rerun the same command", file=sys.stderr)
+            return 130
         if args.command == "train":
             then = "rerun the same command with --resume to continue from it (the same final metrics)"
         else:

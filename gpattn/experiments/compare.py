@@ -84,10 +84,10 @@ def _run(
         progress=progress,
         **({} if alpha is None else {"alpha": alpha}),
     )
-    folder = root / "runs" / spec.run_name / f"seed{seed}"
+    folder = _run_folder(root, spec) / f"seed{seed}"
     label = f"{spec.run_name} seed {seed}"
     if alpha is not None:
-        folder = root / "runs" / spec.run_name / f"alpha={alpha:g}" / f"seed{seed}"
+        folder = _run_folder(root, spec) / f"alpha={alpha:g}" / f"seed{seed}"
         label = f"{spec.run_name} α={alpha:g} seed {seed}"
     done, diverged = folder / "predictions.pt", folder / DIVERGED
     # up to the settings that do not change the result (training.RUN_SETTINGS: e.g. the device)
@@ -161,6 +161,13 @@ def _current_format(path: Path) -> bool:
     """Whether the checkpoint at ``path`` is of this gpattn's format (a run cached by an older gpattn may
     be of another model under the same configuration: CHANGELOG.md)."""
     return checkpoint_format(load_file(path)) == CHECKPOINT_FORMAT
+
+
+def _run_folder(root: Path, spec: VariantSpec) -> Path:
+    """A variant's folder under ``root/runs``: :attr:`VariantSpec.folder_name`, or the run name itself where an
+    earlier gpattn wrote it so (``sgpa-rff[gp_input=sequence]``) and the new name is not there."""
+    new, old = root / "runs" / spec.folder_name, root / "runs" / spec.run_name
+    return old if old != new and old.is_dir() and not new.exists() else new
 
 
 def _resumable(folder: Path, cfg: TrainConfig):

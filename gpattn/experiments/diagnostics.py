@@ -20,7 +20,7 @@ table and are measured here instead (docs/derivations.md §9, ``gpattn.variation
 :class:`EpochStats` accumulates the loss parts and each GP layer's ``layer_diagnostics`` over an
 epoch's steps without host synchronisation (0-dim tensors; one conversion per epoch);
 :func:`collapse_warnings` reads a history and returns the messages that ``gpattn train`` issues as
-:class:`GPCollapseWarning` and that ``gpattn compare`` flags in its report.
+:class:`CollapseWarning` and that ``gpattn compare`` flags in its report.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ __all__ = [
     "BASE_RATE_MARGIN",
     "INERT_CONTEXT",
     "MEAN_UNDER_NOISE",
+    "CollapseWarning",
     "EpochStats",
     "GPCollapseWarning",
     "attention_use",
@@ -62,8 +63,12 @@ _ADVICE = (
 )
 
 
-class GPCollapseWarning(UserWarning):
-    """A GP layer's mean collapsed under its noise, or the model sits at the base rate."""
+class CollapseWarning(UserWarning):
+    """A GP layer's mean collapsed under its noise, or the model (of any attention) sits at the base rate."""
+
+
+#: the name before softmax runs got the base-rate check too (the same class: filters on either name hold)
+GPCollapseWarning = CollapseWarning
 
 
 def base_rate_entropy(labels: torch.Tensor, num_classes: int) -> float:

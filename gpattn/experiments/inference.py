@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import types
-import warnings
 from pathlib import Path
 
 import torch
 
+from gpattn._warnings import warn
 from gpattn.attention._masks import check_num_samples
 from gpattn.experiments._runs import as_device, bundle_meta, run_checkpoint
 
-__all__ = ["EmptyTextWarning", "Prediction", "Run", "bundle_meta", "load_run"]
+__all__ = ["EmptyTextWarning", "Prediction", "Run", "UnknownWordsWarning", "bundle_meta", "load_run"]
 
 
 def _stub_bundle(meta: dict):
@@ -83,12 +83,35 @@ class EmptyTextWarning(UserWarning):
 def _warn_empty(texts) -> None:
     empty = [i for i, t in enumerate(texts) if isinstance(t, str) and not t.strip()]
     if empty:
-        shown = ", ".join(map(str, empty[:10])) + (" ..." if len(empty) > 10 else "")
-        warnings.warn(
-            f"predict: {len(empty)} of {len(texts)} texts are empty or only whitespace (positions {shown}); their "
-            f"predictions are the model's answer to an empty input, not to any text",
+        warn(
+            f"predict: {len(empty)} of {len(texts)} texts are empty or only whitespace (positions {_shown(empty)}); "
+            f"their predictions are the model's answer to an empty input, not to any text",
             EmptyTextWarning,
-            stacklevel=3,
+        )
+
+
+class UnknownWordsWarning(UserWarning):
+    """``Run.predict`` was given texts none of whose tokens the run's vocabulary holds (another script, emoji,
+    invisible characters): the model sees only unknown-token ids, so a confident answer says nothing of the text."""
+
+
+def _shown(rows: list[int]) -> str:
+    return ", ".join(map(str, rows[:10])) + (" ..." if len(rows) > 10 else "")
+
+
+def _warn_unknown(texts: list[str], ids: torch.Tensor, mask: torch.Tensor, unknown: int, special=()) -> None:
+    """An :class:`UnknownWordsWarning` naming the texts (not empty: :func:`_warn_empty` has those) whose every
+    token, specials aside, is the ``unknown`` id."""
+    ignored = mask | torch.isin(ids, torch.tensor(sorted(set(special) - {unknown}), dtype=ids.dtype))
+    only = ((ids == unknown) | ignored).all(1) & (ids == unknown).any(1)  # shape: (N,)
+    rows = [i for i in only.nonzero().flatten().tolist() if texts[i].strip()]
+    if rows:
+        warn(
+            f"predict: {len(rows)} of {len(texts)} texts hold no word the model knows (positions {_shown(rows)}, "
+            f"e.g. {texts[rows[0]]!r:.40}): every token is outside the run's vocabulary (another script, emoji, "
+            f"invisible characters), so their predictions are the model's answer to unknown-word ids, not to the "
+            f"text; however confident, they say nothing about it",
+            UnknownWordsWarning,
         )
 
 
@@ -141,6 +164,14 @@ class Run:
         limit = min(v for v in (self.meta.get("max_len"), self.meta["model_max_len"]) if v is not None)
         return encode([tokenize(t) for t in texts], self.meta["vocab"], limit)
 
+    def _unknown_id(self) -> tuple[int | None, list[int]]:
+        """The unknown-token id of the run's tokenizer and its special ids (an encoder's [CLS], [SEP], ...)."""
+        from gpattn.experiments.data._text import UNK
+
+        if self._tokenizer is None:
+            return UNK, []
+        return self._tokenizer.unk_token_id, list(self._tokenizer.all_special_ids)
+
     @torch.no_grad()
     def predict(self, inputs, num_samples: int | None = None, batch_size: int = 256, seed: int | None = None
                 ) -> Prediction:
@@ -152,11 +183,14 @@ class Run:
         same prediction, and the caller's random state is left as it was); None: fresh draws."""
         from gpattn.experiments import metrics as M
 
-        P = check_num_samples(num_samples or self.cfg.num_samples, optional=False)
+        P = check_num_samples(self.cfg.num_samples if num_samples is None else num_samples, optional=False)
         if self.meta["kind"] == "text":
             texts = _as_texts(inputs)  # a bare string is one text
             _warn_empty(texts)
             ids, mask = self.encode(texts)
+            unknown, special = self._unknown_id()
+            if unknown is not None:
+                _warn_unknown(texts, ids, mask, unknown, special)
         else:
             ids = torch.as_tensor(inputs, dtype=torch.float32)
             if ids.dim() != 4 or tuple(ids.shape[1:]) != tuple(self.meta["image_shape"]):

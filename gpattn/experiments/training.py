@@ -32,7 +32,6 @@ import math
 import os
 import signal
 import tempfile
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -41,11 +40,12 @@ from tqdm.auto import tqdm
 
 from gpattn import __version__
 from gpattn._settings import is_validating
+from gpattn._warnings import warn
 from gpattn.experiments._config import RUN_SETTINGS, TrainConfig, _same_run  # noqa: F401  (re-exported)
 from gpattn.experiments._data_check import load_checked_data, record_run_paths
 from gpattn.experiments._dist import _Dist, _rng_state, _set_rng_state
 from gpattn.experiments._guard import TrainingDivergedError, _DivergenceGuard
-from gpattn.experiments._io import CHECKPOINT_FORMAT
+from gpattn.experiments._io import CHECKPOINT_FORMAT, check_resumable
 from gpattn.experiments._optim import build_optimizer
 from gpattn.experiments._runlock import locked_run
 from gpattn.experiments._runs import (
@@ -59,8 +59,8 @@ from gpattn.experiments._runs import (
     run_checkpoint,
 )
 from gpattn.experiments.diagnostics import (
+    CollapseWarning,
     EpochStats,
-    GPCollapseWarning,
     attention_use,
     base_rate_entropy,
     collapse_warnings,
@@ -424,7 +424,7 @@ def _run_data(cfg: TrainConfig, out: Path | None, writes: bool, bundle, log):
     """The run's data (loaded unless given, an encoder's recipe applied, rows longer than the model's width
     cut), its data.json, and the data header given to ``log``."""
     from gpattn.experiments.data import load_dataset
-    from gpattn.experiments.data.summary import data_summary, summary_lines
+    from gpattn.experiments.data.summary import data_summary, summary_lines, warn_max_len_cut
 
     if bundle is None:
         bundle = load_dataset(
@@ -432,6 +432,8 @@ def _run_data(cfg: TrainConfig, out: Path | None, writes: bool, bundle, log):
         )
     bundle = _for_model(cfg, bundle, resolve_device(cfg.device))
     summary = data_summary(bundle)  # the data as loaded: its fingerprint does not depend on the model's width
+    if int(os.environ.get("RANK", "0")) == 0:
+        warn_max_len_cut(summary)  # rows the data set's max_len cut, per split (issue #59)
     if cfg.encoder is None and bundle.kind == "text":  # evaluation files longer than training: cut, with a warning
         width = model_positions(bundle)
         bundle, cut = fit_to_positions(bundle, width)
@@ -488,6 +490,7 @@ def _restore(run: _Run) -> None:
     if run.checkpoint is None or not run.checkpoint.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {run.checkpoint}")
     ckpt = load_checkpoint(run.checkpoint)  # on the CPU: RNG states must be host tensors
+    check_resumable(ckpt, run.checkpoint)  # a release's run (migrated on load) is finished by its own version
     same, diff = _same_run(ckpt["config"], run.cfg)
     if not same:
         raise ValueError(f"--resume: the checkpoint was written with a different configuration ({diff})")
@@ -637,7 +640,7 @@ def _evaluate(run: _Run) -> dict:
     warnings_ = collapse_warnings(run.history, run.base_rate)
     if dist.main:
         for msg in warnings_:
-            warnings.warn(f"{cfg.attention} seed {cfg.seed}: {msg}", GPCollapseWarning, stacklevel=4)
+            warn(f"{cfg.attention} seed {cfg.seed}: {msg}", CollapseWarning)  # at the caller's line
     preds = {
         key: {
             "logits": predict(

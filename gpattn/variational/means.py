@@ -43,6 +43,7 @@ import operator
 import torch
 import torch.nn as nn
 
+from gpattn._migrate import moved_names
 from gpattn._settings import is_validating
 from gpattn.kernels._evaluate import evaluate_kernel, temperature_lengthscale
 from gpattn.variational._fused import fused_kernel_attention, fused_softmax
@@ -65,6 +66,9 @@ __all__ = [
     "softmax_attention",
     "when_present",
 ]
+
+#: a name a release exported that moved raises an error that says where it went (gpattn._migrate.MOVED_NAMES)
+__getattr__ = moved_names(__name__)
 
 #: the value projection of a prior mean that owns its values: rows of the layer's fused ``in_proj``
 #: (docs/derivations.md §6, §7a)

@@ -11,6 +11,7 @@ files in the official formats for tests.
 import importlib
 import pkgutil
 
+from gpattn._warnings import DataWarning
 from gpattn.experiments.data._bundle import (
     DataNotFoundError,
     DatasetBundle,
@@ -25,4 +26,12 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 del _module
 
-__all__ = ["DataNotFoundError", "DatasetBundle", "Split", "dataset_options", "list_datasets", "load_dataset"]
+__all__ = [
+    "DataNotFoundError",
+    "DataWarning",
+    "DatasetBundle",
+    "Split",
+    "dataset_options",
+    "list_datasets",
+    "load_dataset",
+]

@@ -9,8 +9,9 @@ training file itself (the test split is drawn from it) and are reported, not war
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
+
+from gpattn._warnings import warn
 
 __all__ = ["DuplicateTextWarning", "duplicate_counts", "duplicate_lines", "warn_eval_overlap"]
 
@@ -71,10 +72,9 @@ def warn_eval_overlap(name: str, texts: dict, info: dict, eval_only) -> None:
         rows = sum(_key(t) in training for t in texts[split])
         if rows:
             by = ", ".join(f"{k}: {n}" for k, n in hits.items())
-            warnings.warn(
+            warn(
                 f"{name}: {rows} of {len(texts[split])} rows of evaluation split {split!r} ({_files(info, split)}) "
                 f"are exact copies of training texts ({by}) of {_files(info, 'train')}: the {split} metrics include "
                 f"training data. Remove those rows from the evaluation file (data.json's \"duplicates\" counts them).",
                 DuplicateTextWarning,
-                stacklevel=4,
             )

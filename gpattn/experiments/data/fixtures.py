@@ -227,5 +227,6 @@ def write_table_tokenizer(table, folder) -> int:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    # from the folder: transformers 5 builds BertTokenizerFast(vocab_file=...) of the specials alone (every word [UNK])
+    transformers.BertTokenizerFast.from_pretrained(folder).save_pretrained(folder)
     return len(vocab)

@@ -14,7 +14,7 @@ import torch
 
 from gpattn.experiments.data._duplicates import duplicate_lines
 
-__all__ = ["bundle_fingerprint", "data_summary", "summary_lines"]
+__all__ = ["bundle_fingerprint", "data_summary", "summary_lines", "warn_max_len_cut"]
 
 
 def bundle_fingerprint(bundle) -> str:
@@ -43,7 +43,8 @@ def bundle_fingerprint(bundle) -> str:
 def data_summary(bundle) -> dict:
     """Plain data: data set name, files read (role, path, bytes, sha256, rows) where the loader records
     them, rows per split, labelled class counts per split, what was done with unknown labels, exact duplicate
-    texts within and between splits (text data), and the content fingerprint."""
+    texts within and between splits (text data), the rows ``max_len`` cut (:func:`max_len_cut`), and the content
+    fingerprint."""
     names = bundle.info.get("class_names") or [str(k) for k in range(bundle.num_classes)]
     sizes, counts, unlabelled = {}, {}, {}
     for key, split in bundle.splits.items():
@@ -63,8 +64,45 @@ def data_summary(bundle) -> dict:
         "unknown_labels": bundle.info.get("unknown_labels", {}),
         "duplicates": bundle.info.get("duplicates"),
         "eval_splits": dict(bundle.eval_splits),
+        "max_len_cut": max_len_cut(bundle),
         "fingerprint": bundle_fingerprint(bundle),
     }
+
+
+def max_len_cut(bundle) -> dict | None:
+    """The rows of each split that the data set's ``max_len`` cut to their first ``max_len`` tokens, with each
+    split's rows and longest text in tokens (None for images, and for a pretrained encoder's bundle, which reads
+    the whole texts with its own ``--max-len``)."""
+    info = bundle.info
+    if bundle.kind != "text" or info.get("encoder") is not None or "truncated" not in info:
+        return None
+    return {"max_len": info.get("max_len"), "rows": {k: int(n) for k, n in info["truncated"].items() if n},
+            "of": {k: len(bundle.splits[k]) for k, n in info["truncated"].items() if n},
+            "longest": dict(info.get("max_tokens", {}))}
+
+
+def warn_max_len_cut(summary: dict) -> None:
+    """A :class:`gpattn.experiments.data.DataWarning` when ``max_len`` cut training rows (:func:`max_len_cut`), with
+    the counts per split and the option that changes it (evaluation rows longer than ``max_len`` are also longer than
+    the model's width, which cuts them with a warning of its own, :func:`gpattn.experiments._runs.fit_to_positions`)."""
+    cut = summary.get("max_len_cut")
+    if not cut or not set(cut["rows"]) & {"train", "val"}:  # evaluation rows alone: the model's width cuts them too
+        return
+    from gpattn._warnings import DataWarning, warn
+
+    def share(n, of):
+        pct = 100 * n / max(of, 1)
+        return f"{pct:.0f} %" if pct >= 1 else "<1 %"
+
+    shown = ", ".join(f"{n} of {cut['of'][k]} rows of {k!r} ({share(n, cut['of'][k])})" for k, n in cut["rows"].items())
+    longest = cut["longest"].get("train")
+    warn(
+        f"{summary['dataset']}: max_len={cut['max_len']} cuts {shown} to their first {cut['max_len']} tokens. To keep "
+        f"more of each text pass a larger max_len (--dataset-option max_len=N"
+        + (f"; the longest training text has {longest} tokens" if longest else "")
+        + "; time and memory grow with it); data.json's \"max_len_cut\" records the counts.",
+        DataWarning,
+    )
 
 
 #: a split's class counts are listed one by one up to this many classes, else summarised (data.json has them all)
@@ -106,6 +144,10 @@ def summary_lines(summary: dict) -> list[str]:
                 f"{handled['policy']!r})"
             )
     lines += duplicate_lines(summary.get("duplicates"))
+    by_option = summary.get("max_len_cut")
+    if by_option and by_option["rows"]:
+        shown = ", ".join(f"{n} of {by_option['of'][k]} of `{k}`" for k, n in by_option["rows"].items())
+        lines.append(f"- rows cut to their first {by_option['max_len']} tokens by the data set's max_len: {shown}")
     cut = summary.get("cut_to_model")
     if cut:
         shown = ", ".join(f"{n} of `{k}`" for k, n in cut["rows"].items())

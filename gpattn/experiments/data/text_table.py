@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import codecs
 import csv
-import hashlib
+import dataclasses
 import io
 import re
 from collections import Counter
 from pathlib import Path
 
-from gpattn.experiments.data._bundle import DataNotFoundError, DatasetBundle, register_dataset
+from gpattn.experiments._io import file_sha256
+from gpattn.experiments.data._bundle import DatasetBundle, register_dataset
 from gpattn.experiments.data._label_checks import check_label_spellings
 from gpattn.experiments.data._split import check_fraction, stratified_split
+from gpattn.experiments.data._table_hints import (
+    PER_FILE,
+    delimiter_hint,
+    find_table,
+    option,
+    sniff_delimiter,
+    suggest_encoding,
+)
 from gpattn.experiments.data._text import build_text_bundle
-from gpattn.experiments.data._text_checks import check_c1, warn_small_splits
+from gpattn.experiments.data._text_checks import C1_POLICIES, check_c1, check_misread_utf8, warn_small_splits
 
 __all__ = ["load_text_table", "read_table"]
 
@@ -26,6 +35,8 @@ DELIMITER_NAMES = {
     "tab": "\t", "\\t": "\t", "tsv": "\t", "comma": ",", "csv": ",", "semicolon": ";", "pipe": "|",
     "space": " ", "colon": ":",
 }
+#: cells of a first row that name columns (a header row), not data
+COLUMN_WORDS = {"label", "labels", "class", "target", "y", "category", "sentiment", "text", "sentence"}
 _TRUE = ("true", "yes", "y", "on", "1")
 _FALSE = ("false", "no", "n", "off", "0")
 #: ``unknown_labels``: what to do with a label of an evaluation file (``shift_file``, ``ood_file``) that
@@ -52,11 +63,13 @@ OPTION_HELP = {
     "other column of a two-column table.",
     "label_column": "column name (header=True) or 0-based index of the label. Default: 'label' with a "
     "header, index 1 without.",
-    "delimiter": "a single character or a name: tab (also \\t), comma, semicolon, pipe, space, colon. "
-    "Default: from the extension (.tsv/.tab tab, .csv comma). Tab files are read without quote "
-    "processing; other delimiters use CSV quoting.",
-    "header": "whether the first row holds column names: true/false, yes/no, 1/0, on/off (any case). "
-    "Default true. A first row that contradicts the setting is an error naming the line.",
+    "delimiter": "the training file's (path): a single character or a name: tab (also \\t), comma, semicolon, "
+    "pipe, space, colon. Default: from each file's extension (.tsv/.tab tab, .csv comma). Tab files are read "
+    "without quote processing; other delimiters use CSV quoting. shift_file and ood_file use it unless "
+    "shift_delimiter / ood_delimiter say otherwise.",
+    "header": "whether the training file's (path) first row holds column names: true/false, yes/no, 1/0, on/off "
+    "(any case). Default true. A first row that contradicts the setting is an error naming the line. shift_file "
+    "and ood_file use it unless shift_header / ood_header say otherwise.",
     "shift_file": "a labelled file with the same columns, evaluated as split 'shift' (distribution "
     "shift: accuracy, NLL, ECE).",
     "ood_file": "a file with the same columns (the label column may be absent), evaluated as split "
@@ -70,8 +83,18 @@ OPTION_HELP = {
     "max_len": "tokens kept per text (the first max_len); default 256.",
     "min_freq": "a word enters the vocabulary if it occurs at least this often in train; default 1.",
     "max_vocab_size": "keep at most this many words (most frequent first); default None (all).",
-    "encoding": "text encoding of the files; default utf-8 (a leading byte-order mark is dropped). A file that "
-    "does not decode is an error naming its line; latin-1 or cp1252 read most Western European files.",
+    "encoding": "text encoding of the training file(s) (path); default utf-8 (a leading byte-order mark is "
+    "dropped). A file that does not decode is an error naming its line and the encoding it decodes in; cp1252 reads "
+    "most Western European files. shift_file and ood_file use it unless shift_encoding / ood_encoding say otherwise.",
+    "c1_characters": "C1 control characters (U+0080-U+009F) in the decoded text of any file, which ordinary text "
+    "never holds (mojibake, or a cp1252 file read as latin-1): 'error' (default: stop, naming each by code point "
+    "and line, with the fix that fits the file), 'keep' (keep them as they are, on purpose), or 'repair' (read each "
+    "as the cp1252 character of its code: U+0096 as an en dash).",
+    **{f"{role}_{name}": f"{name} of {role}_file alone (default None: the training file's); an evaluation file "
+       f"from another source often differs, e.g. {role}_{example}"
+       for role in ("shift", "ood") for name, example in zip(PER_FILE, (
+           "header=false for a file without a header row", "delimiter=tab for a .txt file of one text per line",
+           "encoding=cp1252 for a file saved by Windows software"))},
     "bad_rows": "what to do with a row whose number of cells differs from the header's (a TAB or delimiter "
     "inside a text, a missing cell) or whose text is empty or only whitespace: 'error' (default: stop, naming "
     "the file and lines) or 'skip' (leave those rows out; the report lists how many and which lines).",
@@ -118,30 +141,46 @@ def parse_delimiter(delimiter) -> str | None:
     )
 
 
-def _delimiter_for(path: Path, delimiter: str | None) -> str:
+def _delimiter_for(path: Path, delimiter: str | None, role: str = "train") -> str:
     if delimiter is not None:
         return parse_delimiter(delimiter)
     suffix = path.suffix.lower()
     if suffix not in _DELIMITERS:
         raise ValueError(
             f"cannot infer the delimiter of {path} from its extension {suffix!r} (known: "
-            f"{', '.join(_DELIMITERS)}); pass delimiter=... (a character, or tab, comma, semicolon, pipe)"
+            f"{', '.join(_DELIMITERS)}); pass {option(role, 'delimiter')}=... (a character, or tab, comma, semicolon, "
+            f"pipe){sniff_delimiter(path, role, COLUMN_WORDS)}"
         )
     return _DELIMITERS[suffix]
 
 
-def read_table(path, delimiter: str | None = None, header: bool = True, encoding: str = "utf-8"):
+def read_table(path, delimiter: str | None = None, header: bool = True, encoding: str = "utf-8",
+               c1_characters: str = "error", role: str = "train"):
     """(column names or None, rows as (line number, list of str)) of a delimited file.
 
     A tab-delimited file is read without quote processing (quotes are text, as in CoLA's TSVs);
-    any other delimiter uses the CSV quoting rules. Blank lines are skipped.
+    any other delimiter uses the CSV quoting rules. Blank lines are skipped. A cell may be as long as the file
+    (the csv module's 131072-character limit is lifted for the read). ``role`` (train, shift, ood) names the
+    options in the errors' hints.
     """
     path = Path(path)
     header = parse_bool("header", header)
-    delim = _delimiter_for(path, delimiter)
+    delim = _delimiter_for(path, delimiter, role)
     quoting = csv.QUOTE_NONE if delim == "\t" else csv.QUOTE_MINIMAL
-    text = decode_file(path, encoding)
-    rows = list(_numbered(csv.reader(io.StringIO(text, newline=""), delimiter=delim, quoting=quoting)))
+    text = decode_file(path, encoding, c1_characters, role)
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delim, quoting=quoting)
+    limit = csv.field_size_limit()
+    csv.field_size_limit(max(limit, len(text) + 1))  # one text may be a whole file; restored below
+    try:
+        rows = list(_numbered(reader))
+    except csv.Error as err:
+        raise ValueError(
+            f"{path} line {reader.line_num + 1}: the {'TAB' if delim == chr(9) else repr(delim)}-delimited reader "
+            f"failed ({err}); check that line's quotes (an unclosed quote joins the lines after it) or the "
+            f"delimiter ({option(role, 'delimiter')}=...)"
+        ) from None
+    finally:
+        csv.field_size_limit(limit)
     if header:
         if not rows:
             raise ValueError(f"{path} is empty; expected a header row")
@@ -150,14 +189,16 @@ def read_table(path, delimiter: str | None = None, header: bool = True, encoding
     return None, rows
 
 
-def decode_file(path, encoding: str = "utf-8") -> str:
+def decode_file(path, encoding: str = "utf-8", c1_characters: str = "error", role: str = "train") -> str:
     """The text of ``path`` in ``encoding``, without a leading byte-order mark; bytes that do not decode are
-    a ``ValueError`` naming the file, the line and the bytes, and suggesting ``encoding=``."""
+    a ``ValueError`` naming the file, the line and the bytes, and the encoding they decode in; C1 control
+    characters as ``c1_characters`` says (:func:`gpattn.experiments.data._text_checks.check_c1`)."""
     path = Path(path)
+    name = option(role, "encoding")
     try:
         codecs.lookup(encoding)
     except (LookupError, TypeError):
-        raise ValueError(f"encoding={encoding!r} is not a text encoding Python knows (e.g. 'utf-8', 'latin-1', "
+        raise ValueError(f"{name}={encoding!r} is not a text encoding Python knows (e.g. 'utf-8', 'latin-1', "
                          f"'cp1252', 'utf-16')") from None
     data = path.read_bytes()
     try:
@@ -166,14 +207,16 @@ def decode_file(path, encoding: str = "utf-8") -> str:
         line = data.count(b"\n", 0, err.start) + 1
         start = data.rfind(b"\n", 0, err.start) + 1
         column = len(data[start : err.start].decode(encoding, errors="replace")) + 1
-        suggest = "encoding='cp1252' or encoding='latin-1'" if encoding.lower().replace("_", "-") in (
-            "utf-8", "utf8", "utf-8-sig") else "encoding='utf-8'"
+        utf8 = encoding.lower().replace("_", "-") in ("utf-8", "utf8", "utf-8-sig")
+        suggest = suggest_encoding(data, role) if utf8 else f"{name}='utf-8' (--dataset-option {name}=utf-8)"
         raise ValueError(
             f"{path} line {line}, column {column}: bytes {data[err.start:err.end]!r} are not valid {encoding} "
-            f"({err.reason}). Pass the file's encoding as a data set option, e.g. {suggest} "
-            f"(--dataset-option encoding=latin-1), or re-save the file as UTF-8."
+            f"({err.reason}). Pass the file's encoding as a data set option, e.g. {suggest}, or re-save the file "
+            f"as UTF-8."
         ) from None
-    return check_c1(path, text[1:] if text.startswith("\ufeff") else text, encoding)  # latin-1 on a cp1252 file
+    text = text[1:] if text.startswith("\ufeff") else text
+    check_misread_utf8(path, data, text, encoding, role)  # cp1252 or latin-1 on a UTF-8 file
+    return check_c1(path, data, text, encoding, c1_characters, role)
 
 
 def _numbered(reader):
@@ -182,29 +225,49 @@ def _numbered(reader):
             yield reader.line_num, row
 
 
-def _column_index(column: Column, names: list[str] | None, width: int, role: str, path: Path) -> int:
-    found = names if names is not None else f"{width} unnamed columns (header=False)"
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    """A file being read, as the hints need it: its path, role (train, shift, ood), delimiter and line 1's cells."""
+
+    path: Path
+    role: str
+    delim: str
+    first: list
+
+    def header_hint(self, names) -> str:
+        """What to pass when line 1 (read as column names ``names``) is data; the delimiter first if line 1 holds
+        another one in a single cell (the header hint would then lead to a second error)."""
+        other = delimiter_hint(self.first, self.delim, self.role)
+        if other or names is None:
+            return other
+        then = ("and name the columns by index (text_column=0, label_column=1)" if self.role == "train" else
+                "(this file alone: header is the training file's; its columns are then read at the training file's "
+                "positions, and a one-column file is its texts)")
+        return (f". If {self.path} has no header row (its line 1 {names} is data), pass "
+                f"{option(self.role, 'header')}=false {then}")
+
+
+def _column_index(column: Column, names: list[str] | None, width: int, which: str, where: _Where) -> int:
+    found = names if names is not None else f"{width} unnamed columns ({option(where.role, 'header')}=False)"
     if isinstance(column, bool) or not isinstance(column, (str, int)):
-        raise ValueError(f"{role} must be a column name or index, got {column!r}")
+        raise ValueError(f"{which} must be a column name or index, got {column!r}")
     if isinstance(column, int):
         if not 0 <= column < width:
-            raise ValueError(f"{role}={column} is out of range for {path}; columns found: {found}")
+            raise ValueError(f"{which}={column} is out of range for {where.path}; columns found: {found}"
+                             + delimiter_hint(where.first, where.delim, where.role))
         return column
     if names is None or column not in names:
-        hint = ""
-        if names is not None:
-            hint = (f". If {path} has no header row (its line 1 {names} is data), pass header=false and name "
-                    f"the columns by index (text_column=0, label_column=1)")
-        raise ValueError(f"{role}={column!r} not found in {path}; columns found (line 1): {found}{hint}")
+        raise ValueError(f"{which}={column!r} not found in {where.path}; columns found (line 1): {found}"
+                         + where.header_hint(names))
     return names.index(column)
 
 
-def _resolve_columns(text_column: Column, label_column: Column, names, width, path, need_label=True):
+def _resolve_columns(text_column: Column, label_column: Column, names, width, where: _Where, need_label=True):
     if label_column is None:
         label_column = "label" if names is not None else 1
     label_idx = None
     if need_label:
-        label_idx = _column_index(label_column, names, width, "label_column", path)
+        label_idx = _column_index(label_column, names, width, "label_column", where)
     if text_column is None:
         if names is not None and "text" in names:
             text_column = "text"
@@ -213,10 +276,11 @@ def _resolve_columns(text_column: Column, label_column: Column, names, width, pa
         else:
             found = f"{names} (line 1)" if names is not None else f"{width} unnamed columns"
             raise ValueError(
-                f"cannot tell which column of {path} holds the text; pass text_column= (columns found: {found})"
-                + ("; a row with a TAB or delimiter inside its text has more cells" if width > 2 else "")
+                f"cannot tell which column of {where.path} holds the text; pass text_column= (columns found: "
+                f"{found})" + ("; a row with a TAB or delimiter inside its text has more cells" if width > 2 else "")
+                + delimiter_hint(where.first, where.delim, where.role)
             )
-    text_idx = _column_index(text_column, names, width, "text_column", path)
+    text_idx = _column_index(text_column, names, width, "text_column", where)
     return text_idx, label_idx
 
 
@@ -229,18 +293,6 @@ def _cells(rows, index: int, path: Path, role: str) -> list[str]:
     return out
 
 
-def _find(path, data_dir) -> Path:
-    path = Path(path).expanduser()
-    candidates = [path] if path.is_absolute() else [path, Path(data_dir) / path]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise DataNotFoundError(
-        f"text table not found: tried {', '.join(str(c) for c in candidates)}. Pass path= an existing "
-        f"TSV/CSV file (a relative path is looked up in the working directory, then in data_dir)."
-    )
-
-
 def _sort_labels(values) -> list[str]:
     unique = set(values)
     if all(_INT.fullmatch(v) for v in unique):
@@ -250,33 +302,30 @@ def _sort_labels(values) -> list[str]:
 
 def file_record(path: Path, role: str, rows: int) -> dict:
     """What the report says about a data file: role, path, size in bytes, SHA-256 of its content, rows."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
     return {"role": role, "path": str(Path(path).resolve()), "bytes": path.stat().st_size,
-            "sha256": digest.hexdigest(), "rows": rows}
+            "sha256": file_sha256(path), "rows": rows}
 
 
-def _check_header(path: Path, header: bool, header_line, names, rows, label_idx, label_column, text_idx) -> None:
+def _check_header(path: Path, header: bool, header_line, names, rows, label_idx, label_column, text_idx,
+                  role: str = "train") -> None:
     """Refuse a header setting that the file contradicts (instead of losing or inventing a row)."""
+    opt = option(role, "header")
     labels = [row[label_idx].strip() for _, row in rows if label_idx < len(row)]
     counts = Counter(labels)
     if header and isinstance(label_column, int) and names is not None:
         cell = names[label_idx]
         if cell in counts:
             raise ValueError(
-                f"{path} line {header_line}: header=True, but this first row looks like data: its label cell "
+                f"{path} line {header_line}: {opt}=True, but this first row looks like data: its label cell "
                 f"{cell!r} (label_column={label_column}) is also the label of {counts[cell]} other row(s). "
-                f"Pass header=False if the file has no header row (or name the column, label_column='...', "
+                f"Pass {opt}=False if the file has no header row (or name the column, label_column='...', "
                 f"if it does)."
             )
     if not header and rows:
         line, first = rows[0]
         value = first[label_idx].strip() if label_idx < len(first) else ""
-        column_words = {"label", "labels", "class", "target", "y", "category", "sentiment", "text", "sentence"}
-        looks_named = value.lower() in column_words or (
-            text_idx < len(first) and first[text_idx].strip().lower() in column_words
+        looks_named = value.lower() in COLUMN_WORDS or (
+            text_idx < len(first) and first[text_idx].strip().lower() in COLUMN_WORDS
         )
         rare = counts[value] == 1 and len(labels) >= _HEADER_MIN_ROWS and min(
             (c for v, c in counts.items() if v != value), default=0
@@ -288,9 +337,9 @@ def _check_header(path: Path, header: bool, header_line, names, rows, label_idx,
                 else f"its label {value!r} occurs in no other of the {len(labels)} rows"
             )
             raise ValueError(
-                f"{path} line {line}: header=False, but this first row looks like a header row: {why}. "
-                f"Pass header=True (the default) to read it as column names; if it is data, it would be a "
-                f"class with one example."
+                f"{path} line {line}: {opt}=False, but this first row looks like a header row: {why}. "
+                f"Pass {opt}=True{' (the default)' if role == 'train' else ''} to read it as column names; if it "
+                f"is data, it would be a class with one example."
             )
 
 
@@ -326,9 +375,9 @@ def _bad_rows(path: Path, rows, width: int, text_idx: int, bad_rows: str, delim_
 
 
 def _read_labelled(path: Path, role: str, delimiter, header, encoding, text_column, label_column, need_label,
-                   bad_rows: str = "error"):
+                   bad_rows: str = "error", c1_characters: str = "error"):
     """(texts, raw labels or None, line numbers, file record) of one table, with the header and row checks."""
-    names, rows = read_table(path, delimiter, header, encoding)
+    names, rows = read_table(path, delimiter, header, encoding, c1_characters, role)
     if not rows:
         raise ValueError(f"{path} has no data rows")
     header_line = 1 if names is not None else None
@@ -337,12 +386,15 @@ def _read_labelled(path: Path, role: str, delimiter, header, encoding, text_colu
     else:  # no header: the number of cells most rows have (the others are ragged rows)
         width = Counter(len(r) for _, r in rows).most_common(1)[0][0]
     if role != "train":
+        if names is None and width == 1:  # an evaluation file of texts alone
+            text_column, label_column = 0, None
         if isinstance(label_column, str):
             need_label = names is not None and label_column in names
-        elif isinstance(label_column, int):
-            need_label = label_column < width
-    text_idx, label_idx = _resolve_columns(text_column, label_column, names, width, path, need_label=need_label)
-    delim = _delimiter_for(path, delimiter)
+        else:
+            need_label = isinstance(label_column, int) and label_column < width
+    delim = _delimiter_for(path, delimiter, role)
+    where = _Where(path, role, delim, names if names is not None else rows[0][1])
+    text_idx, label_idx = _resolve_columns(text_column, label_column, names, width, where, need_label=need_label)
     delim_name = {"\t": "TAB", ",": "comma", ";": "semicolon"}.get(delim, repr(delim))
     basis = "the header" if names is not None else "most rows"
     rows, skipped = _bad_rows(path, rows, width, text_idx, bad_rows, delim_name, basis)
@@ -351,7 +403,7 @@ def _read_labelled(path: Path, role: str, delimiter, header, encoding, text_colu
     texts = _cells(rows, text_idx, path, "text")
     raw = None
     if label_idx is not None:
-        _check_header(path, header, header_line, names, rows, label_idx, label_column, text_idx)
+        _check_header(path, header, header_line, names, rows, label_idx, label_column, text_idx, role)
         raw = [cell.strip() for cell in _cells(rows, label_idx, path, "label")]
         for (line, _), value in zip(rows, raw):
             if not value:
@@ -436,6 +488,13 @@ def load_text_table(
     min_class_count: int = MIN_CLASS_COUNT,
     disjoint_labels: str = "error",
     label_spellings: str = "error",
+    c1_characters: str = "error",
+    shift_header=None,
+    shift_delimiter=None,
+    shift_encoding=None,
+    ood_header=None,
+    ood_delimiter=None,
+    ood_encoding=None,
 ) -> DatasetBundle:
     """A (text, label) table split stratified and seeded into train / val / test.
 
@@ -451,6 +510,8 @@ def load_text_table(
     unknown labels per split. Rows with a wrong number of cells or an empty text (``bad_rows``), labels
     with fewer than ``min_class_count`` rows, pooled files with disjoint label sets (``disjoint_labels``), the
     same file twice in ``path`` and bytes that are not ``encoding`` are errors naming the file and line.
+    ``header``, ``delimiter`` and ``encoding`` are the training files'; ``shift_file`` and ``ood_file`` use them
+    unless their own (``shift_header``, ``ood_encoding``, ...) say otherwise.
     """
     val_fraction = check_fraction("val_fraction", val_fraction, allow_zero=False)
     test_fraction = check_fraction("test_fraction", test_fraction, allow_zero=False)
@@ -462,19 +523,23 @@ def load_text_table(
         accepted = ", ".join(map(repr, UNKNOWN_LABELS))
         raise ValueError(f"unknown_labels must be one of {accepted}, got {unknown_labels!r}")
     for name, value, accepted in (("bad_rows", bad_rows, BAD_ROWS), ("disjoint_labels", disjoint_labels,
-                                                                     DISJOINT_LABELS)):
+                                                                     DISJOINT_LABELS),
+                                  ("c1_characters", c1_characters, C1_POLICIES)):
         if value not in accepted:
             raise ValueError(f"{name} must be one of {', '.join(map(repr, accepted))}, got {value!r}")
     if isinstance(min_class_count, bool) or not isinstance(min_class_count, int) or min_class_count < 1:
         raise ValueError(f"min_class_count must be an int >= 1 (1 allows any class size), got {min_class_count!r}")
+    own = _per_file(shift_file, ood_file, header, delimiter, encoding, shift_header=shift_header,
+                    shift_delimiter=shift_delimiter, shift_encoding=shift_encoding, ood_header=ood_header,
+                    ood_delimiter=ood_delimiter, ood_encoding=ood_encoding)
     paths = list(path) if isinstance(path, (list, tuple)) else [path]
     if not paths:
         raise ValueError("path must name at least one file")
     texts, raw_labels, files, sources, tables, file_labels, file_lines = [], [], [], [], [], [], []
     for one in paths:
-        table = _find(one, data_dir)
+        table = find_table(one, data_dir, "train")
         t, raw, lines, record, (names, text_idx, label_idx) = _read_labelled(
-            table, "train", delimiter, header, encoding, text_column, label_column, True, bad_rows
+            table, "train", delimiter, header, encoding, text_column, label_column, True, bad_rows, c1_characters
         )
         texts += t
         raw_labels += raw
@@ -505,9 +570,14 @@ def load_text_table(
     for split, extra in (("shift", shift_file), ("ood", ood_file)):
         if extra is None:
             continue
-        table = _find(extra, data_dir)
+        table = find_table(extra, data_dir, split)
+        e_header, e_delimiter, e_encoding = own[split]
+        own_delimiter = shift_delimiter if split == "shift" else ood_delimiter
+        _check_inherited_delimiter(table, split, tables[0], delimiter, own_delimiter)
+        # by the training file's column names where both have a header row, else by its column positions
+        columns = (col_text, col_label) if e_header else (text_idx, label_idx)
         e_texts, e_raw, lines, record, _ = _read_labelled(
-            table, split, delimiter, header, encoding, col_text, col_label, split == "shift", bad_rows
+            table, split, e_delimiter, e_header, e_encoding, *columns, split == "shift", bad_rows, c1_characters
         )
         files.append(record)
         if e_raw is None and split == "shift":
@@ -541,6 +611,39 @@ def load_text_table(
         max_len=max_len,
         min_freq=min_freq,
         max_vocab_size=max_vocab_size,
+    )
+
+
+def _per_file(shift_file, ood_file, header, delimiter, encoding, **given) -> dict:
+    """``{role: (header, delimiter, encoding)}`` of each evaluation file: its own options (``shift_header``, ...)
+    where given, else the training file's; an option given for a file that is not there is an error."""
+    out = {}
+    for role, file in (("shift", shift_file), ("ood", ood_file)):
+        values = {name: given[f"{role}_{name}"] for name in PER_FILE}
+        set_ = [f"{role}_{name}" for name, v in values.items() if v is not None]
+        if file is None and set_:
+            raise ValueError(f"{', '.join(set_)} given without {role}_file: they set how {role}_file is read; pass "
+                             f"{role}_file=... or leave them out")
+        out[role] = (
+            header if values["header"] is None else parse_bool(f"{role}_header", values["header"]),
+            delimiter if values["delimiter"] is None else parse_delimiter(values["delimiter"]),
+            encoding if values["encoding"] is None else values["encoding"],
+        )
+    return out
+
+
+def _check_inherited_delimiter(table: Path, role: str, train: Path, delimiter, own) -> None:
+    """An evaluation file whose extension says another delimiter than ``delimiter`` (given for the training file,
+    which it inherits) and than the training file's extension: which one holds is the user's to say."""
+    by_name = _DELIMITERS.get(table.suffix.lower())
+    if own is not None or delimiter is None or by_name in (None, delimiter, _DELIMITERS.get(train.suffix.lower())):
+        return
+    names = {v: k for k, v in DELIMITER_NAMES.items() if k in ("tab", "comma", "semicolon", "pipe")}
+    said, given = names.get(by_name, repr(by_name)), names.get(delimiter, repr(delimiter))
+    raise ValueError(
+        f"{role}_file {table}: its extension says {said}-delimited, but it would be read with delimiter={given}, "
+        f"the training file's; pass {role}_delimiter={said} (or {role}_delimiter={given} if the file is "
+        f"{given}-delimited after all)"
     )
 
 
