@@ -6,8 +6,8 @@ Four tables, one rule (docs/new_variant.md, "The one rule for a breaking change"
   the change lacks the option (it trained at the old default): one row per such change, with the value it trained
   with; :func:`migrate_config` fills it in before the model is built.
 * :data:`OLD_VALUES`: a value an older gpattn accepted and today's refuses (a renamed option value) is read as the
-  one it meant for the saved variant; :data:`OLD_OPTIONS`: an option that left the layers, at the value a release's configs
-  recorded, is read as what the layers do now.
+  one it meant for the saved variant; :data:`OLD_OPTIONS`: an option that left the layers, at the value a release's
+  configs recorded, is read as what the layers do now.
 * :data:`MOVED_NAMES`: a public name that left its module raises an ``AttributeError`` that says where it went.
 * :data:`OLD_STATES`: a state dict saved before a strategy gained a buffer lacks its key (it trained at the value the
   row names); :func:`migrate_state_dict`, the load-state-dict pre-hook every GP strategy registers (as gpytorch's

@@ -1,10 +1,10 @@
 """The research knobs that left the layers' options, kept for the probes that reproduce a finding: each a
 subclass of a shipped layer that takes them again through the layer's strategy hook (``_strategy``). Not part of the
-library: a knob here measured no better than the default (docs/results.md says where), or is a verification tool.
+library: a knob here measured no better than the default (research/notes/ says where), or is a verification tool.
 
 * :class:`KEPSVGPProbe` — kep-svgp's ``feature_gradient`` (the KSVD features read x, q and k without their gradient:
-  docs/results.md, "The encoder swap: fine-tuning MiniLM on CoLA"), ``token_independent`` (the released code's
-  sampler) and ``include_residual`` (Remark 3.1's dropped K_ff − Q_ff term).
+  research/notes/kep_svgp_robustness.md, "The encoder swap: fine-tuning MiniLM on CoLA"), ``token_independent`` (the
+  released code's sampler) and ``include_residual`` (Remark 3.1's dropped K_ff − Q_ff term).
 * :class:`CGPProbe` — cgp's ``prior_samples`` (P_o of the regulariser; None: its exact expectation) and
   ``learn_sigma``; :class:`SCGPProbe` — scgp's ``learn_sigma``.
 

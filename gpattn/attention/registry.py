@@ -102,7 +102,7 @@ _ENTRIES: dict[str, VariantEntry] = {
         "encoder-swap": dataclasses.replace(_SGPA_SWAP, options={"lengthscale": 1.0}),
         # g on each sequence's unit mean query over all heads, R = 1024, ℓ = 0.2, w = 10⁴: chosen on CLINC150's
         # validation split, where the sequence's direction carries what no token does (docs/derivations.md §5f,
-        # docs/results.md "Where MiniLM's last layer sees out-of-scope queries")
+        # research/notes/sgpa_rff_variance.md, "Where MiniLM's last layer sees out-of-scope queries")
         "out-of-scope": dataclasses.replace(
             _SGPA_SWAP, options={"num_features": 1024, "lengthscale": 0.2},
             objects={**_SGPA_SWAP.objects,
