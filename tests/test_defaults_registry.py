@@ -115,7 +115,9 @@ def test_every_old_default_migrates_and_says_so(row):
         # as an OLD_OPTIONS row reads it where the option left the layers since (qk="shared": their own form)
         read = next((new for _, vs, row, new in OLD_OPTIONS if name in vs and row == {option: old}), {option: old})
         assert read.items() <= migrated["attention_options"].items()
-        assert read.items() <= TrainConfig.from_dict(migrated).attention_options.items()
+        options = TrainConfig.from_dict(migrated).attention_options
+        assert read.items() <= options.items()
+        gpattn.build_attention(name, 16, 2, **{k: v for k, v in options.items() if k != "v_dim"})  # the form it names
 
 
 def _strategies(name):
