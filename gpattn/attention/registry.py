@@ -170,7 +170,8 @@ _FORMER_NAMES = {
     ("sgpa", "prior_mean", "softmax"): _SGPA_SOFTMAX,
     ("sgpa-decoupled", "prior_mean", "softmax"): _SGPA_SOFTMAX,
     ("sgpa-rff", "prior_mean", "softmax"): "the softmax mean is the encoder-swap recipe's (recipe='encoder-swap')",
-    ("cgp", "prior_mean", "softmax-separate"): "it measured no better than 'softmax' for cgp (scgp's default); pass "
+    ("cgp", "prior_mean", "softmax-separate"): "scgp's default, never measured better than 'softmax' for cgp (only "
+    "at a swap's start, where both are the pretrained attention; docs/derivations.md §7a); pass "
     "prior_mean=gpattn.variational.means.CorrelatedSeparateSoftmaxMean() for it",
     ("scgp", "prior_mean", "softmax"): "over the GP's own values the regulariser shrank scgp's mean until it was inert "
     "(docs/derivations.md §7a); pass prior_mean=gpattn.variational.means.CorrelatedSoftmaxMean() for it",
