@@ -7,7 +7,7 @@ Checks (each runs in its own child process with its own time limit, so a hang, a
 error in one is recorded and the others still run; inside a check every item is wrapped the same way):
 
 ``layers``  every registered variant (``gpattn.list_attention()``, plus the non-default ``covariance``
-    values, ``cgp[prior_samples=None]``, whose regulariser draws nothing, and sgpa / kernel with the image
+    values, the encoder swap's form of the SGPA variants, and sgpa / kernel with the image
     models' gpytorch kernel ``ard-rbf``): one CPU-built layer copied to the
     device; forward + backward with a key padding mask under ``gpattn.deterministic()`` in float64 and float32;
     outputs, loss terms (GPyTorch added loss terms / KL) and gradients (input and every parameter) against the

@@ -6,11 +6,12 @@ Four tables, one rule (docs/new_variant.md, "The one rule for a breaking change"
   the change lacks the option (it trained at the old default): one row per such change, with the value it trained
   with; :func:`migrate_config` fills it in before the model is built.
 * :data:`OLD_VALUES`: a value an older gpattn accepted and today's refuses (a renamed option value) is read as the
-  one it meant for the saved variant.
+  one it meant for the saved variant; :data:`OLD_OPTIONS`: an option that left the layers, at the value a release's
+  configs recorded, is read as what the layers do now.
 * :data:`MOVED_NAMES`: a public name that left its module raises an ``AttributeError`` that says where it went.
 * :data:`OLD_STATES`: a state dict saved before a strategy gained a buffer lacks its key (it trained at the value the
   row names); :func:`migrate_state_dict`, the load-state-dict pre-hook every GP strategy registers (as gpytorch's
-  ``VariationalStrategy`` does for its old format), fills it in.
+  ``VariationalStrategy`` does for its old format), fills it in. :data:`OLD_KEYS`: a key that moved is renamed there.
 
 Both warn with :class:`gpattn.OldVersionWarning` naming what they migrated. A change no row can express takes the next
 checkpoint format instead (gpattn.experiments._io.CHECKPOINT_FORMAT).
@@ -29,7 +30,8 @@ import torch
 from gpattn._warnings import OldVersionWarning
 
 __all__ = [
-    "MOVED_NAMES", "OLD_DEFAULTS", "OLD_STATES", "OLD_VALUES", "migrate_config", "migrate_state_dict", "moved_names",
+    "MOVED_NAMES", "OLD_DEFAULTS", "OLD_KEYS", "OLD_OPTIONS", "OLD_STATES", "OLD_VALUES", "migrate_config",
+    "migrate_state_dict", "moved_names",
 ]
 
 _SGPA = ("sgpa", "sgpa-decoupled")
@@ -53,6 +55,21 @@ OLD_VALUES: tuple[tuple[str, str, str, dict[str, str]], ...] = (
       **dict.fromkeys(("cgp", "scgp"), "canonical-rbf")}),
 )
 
+#: (what changed, the variants, the options a config wrote, what they are now): options that left the layers'
+#: signatures for recipes, objects and research/knobs.py's probes, at the values a 0.2.0 config could record and the
+#: layers always have now (each row whose options a config holds, all with those values, is applied; the config's
+#: other options stay). Any other value stays, and building the layer names what owns its form now
+#: (gpattn.attention.build_attention).
+OLD_OPTIONS: tuple[tuple[str, tuple[str, ...], dict, dict], ...] = (
+    ("the shared query-key map is the SGPA layers' own form: the option left them", _SGPA, {"qk": "shared"},
+     {"recipe": "scratch"}),
+    *(("what the layers always do now: the option left them", variants, {option: value}, {})
+      for variants, option, value in (
+          (("kep-svgp",), "token_independent", False), (("kep-svgp",), "include_residual", False),
+          (("cgp",), "prior_samples", 10), (("cgp", "scgp"), "learn_sigma", False),
+      )),
+)
+
 #: {(module, name): the message of its AttributeError}: public names of a release (0.2.0) that moved since, read by
 #: the modules' ``__getattr__``
 MOVED_NAMES: dict[tuple[str, str], str] = {
@@ -62,11 +79,12 @@ MOVED_NAMES: dict[tuple[str, str], str] = {
     ("gpattn.experiments.training", "load_run"): "gpattn.experiments.training.load_run is now load_run_with_data (it "
     "reloads the data set and returns (config, model, data bundle, checkpoint)); to score new inputs without the data "
     "files use gpattn.experiments.load_run (a Run with .predict)",
-    **{
-        ("gpattn.variational.means", name): f"gpattn.variational.means.{name} moved to gpattn.prior_means.{name} (the "
-        "prior means' names are parsed there, where a variant is built; gpattn/variational/ receives the mean modules)"
-        for name in ("PRIOR_MEANS", "check_prior_mean")
-    },
+    ("gpattn.variational.means", "PRIOR_MEANS"): "gpattn.variational.means.PRIOR_MEANS moved to "
+    "gpattn.attention.registry.CHOICES['sgpa']['prior_mean'] (every variant's names of its modelling choices, resolved "
+    "where a variant is built; gpattn/variational/ receives the objects)",
+    ("gpattn.variational.means", "check_prior_mean"): "gpattn.variational.means.check_prior_mean moved to "
+    "gpattn.attention.registry.resolve('sgpa', 'prior_mean', name) (it returns the mean module the name stands for; "
+    "gpattn/variational/ receives the objects)",
 }
 
 
@@ -84,12 +102,19 @@ def moved_names(module: str):
 OLD_STATES: tuple[tuple[str, str, str, str, float], ...] = (
     ("kep-svgp had a prior outputscale (docs/derivations.md §6)", "KEPSVGP", "prior_variance", "out_weight", 1.0),
 )
+#: (what changed, the strategy class, the key a state dict saved before the change has, the key it has now): the old
+#: key is read as the new one
+OLD_KEYS: tuple[tuple[str, str, str, str], ...] = (
+    ("the correlated GPs' softmax prior mean keeps its temperature in its module", "CorrelatedGPBase",
+     "mean_temperature", "mean_module.temperature"),
+)
 
 
 def _old_options(d: dict) -> dict[str, tuple[object, str]]:
     """The options a saved config ``d`` lacks that an :data:`OLD_DEFAULTS` row fills: option -> (value, what)."""
     attention, options = d.get("attention"), d.get("attention_options", {})
-    if not isinstance(attention, str) or not isinstance(options, dict):
+    # a config that records its recipe was written after the recipes owned these options (OLD_OPTIONS)
+    if not isinstance(attention, str) or not isinstance(options, dict) or "recipe" in options:
         return {}
     filled: dict[str, tuple[object, str]] = {}
     for what, variants, encoder_only, option, old in OLD_DEFAULTS:
@@ -127,27 +152,54 @@ def _old_values(d: dict) -> dict[str, tuple[object, str]]:
     return out
 
 
+def _recast(attention: str, options: dict) -> tuple[dict, list[str]]:
+    """``options`` with the :data:`OLD_OPTIONS` rows that match them applied, and what each applied row changed."""
+    said = []
+    for what, variants, old, new in OLD_OPTIONS:
+        if attention in variants and all(k in options and options[k] == v for k, v in old.items()):
+            options = {**new, **{k: v for k, v in options.items() if k not in old}}
+            read = f"read as {new}" if new else "dropped"
+            said.append(f"{', '.join(f'{k}={v!r}' for k, v in old.items())} {read} ({what})")
+    return options, said
+
+
 def migrate_config(d: dict) -> dict:
     """A saved run's config ``d`` (config.json, or a checkpoint's ``config``) in today's options, with an
-    :class:`gpattn.OldVersionWarning` naming every option it filled in; ``d`` itself when it needs nothing."""
+    :class:`gpattn.OldVersionWarning` naming every option it filled in or rewrote; ``d`` itself when it needs
+    nothing."""
     filled, renamed = _old_options(d), _old_values(d)
-    if not filled and not renamed:
+    options = d.get("attention_options")
+    if isinstance(options, dict):
+        options = {**{k: v for k, (v, _) in filled.items()}, **options, **{k: v for k, (v, _) in renamed.items()}}
+    recast, said = _recast(d["attention"], options) if isinstance(d.get("attention"), str) and options else (None, [])
+    if not filled and not renamed and not said:
         return d
-    named = "; ".join(f"{k}={v!r} (saved before {what})" for k, (v, what) in {**filled, **renamed}.items())
+    named = "; ".join(
+        [f"{k}={v!r} (saved before {what})" for k, (v, what) in {**filled, **renamed}.items()] + said
+    )
     warnings.warn(
         f"a {d['attention']} run written by an older gpattn: migrated its config to the form it trained: {named}",
         OldVersionWarning,
         stacklevel=3,
     )
-    options = {**{k: v for k, (v, _) in filled.items()}, **d["attention_options"]}
-    return {**d, "attention_options": {**options, **{k: v for k, (v, _) in renamed.items()}}}
+    return {**d, "attention_options": recast if said else options}
 
 
 def migrate_state_dict(module, state_dict: dict, prefix: str, *args) -> None:
-    """Load-state-dict pre-hook of every GP strategy (``module``): fills the keys an :data:`OLD_STATES` row names for
-    its class when a state dict saved before lacks them, with an :class:`gpattn.OldVersionWarning` naming each."""
+    """Load-state-dict pre-hook of every GP strategy (``module``): renames the keys an :data:`OLD_KEYS` row names for
+    its class and fills those an :data:`OLD_STATES` row names when a state dict saved before lacks them, with an
+    :class:`gpattn.OldVersionWarning` naming each."""
+    classes = {c.__name__ for c in type(module).__mro__}
+    for what, owner, old_key, key in OLD_KEYS:
+        if owner not in classes or prefix + old_key not in state_dict or prefix + key in state_dict:
+            continue
+        state_dict[prefix + key] = state_dict.pop(prefix + old_key)
+        warnings.warn(
+            f"{prefix}{old_key} in the state dict (saved before {what}): migrated to {prefix}{key}",
+            OldVersionWarning,
+            stacklevel=3,
+        )
     for what, owner, key, present, old in OLD_STATES:
-        classes = {c.__name__ for c in type(module).__mro__}
         if owner not in classes or prefix + key in state_dict or prefix + present not in state_dict:
             continue
         state_dict[prefix + key] = torch.tensor(old, dtype=state_dict[prefix + present].dtype)

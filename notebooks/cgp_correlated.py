@@ -45,6 +45,7 @@ import torch
 import gpattn
 from gpattn.kernels import evaluate_kernel
 from gpattn.testing.references import canonical_rbf, cgp_dense_blocks, cgp_dense_moments
+from gpattn.variational.means import CorrelatedSeparateSoftmaxMean, ZeroMean
 from gpattn.variational.scgp import SparseCorrelatedGP
 
 SIZE = os.environ.get("GPATTN_NOTEBOOK_SIZE", "full")
@@ -72,8 +73,9 @@ print(f"SIZE={SIZE}, T={T}, plots -> {OUT}")
 
 # %%
 H, D = 2, 16
-layer = gpattn.build_attention("cgp", D, H, prior_samples=None, jitter=0.0, prior_mean="zero").double()
+layer = gpattn.build_attention("cgp", D, H, jitter=0.0, prior_mean="zero").double()
 gp = layer.strategy
+gp.prior_samples = None  # the regulariser's exact expectation over z_o (the layer draws 10 samples)
 gp.covar.sigma_q = torch.tensor([1.4, 0.8], dtype=F64)
 gp.covar.sigma_k = torch.tensor([0.7, 1.3], dtype=F64)
 x = torch.randn(1, T, D, dtype=F64)
@@ -168,7 +170,9 @@ fig.savefig(OUT / "cgp_sample_paths.png", dpi=120)
 # inducing inputs at random points of the canonical space.
 
 # %%
-sparse = SparseCorrelatedGP(H, q.shape[-1], num_inducing=T, num_inducing_keys=T, sigma=S2**0.5, jitter=0.0).double()
+sparse = SparseCorrelatedGP(
+    H, q.shape[-1], num_inducing=T, num_inducing_keys=T, sigma=S2**0.5, jitter=0.0, mean_module=ZeroMean()
+).double()
 with torch.no_grad():
     sparse.covar.sigma_q = gp.covar.sigma_q
     sparse.covar.sigma_k = gp.covar.sigma_k
@@ -224,7 +228,8 @@ print(f"CGP regulariser: exact {R_exact[0, 0]:.4f}, dense MC {R_mc[0, 0]:.4f}; m
 P_list = [1, 10, 100] if CI else [1, 10, 100, 1000]
 spread, bias = [], []
 for P in P_list:
-    est = gpattn.build_attention("cgp", D, H, prior_samples=P, jitter=0.0, prior_mean="zero").double().strategy
+    est = gpattn.build_attention("cgp", D, H, jitter=0.0, prior_mean="zero").double().strategy
+    est.prior_samples = P
     est.load_state_dict(gp.state_dict())
     with torch.no_grad():
         r = torch.stack([est.condition(q, k, o, v).regularizer()[0, 0, 0] for _ in range(REPEATS)])
@@ -246,7 +251,9 @@ fig.savefig(OUT / "cgp_regularizer_vs_P_o.png", dpi=120)
 
 # %%
 m = max(3, T // 3)
-scgp = SparseCorrelatedGP(H, q.shape[-1], num_inducing=m, num_inducing_keys=m, sigma=S2**0.5, jitter=0.0).double()
+scgp = SparseCorrelatedGP(
+    H, q.shape[-1], num_inducing=m, num_inducing_keys=m, sigma=S2**0.5, jitter=0.0, mean_module=ZeroMean()
+).double()
 with torch.no_grad():
     scgp.covar.sigma_q = gp.covar.sigma_q
     scgp.covar.sigma_k = gp.covar.sigma_k
@@ -353,7 +360,8 @@ fig.savefig(OUT / "attention_asymmetry.png", dpi=120)
 # function leaves every covariance block, hence $\Sigma$ and the regulariser (evaluated at $\nu$), unchanged.
 
 # %%
-twin = gpattn.build_attention("cgp", D, H, prior_samples=None, jitter=0.0, prior_mean="softmax").double()
+twin = gpattn.build_attention("cgp", D, H, jitter=0.0, prior_mean="softmax").double()
+twin.strategy.prior_samples = None
 twin.load_state_dict(layer.state_dict(), strict=False)
 with torch.no_grad():
     out0, out1 = gp.condition(q, k, o, v), twin.strategy.condition(q, k, o, v)
@@ -364,13 +372,15 @@ with torch.no_grad():
 print(f"softmax mean: |mean − ν − m| {mean_err:.1e}, |Σ − Σ_zero| {cov_err:.1e}, |R − R_zero| {reg_err:.1e}")
 
 # %% [markdown]
-# `prior_mean="softmax-separate"` (scgp's default) reads values of its own, $u = x W_{vm}$: the mean is
-# $\sum_j \mathrm{softmax}_j(q_i\cdot k_j)\,u_j + \nu$, and $R$ still reads $\nu$ and $v$ alone.
+# The separate mean (scgp's default, `prior_mean="softmax-separate"`; passed to cgp as the object) reads values of
+# its own, $u = x W_{vm}$: the mean is $\sum_j \mathrm{softmax}_j(q_i\cdot k_j)\,u_j + \nu$, and $R$ still reads
+# $\nu$ and $v$ alone.
 
 # %%
 u = torch.randn_like(v)
-sep = gpattn.build_attention("cgp", D, H, prior_samples=None, jitter=0.0, prior_mean="softmax-separate")
+sep = gpattn.build_attention("cgp", D, H, jitter=0.0, prior_mean=CorrelatedSeparateSoftmaxMean())
 sep = sep.double().strategy
+sep.prior_samples = None
 sep.load_state_dict(twin.strategy.state_dict())
 with torch.no_grad():
     out2 = sep.condition(q, k, o, v, mean_values=u)

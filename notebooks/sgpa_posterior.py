@@ -52,6 +52,7 @@ from gpattn.testing.references import (
     sgpa_decoupled_global_keys,
     sgpa_heads,
 )
+from gpattn.variational.covariances import DiagonalCovariance, FullCovariance
 
 SIZE = os.environ.get("GPATTN_NOTEBOOK_SIZE", "full")
 OUT = Path(os.environ.get("GPATTN_NOTEBOOK_OUT", "runs/notebooks")) / "sgpa_posterior"
@@ -206,9 +207,9 @@ paths = {
     ),
     "decoupled (full)": (dec_post, dcond.rsample(num_samples=5).detach()),
 }
-dcond.covariance = "diag"
+dcond.covariance = DiagonalCovariance()
 paths["decoupled (diag)"] = (dec_post, dcond.rsample(num_samples=5).detach())
-dcond.covariance = "full"
+dcond.covariance = FullCovariance()
 fig, axes = plt.subplots(1, 3, figsize=(14, 3.6), sharey=False)
 t = np.arange(T)
 for ax, (name, (post, f)) in zip(axes, paths.items()):
@@ -234,9 +235,9 @@ def lag1(f, post):
 
 torch.manual_seed(2)
 f_full = dcond.rsample(num_samples=2000).detach()
-dcond.covariance = "diag"
+dcond.covariance = DiagonalCovariance()
 f_diag = dcond.rsample(num_samples=2000).detach()
-dcond.covariance = "full"
+dcond.covariance = FullCovariance()
 lag_full, lag_diag = lag1(f_full, dec_post), lag1(f_diag, dec_post)
 print(f"decoupled lag-1 correlation of standardised samples: full {lag_full:.3f}, diag {lag_diag:.3f}")
 
@@ -292,7 +293,7 @@ for c in scales:
             one.kernel,
             p1["qk"][0, 0],
             one.global_keys()[0],
-            c1.values[0, 0, :, d],
+            c1.inducing_values[0, 0, :, d],
             c1.whitened_values[0, :, d],
             c1.scale_tril[0, d],
         ).eval()

@@ -25,20 +25,25 @@ import os
 
 import torch
 
+from gpattn.variational.means import CorrelatedSeparateSoftmaxMean, CorrelatedSoftmaxMean
+
+#: the shared query-key map is the layers' own (recipe "scratch"), the separate maps the encoder-swap recipe's form
+#: (with its softmax mean unless prior_mean is given); the correlated means that are no variant's name any more are
+#: passed as objects
 CANDIDATES = [
-    ("sgpa", {"qk": "shared"}),
-    ("sgpa", {"qk": "separate"}),
-    ("sgpa", {"qk": "separate", "kernel": "exponential"}),
-    ("sgpa-decoupled", {"qk": "shared"}),
-    ("sgpa-decoupled", {"qk": "separate"}),
-    ("sgpa-decoupled", {"qk": "separate", "kernel": "exponential"}),
-    ("sgpa", {"qk": "separate", "prior_mean": "softmax"}),
-    ("sgpa-decoupled", {"qk": "separate", "prior_mean": "softmax"}),
+    ("sgpa", {"recipe": "scratch"}),
+    ("sgpa", {"recipe": "encoder-swap", "prior_mean": "attention"}),
+    ("sgpa", {"recipe": "encoder-swap", "prior_mean": "attention", "kernel": "exponential"}),
+    ("sgpa-decoupled", {"recipe": "scratch"}),
+    ("sgpa-decoupled", {"recipe": "encoder-swap", "prior_mean": "attention"}),
+    ("sgpa-decoupled", {"recipe": "encoder-swap", "prior_mean": "attention", "kernel": "exponential"}),
+    ("sgpa", {"recipe": "encoder-swap"}),
+    ("sgpa-decoupled", {"recipe": "encoder-swap"}),
     ("cgp", {"prior_mean": "zero"}),
     ("cgp", {"prior_mean": "softmax"}),
     ("scgp", {"prior_mean": "zero"}),
-    ("scgp", {"prior_mean": "softmax"}),
-    ("cgp", {"prior_mean": "softmax-separate"}),
+    ("scgp", {"prior_mean": CorrelatedSoftmaxMean()}),
+    ("cgp", {"prior_mean": CorrelatedSeparateSoftmaxMean()}),
     ("scgp", {"prior_mean": "softmax-separate"}),
 ]
 

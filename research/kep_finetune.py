@@ -5,9 +5,9 @@
 layer's prior is multiplied by ``--prior-factor`` c through ``scale_prior`` — for kep-svgp σ² and q(u_c) together
 ((m_c, L_c) ← √c (m_c, L_c)), so the noise shrinks by √c at initialisation and the KL is unchanged, unlike the
 ``prior_variance`` option, which moves only σ² (a KL of 56,637 nats at σ² = 1e-4). The other mechanisms take the
-trainer's own switches: ``--beta 0`` (no global KL), ``--eta 0`` (no KSVD term), ``--attention-option
-feature_gradient=False`` (the KSVD features read the encoder without its gradient). The factor goes into the run's
-``prior_scale.json`` rows as ``probe_factor``.
+trainer's own switches: ``--beta 0`` (no global KL), ``--eta 0`` (no KSVD term), and ``python research/knobs.py --
+train ... --attention-option feature_gradient=False`` (the KSVD features read the encoder without their gradient, a
+research knob). The factor goes into the run's ``prior_scale.json`` rows as ``probe_factor``.
 
 Run: ``python research/kep_finetune.py --prior-factor 1e-4 -- train --dataset cola --data-dir ../shared/data
 --encoder minilm --attention kep-svgp --epochs 1 --seed 0 --out RUN``.

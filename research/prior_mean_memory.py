@@ -12,11 +12,13 @@ import os
 import subprocess
 import sys
 
+#: "softmax-mean" is the softmax prior mean alone (an object, made in the child); recipe "encoder-swap" adds the
+#: separate query and key maps
 CASES = [
     ("softmax", {}),
     ("sgpa-decoupled", {"covariance": "diag", "num_global": 16, "prior_mean": "attention"}),
-    ("sgpa-decoupled", {"covariance": "diag", "num_global": 16, "prior_mean": "softmax"}),
-    ("sgpa-decoupled", {"covariance": "diag", "num_global": 16, "prior_mean": "softmax", "qk": "separate"}),
+    ("sgpa-decoupled", {"covariance": "diag", "num_global": 16, "prior_mean": "softmax-mean"}),
+    ("sgpa-decoupled", {"covariance": "diag", "num_global": 16, "recipe": "encoder-swap"}),
 ]
 if len(sys.argv) > 1:  # a child: one case
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -25,7 +27,10 @@ if len(sys.argv) > 1:  # a child: one case
     torch.set_num_threads(1)
     from attention_scaling import measure_case
 
+    from gpattn.variational.means import SoftmaxMean
+
     name, opts, T = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    opts = {k: SoftmaxMean() if v == "softmax-mean" else v for k, v in opts.items()}
     r = measure_case(name, opts, T, "fwd+bwd", 1, 2, 32, warmup=1, min_reps=2, max_reps=3, budget=5.0)
     print(json.dumps(r))
     sys.exit()

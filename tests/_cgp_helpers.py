@@ -31,3 +31,33 @@ def assert_padding_equals_truncated(gp, q, k, o, v, padded, *, garbage_scale, at
     cov_full = gp.posterior(q2, k2, o2, v2, mask).covariance_matrix[..., real, :][..., real]
     cov_cut = gp.posterior(*(t[:, :, real] for t in (q, k, o, v))).covariance_matrix
     torch.testing.assert_close(cov_full, cov_cut, rtol=1e-9, atol=atol)
+
+
+# ------------------------------------------------------------------ layers the dense references compare against
+from gpattn.attention.cgp import CGPAttention  # noqa: E402
+from gpattn.variational.means import CorrelatedSeparateSoftmaxMean, CorrelatedSoftmaxMean  # noqa: E402
+
+#: the correlated GPs' softmax means by the names they had for both variants; now "softmax" is cgp's and
+#: "softmax-separate" scgp's, and each variant takes the other's mean as an object (a fresh one per layer: it keeps its
+#: temperature)
+MEANS = {"softmax": CorrelatedSoftmaxMean, "softmax-separate": CorrelatedSeparateSoftmaxMean}
+
+
+def mean_option(mean: str):
+    """``prior_mean=`` for a mean named in :data:`MEANS` (a fresh object), or ``"zero"`` as it is."""
+    return MEANS[mean]() if mean in MEANS else mean
+
+
+class ExactCGP(CGPAttention):
+    """cgp whose regulariser is its exact expectation over z_o (the strategy's ``prior_samples=None``): the form the
+    dense references compare against (once the layer's option; the library layer draws 10 samples)."""
+
+    def _strategy(self, **options):
+        return super()._strategy(**options, prior_samples=None)
+
+
+class SeparateMeanExactCGP(ExactCGP):
+    """:class:`ExactCGP` with the separate softmax mean (scgp's, an object for cgp)."""
+
+    def __init__(self, embed_dim, num_heads, **options):
+        super().__init__(embed_dim, num_heads, **{"prior_mean": CorrelatedSeparateSoftmaxMean(), **options})

@@ -11,6 +11,7 @@ import gpattn.variational._fused as fused
 from gpattn import deterministic
 from gpattn.attention import build_attention
 from gpattn.attention._gumbel import gumbel_attention
+from gpattn.variational.means import SoftmaxMean
 
 LONG = ("kernel", "kernel-asym", "sto", "h-sto", "sgpa-decoupled")
 #: the options under which each is linear in T (sgpa-decoupled: the attention mean with the diagonal covariance)
@@ -111,8 +112,8 @@ def test_blocks_draw_independent_noise(monkeypatch):
     "name, fused_path, extra",
     [(name, True, {}) for name in LONG]
     + [(name, False, {}) for name in ("kernel", "kernel-asym", "sgpa-decoupled")]
-    + [("sgpa-decoupled", path, {"prior_mean": "softmax"}) for path in (True, False)]
-    + [("sgpa-decoupled", True, {"qk": "separate", "prior_mean": mean}) for mean in ("softmax", "attention")],
+    + [("sgpa-decoupled", path, {"prior_mean": SoftmaxMean()}) for path in (True, False)]
+    + [("sgpa-decoupled", True, {"recipe": "encoder-swap", **mean}) for mean in ({}, {"prior_mean": "attention"})],
 )
 def test_no_tensor_of_T_by_T_entries_per_head(name, fused_path, extra, monkeypatch):
     """Forward and backward of a long sequence form no tensor with T·T entries per head: every op's output

@@ -9,7 +9,8 @@ come from gpattn.testing.GPAttentionTestCase.
 
 import pytest
 import torch
-from _cgp_helpers import assert_padding_equals_truncated, make_qkov
+from _cgp_helpers import ExactCGP, SeparateMeanExactCGP, assert_padding_equals_truncated, make_qkov, mean_option
+from _knobs import CGPProbe
 from gpytorch.kernels import MaternKernel
 
 import gpattn
@@ -17,6 +18,7 @@ from gpattn.testing import GPAttentionTestCase, assert_samples_match_moments, la
 from gpattn.testing.base_attention_test_case import ATTENTION_INVARIANTS
 from gpattn.testing.references import cgp_dense_blocks, cgp_dense_moments, cgp_dense_posterior
 from gpattn.variational.cgp import CorrelatedGP
+from gpattn.variational.means import ZeroMean
 
 B, H, T, DH, DV = 2, 2, 6, 3, 4
 SIGMA = 0.3
@@ -36,9 +38,9 @@ def dense_cgp(q, k, o, v, s2=SIGMA**2):
 class TestCGP(GPAttentionTestCase):
     """The layer (exact expectation in the regulariser, no jitter) at this file's σ_q, σ_k."""
 
-    attention = "cgp"
+    attention = ExactCGP  # the exact regulariser: the strategy's prior_samples=None
     invariants = ()  # at the default options: tests/test_attention_invariants.py
-    float64_options = {"prior_samples": None, "jitter": 0.0}
+    float64_options = {"jitter": 0.0}
     mean_tolerance = {"rtol": 1e-9, "atol": 1e-10}
     covariance_tolerance = truncation_tolerance = {"rtol": 1e-8, "atol": 1e-10}
     truncation_garbage = 7.0
@@ -54,7 +56,7 @@ class TestCGP(GPAttentionTestCase):
 
 
 def make_gp(prior_samples=None, jitter=0.0, sigma=SIGMA):
-    gp = CorrelatedGP(H, sigma=sigma, jitter=jitter, prior_samples=prior_samples).double()
+    gp = CorrelatedGP(H, sigma=sigma, jitter=jitter, prior_samples=prior_samples, mean_module=ZeroMean()).double()
     gp.covar.sigma_q = SIG_Q
     gp.covar.sigma_k = SIG_K
     return gp
@@ -233,7 +235,7 @@ def test_padding_equals_truncated_sequence(padded):
 
 def test_layer_loss_term_and_deterministic_mean():
     torch.manual_seed(0)
-    layer = gpattn.build_attention("cgp", 12, 2, prior_samples=None).double()
+    layer = gpattn.build_attention(ExactCGP, 12, 2).double()
     x = torch.randn(3, 5, 12, dtype=torch.float64)
     mask = torch.zeros(3, 5, dtype=torch.bool)
     mask[1, 3:] = True
@@ -255,7 +257,7 @@ def test_layer_loss_term_and_deterministic_mean():
 
 def test_any_gpytorch_kernel_as_canonical():
     kern = MaternKernel(nu=2.5, batch_shape=torch.Size([2]))
-    layer = gpattn.build_attention("cgp", 8, 2, kernel=kern, prior_samples=None, prior_mean="zero").double()
+    layer = gpattn.build_attention(ExactCGP, 8, 2, kernel=kern, prior_mean="zero").double()
     assert layer.strategy.covar.canonical is kern
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     post = layer.posterior(x)
@@ -310,8 +312,9 @@ def test_bad_shapes_raise():
 
 
 def test_learnable_sigma_gets_gradient():
+    """A learned σ (the strategy's learn_sigma, a research knob: research/knobs.py's probe)."""
     torch.manual_seed(0)
-    layer = gpattn.build_attention("cgp", 8, 2, learn_sigma=True)
+    layer = gpattn.build_attention(CGPProbe, 8, 2, learn_sigma=True)
     y = layer(torch.randn(2, 5, 8))
     (y.sum() + layer_loss_terms(layer)["cgp"]).backward()
     g = layer.strategy.raw_sigma.grad
@@ -340,12 +343,12 @@ def test_learned_sigma_has_a_floor():
     """A learned σ cannot reach 0, where the bound 2T log σ² itself would run to −∞."""
     from gpattn.variational.cgp import SIGMA_FLOOR
 
-    layer = gpattn.build_attention("cgp", 8, 2, learn_sigma=True)
+    layer = gpattn.build_attention(CGPProbe, 8, 2, learn_sigma=True)
     with torch.no_grad():
         layer.strategy.raw_sigma.fill_(-1e4)
     assert (layer.strategy.sigma >= SIGMA_FLOOR).all()
     with pytest.raises(ValueError, match="SIGMA_FLOOR"):
-        gpattn.build_attention("cgp", 8, 2, learn_sigma=True, sigma=SIGMA_FLOOR / 2)
+        gpattn.build_attention(CGPProbe, 8, 2, learn_sigma=True, sigma=SIGMA_FLOOR / 2)
 
 
 @pytest.mark.parametrize("name", ["cgp", "scgp"])
@@ -385,10 +388,10 @@ class TestCGPZeroMean(TestCGP):
 
 
 class TestCGPSeparateMean(TestCGP):
-    """``prior_mean="softmax-separate"`` (§7a): the softmax mean over the layer's own values W_vm x (the ``v_mean``
+    """The separate softmax mean (§7a; scgp's, an object for cgp): over the layer's own values W_vm x (the ``v_mean``
     projection), which the regulariser does not read."""
 
-    options = {"prior_mean": "softmax-separate"}
+    attention = SeparateMeanExactCGP
     invariants = ATTENTION_INVARIANTS
 
 
@@ -400,7 +403,7 @@ def _twins(name, seed=0, mean="softmax", **options):
     the separate mean's own value rows ``v_mean`` keep their initialisation)."""
     torch.manual_seed(seed)
     zero = gpattn.build_attention(name, 8, 2, prior_mean="zero", **options).double()
-    twin = gpattn.build_attention(name, 8, 2, prior_mean=mean, **options).double()
+    twin = gpattn.build_attention(name, 8, 2, prior_mean=mean_option(mean), **options).double()
     state = {k: v for k, v in zero.state_dict().items() if not k.startswith("in_proj.")}
     twin.load_state_dict(state, strict=False)
     with torch.no_grad():
@@ -415,8 +418,7 @@ def test_softmax_mean_adds_attention_and_changes_nothing_else(name, mean):
     """mean = the zero-mean layer's mean + softmax(q kᵀ/√Dh) u of the layer's projections over the real keys (0 at
     padded queries), u = the values v, or the separate mean's own ``v_mean``; covariance, samples' spread and the
     regulariser (exact expectation) are the zero-mean layer's: the prior mean costs nothing in R (§7a)."""
-    options = {"prior_samples": None} if name == "cgp" else {}
-    zero, twin = _twins(name, mean=mean, **options)
+    zero, twin = _twins(ExactCGP if name == "cgp" else name, mean=mean)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 6, 8, generator=g, dtype=torch.float64)
     mask = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
@@ -446,10 +448,10 @@ def test_rescale_inputs_keeps_the_softmax_mean(name, mean):
     before = twin.posterior(x).mean - zero.posterior(x).mean
     for layer in (zero, twin):
         layer.rescale_inputs(1.7)
-    torch.testing.assert_close(twin.strategy.mean_temperature, torch.tensor(1.7**-2, dtype=torch.float64))
+    torch.testing.assert_close(twin.strategy.mean_module.temperature, torch.tensor(1.7**-2, dtype=torch.float64))
     after = twin.posterior(x).mean - zero.posterior(x).mean
     torch.testing.assert_close(after, before, rtol=1e-10, atol=1e-12)
-    reloaded = gpattn.build_attention(name, 8, 2, prior_mean=mean).double()
+    reloaded = gpattn.build_attention(name, 8, 2, prior_mean=mean_option(mean)).double()
     reloaded.load_state_dict(twin.state_dict())
     torch.testing.assert_close(reloaded.posterior(x).mean, twin.posterior(x).mean, rtol=0, atol=0)
 
@@ -457,7 +459,7 @@ def test_rescale_inputs_keeps_the_softmax_mean(name, mean):
 @pytest.mark.parametrize("mean", SOFTMAX_MEANS)
 def test_softmax_mean_gradients_match_finite_differences(mean):
     """The mean's gradient through the fused softmax path (float64, key padding) against finite differences."""
-    _, twin = _twins("cgp", mean=mean, prior_samples=None)
+    _, twin = _twins(ExactCGP, mean=mean)
     x = torch.randn(2, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(6), requires_grad=True)
     mask = torch.tensor([[False] * 4, [False] * 3 + [True]])
     assert torch.autograd.gradcheck(lambda x: twin.posterior(x, mask).mean, (x,))
@@ -466,7 +468,7 @@ def test_softmax_mean_gradients_match_finite_differences(mean):
 def test_separate_mean_values_are_trained_by_the_output_alone():
     """The separate mean's own values get their gradient from the layer's output, never from the regulariser R
     (which reads ν and v, §7a): R's gradient is zero on the ``v_mean`` rows and nonzero on the ``v`` rows."""
-    _, twin = _twins("cgp", mean="softmax-separate", prior_samples=None)
+    _, twin = _twins(ExactCGP, mean="softmax-separate")
     x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     with gpattn.deterministic():
         twin(x)
@@ -483,20 +485,29 @@ def test_separate_mean_values_are_trained_by_the_output_alone():
 def test_mean_values_only_with_the_separate_mean(name):
     """The strategy takes ``mean_values`` exactly when its prior mean reads them, shaped like the values."""
     q, k, o, v = (torch.randn(1, 2, 4, 4) for _ in range(4))
-    separate = gpattn.build_attention(name, 8, 2, prior_mean="softmax-separate").strategy
+    separate = gpattn.build_attention(name, 8, 2, prior_mean=mean_option("softmax-separate")).strategy
     with pytest.raises(ValueError, match="mean_values: prior_mean='softmax-separate' reads values of its own"):
         separate.condition(q, k, o, v)
     shapes = r"a tensor of shape \(1, 2, 4, 4\), got \(1, 2, 3, 4\); or use prior_mean='softmax'"
     with pytest.raises(ValueError, match=shapes):
         separate.condition(q, k, o, v, mean_values=v[:, :, :3])
     for mean in ("softmax", "zero"):
-        strategy = gpattn.build_attention(name, 8, 2, prior_mean=mean).strategy
+        strategy = gpattn.build_attention(name, 8, 2, prior_mean=mean_option(mean)).strategy
         with pytest.raises(ValueError, match=f"only a prior mean with values of its own reads them, not '{mean}'"):
             strategy.condition(q, k, o, v, mean_values=v)
 
 
 def test_zero_mean_state_dict_has_no_temperature():
-    """The papers' form keeps its state dict (checkpoints saved before §7a load unchanged)."""
-    assert "strategy.mean_temperature" not in gpattn.build_attention("cgp", 8, 2, prior_mean="zero").state_dict()
+    """The papers' form keeps its state dict (checkpoints saved before §7a load unchanged); the softmax mean keeps its
+    temperature in its module, and a state dict saved with the strategy's ``mean_temperature`` loads through the one
+    load hook (gpattn._migrate.OLD_KEYS), with a warning naming the key."""
+    assert not any("temperature" in k for k in gpattn.build_attention("cgp", 8, 2, prior_mean="zero").state_dict())
     for mean in SOFTMAX_MEANS:
-        assert "strategy.mean_temperature" in gpattn.build_attention("cgp", 8, 2, prior_mean=mean).state_dict()
+        layer = gpattn.build_attention("cgp", 8, 2, prior_mean=mean_option(mean))
+        assert "strategy.mean_module.temperature" in layer.state_dict()
+        old = dict(layer.state_dict())
+        old["strategy.mean_temperature"] = torch.tensor(0.25)
+        del old["strategy.mean_module.temperature"]
+        with pytest.warns(gpattn.OldVersionWarning, match="strategy.mean_temperature .* migrated"):
+            layer.load_state_dict(old)
+        assert float(layer.strategy.mean_module.temperature) == 0.25

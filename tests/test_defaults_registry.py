@@ -12,9 +12,16 @@ import pytest
 import torch
 
 import gpattn
-from gpattn._migrate import OLD_DEFAULTS, OLD_STATES, migrate_config, migrate_state_dict
+from gpattn._migrate import OLD_DEFAULTS, OLD_OPTIONS, OLD_STATES, migrate_config, migrate_state_dict
 from gpattn.attention import RECIPES, attention_options, recipe_options
+from gpattn.attention.registry import _ENTRIES, CHOICES, resolve
 from gpattn.experiments.training import TrainConfig
+from gpattn.variational.means import AttentionMean, SoftmaxMean
+
+#: every (variant, recipe) a layer is built with: every variant takes "scratch" and "encoder-swap", the others where
+#: its entry names them
+PAIRS = [(n, r) for n in gpattn.list_attention() for r in RECIPES
+         if r in ("scratch", "encoder-swap") or r in getattr(_ENTRIES.get(n), "recipes", {})]
 
 
 @pytest.mark.parametrize("name", gpattn.list_attention())
@@ -26,19 +33,47 @@ def test_the_scratch_recipe_is_the_layers_own_defaults(name):
     assert set(recipe_options(name)) <= set(options)
 
 
-@pytest.mark.parametrize("name", ["sgpa", "sgpa-decoupled"])
+@pytest.mark.parametrize("name", ["sgpa", "sgpa-decoupled", "sgpa-rff"])
 def test_the_encoder_swap_recipe_of_sgpa_keeps_both_maps_and_the_softmax_mean(name):
-    swap = attention_options(name, recipe="encoder-swap")
-    assert (swap["qk"], swap["prior_mean"]) == ("separate", "softmax")
-    assert (attention_options(name)["qk"], attention_options(name)["prior_mean"]) == ("shared", "attention")
-    assert recipe_options(name, "encoder-swap") == {"qk": "separate", "prior_mean": "softmax"}
-    assert recipe_options(name) == {}
+    """The swap's internal form: separate query and key maps (a layer form the registry names) and the softmax prior
+    mean (an object); the layer's own form is the shared map and the attention mean. A config records the recipe's
+    name; its options leave out the mean the recipe sets, and build its layer."""
+    swap, own = gpattn.build_attention(name, 8, 2, recipe="encoder-swap"), gpattn.build_attention(name, 8, 2)
+    assert swap.projections == ("q", "k", "v") and isinstance(swap.strategy.mean_module, SoftmaxMean)
+    assert own.projections == ("qk", "v") and type(own.strategy.mean_module) is AttentionMean
+    assert swap.name == own.name == name  # a form of the variant, not a variant of its own:
+    assert type(swap) not in {gpattn.attention.attention_class(n) for n in gpattn.list_attention()}
+    assert recipe_options(name, "encoder-swap") == {"recipe": "encoder-swap", **_ENTRIES[name].recipes[
+        "encoder-swap"].options}
+    assert "prior_mean" not in attention_options(name, "encoder-swap") and recipe_options(name) == {}
+    rebuilt = gpattn.build_attention(name, 8, 2, **attention_options(name, "encoder-swap"))
+    assert type(rebuilt) is type(swap) and isinstance(rebuilt.strategy.mean_module, SoftmaxMean)
+    given = gpattn.build_attention(name, 8, 2, recipe="encoder-swap", prior_mean="attention")  # given options win
+    assert given.projections == ("q", "k", "v") and type(given.strategy.mean_module) is AttentionMean
 
 
 def test_an_unknown_recipe_names_the_valid_ones():
-    with pytest.raises(ValueError, match="unknown recipe 'nope'; valid recipes: scratch, encoder-swap"):
+    with pytest.raises(ValueError, match="unknown recipe 'nope'; valid recipes: scratch, encoder-swap, out-of-scope"):
         attention_options("sgpa", recipe="nope")
-    assert RECIPES == ("scratch", "encoder-swap")
+    assert RECIPES == ("scratch", "encoder-swap", "out-of-scope")
+    with pytest.raises(ValueError, match="recipe 'out-of-scope' has no form of attention 'sgpa': it is sgpa-rff's"):
+        gpattn.build_attention("sgpa", 8, 2, recipe="out-of-scope")
+
+
+def test_the_out_of_scope_recipe_is_the_sequence_covariance_at_the_clinc150_setting():
+    """sgpa-rff's out-of-scope recipe: the encoder swap's form with g on each sequence's unit mean query, R = 1024,
+    ℓ = 0.2, w = 1e4 (the clinc150-minilm preset selects it); its config records the recipe and its options."""
+    from gpattn.experiments.presets import get_preset
+    from gpattn.variational.covariances import TrainingSequenceCovariance
+
+    layer = gpattn.build_attention("sgpa-rff", 16, 2, recipe="out-of-scope")
+    cov = layer.strategy.covariance
+    assert isinstance(cov, TrainingSequenceCovariance) and cov.num_features == 1024 and cov.data_weight == 1e4
+    assert torch.equal(cov.lengthscale, torch.tensor([0.2])) and layer.projections == ("q", "k", "v")
+    assert not layer.per_query_masks and isinstance(layer.strategy.mean_module, SoftmaxMean)
+    assert recipe_options("sgpa-rff", "out-of-scope") == {"recipe": "out-of-scope", "num_features": 1024,
+                                                          "lengthscale": 0.2}
+    assert get_preset("clinc150-minilm")["variant_options"]["sgpa-rff"] == {"recipe": "out-of-scope"}
 
 
 @pytest.mark.parametrize("encoder", [None, "minilm"])
@@ -48,9 +83,9 @@ def test_a_config_records_its_recipes_resolved_options(name, encoder):
     mean), resolved from the registry; given options win."""
     recipe = "encoder-swap" if encoder else "scratch"
     assert TrainConfig(attention=name, encoder=encoder).attention_options == recipe_options(name, recipe)
-    assert TrainConfig(attention=name, encoder=encoder, attention_options={"qk": "x"}).attention_options == {
+    assert TrainConfig(attention=name, encoder=encoder, attention_options={"jitter": 0.5}).attention_options == {
         **recipe_options(name, recipe),
-        "qk": "x",
+        "jitter": 0.5,
     }
 
 
@@ -58,7 +93,7 @@ def test_a_config_learns_the_swaps_defaults_without_importing_the_integrations()
     code = (
         "import sys; from gpattn.experiments.training import TrainConfig; "
         "c = TrainConfig(attention='sgpa', encoder='minilm'); "
-        "assert c.attention_options == {'qk': 'separate', 'prior_mean': 'softmax'}, c.attention_options; "
+        "assert c.attention_options == {'recipe': 'encoder-swap'}, c.attention_options; "
         "assert 'gpattn.integrations' not in sys.modules, 'imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -71,12 +106,18 @@ def test_every_old_default_migrates_and_says_so(row):
     what, variants, encoder_only, option, old = row
     for name in variants:
         saved = {**TrainConfig(attention=name, encoder="minilm" if encoder_only else None).to_dict()}
-        saved["attention_options"] = {k: v for k, v in saved["attention_options"].items() if k != option}
+        # written before the change: without the option, and without a recipe (configs record one now)
+        kept = saved["attention_options"].items()
+        saved["attention_options"] = {k: v for k, v in kept if k not in (option, "recipe")}
         said = rf"a {name} run .*{option}={old!r} \(saved before {re.escape(what)}"
         with pytest.warns(gpattn.OldVersionWarning, match=said):
             migrated = migrate_config(saved)
-        assert migrated["attention_options"][option] == old
-        assert TrainConfig.from_dict(migrated).attention_options[option] == old
+        # as an OLD_OPTIONS row reads it where the option left the layers since (qk="shared": their own form)
+        read = next((new for _, vs, row, new in OLD_OPTIONS if name in vs and row == {option: old}), {option: old})
+        assert read.items() <= migrated["attention_options"].items()
+        options = TrainConfig.from_dict(migrated).attention_options
+        assert read.items() <= options.items()
+        gpattn.build_attention(name, 16, 2, **{k: v for k, v in options.items() if k != "v_dim"})  # the form it names
 
 
 def _strategies(name):
@@ -140,26 +181,99 @@ def test_an_encoder_row_leaves_a_run_from_scratch_alone():
 @pytest.mark.parametrize(
     ("name", "encoder", "saved", "trained"),
     [
-        ("sgpa", "minilm", {}, {"qk": "shared", "prior_mean": "attention"}),  # gpattn 0.2
-        ("sgpa-decoupled", "minilm", {"qk": "separate"}, {"qk": "separate", "prior_mean": "attention"}),
+        ("sgpa", "minilm", {}, {"recipe": "scratch", "prior_mean": "attention"}),  # gpattn 0.2: the shared map
+        ("sgpa-decoupled", "minilm", {}, {"recipe": "scratch", "prior_mean": "attention"}),
         ("cgp", None, {}, {"prior_mean": "zero"}),  # before the softmax mean
         ("scgp", "minilm", {"v_dim": 4}, {"prior_mean": "zero", "v_dim": 4}),  # before the separate softmax mean
+        # options of gpattn 0.2's layers that left them (OLD_OPTIONS), at the value the layers always have now
+        ("kep-svgp", None, {"token_independent": False, "include_residual": False, "rank": 2},
+         {"prior_mean": "zero", "rank": 2}),
+        ("cgp", None, {"prior_samples": 10, "learn_sigma": False}, {"prior_mean": "zero"}),
+        ("scgp", None, {"learn_sigma": False}, {"prior_mean": "zero"}),
     ],
 )
 def test_each_older_config_reads_as_the_model_it_trained(name, encoder, saved, trained):
+    """A config gpattn 0.2 wrote, before a default changed or with an option that left the layers since at the value
+    they always have now, reads as the options that build the model it trained, and the layer builds."""
     old = {**TrainConfig(attention=name, encoder=encoder).to_dict(), "attention_options": saved}
     with pytest.warns(gpattn.OldVersionWarning, match=f"a {name} run written by an older gpattn"):
-        assert migrate_config(old)["attention_options"] == trained
+        migrated = migrate_config(old)
+    assert migrated["attention_options"] == trained
+    options = TrainConfig.from_dict(migrated).attention_options
+    gpattn.build_attention(name, 16, 2, **{k: v for k, v in options.items() if k != "v_dim"})
 
 
-#: options whose resolved value is not kept under their own name (``bias``: a parameter of the projections)
-_NOT_KEPT = {"bias", "kernel"}
+def test_every_old_option_row_is_an_option_of_gpattn_0_2_at_the_value_the_layers_have_now():
+    """OLD_OPTIONS serves gpattn 0.2's configs only (docs/development.md, "Migration rows serve releases"): each row
+    reads an option that left the layers (the registry's error names its owner) at the value they always have now:
+    dropped, or the SGPA layers' shared map (which OLD_DEFAULTS fills into gpattn 0.2's encoder configs) as their own
+    form."""
+    from gpattn.attention.registry import former_options
+
+    for what, variants, old, new in OLD_OPTIONS:
+        assert new in ({}, {"recipe": "scratch"}) and len(old) == 1, what
+        (option, value), = old.items()
+        for name in variants:
+            assert set(former_options(name, old)) == {option}
+            with pytest.raises(ValueError, match=rf"unknown option\(s\) \['{option}'\]"):
+                gpattn.build_attention(name, 16, 2, **old)
+
+
+@pytest.mark.parametrize(
+    ("name", "encoder", "saved", "owner"),
+    [  # configs of development commits (a form no release had) and settings no recipe owns
+        ("sgpa", "minilm", {"qk": "separate", "prior_mean": "softmax"}, "recipe='encoder-swap'"),
+        ("sgpa-decoupled", None, {"qk": "separate"}, "recipe='encoder-swap'"),
+        ("sgpa-rff", "minilm", {"qk": "separate", "prior_mean": "softmax", "lengthscale": 0.2, "gp_input": "sequence",
+                                "num_features": 1024, "data_weight": 10000.0}, "recipe='out-of-scope'"),
+        ("sgpa-rff", None, {"gp_input": "sequence"}, "recipe='out-of-scope'"),
+        ("kep-svgp", None, {"feature_gradient": False}, "research/knobs.py"),
+        ("cgp", None, {"prior_samples": None}, "research/knobs.py"),
+        ("scgp", None, {"learn_sigma": True}, "research/knobs.py"),
+    ],
+)
+def test_a_saved_config_with_an_option_that_left_gives_one_clear_error(name, encoder, saved, owner):
+    """A saved config recording an option that left the layers at a value no migration reads is not guessed at:
+    loading it is one error that names the option, that such runs are trained again, and what owns the form now."""
+    old = {**TrainConfig(attention=name, encoder=encoder).to_dict(), "attention_options": saved}
+    old["attention_options"].setdefault("prior_mean", gpattn.attention_options(name)["prior_mean"])  # as they record
+    with pytest.raises(ValueError, match=r"this run's config records .*trained again.*" + re.escape(owner)):
+        TrainConfig.from_saved(old)
+
+
+@pytest.mark.parametrize(
+    ("name", "saved", "owner"),
+    [
+        ("sgpa", {"prior_mean": "softmax"}, "encoder-swap recipe's"),  # the softmax mean from scratch
+        ("scgp", {"prior_mean": "softmax"}, "CorrelatedSoftmaxMean"),
+        ("cgp", {"prior_mean": "softmax-separate"}, "CorrelatedSeparateSoftmaxMean"),
+    ],
+)
+def test_a_name_a_variant_no_longer_takes_gives_one_clear_error(name, saved, owner):
+    """A prior mean that is no name of the variant any more is not guessed at: building it is one error that names
+    what owns the form now."""
+    config = TrainConfig.from_dict({**TrainConfig(attention=name).to_dict(), "attention_options": saved})
+    with pytest.raises(ValueError, match=re.escape(owner)):
+        gpattn.build_attention(name, 16, 2, **config.attention_options)
+
+
+#: options whose resolved value is not kept under their own name (``bias``: a parameter of the projections; ``recipe``:
+#: the layer's form)
+_NOT_KEPT = {"bias", "kernel", "recipe"}
+
+
+#: the attribute of the strategy that holds the object a form option's name resolves to (gpattn.attention.registry)
+_FORM_ATTRIBUTES = {"prior_mean": "mean_module", "covariance": "covariance"}
 
 
 def _resolved(layer, option):
     """The value ``layer`` runs with for ``option``: the attribute of that name of the layer, its strategy, its
-    q(u) or its covariance object (sgpa-rff's; a tensor as its values), or :data:`_MISSING`."""
+    q(u) or its covariance object (sgpa-rff's; a tensor as its values); for a form option, the class of the object
+    its name resolved to; or :data:`_MISSING`."""
     strategy = getattr(layer, "strategy", None)
+    if option in CHOICES.get(layer.name, {}):
+        form = getattr(strategy, _FORM_ATTRIBUTES[option])
+        return form if isinstance(form, type) else type(form)
     owners = (layer, strategy, getattr(strategy, "variational_distribution", None),
               getattr(strategy, "covariance", None))
     for owner in owners:
@@ -172,8 +286,7 @@ def _resolved(layer, option):
 _MISSING = object()
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("name", gpattn.list_attention())
+@pytest.mark.parametrize(("name", "recipe"), PAIRS)
 def test_the_registry_s_options_are_what_a_layer_built_without_options_runs_with(name, recipe):
     """A variant's defaults are written once (its layer's signature, a recipe's overrides in its registry entry): a
     layer built with ``attention_options(name, recipe)``'s recipe runs with exactly those values, in the layer, its
@@ -186,7 +299,10 @@ def test_the_registry_s_options_are_what_a_layer_built_without_options_runs_with
             continue
         value = _resolved(layer, option)
         assert value is not _MISSING, f"{name}: {option} is kept under no attribute of that name"
-        if isinstance(value, list):  # a buffer or a per-head parameter, in its dtype
+        if option in CHOICES.get(name, {}):  # the object the name resolves to
+            resolved = resolve(name, option, default)
+            assert value is (resolved if isinstance(resolved, type) else type(resolved)), (name, option, value)
+        elif isinstance(value, list):  # a buffer or a per-head parameter, in its dtype
             assert value == [pytest.approx(default, rel=1e-6)] * len(value), (name, option, value, default)
         else:
             assert value == default, (name, option, value, default)

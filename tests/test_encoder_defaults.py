@@ -138,19 +138,18 @@ def test_the_batch_size_defaults_per_recipe_and_is_stored_as_a_number():
 
 
 def test_the_encoder_swap_defaults_are_written_into_the_config():
-    """An --encoder run of sgpa / sgpa-decoupled records the swap's defaults ``qk="separate"`` and
-    ``prior_mean="softmax"`` in its attention options (config.json), so a run trained before that default (no
-    ``qk``) is not reused for it;
-    a given ``qk`` is kept, and runs without an encoder are left as given."""
+    """An --encoder run of sgpa / sgpa-decoupled records the swap's recipe (``recipe="encoder-swap"``: separate maps and
+    the softmax mean) in its attention options (config.json), so a run trained before that default is not reused for
+    it; a given recipe is kept, and runs without an encoder are left as given."""
     from gpattn.experiments.training import _same_run
 
     cfg = TrainConfig(dataset="text_table", encoder="unused", attention="sgpa")
-    assert cfg.attention_options == {"qk": "separate", "prior_mean": "softmax"}
-    shared = TrainConfig(dataset="text_table", encoder="unused", attention="sgpa", attention_options={"qk": "shared"})
-    assert shared.attention_options == {"qk": "shared", "prior_mean": "softmax"}
+    assert cfg.attention_options == {"recipe": "encoder-swap"}
+    own = TrainConfig(dataset="text_table", encoder="unused", attention="sgpa", attention_options={"recipe": "scratch"})
+    assert own.attention_options == {"recipe": "scratch"}
     assert TrainConfig(dataset="text_table", attention="sgpa").attention_options == {}
     kep = TrainConfig(dataset="text_table", encoder="unused", attention="kep-svgp")
-    assert kep.attention_options == {"prior_mean": "softmax"}  # kep-svgp's swap: the softmax mean (derivations §6)
+    assert kep.attention_options == {"recipe": "encoder-swap", "prior_mean": "softmax"}  # the softmax mean (§6)
     before = {**cfg.to_dict(), "attention_options": {}}  # a config.json of the tied swap
     same, differ = _same_run(before, cfg)
     assert not same and differ == ["attention_options"]

@@ -482,18 +482,11 @@ def test_match_prior_to_stream_puts_the_median_key_distance_of_cgp_at_two(name):
     assert median_distance() == pytest.approx(2.0, rel=1e-6)
 
 
-@pytest.mark.parametrize(
-    ("trained", "saved"),
-    [
-        ({"qk": "shared", "prior_mean": "attention"}, {}),
-        ({"qk": "separate", "prior_mean": "attention"}, {"qk": "separate"}),
-    ],
-    ids=["gpattn-0.2", "before-the-softmax-mean"],
-)
-def test_a_run_saved_before_the_swap_defaults_reloads_in_its_own_form(tmp_path, trained, saved):
-    """A run's config.json records the encoder swap's defaults (``qk="separate"``, ``prior_mean="softmax"``); a
-    checkpoint written before one of them was a default (its config lacks the option, its weights trained the
-    layer's default of then: ``qk="shared"``, ``prior_mean="attention"``) reloads in the form it trained."""
+def test_a_run_saved_before_the_swap_defaults_reloads_in_its_own_form(tmp_path):
+    """A run's config.json records the encoder swap's recipe (separate maps, the softmax mean); a checkpoint gpattn
+    0.2 wrote before they were its defaults (its config lacks them, its weights trained the layer's own form: the
+    shared map, the attention mean) reloads in the form it trained."""
+    trained, saved = {"recipe": "scratch", "prior_mean": "attention"}, {}
     from gpattn.experiments._runs import CHECKPOINT
     from gpattn.experiments.cli import main
 
@@ -513,8 +506,8 @@ def test_a_run_saved_before_the_swap_defaults_reloads_in_its_own_form(tmp_path, 
     ckpt = torch.load(out / CHECKPOINT, weights_only=False)
     ckpt["config"]["attention_options"] = saved  # as the older gpattn wrote it
     torch.save(ckpt, out / CHECKPOINT)
-    migrated = ".*; ".join(f"{k}={v!r}" for k, v in trained.items() if k not in saved)
-    with pytest.warns(gpattn.OldVersionWarning, match=f"migrated its config to the form it trained: {migrated}"):
+    said = "migrated its config to the form it trained: .*qk='shared' read as {'recipe': 'scratch'}"
+    with pytest.warns(gpattn.OldVersionWarning, match=said):
         run = gpattn.experiments.load_run(out)
     assert run.cfg.attention_options == trained
     with gpattn.deterministic():

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from _cgp_helpers import mean_option
 
 import gpattn
 
@@ -66,14 +67,14 @@ def test_what_is_transferred_per_variant():
     a = swap_attention(model, "sgpa", "last")[1]
     assert a.training  # the model was in training mode
     identity = "identity (the block's attention.output.dense follows)"
-    # an encoder swap of sgpa keeps both maps (qk="separate", docs/derivations.md §5d)
+    # an encoder swap of sgpa keeps both maps (its recipe's separate maps, docs/derivations.md §5d)
     assert a.transferred == {"in_proj[q]": "query", "in_proj[k]": "key", "in_proj[v]": "value", "out_proj": identity}
     assert any(n.startswith("strategy.") for n in a.new)
     torch.testing.assert_close(a.attention.in_proj.weight[:32], query_w)
     torch.testing.assert_close(a.attention.in_proj.weight[32:64], key_w)
-    # the paper's shared map on request: it takes the key weights, the query weights are dropped
+    # the paper's shared map on request (the layer's own form): it takes the key weights, the query weights are dropped
     for name in ("sgpa", "sgpa-decoupled"):
-        a = swap_attention(transformers.BertModel(tiny_config()), name, "last", qk="shared")[1]
+        a = swap_attention(transformers.BertModel(tiny_config()), name, "last", recipe="scratch")[1]
         kept = {k: v for k, v in a.transferred.items() if k != "out_proj"}
         assert kept == {"in_proj[qk]": "key", "in_proj[v]": "value"}
     assert swap_attention(transformers.BertModel(tiny_config()), "softmax", "last")[1].new == []
@@ -105,8 +106,8 @@ def test_sgpa_swap_with_separate_maps_and_the_exponential_kernel_keeps_the_pretr
     ids, mask = batch()
     real = mask.bool()
     outs = {}
-    exact = [{"kernel": "exponential", "prior_mean": "attention"}, {"prior_mean": "softmax"}]
-    for options in (*exact, {"prior_mean": "attention"}, {"kernel": "exponential", "qk": "shared"}):
+    exact = [{"kernel": "exponential", "prior_mean": "attention"}, {}]  # {}: the recipe's softmax mean
+    for options in (*exact, {"prior_mean": "attention"}, {"kernel": "exponential", "recipe": "scratch"}):
         torch.manual_seed(0)
         model = transformers.BertModel(tiny_config()).eval()
         with torch.no_grad(), gpattn.deterministic():
@@ -125,7 +126,7 @@ def test_sgpa_swap_with_separate_maps_and_the_exponential_kernel_keeps_the_pretr
 
 @pytest.mark.parametrize("name", ["cgp", "scgp"])
 def test_correlated_swap_with_the_separate_mean_is_the_pretrained_encoder(name):
-    """``prior_mean="softmax-separate"``: the swap copies the pretrained values into the mean's own ``v_mean`` rows
+    """The separate softmax mean: the swap copies the pretrained values into the mean's own ``v_mean`` rows
     and zeroes the GP's values, so ν = 0 and the posterior mean is softmax(q kᵀ/√Dh) v of the pretrained maps: the
     swapped encoder's mean is the original (real tokens; docs/derivations.md §7a). The shared softmax mean keeps
     the pretrained values in v (its ν reads them)."""
@@ -140,7 +141,7 @@ def test_correlated_swap_with_the_separate_mean_is_the_pretrained_encoder(name):
                 linear.weight.normal_(0, 0.3)
                 linear.bias.normal_(0, 0.5)
             ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
-            adapter = swap_attention(model, name, "last", prior_mean=mean)[1]
+            adapter = swap_attention(model, name, "last", prior_mean=mean_option(mean))[1]
             out = model(input_ids=ids, attention_mask=mask).last_hidden_state
         layer = adapter.attention
         v = layer.in_proj.weight[layer.projection_rows()["v"]]
@@ -155,12 +156,13 @@ def test_correlated_swap_with_the_separate_mean_is_the_pretrained_encoder(name):
 
 
 def test_decoder_swap_keeps_the_shared_map():
-    """The separate maps take no causal mask: a decoder swap keeps qk="shared" and refuses "separate" by name."""
+    """The separate maps take no causal mask: a decoder swap builds the layer's own form (the shared map) and refuses
+    the encoder swap's recipe by name."""
     config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2)
     model = transformers.GPT2LMHeadModel(config)
     assert swap_attention(model, "sgpa", "last")[0].attention.projections == ("qk", "v")
-    with pytest.raises(ValueError, match="qk='separate' cannot replace GPT2Attention"):
-        swap_attention(transformers.GPT2LMHeadModel(config), "sgpa", "last", qk="separate")
+    with pytest.raises(ValueError, match="recipe='encoder-swap' cannot replace GPT2Attention"):
+        swap_attention(transformers.GPT2LMHeadModel(config), "sgpa", "last", recipe="encoder-swap")
 
 
 def test_distilbert_and_roberta_swap_reproduce_the_encoder():

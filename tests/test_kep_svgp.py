@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from _knobs import KEPSVGPProbe
 from torch.distributions import MultivariateNormal as TorchMVN
 from torch.distributions import kl_divergence
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,10 +30,15 @@ from gpattn.variational.kep_svgp import (
 DT = torch.float64
 
 
+#: the strategy's research settings, options of research/knobs.py's probe only
+_KNOBS = {"token_independent", "include_residual", "feature_gradient"}
+
+
 def paper_layer(embed_dim, num_heads, **options):
     """A kep-svgp layer in Chen et al.'s form (the zero prior mean; the library's default is the softmax mean,
-    tested in tests/test_kep_swap.py)."""
-    return gpattn.build_attention("kep-svgp", embed_dim, num_heads, **{"prior_mean": "zero", **options})
+    tested in tests/test_kep_swap.py); with a research setting of its strategy, the probe of research/knobs.py."""
+    name = KEPSVGPProbe if _KNOBS & set(options) else "kep-svgp"
+    return gpattn.build_attention(name, embed_dim, num_heads, **{"prior_mean": "zero", **options})
 
 
 def _random_params(H=2, r=3, Dv=4, seed=0):
@@ -224,6 +230,9 @@ class TestKEPSVGPConcat(TestKEPSVGP):
 
 
 class TestKEPSVGPTokenIndependent(TestKEPSVGP):
+    """The released code's sampler (one ε per token), through research/knobs.py's probe."""
+
+    attention = KEPSVGPProbe
     options = {"token_independent": True, "prior_mean": "zero"}
     invariants = ("gradients", "small_shapes", "padding")
     independent_tokens = True
@@ -231,8 +240,10 @@ class TestKEPSVGPTokenIndependent(TestKEPSVGP):
 
 
 class TestKEPSVGPResidual(TestKEPSVGP):
-    """include_residual=True (its dense reference: test_include_residual_matches_dense_kff_minus_qff)."""
+    """include_residual=True (its dense reference: test_include_residual_matches_dense_kff_minus_qff), through
+    research/knobs.py's probe."""
 
+    attention = KEPSVGPProbe
     options = {"include_residual": True, "rank": 2, "prior_mean": "zero"}
     invariants = ("gradients", "small_shapes", "padding")
     reference_seeds = ()
@@ -455,7 +466,7 @@ def test_nothing_t_by_t_is_allocated(opts):
     recorder does see the T×T Gram matrix of kernel attention with a Matérn kernel (the exponential and RBF
     kernels take the fused path, which forms none) and the 2T→T map of merge='concat'."""
     T = 512
-    assert _record("kep-svgp", T, rank=3, num_landmarks=6, **opts) == []
+    assert _record(KEPSVGPProbe if opts else "kep-svgp", T, rank=3, num_landmarks=6, **opts) == []
     assert _record("kernel", T, kernel="matern")
     assert _record("kernel", T) == []
     assert _record("kep-svgp", T, rank=3, merge="concat", seq_len=T)

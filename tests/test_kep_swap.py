@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from _knobs import KEPSVGPProbe
 from test_prior_scale import MEAN_BAND, SPREAD_BAND, _scale
 
 import gpattn
@@ -125,7 +126,8 @@ def test_the_separate_softmax_mean_reads_its_own_queries_and_keys_and_the_gp_is_
     assert grad[rows["q"]].abs().max() > 0
     assert all(grad[rows[n]].abs().max() == 0 for n in ("q_mean", "k_mean", "v_mean"))
     strategy, q = sep.strategy, p["q"]
-    with pytest.raises(ValueError, match=r"reads queries, keys and values of its own .* a tuple of 3 tensors, got "):
+    own = r"reads queries, keys and values of its own .* a tuple of 3 tensors, .* got Tensor"
+    with pytest.raises(ValueError, match=own):
         strategy.condition(x, q, q, mean_values=p["v_mean"])
     with pytest.raises(ValueError, match=r"its queries and keys of one shape \(B, H, T, Dh\)"):
         strategy.condition(x, q, q, mean_values=(q[:, :1], q, p["v_mean"]))
@@ -158,13 +160,14 @@ def _grads(layer, x):
 
 @pytest.mark.parametrize("prior_mean", ["zero", "softmax"])
 def test_features_without_gradient_compute_the_same_and_leave_the_maps_to_the_mean(prior_mean):
-    """feature_gradient=False (docs/derivations.md §6, "The features' gradient"): the same outputs and loss terms as
+    """feature_gradient=False (docs/derivations.md §6, "The features' gradient"; a research knob of research/knobs.py's
+    probe): the same outputs and loss terms as
     Chen et al.'s form; the q and k rows of in_proj get the prior mean's gradient alone (none under the zero mean, the
     softmax mean's under the softmax mean), while the KSVD pairs and the output map still learn."""
     torch.manual_seed(0)
     given = gpattn.build_attention("kep-svgp", 16, 2, prior_mean=prior_mean, rank=3).double()
     torch.manual_seed(0)
-    free = gpattn.build_attention("kep-svgp", 16, 2, prior_mean=prior_mean, rank=3, feature_gradient=False).double()
+    free = gpattn.build_attention(KEPSVGPProbe, 16, 2, prior_mean=prior_mean, rank=3, feature_gradient=False).double()
     assert "feature_gradient=False" in repr(free)
     x = torch.randn(2, 5, 16, dtype=DT)
     with gpattn.deterministic():
@@ -189,7 +192,7 @@ def test_features_without_gradient_compute_the_same_and_leave_the_maps_to_the_me
 
 
 def test_prior_mean_errors_name_the_argument_and_the_fix():
-    with pytest.raises(ValueError, match=r"prior_mean must be one of \['zero', 'softmax', 'softmax-separate'\]"):
+    with pytest.raises(ValueError, match=r"prior_mean must be one of \['softmax', 'softmax-separate', 'zero'\]"):
         gpattn.build_attention("kep-svgp", 16, 2, prior_mean="attention")
     x, q = torch.randn(1, 4, 16), torch.randn(1, 2, 4, 8)
     zero = gpattn.build_attention("kep-svgp", 16, 2, prior_mean="zero").strategy
@@ -351,7 +354,7 @@ def test_the_encoder_swap_recipe_and_configs_written_before_it():
     configs saved before either: an encoder run before the recipe and a scratch run before the default changed
     trained the paper's form, which the migration fills in; a config that records the mean is left as it is."""
     assert attention_options("kep-svgp")["prior_mean"] == "softmax"
-    assert recipe_options("kep-svgp", "encoder-swap") == {"prior_mean": "softmax"}
+    assert recipe_options("kep-svgp", "encoder-swap") == {"recipe": "encoder-swap", "prior_mean": "softmax"}
     assert recipe_options("kep-svgp") == {"prior_mean": "softmax"}
     for encoder in ("minilm", None):
         old = {"attention": "kep-svgp", "encoder": encoder, "attention_options": {"rank": 5}}

@@ -1,138 +1,234 @@
-"""Prior means are modules the strategies receive, and q(ũ)'s mean a second object (docs/derivations.md
-§5c, §7a): the ``prior_mean`` strings are parsed once where a variant is built, never tested in a conditioning path."""
+"""One protocol per modelling choice (docs/derivations.md §5c, §7a): a prior mean is a module the strategies
+receive, q(ũ)'s mean reaches the conditioning code through one interface, the covariance form is an object, and the
+names resolve once, in the registry. The guard below counts the places in gpattn/variational/ and gpattn/attention/
+that branch on which prior mean, q(ũ) mean, kernel or covariance form they hold; only the listed ones may."""
 
 import ast
 import itertools
 import pathlib
-import re
 
+import pytest
 import torch
 
 import gpattn
-from gpattn.prior_means import make_correlated_mean, make_prior_mean
+from gpattn.attention.registry import resolve
 from gpattn.variational.means import (
     OWN_VALUES,
     AmortisedValueMean,
     CentredVariationalMean,
+    CorrelatedSeparateSoftmaxMean,
     CorrelatedSoftmaxMean,
+    PriorMean,
     SoftmaxMean,
     ZeroMean,
 )
 from gpattn.variational.sgpa import SGPAVariationalStrategy
 
-VARIATIONAL = pathlib.Path(gpattn.__file__).parent / "variational"
-#: the names whose comparison would be a string test of a prior mean, and the strings themselves
-NAMES = {"prior_mean", "mean_values", "v_mean"}
-STRINGS = {"attention", "softmax", "softmax-separate", "zero", "v_mean"}
-#: where a name is parsed or a pairing chosen (the one place a string may be compared or a form's class tested)
-PARSERS = {"check_prior_mean", "variational_mean_for"}
-#: the classes of the forms: an ``isinstance`` test against one asks which form it is
-FORM_CLASSES = {
-    "ZeroMean", "AttentionMean", "SoftmaxMean", "CorrelatedSoftmaxMean", "AmortisedValueMean", "CentredVariationalMean",
-}
-#: a flag that would name which form a q(ũ)-mean is (the decoupled γ-basis asks the object for its terms instead)
-FORM_FLAGS = {"centred"}
+PACKAGE = pathlib.Path(gpattn.__file__).parent
+#: the packages the guard reads
+GUARDED = ("variational", "attention")
+
+# ---------------------------------------------------------------------------------------------- the guard's rule
+#: the public spellings of the forms (prior means, covariance forms, sgpa-rff's g, kernel names)
+FORM_STRINGS = {"attention", "softmax", "softmax-separate", "zero", "full", "diag", "query", "sequence", "cosine",
+                "canonical-rbf", "exponential", "ard-rbf", "matern", "v_mean"}
+#: the options and attributes that hold a form (comparing one with ``==`` / ``in`` asks which form it is)
+FORM_NAMES = {"prior_mean", "covariance", "gp_input", "kernel", "mean_values", "variational_mean", "mean_module"}
+#: the classes of the forms: an ``isinstance`` test against one asks which form an object is
+FORM_CLASSES = {"ZeroMean", "AttentionMean", "SoftmaxMean", "CorrelatedSoftmaxMean", "CorrelatedSeparateSoftmaxMean",
+                "KEPSoftmaxMean", "KEPSeparateSoftmaxMean", "AmortisedValueMean", "CentredVariationalMean", "PriorMean",
+                "FullCovariance", "DiagonalCovariance", "TrainingQueryCovariance", "TrainingSequenceCovariance",
+                "Kernel", "ExponentialKernel", "CanonicalRBFKernel"}
+#: flags that would tell forms apart
+FORM_FLAGS = {"has_gamma", "centred", "without_gram", "separate", "sequence", "joint", "amortised", "uses_gram"}
+#: values a form decides: asking whether one is absent (``is None``) asks which form is there (the zero prior mean,
+#: a q(ũ) centred at it, a mean basis, the Gram a covariance form or mean basis reads)
+DECIDED = {"prior", "prior_mean", "update", "alpha", "inducing_values", "coefficients", "gamma", "query_gamma",
+           "gram_values", "proj_values", "plan", "shift", "K", "gram", "term", "basis", "quad", "mean_module",
+           "variational_mean"}
 
 
-def _form_test(node: ast.AST) -> bool:
-    """Whether ``node`` tests which form an object is: ``isinstance(x, <a form's class>)`` or a read of a form flag."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
-        classes = node.args[1] if len(node.args) > 1 else None
-        names = classes.elts if isinstance(classes, ast.Tuple) else [classes]
-        return any(getattr(n, "id", getattr(n, "attr", None)) in FORM_CLASSES for n in names)
-    return (isinstance(node, ast.Attribute) and node.attr in FORM_FLAGS) or (
-        isinstance(node, ast.Name) and node.id in FORM_FLAGS
-    )
+def _name(node):
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
 
 
-def _string_tests(tree: ast.AST) -> list[int]:
-    """Line numbers of comparisons that read a prior-mean name or string, outside :data:`PARSERS`."""
+def _asks_the_form(test: ast.AST) -> bool:
+    """Whether a condition reads which form a prior mean, q(ũ) mean, kernel or covariance is: its name, its class,
+    a flag, or whether a value it decides is absent."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+                if any(_name(s) in DECIDED for s in sides):
+                    return True
+            elif any(isinstance(s, ast.Constant) and s.value in FORM_STRINGS for s in sides) or any(
+                _name(s) in FORM_NAMES for s in sides
+            ):
+                return True
+        if isinstance(node, ast.Call) and _name(node.func) == "isinstance" and len(node.args) > 1:
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            if any(_name(c) in FORM_CLASSES for c in classes) or (
+                any(_name(c) == "str" for c in classes) and _name(node.args[0]) in FORM_NAMES
+            ):
+                return True
+        if isinstance(node, (ast.Name, ast.Attribute)) and _name(node) in FORM_FLAGS:
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "projections" and test is node:  # `if mean.projections:`
+            return True
+    return False
+
+
+def _defaulting(node: ast.IfExp) -> bool:
+    """``default if x is None else x`` (or ``x if x is not None else default``): an omitted argument's default, not a
+    choice between computations."""
+    test = node.test
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.left, ast.Name)):
+        return False
+    kept = node.orelse if isinstance(test.ops[0], ast.Is) else node.body
+    return isinstance(kept, ast.Name) and kept.id == test.left.id
+
+
+def _refusal(node: ast.If) -> bool:
+    """``if <a bad input>: ... raise``: a check of an input, which chooses nothing."""
+    return not node.orelse and isinstance(node.body[-1], ast.Raise)
+
+
+def branch_sites(tree: ast.AST) -> list[tuple[str, int]]:
+    """(enclosing function, line) of every condition (``if``, ternary, ``while``, comprehension filter, boolean
+    operand) that asks which form it holds, outside input checks (their tests and messages) and argument defaults."""
     found = []
 
-    def visit(node, inside_parser=False):
+    def visit(node, function="<module>", quiet=False):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            inside_parser = inside_parser or node.name in PARSERS
-        # `x is None` asks whether an input was given, not which form: only ==, !=, in, not in test a value
-        if isinstance(node, ast.Compare) and not inside_parser and not all(
-            isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops
-        ):
-            for side in (node.left, *node.comparators):
-                named = (isinstance(side, ast.Name) and side.id in NAMES) or (
-                    isinstance(side, ast.Attribute) and side.attr in NAMES
-                )
-                if named or (isinstance(side, ast.Constant) and side.value in STRINGS):
-                    found.append(node.lineno)
-                    break
-        if not inside_parser and _form_test(node):
-            found.append(node.lineno)
+            function = node.name
+        quiet = quiet or isinstance(node, ast.Raise) or (isinstance(node, ast.If) and _refusal(node))
+        tests = []
+        if isinstance(node, (ast.If, ast.While)) or (isinstance(node, ast.IfExp) and not _defaulting(node)):
+            tests = [node.test]
+        elif isinstance(node, ast.comprehension):
+            tests = node.ifs
+        elif isinstance(node, ast.BoolOp):
+            tests = node.values[:-1]
+        if not quiet and any(_asks_the_form(t) for t in tests):
+            found.append((function, node.lineno if hasattr(node, "lineno") else tests[0].lineno))
         for child in ast.iter_child_nodes(node):
-            visit(child, inside_parser)
+            visit(child, function, quiet)
 
     visit(tree)
     return found
 
 
-def test_no_form_test_of_the_means_in_variational():
-    offenders = {
-        path.name: lines
-        for path in sorted(VARIATIONAL.glob("*.py"))
-        if (lines := _string_tests(ast.parse(path.read_text())))
+def guarded_sites() -> set[tuple[str, str]]:
+    """(file, function) of every branch site in the guarded packages."""
+    return {
+        (f"{package}/{path.name}", function)
+        for package in GUARDED
+        for path in sorted((PACKAGE / package).glob("*.py"))
+        for function, _ in branch_sites(ast.parse(path.read_text()))
     }
-    assert not offenders, f"form tests (a prior-mean string, a form's class or flag; file: lines): {offenders}"
 
 
-#: the project check's pattern: a prior-mean string, a test of ``mean_values``, the own-values projection's name, a test
-#: of the mean module, a Gram flag a caller would branch on
-CHECK = re.compile(
-    r'prior_mean *(==|!=|in )|mean_values is|"softmax-separate"|v_mean|mean_module is (not )?None|uses_gram'
-)
-#: the three lines that may match: the separate means' public spelling (one constant, cgp/scgp's and kep-svgp's),
-#: the own-values projection's name (one constant), and the refusal of ``mean_values`` given to a mean that owns none
-#: (an input check, not a form test)
-ALLOWED = {
-    ("means.py", 'SEPARATE = "softmax-separate"'),
-    ("means.py", 'OWN_VALUES = ("v_mean",)'),
-    ("means.py", "if mean_values is not None:"),
+#: the places that may branch on a form, and why (at most five): the zero algebra's two (None is the zero of a zero
+#: prior mean and of a centred q(ũ), so a zero costs no operation), and sgpa-decoupled's choice of where the Gram-free
+#: prior mean runs and of the points its global basis is taken at, which depend on whether the covariance or a mean
+#: basis reads the Gram and whether there is a mean basis (docs/derivations.md §5b, §12)
+ALLOWED_SITES = {
+    ("variational/means.py", "present"),
+    ("variational/means.py", "when_present"),
+    ("variational/sgpa_decoupled.py", "_condition_self"),
+    ("variational/sgpa_decoupled.py", "_self_prior_mean"),
+    ("variational/sgpa_decoupled.py", "_condition_cross"),
 }
 
 
-def test_the_spelling_lives_outside_the_conditioning_code():
-    """The names are parsed in gpattn/prior_means.py; gpattn/variational/ reads no name and no flag of a form: what a
-    form computes, its module computes (a mean that reads the Gram evaluates it; a q(ũ)-mean decides whether the
-    Gram-free path runs)."""
-    found = {
-        (path.name, line.strip())
-        for path in sorted(VARIATIONAL.glob("*.py"))
-        for line in path.read_text().splitlines()
-        if CHECK.search(line)
-    }
-    assert found <= ALLOWED, (
-        f"string/flag tests of the prior-mean form in gpattn/variational/: {sorted(found - ALLOWED)}"
+def test_at_most_five_places_branch_on_a_form():
+    assert len(ALLOWED_SITES) <= 5
+    found = guarded_sites()
+    assert found <= ALLOWED_SITES, f"a branch on a form (file, function): {sorted(found - ALLOWED_SITES)}"
+    assert found == ALLOWED_SITES, f"a listed site is gone (shorten the list): {sorted(ALLOWED_SITES - found)}"
+
+
+def _sites(source: str) -> list[str]:
+    return [function for function, _ in branch_sites(ast.parse(source))]
+
+
+def test_the_guard_sees_a_branch_on_a_form():
+    """The rule finds a form's name, class, flag and absent value, and leaves input checks, error messages, argument
+    defaults and what forms do alike."""
+    assert _sites("def f(s):\n    return 1 if s.prior_mean == 'zero' else 2\n") == ["f"]
+    assert _sites("def f(s):\n    if s.covariance == 'diag':\n        return 1\n    return 2\n") == ["f"]
+    assert _sites("def f(s):\n    return [m for m in s.means if isinstance(m, ZeroMean)]\n") == ["f"]
+    assert _sites("def f(s):\n    if s.variational_mean.centred:\n        pass\n") == ["f"]
+    assert _sites("def f(c):\n    return 0 if not c.has_gamma else c.gamma\n") == ["f"]
+    assert _sites("def f(alpha, K):\n    return K if alpha is None else K @ alpha\n") == ["f"]
+    assert _sites("def f(mean):\n    if mean.projections:\n        return 1\n") == ["f"]
+    assert _sites("def f(kernel):\n    return kernel if isinstance(kernel, str) else 1\n") == ["f"]
+    # not a branch on a form: an input check and its message, an argument's default, an unrelated test
+    refusal = "def f(kernel):\n    if kernel != 'cosine':\n        raise ValueError(f'{1 if kernel else 2}')\n"
+    assert _sites(refusal) == []
+    assert _sites("def f(gram, k):\n    gram = k() if gram is None else gram\n    return gram\n") == []
+    assert _sites("def f(mask):\n    return 1 if mask is None else 2\n") == []
+
+
+def test_the_guard_counts_the_forms_branches_of_the_code_before_the_objects():
+    """Written the way gpattn/variational/sgpa.py tested its covariance before the objects, the guard sees them."""
+    before = (
+        "class C:\n"
+        "    def posterior(self):\n"
+        "        if self.covariance == 'diag':\n"
+        "            return 1\n"
+        "    def condition(self):\n"
+        "        gram = k() if self.covariance == 'full' else None\n"
+        "        plan = self.variational_mean.without_gram(lambda: 0)\n"
+        "        K = k() if plan is None else None\n"
     )
+    assert _sites(before) == ["posterior", "condition", "condition"]
 
 
-def test_the_check_finds_a_string_test():
-    assert _string_tests(ast.parse("def f(s):\n    return s.prior_mean == 'zero'\n")) == [2]
-    assert _string_tests(ast.parse("def f(s):\n    return 'v_mean' in s.projections\n")) == [2]
-    assert _string_tests(ast.parse("def f(mean_values):\n    return mean_values is None\n")) == []
-    assert _string_tests(ast.parse("def check_prior_mean(prior_mean):\n    return prior_mean in ('zero',)\n")) == []
-    # which q(ũ)-mean it is, by a flag or by class, is a form test too
-    assert _string_tests(ast.parse("def f(s):\n    if s.variational_mean.centred:\n        pass\n")) == [2]
-    assert _string_tests(ast.parse("def f(s):\n    return isinstance(s.mean_module, (nn.Module, ZeroMean))\n")) == [2]
-    assert _string_tests(ast.parse("def f(s):\n    return isinstance(s.prior_mean, nn.Module)\n")) == []
+def test_nothing_in_variational_imports_a_name_parser():
+    """The strategies receive objects: no module of gpattn/variational/ imports the registry (or any module of
+    gpattn/attention/), where names resolve."""
+    offenders = {}
+    for path in sorted((PACKAGE / "variational").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            targets = [module] if module else names
+            if any(t and (t.startswith("gpattn.attention") or t == "gpattn.prior_means") for t in targets):
+                offenders.setdefault(path.name, []).append(node.lineno)
+    assert not offenders, f"gpattn/variational/ imports a name parser: {offenders}"
+    assert not (PACKAGE / "prior_means.py").exists()
 
 
-def test_strings_build_the_modules():
-    kernel = gpattn.build_attention("sgpa", 8, 2).kernel
-    assert isinstance(make_prior_mean("zero", kernel), ZeroMean)
-    assert isinstance(make_prior_mean("softmax", kernel), SoftmaxMean)
-    mean = ZeroMean()
-    assert make_prior_mean(mean, kernel) is mean and make_correlated_mean(mean) is mean
-    separate = make_correlated_mean("softmax-separate")
-    assert isinstance(separate, CorrelatedSoftmaxMean) and separate.projections == OWN_VALUES == ("v_mean",)
-    assert make_correlated_mean("softmax").projections == () and make_correlated_mean("zero").projections == ()
+# ----------------------------------------------------------------------------------------------------- the protocol
+def test_names_resolve_to_fresh_objects_in_the_registry():
+    assert isinstance(resolve("sgpa", "prior_mean", "zero"), ZeroMean)
+    assert resolve("sgpa", "prior_mean", "zero") is not resolve("sgpa", "prior_mean", "zero")
+    mean = SoftmaxMean()
+    assert resolve("sgpa", "prior_mean", mean) is mean and resolve("cgp", "prior_mean", mean) is mean
+    separate = resolve("scgp", "prior_mean", "softmax-separate")
+    assert isinstance(separate, CorrelatedSeparateSoftmaxMean) and separate.projections == OWN_VALUES == ("v_mean",)
+    assert type(resolve("cgp", "prior_mean", "softmax")) is CorrelatedSoftmaxMean
+    assert resolve("cgp", "prior_mean", "softmax").projections == () == resolve("cgp", "prior_mean", "zero").projections
     layer = gpattn.build_attention("scgp", 8, 2, num_inducing=3, num_inducing_keys=3)
-    assert "v_mean" in layer.projections and layer.strategy.prior_mean == "softmax-separate"
+    assert "v_mean" in layer.projections and isinstance(layer.strategy.mean_module, CorrelatedSeparateSoftmaxMean)
+
+
+@pytest.mark.parametrize("name", ["sgpa", "sgpa-decoupled", "sgpa-rff", "kep-svgp", "cgp", "scgp"])
+def test_every_variant_that_takes_a_mean_takes_the_one_protocol(name):
+    """Every GP variant's prior mean is a PriorMean called as mean(queries, keys, values, kernel=, excluded=); the
+    zero mean is a zero in each (None: its layer's mean is the GP's alone) and owns nothing."""
+    torch.manual_seed(0)
+    options = {"num_inducing": 3, "num_inducing_keys": 3} if name == "scgp" else {}
+    layer = gpattn.build_attention(name, 8, 2, prior_mean=ZeroMean(), **options).double()
+    assert isinstance(layer.strategy.mean_module, PriorMean) and isinstance(layer.strategy.mean_module, ZeroMean)
+    assert not any(p.endswith("_mean") for p in layer.projections)  # the zero owns no projection
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    with gpattn.deterministic():
+        assert torch.isfinite(layer(x)).all()
+    assert ZeroMean()(x, x, x, kernel=None) is None
+    default = gpattn.build_attention(name, 8, 2, **options)
+    assert isinstance(default.strategy.mean_module, PriorMean)
 
 
 def test_a_strategy_given_modules_equals_one_given_the_name():
@@ -141,7 +237,7 @@ def test_a_strategy_given_modules_equals_one_given_the_name():
     s = layer.strategy
     keys, values = torch.randn(2, 2, 5, 4, dtype=torch.float64), torch.randn(2, 2, 5, 4, dtype=torch.float64)
     given = SGPAVariationalStrategy(
-        s.kernel, s.variational_distribution, jitter=s.jitter, covariance=s.covariance, prior_mean=ZeroMean(),
+        s.kernel, s.variational_distribution, jitter=s.jitter, covariance=s.covariance, mean_module=ZeroMean(),
         variational_mean=AmortisedValueMean(),
     )
     for mask in (None, torch.ones(5, 5, dtype=torch.bool).triu(1)[None, None]):
@@ -150,10 +246,19 @@ def test_a_strategy_given_modules_equals_one_given_the_name():
     assert isinstance(gpattn.build_attention("sgpa", 8, 2).strategy.variational_mean, CentredVariationalMean)
 
 
-def test_the_decoupled_strategy_asks_its_q_mean_object_for_the_gamma_basis():
+def test_q_u_s_mean_reaches_the_conditioning_code_through_one_interface():
+    """A q(ũ) mean is asked one thing, its coefficients: the values (amortised, Chen & Li's) or None (centred)."""
+    v = torch.randn(2, 2, 5, 4)
+    assert AmortisedValueMean().inducing_values(v) is v and CentredVariationalMean().inducing_values(v) is None
+    for q_mean in (AmortisedValueMean, CentredVariationalMean):
+        assert [m for m in vars(q_mean) if not m.startswith("__")] == ["inducing_values"]
+    assert ZeroMean.variational_mean is AmortisedValueMean and SoftmaxMean.variational_mean is CentredVariationalMean
+
+
+def test_the_decoupled_strategy_asks_its_q_mean_object_for_the_mean_basis():
     """sgpa-decoupled given the q(ũ)-mean objects equals one built from the name, on every conditioning path (self,
-    causal, general per-query mask, cross); the object alone decides the γ-basis (a centred q(ũ) leaves no γ-part,
-    whatever the prior mean)."""
+    causal, general per-query mask, cross); the object alone decides the mean basis γ (a centred q(ũ) leaves no
+    γ-part, whatever the prior mean)."""
     from gpattn.variational.sgpa_decoupled import DecoupledSGPAVariationalStrategy
 
     torch.manual_seed(0)
@@ -168,26 +273,32 @@ def test_the_decoupled_strategy_asks_its_q_mean_object_for_the_gamma_basis():
         s = gpattn.build_attention("sgpa-decoupled", 8, 2, num_global=3, prior_mean=prior_mean).double().strategy
         given = DecoupledSGPAVariationalStrategy(
             s.kernel, s.variational_distribution, s.inducing_inputs.detach(), jitter=s.jitter,
-            covariance=s.covariance, prior_mean=make_prior_mean(prior_mean, s.kernel), variational_mean=q_mean(),
+            covariance=s.covariance, mean_module=resolve("sgpa", "prior_mean", prior_mean), variational_mean=q_mean(),
         )
         paired = type(s.variational_mean) is q_mean  # the pairing the name builds
         for call in calls:
             a, b = s.condition(q, v, kg, **call), given.condition(q, v, kg, **call)
-            assert b.has_gamma == (q_mean is AmortisedValueMean)
+            assert (b.gamma is not None) == (q_mean is AmortisedValueMean)
+            assert [type(t).__name__ for t in b.added_loss_terms()] == (
+                ["SequenceKL", "GlobalKL"] if q_mean is AmortisedValueMean else ["GlobalKL"]
+            )
             if paired:
                 assert type(a) is type(b) and torch.equal(a.mean, b.mean)
                 assert torch.equal(a.kl_divergence(), b.kl_divergence())
 
 
-def test_the_moved_parsers_say_where_they_went():
-    import pytest
-
+def test_the_moved_parsers_say_where_they_went_and_what_they_say_works():
     import gpattn.variational.kep_svgp as kep
     import gpattn.variational.means as means
+    from gpattn.attention.registry import CHOICES, resolve
 
     for name in ("PRIOR_MEANS", "check_prior_mean"):  # what gpattn 0.2.0 exported (tests/test_release_compat.py)
-        with pytest.raises(AttributeError, match=rf"moved to gpattn\.prior_means\.{name}"):
+        with pytest.raises(AttributeError, match=rf"means\.{name} moved to gpattn\.attention\.registry\."):
             getattr(means, name)
+    assert set(CHOICES["sgpa"]["prior_mean"]) == {"attention", "zero"}  # 0.2.0's PRIOR_MEANS
+    assert isinstance(resolve("sgpa", "prior_mean", "zero"), means.ZeroMean)
+    with pytest.raises(ValueError, match="prior_mean must be one of"):
+        resolve("sgpa", "prior_mean", "nothing")
     for module, name in ((means, "make_prior_mean"), (means, "CGP_PRIOR_MEANS"), (kep, "make_kep_mean")):
         with pytest.raises(AttributeError, match=f"has no attribute '{name}'$"):  # no release had them
             getattr(module, name)

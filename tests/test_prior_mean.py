@@ -196,10 +196,10 @@ def test_exponential_attention_mean_is_softmax_attention():
 
 
 def test_defaults_and_options():
-    """The default kernel follows the prior mean (DEFAULT_KERNEL), with ℓ = Dh^¼ for the attention mean
+    """The default kernel follows the prior mean (its ``default_kernel``), with ℓ = Dh^¼ for the attention mean
     (softmax's temperature) and ℓ = √Dh for the paper's form; a bad prior_mean names the choices."""
     layer = gpattn.build_attention("sgpa", 16, 2)
-    assert layer.strategy.prior_mean == "attention" and isinstance(layer.strategy.mean_module, AttentionMean)
+    assert isinstance(layer.strategy.mean_module, AttentionMean)
     assert isinstance(layer.strategy.variational_mean, CentredVariationalMean)  # q(ũ) centred at the prior mean
     assert isinstance(layer.kernel, ScaleKernel) and isinstance(layer.kernel.base_kernel, RBFKernel)
     torch.testing.assert_close(layer.kernel.base_kernel.lengthscale, torch.full((2, 1, 8), 8**0.25))
@@ -216,7 +216,7 @@ def test_negative_kernel_is_refused_under_validation():
     mean = AttentionMean()
     gram = torch.tensor([[[[1.0, -0.5], [-0.5, 1.0]]]])
     with gpattn.validation(), pytest.raises(ValueError, match="prior_mean='zero'"):
-        mean(gram, torch.ones(1, 1, 2, 1))
+        mean(None, None, torch.ones(1, 1, 2, 1), gram=gram)
 
 
 def test_no_kl_on_the_mean():

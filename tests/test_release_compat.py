@@ -89,8 +89,8 @@ def test_resuming_a_release_run_is_refused_naming_the_version_and_the_ways_on(re
 RELEASED_NAMES = {
     ("gpattn", "load_run"): "gpattn.experiments.load_run",
     ("gpattn.experiments.training", "load_run"): "load_run_with_data",
-    ("gpattn.variational.means", "PRIOR_MEANS"): "gpattn.prior_means.PRIOR_MEANS",
-    ("gpattn.variational.means", "check_prior_mean"): "gpattn.prior_means.check_prior_mean",
+    ("gpattn.variational.means", "PRIOR_MEANS"): "gpattn.attention.registry.CHOICES",
+    ("gpattn.variational.means", "check_prior_mean"): "gpattn.attention.registry.resolve",
 }
 
 

@@ -16,7 +16,7 @@ VARIANTS = gpattn.list_attention()
 GP_VARIANTS = [n for n in VARIANTS if attention_class(n).is_gp]
 B, T, D, H, P = 3, 7, 16, 2, 4
 
-#: options that make every loss term deterministic (CGP: the exact expectation instead of prior samples)
+#: strategy settings that make every loss term deterministic (CGP: the exact expectation instead of prior samples)
 EXACT_TERMS = {"cgp": {"prior_samples": None}}
 
 
@@ -31,7 +31,10 @@ def _inputs(dtype=torch.float64):
 
 def _layer(name):
     torch.manual_seed(0)
-    return gpattn.build_attention(name, D, H, **EXACT_TERMS.get(name, {})).double().eval()
+    layer = gpattn.build_attention(name, D, H).double().eval()
+    for setting, value in EXACT_TERMS.get(name, {}).items():
+        setattr(layer.strategy, setting, value)
+    return layer
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -14,10 +14,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import gpattn
+from gpattn.attention.cgp import SCGPAttention
 from gpattn.testing import GPAttentionTestCase, assert_samples_match_moments, layer_loss_terms
 from gpattn.testing.base_attention_test_case import ATTENTION_INVARIANTS
 from gpattn.testing.references import scgp_dense_blocks, scgp_dense_moments, scgp_dense_posterior
 from gpattn.variational.cgp import CorrelatedGP
+from gpattn.variational.means import CorrelatedSoftmaxMean, ZeroMean
 from gpattn.variational.scgp import SparseCorrelatedGP
 
 B, H, T, DH, DV, M, L = 2, 2, 7, 3, 4, 3, 4
@@ -28,7 +30,9 @@ F64 = torch.float64
 
 
 def make_gp(m=M, l=L, sigma=SIGMA, **kw):
-    gp = SparseCorrelatedGP(H, DH, num_inducing=m, num_inducing_keys=l, sigma=sigma, jitter=0.0, **kw).double()
+    gp = SparseCorrelatedGP(
+        H, DH, num_inducing=m, num_inducing_keys=l, sigma=sigma, jitter=0.0, mean_module=ZeroMean(), **kw
+    ).double()
     gp.covar.sigma_q = SIG_Q
     gp.covar.sigma_k = SIG_K
     return gp
@@ -105,7 +109,7 @@ def test_sparse_limit_recovers_exact_cgp_mean():
     mean for the same observations z_k (the layers feed different z, so compare predictive means)."""
     q, k, o, _ = make_inputs(3, scale=1.0)
     z = torch.randn(B, H, T, DV, generator=torch.Generator().manual_seed(4), dtype=F64)
-    exact = CorrelatedGP(H, sigma=SIGMA, jitter=0.0).double()
+    exact = CorrelatedGP(H, sigma=SIGMA, jitter=0.0, mean_module=ZeroMean()).double()
     exact.covar.sigma_q, exact.covar.sigma_k = SIG_Q, SIG_K
     sparse = make_gp(m=T, l=T)
     ref = exact.conditional_mean(q, k, o, z)
@@ -121,7 +125,7 @@ def test_amortized_initialisation_is_the_sparse_limit():
     CGP conditional mean E[z_q | z_k = v]."""
     q, k, o, v = make_inputs(6)
     gp = make_gp(m=T, l=T, amortize=True, seq_len=T)
-    exact = CorrelatedGP(H, sigma=SIGMA, jitter=0.0).double()
+    exact = CorrelatedGP(H, sigma=SIGMA, jitter=0.0, mean_module=ZeroMean()).double()
     exact.covar.sigma_q, exact.covar.sigma_k = SIG_Q, SIG_K
     got = gp.condition(q, k, o, v).mean
     assert (got - exact.conditional_mean(q, k, o, v)).abs().max() < 1e-8
@@ -345,11 +349,19 @@ def test_crowded_inducing_inputs_stay_finite_in_float32():
     torch.testing.assert_close(mean.double(), reference, rtol=1e-4, atol=1e-5)
 
 
-class TestSCGPSoftmaxMean(TestSCGP):
-    """``prior_mean="softmax"`` (docs/derivations.md §7a): the dense reference adds softmax(q kᵀ) v of the scaled inputs
-    to eq. 33's mean; the covariance is the DTC one (the contract's invariants too: not the default form)."""
+class _SoftmaxMeanSCGP(SCGPAttention):
+    """scgp with the softmax mean over the GP's values (cgp's; an object for scgp, fresh per layer)."""
 
-    options = {"prior_mean": "softmax"}
+    def __init__(self, embed_dim, num_heads, **options):
+        super().__init__(embed_dim, num_heads, **{"prior_mean": CorrelatedSoftmaxMean(), **options})
+
+
+class TestSCGPSoftmaxMean(TestSCGP):
+    """The softmax mean over the GP's values (docs/derivations.md §7a): the dense reference adds softmax(q kᵀ) v of the
+    scaled inputs to eq. 33's mean; the covariance is the DTC one (the contract's invariants too: not the default
+    form)."""
+
+    attention = _SoftmaxMeanSCGP
     invariants = ATTENTION_INVARIANTS
 
 

@@ -18,6 +18,8 @@ from gpattn.testing.references import (
     sgpa_decoupled_kl_parts,
     sgpa_heads,
 )
+from gpattn.variational.covariances import DiagonalCovariance, FullCovariance
+from gpattn.variational.means import AmortisedValueMean, ZeroMean
 from gpattn.variational.sgpa_decoupled import (
     DecoupledSGPAVariationalStrategy,
     WhitenedGlobalVariationalDistribution,
@@ -140,7 +142,8 @@ def test_global_keys_at_sequence_keys_reduce_to_standard_sgpa():
         q_u.inducing_values.copy_(p["v"][0])
         q_u.chol_variational_covar.copy_(torch.diag_embed(s.transpose(-1, -2)))
     dec = DecoupledSGPAVariationalStrategy(
-        std.kernel, q_u, torch.zeros(H, T, D), jitter=0.0, covariance="full", prior_mean="zero"
+        std.kernel, q_u, torch.zeros(H, T, D), jitter=0.0, covariance=FullCovariance(), mean_module=ZeroMean(),
+        variational_mean=AmortisedValueMean(),
     )
     post = dec(p["qk"], p["v"], p["qk"][0])
     ref_post = ref.posterior()
@@ -153,7 +156,7 @@ def test_diag_is_diagonal_of_full():
     mask = torch.zeros(2, 6, dtype=torch.bool)
     mask[0, :2] = True
     full = layer.posterior(x, mask)
-    layer.strategy.covariance = "diag"
+    layer.strategy.covariance = DiagonalCovariance()
     diag = layer.posterior(x, mask)
     torch.testing.assert_close(diag.mean, full.mean)
     torch.testing.assert_close(diag.variance, full.variance, rtol=1e-10, atol=1e-12)
@@ -255,7 +258,7 @@ def _gpytorch_vs_ours(diag_scale=None):
     d = 1
     kernel = layer.kernel  # batch_shape (1,) = (H,): GPyTorch's outputs get a leading batch axis of 1
     L_s = cond.scale_tril[0, d].detach()
-    gamma = cond.values[0, 0, :, d].detach()
+    gamma = cond.inducing_values[0, 0, :, d].detach()
     model = _GPyTorchODVGP(kernel, qk, kg, gamma, cond.whitened_values[0, :, d].detach(), L_s).eval()
     with torch.no_grad():
         gp_mean = model(qk).mean[0]
@@ -306,8 +309,8 @@ def test_option_errors():
         layer.strategy.condition(p["qk"], p["v"], torch.randn(H, M, DH + 1))
     with pytest.raises(ValueError, match="inducing_inputs"):
         DecoupledSGPAVariationalStrategy(
-            layer.kernel, layer.strategy.variational_distribution, torch.randn(H, 3, D), jitter=1e-6, covariance="diag",
-            prior_mean="zero",
+            layer.kernel, layer.strategy.variational_distribution, torch.randn(H, 3, D), jitter=1e-6,
+            covariance=DiagonalCovariance(), mean_module=ZeroMean(), variational_mean=AmortisedValueMean(),
         )
 
 

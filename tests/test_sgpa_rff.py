@@ -2,6 +2,7 @@
 covariance is conditioned on the training queries. Dense float64 references, the random-feature kernel, the
 running second moment, the distance-aware variance, and the shipped GP mixin."""
 
+import functools
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import gpattn
 from gpattn.testing import GPAttentionTestCase
 from gpattn.testing.references import DenseReference, prior_mean_dense, sgpa_heads
-from gpattn.variational.sgpa_rff import TrainingQueryCovariance
+from gpattn.variational.covariances import TrainingQueryCovariance, TrainingSequenceCovariance
 
 F64 = torch.float64
 
@@ -97,7 +98,8 @@ def test_random_features_approximate_the_rbf_kernel():
 
 def test_second_moment_is_the_mean_over_real_tokens_then_a_running_average():
     torch.manual_seed(0)
-    layer = gpattn.build_attention("sgpa-rff", 8, 2, num_features=5, momentum=0.5).double()
+    covariance = functools.partial(TrainingQueryCovariance, momentum=0.5)  # a setting of g's covariance object
+    layer = gpattn.build_attention("sgpa-rff", 8, 2, num_features=5, covariance=covariance).double()
     cov = layer.strategy.covariance
     a, b, c = (torch.randn(3, 2, 4, 5, dtype=F64) for _ in range(3))
     real = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
@@ -178,8 +180,24 @@ def test_scale_prior_and_rescale_inputs_act_on_sigma_and_the_lengthscale():
 @pytest.mark.parametrize("name, value", [("num_features", 0), ("num_features", 2.5), ("data_weight", -1.0),
                                          ("momentum", 1.5), ("prior_variance", float("nan")), ("lengthscale", 0.0)])
 def test_bad_options_name_the_argument(name, value):
+    """A bad option of the layer, or a bad setting of g's covariance object (data_weight, momentum), names itself."""
+    layer_option = name in gpattn.attention_options("sgpa-rff")
     with pytest.raises(ValueError, match=name):
-        gpattn.build_attention("sgpa-rff", 8, 2, **{name: value})
+        if layer_option:
+            gpattn.build_attention("sgpa-rff", 8, 2, **{name: value})
+        else:
+            covariance = functools.partial(TrainingQueryCovariance, **{name: value})
+            gpattn.build_attention("sgpa-rff", 8, 2, covariance=covariance)
+
+
+def test_the_research_knobs_left_the_options_and_their_error_names_what_owns_them():
+    """g's input, w and the momentum are no options of the layer: the sequence form is the out-of-scope
+    recipe's, w and the momentum are settings of g's covariance object."""
+    for option, owner in (("gp_input", "recipe='out-of-scope'"), ("data_weight", "TrainingQueryCovariance"),
+                          ("momentum", "TrainingQueryCovariance")):
+        assert option not in gpattn.attention_options("sgpa-rff")
+        with pytest.raises(ValueError, match=rf"unknown option\(s\) \['{option}'\] .*{owner}"):
+            gpattn.build_attention("sgpa-rff", 8, 2, **{option: 1})
 
 
 def test_the_zero_prior_mean_is_refused_with_the_choices():
@@ -257,12 +275,12 @@ def rff_sequence_dense_posterior(layer, x, mask):
 
 class TestSGPARFFSequence(GPAttentionTestCase):
     attention = "sgpa-rff"
-    options = {"num_features": 16, "gp_input": "sequence"}
+    options = {"num_features": 16, "covariance": TrainingSequenceCovariance}
     reference_seeds = (0, 1)
     reference_padding = {1: (1, 5)}
     mean_tolerance = covariance_tolerance = {"rtol": 1e-8, "atol": 1e-8}
     float64_options = {"jitter": 1e-9}
-    exact_options = {"num_features": 8, "gp_input": "sequence"}
+    exact_options = {"num_features": 8, "covariance": TrainingSequenceCovariance}
 
     def perturb(self, layer):
         """A non-zero μ and a tracked second moment (the posterior away from the prior)."""
@@ -277,7 +295,9 @@ class TestSGPARFFSequence(GPAttentionTestCase):
 
 
 def _sequence_layer(D=16, H=2, R=256, **options):
-    return gpattn.build_attention("sgpa-rff", D, H, num_features=R, gp_input="sequence", **options).double()
+    return gpattn.build_attention(
+        "sgpa-rff", D, H, num_features=R, covariance=TrainingSequenceCovariance, **options
+    ).double()
 
 
 def test_a_sequence_level_sample_is_one_value_per_sequence_with_the_analytic_variance():
@@ -330,5 +350,5 @@ def test_sequence_input_ignores_padded_tokens_and_refuses_per_query_masks():
     causal = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)
     with pytest.raises(ValueError, match="attn_mask: attention 'sgpa-rff' takes only masks that pad"):
         layer(x, attn_mask=causal)
-    with pytest.raises(ValueError, match="gp_input must be one of \\['query', 'sequence'\\]"):
-        gpattn.build_attention("sgpa-rff", 16, 2, gp_input="tokens")
+    with pytest.raises(ValueError, match="covariance must be one of \\['query'\\]"):
+        gpattn.build_attention("sgpa-rff", 16, 2, covariance="tokens")

@@ -1,11 +1,11 @@
-"""SGPA and decoupled SGPA with separate query and key maps (``qk="separate"``, docs/derivations.md §5d).
+"""SGPA and decoupled SGPA with separate query and key maps (the encoder-swap recipe's form, docs/derivations.md §5d).
 
 The GP is evaluated at the queries W_q x and its inducing inputs are the keys W_k x of the same tokens: the
 cross-attention conditional (§13) with x on both sides. The dense float64 references are the cross-attention
-references of gpattn.testing (written independently of gpattn.variational), tied to this option by a shared-map
+references of gpattn.testing (written independently of gpattn.variational), tied to this form by a shared-map
 twin: a layer with the shared map W_qk = W_k attending from x' = (W_q x + b_q − b_k) W_k⁻ᵀ (so that its queries
 are W_q x + b_q) to the context x. The shipped mixins (gpattn.testing.GPAttentionTestCase: the invariants, padding
-= truncation, moments, E[layer], T > 800, float32 at T = 1024) run on the option in each mode."""
+= truncation, moments, E[layer], T > 800, float32 at T = 1024) run on the form in each mode."""
 
 import pytest
 import torch
@@ -20,8 +20,8 @@ F64 = torch.float64
 
 def shared_twin(layer):
     """The shared-map layer with W_qk = the separate layer's W_k and every other parameter the same."""
-    options = {"qk": "shared", "jitter": layer.strategy.jitter, "covariance": layer.strategy.covariance,
-               "prior_mean": layer.strategy.prior_mean, "kernel": layer.kernel}
+    options = {"jitter": layer.strategy.jitter, "covariance": layer.strategy.covariance,
+               "prior_mean": layer.strategy.mean_module, "kernel": layer.kernel}
     if layer.name == "sgpa-decoupled":
         options["num_global"] = layer.strategy.variational_distribution.num_global
     twin = gpattn.build_attention(layer.name, layer.embed_dim, layer.num_heads, **options).to(F64)
@@ -45,7 +45,7 @@ def separate_dense_reference(layer, x, mask, reference):
     test compares the truncated sequence)."""
     assert mask is None
     ref = reference(shared_twin(layer), twin_queries(layer, x), x)
-    if layer.strategy.covariance == "diag":  # independent tokens: the reference's marginals
+    if layer.strategy.covariance.name == "diag":  # independent tokens: the reference's marginals
         ref = ref._replace(covariance=torch.diag_embed(ref.covariance.diagonal(dim1=-2, dim2=-1)))
     return ref
 
@@ -62,10 +62,10 @@ def perturb(layer):
 
 
 class TestSGPASeparate(GPAttentionTestCase):
-    """sgpa, qk="separate", the paper's zero prior mean, full covariance."""
+    """sgpa with separate maps, the paper's zero prior mean, full covariance."""
 
     attention = "sgpa"
-    options = {"qk": "separate", "prior_mean": "zero"}
+    options = {"recipe": "encoder-swap", "prior_mean": "zero"}
     float64_options = {"jitter": 0.0}
     mean_tolerance = covariance_tolerance = {"rtol": 1e-9, "atol": 1e-10}
     reference = staticmethod(sgpa_cross_dense_posterior)
@@ -80,28 +80,28 @@ class TestSGPASeparate(GPAttentionTestCase):
 class TestSGPASeparateAttentionMean(TestSGPASeparate):
     """The library's default prior mean (§5c) with separate maps."""
 
-    options = {"qk": "separate"}
+    options = {"recipe": "encoder-swap", "prior_mean": "attention"}
 
 
 class TestSGPASeparateDiag(TestSGPASeparate):
-    options = {"qk": "separate", "covariance": "diag"}
+    options = {"recipe": "encoder-swap", "prior_mean": "attention", "covariance": "diag"}
     independent_tokens = True
     exact_options = long_padding = None  # the full mode's
     invariants = ("shape", "padding", "gradients", "posterior", "cross_attention")
 
 
 class TestDecoupledSeparate(TestSGPASeparate):
-    """sgpa-decoupled, qk="separate", the paper's zero prior mean, full covariance (global keys through W_k)."""
+    """sgpa-decoupled with separate maps, the paper's zero prior mean, full covariance (global keys through W_k)."""
 
     attention = "sgpa-decoupled"
-    options = {"qk": "separate", "prior_mean": "zero", "covariance": "full", "num_global": 3}
+    options = {"recipe": "encoder-swap", "prior_mean": "zero", "covariance": "full", "num_global": 3}
     reference = staticmethod(sgpa_decoupled_cross_dense_posterior)
 
 
 class TestDecoupledSeparateAttentionMean(TestDecoupledSeparate):
     """The default: attention prior mean, diagonal covariance."""
 
-    options = {"qk": "separate", "num_global": 3}
+    options = {"recipe": "encoder-swap", "prior_mean": "attention", "num_global": 3}
     independent_tokens = True
     exact_options = long_padding = None
     invariants = ("shape", "padding", "gradients", "posterior", "cross_attention")
@@ -117,9 +117,10 @@ def _tie(layer):
 
 
 CASES = [
-    ("sgpa", {"prior_mean": "zero"}), ("sgpa", {}), ("sgpa", {"covariance": "diag"}),
+    ("sgpa", {"prior_mean": "zero"}), ("sgpa", {"prior_mean": "attention"}),
+    ("sgpa", {"prior_mean": "attention", "covariance": "diag"}), ("sgpa", {}),  # {}: the recipe's softmax mean
     ("sgpa-decoupled", {"prior_mean": "zero", "covariance": "full", "num_global": 3}),
-    ("sgpa-decoupled", {"num_global": 3}),
+    ("sgpa-decoupled", {"prior_mean": "attention", "num_global": 3}),
 ]
 
 
@@ -128,7 +129,7 @@ def test_tied_maps_reproduce_the_shared_form(name, options):
     """W_q = W_k: mean and loss terms of the shared form; the covariance too, since the residual
     K_qq − K_qk K_kk⁻¹ K_kq is 0 (float64, jitter 0; with the default jitter it is O(jitter))."""
     torch.manual_seed(0)
-    layer = gpattn.build_attention(name, 8, 2, qk="separate", jitter=0.0, **options).to(F64)
+    layer = gpattn.build_attention(name, 8, 2, recipe="encoder-swap", jitter=0.0, **options).to(F64)
     with torch.no_grad():
         perturb(layer)
     _tie(layer)
@@ -150,7 +151,7 @@ def test_tied_maps_reproduce_the_shared_form(name, options):
 def test_untied_maps_differ_from_the_shared_form():
     """With W_q ≠ W_k the covariance gains the residual K_qq − A Aᵀ ≥ 0 (a non-trivial limiting case above)."""
     torch.manual_seed(0)
-    layer = gpattn.build_attention("sgpa", 8, 2, qk="separate", jitter=0.0).to(F64)
+    layer = gpattn.build_attention("sgpa", 8, 2, recipe="encoder-swap", jitter=0.0).to(F64)
     with torch.no_grad():
         perturb(layer)
     x = torch.randn(2, 6, 8, dtype=F64)
@@ -166,7 +167,7 @@ def test_untied_maps_differ_from_the_shared_form():
 def test_both_maps_learn():
     """W_q's rows and W_k's rows of in_proj both receive gradient (the mean through K_qk, the KL through the keys)."""
     torch.manual_seed(0)
-    layer = gpattn.build_attention("sgpa", 8, 2, qk="separate")
+    layer = gpattn.build_attention("sgpa", 8, 2, recipe="encoder-swap")
     assert layer.projections == ("q", "k", "v")
     x = torch.randn(2, 6, 8)
     y = layer(x)
@@ -179,11 +180,11 @@ def test_both_maps_learn():
 @pytest.mark.parametrize("name", ["sgpa", "sgpa-decoupled"])
 def test_per_query_masks_are_refused_and_padding_masks_taken(name):
     torch.manual_seed(0)
-    layer = gpattn.build_attention(name, 8, 2, qk="separate")
+    layer = gpattn.build_attention(name, 8, 2, recipe="encoder-swap")
     x = torch.randn(2, 5, 8)
     causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
     for call in (lambda: layer(x, attn_mask=causal), lambda: layer.posterior(x, attn_mask=causal)):
-        with pytest.raises(ValueError, match="qk='separate' takes only masks that pad"):
+        with pytest.raises(ValueError, match="with separate query and key maps .* takes only masks that pad"):
             call()
     pad = torch.zeros(2, 5, dtype=torch.bool)
     pad[1, 3:] = True
@@ -192,8 +193,10 @@ def test_per_query_masks_are_refused_and_padding_masks_taken(name):
         torch.testing.assert_close(by_mask, layer(x, pad))
 
 
-def test_unknown_qk_is_an_error():
-    for bad in ("tied", None, True):
-        with pytest.raises(ValueError, match="qk must be one of"):
-            gpattn.build_attention("sgpa", 8, 2, qk=bad)
-    assert gpattn.build_attention("sgpa-decoupled", 8, 2).projections == ("qk", "v")  # default: the paper's
+def test_qk_is_no_option_and_its_error_names_the_recipe():
+    """The maps are a form, not an option: ``qk`` is refused, naming the recipe that owns the separate maps;
+    the layers' own form is the paper's shared map."""
+    for value in ("separate", "shared"):
+        with pytest.raises(ValueError, match=r"unknown option\(s\) \['qk'\].*recipe='encoder-swap'"):
+            gpattn.build_attention("sgpa", 8, 2, qk=value)
+    assert gpattn.build_attention("sgpa-decoupled", 8, 2).projections == ("qk", "v")  # the paper's

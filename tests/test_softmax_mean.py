@@ -1,4 +1,5 @@
-"""The softmax prior mean of the SGPA variants (``prior_mean="softmax"``, docs/derivations.md §5e): softmax
+"""The softmax prior mean of the SGPA variants (:class:`~gpattn.variational.means.SoftmaxMean`, the encoder-swap
+recipe's; docs/derivations.md §5e): softmax
 attention with the kernel's lengthscale as its temperature, m(q_i) = Σ_j softmax_j((q_i/ℓ)·(k_j/ℓ)) v_j, whatever
 the GP's kernel. Dense float64 references (gpattn.testing.references.prior_mean_dense, written from the formula)
 through the shipped GPAttentionTestCase mixin in each mode; per-query masks; the limits (the exponential kernel:
@@ -25,18 +26,20 @@ from gpattn.testing.references import (
 )
 
 F64 = torch.float64
+#: the softmax mean: an object (the encoder-swap recipe's), stateless, so one instance serves every layer
+SOFTMAX = means.SoftmaxMean()
 
 
 class TestSGPASoftmaxMean(prior_mean_tests.TestSGPAAttentionMean):
     """sgpa, softmax prior mean, ARD-RBF kernel, shared map, full covariance (the contract's invariants too: this
     is not a default form, which tests/test_attention_invariants.py covers)."""
 
-    options = {"prior_mean": "softmax"}
+    options = {"prior_mean": SOFTMAX}
     invariants = ATTENTION_INVARIANTS
 
 
 class TestSGPASoftmaxMeanDiag(TestSGPASoftmaxMean):
-    options = {"prior_mean": "softmax", "covariance": "diag"}
+    options = {"prior_mean": SOFTMAX, "covariance": "diag"}
     independent_tokens = True
     exact_options = long_padding = None  # the full mode's
 
@@ -44,26 +47,26 @@ class TestSGPASoftmaxMeanDiag(TestSGPASoftmaxMean):
 class TestDecoupledSoftmaxMean(prior_mean_tests.TestDecoupledAttentionMeanDiag):
     """sgpa-decoupled, softmax prior mean, diagonal covariance (its fused path without a (T, T) matrix)."""
 
-    options = {"prior_mean": "softmax"}
+    options = {"prior_mean": SOFTMAX}
     invariants = ATTENTION_INVARIANTS
-    exact_options = {"num_global": 8, "covariance": "diag", "prior_mean": "softmax"}
+    exact_options = {"num_global": 8, "covariance": "diag", "prior_mean": SOFTMAX}
 
 
 class TestDecoupledSoftmaxMeanFull(prior_mean_tests.TestDecoupledAttentionMean):
-    options = {"prior_mean": "softmax", "covariance": "full"}
+    options = {"prior_mean": SOFTMAX, "covariance": "full"}
     invariants = ATTENTION_INVARIANTS
-    exact_options = {"num_global": 8, "covariance": "full", "prior_mean": "softmax"}
+    exact_options = {"num_global": 8, "covariance": "full", "prior_mean": SOFTMAX}
 
 
 class TestSGPASeparateSoftmaxMean(separate_tests.TestSGPASeparate):
     """The encoder swap's form: separate maps (§5d) with the softmax mean; the reference is §13's cross
     reference of a shared-map twin (tests/test_sgpa_separate.py)."""
 
-    options = {"qk": "separate", "prior_mean": "softmax"}
+    options = {"recipe": "encoder-swap"}  # its mean: the softmax one
 
 
 class TestDecoupledSeparateSoftmaxMean(separate_tests.TestDecoupledSeparateAttentionMean):
-    options = {"qk": "separate", "prior_mean": "softmax", "num_global": 3}
+    options = {"recipe": "encoder-swap", "num_global": 3}
 
 
 def _softmax_reference(layer, x, mask=None):
@@ -78,7 +81,7 @@ def _softmax_reference(layer, x, mask=None):
 def test_the_mean_is_softmax_attention_whatever_the_outputscale(name):
     """With the RBF kernel the mean is softmax((q/ℓ)(k/ℓ)ᵀ) v (checked against F.scaled_dot_product_attention,
     key padding included): neither the outputscale nor the RBF's key factor exp(−‖k/ℓ‖²/2) enters it."""
-    layer = _layer(name, prior_mean="softmax", **({"num_global": 2} if name == "sgpa-decoupled" else {}))
+    layer = _layer(name, prior_mean=SOFTMAX, **({"num_global": 2} if name == "sgpa-decoupled" else {}))
     x, mask = _x(T=7), torch.zeros(2, 7, dtype=torch.bool)
     mask[1, 5:] = True
     with torch.no_grad():
@@ -97,7 +100,7 @@ def test_the_mean_is_softmax_attention_whatever_the_outputscale(name):
 def test_with_the_exponential_kernel_it_is_the_attention_mean(name):
     """The limit: under the exponential kernel the softmax mean and the attention mean (§5c) are one function."""
     extra = {"num_global": 2} if name == "sgpa-decoupled" else {}
-    a = _layer(name, kernel="exponential", prior_mean="softmax", **extra)
+    a = _layer(name, kernel="exponential", prior_mean=SOFTMAX, **extra)
     b = _layer(name, kernel="exponential", prior_mean="attention", **extra)
     b.load_state_dict(a.state_dict())
     x = _x()
@@ -111,9 +114,9 @@ def test_per_query_masks(which):
     sgpa's KL is unchanged by the mean (§5c's)."""
     x = _x()
     excluded = _masks(*x.shape[:2])[which]
-    layer = _layer("sgpa", prior_mean="softmax")
+    layer = _layer("sgpa", prior_mean=SOFTMAX)
     ref = sgpa_attention_masked_dense_moments(layer, x, excluded)
-    decoupled = _layer("sgpa-decoupled", prior_mean="softmax", num_global=3, covariance="full")
+    decoupled = _layer("sgpa-decoupled", prior_mean=SOFTMAX, num_global=3, covariance="full")
     qk, v = sgpa_heads(decoupled, x)
     Kqg = gram_dense(decoupled.kernel, qk, sgpa_decoupled_global_keys(decoupled))
     ref_d = prior_mean_dense(decoupled, qk, qk, v, excluded)
@@ -129,7 +132,7 @@ def test_per_query_masks(which):
 
 def test_causal_mask_with_padding():
     """The causal mask joined with key padding: real queries attend to the real keys j ≤ i only."""
-    layer = _layer("sgpa", prior_mean="softmax")
+    layer = _layer("sgpa", prior_mean=SOFTMAX)
     x, pad = _x(T=6), torch.zeros(2, 6, dtype=torch.bool)
     pad[1, :2] = True  # leading padding
     causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
@@ -152,7 +155,8 @@ def test_fused_path_equals_the_dense_one(monkeypatch, dtype, tol, qk):
         if not fused:
             monkeypatch.setattr(means, "fused_softmax", lambda *a, **k: None)
         torch.manual_seed(3)
-        layer = gpattn.build_attention("sgpa-decoupled", 16, 2, prior_mean="softmax", qk=qk, num_global=3).to(dtype)
+        form = {"recipe": "encoder-swap"} if qk == "separate" else {"prior_mean": SOFTMAX}
+        layer = gpattn.build_attention("sgpa-decoupled", 16, 2, num_global=3, **form).to(dtype)
         x = torch.randn(3, 9, 16, dtype=dtype, generator=torch.Generator().manual_seed(4))
         pad = torch.zeros(3, 9, dtype=torch.bool)
         pad[1, 6:], pad[2, 1:] = True, True
@@ -170,7 +174,7 @@ def test_fused_path_equals_the_dense_one(monkeypatch, dtype, tol, qk):
 def test_no_kl_on_the_mean():
     """The mean is the prior's: sgpa's kl_seq does not depend on the values (scaling W_v changes the mean, not the
     KL), and decoupled's only term is kl_global."""
-    layer = _layer("sgpa", prior_mean="softmax")
+    layer = _layer("sgpa", prior_mean=SOFTMAX)
     x = _x()
     with torch.no_grad():
         layer(x)
@@ -178,7 +182,7 @@ def test_no_kl_on_the_mean():
         layer.in_proj.weight[-layer.embed_dim:] *= 3.0
         layer(x)
         torch.testing.assert_close(layer_loss_terms(layer)["kl_seq"], before, rtol=1e-12, atol=0)
-        decoupled = _layer("sgpa-decoupled", prior_mean="softmax", num_global=2)
+        decoupled = _layer("sgpa-decoupled", prior_mean=SOFTMAX, num_global=2)
         decoupled(x)
     assert set(layer_loss_terms(decoupled)) == {"kl_global"}
 
@@ -186,11 +190,14 @@ def test_no_kl_on_the_mean():
 def test_defaults_and_refusals():
     """The default kernel is the ARD-RBF at ℓ = Dh^¼ (softmax's temperature); a kernel without a lengthscale
     is refused when the layer is built, naming the option."""
-    layer = gpattn.build_attention("sgpa", 16, 4, prior_mean="softmax")
+    layer = gpattn.build_attention("sgpa", 16, 4, prior_mean=SOFTMAX)
     torch.testing.assert_close(layer.kernel.base_kernel.lengthscale, torch.full((4, 1, 4), 4 ** 0.25))
     from gpytorch.kernels import LinearKernel
 
-    with pytest.raises(ValueError, match="prior_mean='softmax'.*LinearKernel.*lengthscale"):
-        gpattn.build_attention("sgpa", 16, 4, prior_mean="softmax", kernel=LinearKernel(batch_shape=torch.Size([4])))
-    with pytest.raises(ValueError, match="'softmax'"):
+    with pytest.raises(ValueError, match="prior_mean='softmax'.*LinearKernel.*lengthscale"):  # the mean's own error
+        gpattn.build_attention("sgpa", 16, 4, prior_mean=SOFTMAX, kernel=LinearKernel(batch_shape=torch.Size([4])))
+    with pytest.raises(ValueError, match=r"prior_mean must be one of \['attention', 'zero'\]"):
         gpattn.build_attention("sgpa", 16, 4, prior_mean="soft")
+    # the softmax mean is no name of sgpa's: the error says whose it is
+    with pytest.raises(ValueError, match=r"got 'softmax': the softmax mean is the encoder-swap recipe's"):
+        gpattn.build_attention("sgpa", 16, 4, prior_mean="softmax")

@@ -15,15 +15,17 @@ from gpattn.variational._strategy import AmortisedConditional, AmortisedVariatio
 
 F64 = torch.float64
 B, T, D, H = 3, 5, 8, 2
-#: every GP variant, with the options that make its loss terms deterministic (CGP: exact expectation)
+#: every GP variant, with its test options
 GP = {
     "sgpa": {},
     "sgpa-decoupled": {"num_global": 4},
     "kep-svgp": {"rank": 3},
-    "cgp": {"prior_samples": None},
+    "cgp": {},
     "scgp": {},
     "sgpa-rff": {"num_features": 6},
 }
+#: strategy settings that make every loss term deterministic (CGP: the exact expectation instead of prior samples)
+EXACT_TERMS = {"cgp": {"prior_samples": None}}
 VARIATIONAL = ("sgpa", "sgpa-decoupled", "kep-svgp", "sgpa-rff")
 
 
@@ -35,6 +37,8 @@ def test_every_registered_gp_variant_is_listed_here():
 def make(name, seed=0):
     torch.manual_seed(seed)
     layer = gpattn.build_attention(name, D, H, **GP[name]).double()
+    for setting, value in EXACT_TERMS.get(name, {}).items():
+        setattr(layer.strategy, setting, value)
     x = torch.randn(B, T, D, dtype=F64)
     mask = torch.zeros(B, T, dtype=torch.bool)
     mask[1, 3:] = True  # a padded sequence

@@ -1,7 +1,8 @@
 """Fingerprint every attention variant × form, to prove a refactor changes no number.
 
 For each variant of ``gpattn.list_attention()`` and each of its forms (the option values that select a model:
-``prior_mean``, ``qk``, ``covariance``, ``learn_sigma``, ``amortize``), in float32 and float64, under fixed
+``prior_mean``, ``qk``, ``covariance``, ``gp_input``, ``merge``, kep-svgp's and the correlated GPs' flags, ``amortize``,
+and the recipes' settings), in float32 and float64, under fixed
 seeds, it records: the train-mode output (a seeded sample) and the ``deterministic()`` output under no mask,
 key padding, a causal mask, a general per-query mask and cross-attention (an error's type and message where a
 form refuses a mask); ``loss_terms()``; the gradient of a scalar of both w.r.t. every parameter; and the state
@@ -9,6 +10,10 @@ dict (keys, shapes, values); a GP variant's ``posterior(x)`` mean and variance.
 
     python tools/fingerprint.py /tmp/fp_before.pt          # record (gpattn imported from this checkout)
     python tools/fingerprint.py /tmp/fp_after.pt --compare /tmp/fp_before.pt
+
+A case is named by its form's options as 6d6cabf spelled them; in a checkout where an option left
+the layers (``gpattn.attention.registry.RECIPES`` has ``"out-of-scope"``), :func:`layer_options` builds the same model
+through the recipe, object or research probe (research/knobs.py) that owns the form now.
 """
 
 from __future__ import annotations
@@ -34,8 +39,26 @@ FORMS = {
     "sgpa-rff": {
         "prior_mean": ["attention", "softmax"], "qk": ["shared", "separate"], "gp_input": ["query", "sequence"],
     },
-    "cgp": {"prior_mean": ["softmax", "softmax-separate", "zero"], "learn_sigma": [False, True]},
-    "scgp": {"prior_mean": ["softmax", "softmax-separate", "zero"], "amortize": [False, True]},
+    "kep-svgp": {
+        "prior_mean": ["softmax", "softmax-separate", "zero"], "merge": ["add", "concat"],
+        "token_independent": [False, True], "include_residual": [False, True], "feature_gradient": [True, False],
+    },
+    "cgp": {
+        "prior_mean": ["softmax", "softmax-separate", "zero"], "learn_sigma": [False, True],
+        "prior_samples": [10, None],
+    },
+    "scgp": {
+        "prior_mean": ["softmax", "softmax-separate", "zero"], "amortize": [False, True], "learn_sigma": [False, True],
+    },
+}
+#: forms outside the grids: the recipes' settings as the options that spelled them (sgpa-rff's encoder swap; the
+#: sequence form with the CLINC150 setting), per variant
+EXTRA = {
+    "sgpa-rff": [
+        {"prior_mean": "softmax", "qk": "separate", "gp_input": "query", "lengthscale": 1.0},
+        {"prior_mean": "softmax", "qk": "separate", "gp_input": "sequence", "num_features": 1024, "lengthscale": 0.2,
+         "data_weight": 10000.0},
+    ],
 }
 #: fixed options per variant (sizes)
 FIXED = {
@@ -48,9 +71,9 @@ B, T, S, D, H = 2, 5, 4, 8, 2
 def forms(name):
     """Every combination of the variant's form options (one empty form for the others)."""
     grid = FORMS.get(name, {})
-    for values in itertools.product(*grid.values()):
-        form = dict(zip(grid, values))
-        if form.get("amortize"):
+    combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    for form in combos + [dict(f) for f in EXTRA.get(name, [])]:
+        if form.get("amortize") or form.get("merge") == "concat":
             form["seq_len"] = T
         yield form
 
@@ -66,11 +89,52 @@ def masks():
             ("general", {"attn_mask": general}), ("cross", {"context": "context"})]
 
 
+def layer_options(name, form: dict) -> tuple[object, dict]:
+    """(what to build, its options) of a case: the options as they were spelled, or, in a checkout with recipes, the
+    recipe (separate maps and the softmax mean: "encoder-swap"), object (a mean, a covariance) or research probe that
+    builds the same model."""
+    from gpattn.attention import registry
+
+    options = {**FIXED.get(name, {}), **form}
+    if "out-of-scope" not in getattr(registry, "RECIPES", ()):
+        return name, options
+    import functools
+
+    from gpattn.variational import covariances, means
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "research"))
+    import knobs
+
+    qk, gp_input = options.pop("qk", "shared"), options.pop("gp_input", None)
+    weight = {k: options.pop(k) for k in ("data_weight",) if k in options}
+    if qk == "separate":
+        options["recipe"] = "encoder-swap"
+        options.setdefault("prior_mean", "attention")  # the recipe's own mean is the softmax one
+        if name == "sgpa-rff":
+            options.setdefault("lengthscale", None)  # the recipe's own ℓ is 1: the case's is the layer's default
+        if options["prior_mean"] == "softmax":
+            del options["prior_mean"]
+    if options.get("prior_mean") == "softmax" and name in ("sgpa", "sgpa-decoupled", "sgpa-rff"):
+        options["prior_mean"] = means.SoftmaxMean()
+    if gp_input is not None:
+        cls = {"query": covariances.TrainingQueryCovariance, "sequence": covariances.TrainingSequenceCovariance}
+        options["covariance"] = functools.partial(cls[gp_input], **weight)
+    if name == "cgp" and options.get("prior_mean") == "softmax-separate":
+        options["prior_mean"] = means.CorrelatedSeparateSoftmaxMean()
+    if name == "scgp" and options.get("prior_mean") == "softmax":
+        options["prior_mean"] = means.CorrelatedSoftmaxMean()
+    probe = knobs.PROBES.get(name)
+    knobs_given = probe is not None and set(options) & {"token_independent", "include_residual", "feature_gradient",
+                                                        "prior_samples", "learn_sigma"}
+    return (probe if knobs_given else name), options
+
+
 def record(name, form, dtype):
     """The fingerprint of one variant, form and dtype: a dict of tensors and strings."""
     out = {}
+    built, options = layer_options(name, form)
     torch.manual_seed(0)
-    layer = gpattn.build_attention(name, D, H, **FIXED.get(name, {}), **form).to(dtype)
+    layer = gpattn.build_attention(built, D, H, **options).to(dtype)
     torch.manual_seed(1)
     x = torch.randn(B, T, D, dtype=dtype)
     context = torch.randn(B, T if form.get("amortize") else S, D, dtype=dtype)
@@ -118,9 +182,22 @@ def fingerprint():
     return result
 
 
+def _moved_keys(case: dict) -> dict:
+    """``case`` with the state-dict keys that moved (gpattn._migrate.OLD_KEYS, when this checkout has it) renamed,
+    so that a fingerprint recorded before the move compares key by key."""
+    from gpattn import _migrate
+
+    out = dict(case)
+    for _, _, old, new in getattr(_migrate, "OLD_KEYS", ()):
+        for key in [k for k in out if k.startswith("state/") and k.endswith("." + old)]:
+            out.setdefault(key[: -len(old)] + new, out.pop(key))
+    return out
+
+
 def compare(after, before) -> int:
     """Print per case the max abs diff (and any key, shape or string difference); return the number of
-    cases that differ beyond bit-identity."""
+    cases that differ beyond bit-identity. A state-dict key that moved is compared under its new name."""
+    before = {case: _moved_keys(fp) for case, fp in before.items()}
     differing = 0
     worst = {}
     for case in sorted(set(before) | set(after)):

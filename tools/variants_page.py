@@ -86,10 +86,10 @@ VARIANTS = {
         "paper": "Chen & Li, ICLR 2023, §3.2",
         "section": "5a, §5c",
         "cost": "O(T³) per (B, H)",
-        "options": ("kernel", "prior_mean", "qk", "covariance"),
-        "pick": "a GP attention layer from scratch or swapped into a pretrained encoder (the swap sets "
-        '`prior_mean="softmax"`, `qk="separate"` so it starts at the pretrained attention); also a causal '
-        "decoder.",
+        "options": ("kernel", "prior_mean", "covariance"),
+        "pick": "a GP attention layer from scratch or swapped into a pretrained encoder (the swap's recipe, "
+        '`recipe="encoder-swap"`, keeps both pretrained maps and the softmax mean so it starts at the pretrained '
+        "attention); also a causal decoder.",
     },
     "sgpa-decoupled": {
         "what": "Decoupled SGPA: the keys for the mean and M global inducing points, shared by every sequence, "
@@ -97,7 +97,7 @@ VARIANTS = {
         "paper": "Chen & Li, ICLR 2023, §3.3",
         "section": "5b",
         "cost": "O(T²·Dv + T·M² + M³) per (B, H)",
-        "options": ("num_global", "kernel", "prior_mean", "qk", "covariance"),
+        "options": ("num_global", "kernel", "prior_mean", "covariance"),
         "pick": "the GP layer whose uncertainty comes from variables that see the training set (global inducing "
         "points); long sequences through the fused attention mean.",
     },
@@ -107,9 +107,9 @@ VARIANTS = {
         "paper": "gpattn's own form (SNGP's Laplace precision, Liu et al. 2020, in the query space of SGPA)",
         "section": "5f",
         "cost": "O(T²·Dv + T·R·(Dh + Dv) + R³) per (B, H)",
-        "options": ("num_features", "prior_variance", "lengthscale", "data_weight", "gp_input", "prior_mean", "qk"),
-        "pick": "a predictive variance that knows where the training queries (or, with gp_input='sequence', the "
-        "training sequences) were: below softmax + TS out of domain on digits; on CoLA and CLINC150 still a "
+        "options": ("num_features", "prior_variance", "lengthscale", "prior_mean"),
+        "pick": "a predictive variance that knows where the training queries (or, with `recipe=\"out-of-scope\"`, "
+        "the training sentences) were: below softmax + TS out of domain on digits; on CoLA and CLINC150 still a "
         "temperature (docs/results.md).",
     },
     "kep-svgp": {
@@ -118,7 +118,7 @@ VARIANTS = {
         "paper": "Chen, Tao, Tonin & Suykens, ICML 2024",
         "section": "6",
         "cost": "O(T·Dh·r + T·r²) per head, + O(T²·Dh) for the default softmax mean",
-        "options": ("rank", "merge", "num_landmarks", "token_independent", "prior_mean", "feature_gradient"),
+        "options": ("rank", "merge", "num_landmarks", "prior_mean"),
         "pick": "calibration from scratch (CoLA: NLL below MSP's, where the zero mean overfits) and, with "
         "prior_mean='zero', long sequences (linear in T); with prior_mean='softmax-separate' (the mean's own queries "
         "and keys) where the attention must find content at small widths (attention suite at width 32, T 24: mean over "
@@ -131,7 +131,7 @@ VARIANTS = {
         "paper": "Bui et al., CGPT §3, Appendices A–B",
         "section": "7, §7a",
         "cost": "O(T³) per (B, H)",
-        "options": ("sigma", "prior_mean", "prior_samples", "input_scale"),
+        "options": ("sigma", "prior_mean", "input_scale"),
         "pick": "the exact correlated-GP model at short T, from scratch or swapped into an encoder.",
     },
     "scgp": {

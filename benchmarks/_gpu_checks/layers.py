@@ -30,22 +30,18 @@ D, H = 16, 2
 
 
 def layer_configs() -> list[tuple[str, str, dict]]:
-    """(label, registry name, options): every variant at its defaults, every non-default ``covariance``, the
-    SGPA variants in the encoder swap's form (separate maps, the softmax prior mean), and cgp without the prior
-    samples of its regulariser (the one random loss term under deterministic())."""
+    """(label, registry name, options): every variant at its defaults, every non-default ``covariance``, and the
+    SGPA variants in the encoder swap's form (separate maps, the softmax prior mean: ``recipe="encoder-swap"``)."""
     configs = []
     for name in gpattn.list_attention():
         configs.append((name, name, {}))
         valid = gpattn.attention_options(name)
-        if "covariance" in valid:
+        if valid.get("covariance") in ("full", "diag"):  # sgpa, sgpa-decoupled (sgpa-rff's is g's)
             for value in ("full", "diag"):
                 if value != valid["covariance"]:
                     configs.append((f"{name}[covariance={value}]", name, {"covariance": value}))
-        if name == "cgp" and valid.get("prior_samples") is not None:
-            configs.append(("cgp[prior_samples=None]", name, {"prior_samples": None}))
         if valid.get("prior_mean") == "attention":  # the encoder swap's form (docs/derivations.md §5d, §5e)
-            swap = {"qk": "separate", "prior_mean": "softmax"}
-            configs.append((f"{name}[qk=separate,prior_mean=softmax]", name, swap))
+            configs.append((f"{name}[recipe=encoder-swap]", name, {"recipe": "encoder-swap"}))
         if name in ("sgpa", "kernel") and valid.get("kernel") == "exponential":
             # the image models' kernel (gpattn.models.classifiers.IMAGE_KERNEL): a gpytorch kernel
             configs.append((f"{name}[kernel=ard-rbf]", name, {"kernel": "ard-rbf"}))

@@ -7,9 +7,8 @@ import torch
 from gpytorch.kernels import Kernel
 
 from gpattn.attention._gp import GPAttention
-from gpattn.attention.registry import register
+from gpattn.attention.registry import register, resolve
 from gpattn.kernels import make_kernel
-from gpattn.prior_means import make_correlated_mean
 from gpattn.variational.cgp import CorrelatedGP
 from gpattn.variational.scgp import SparseCorrelatedGP
 
@@ -32,8 +31,8 @@ class _CorrelatedGPAttention(GPAttention):
     cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
 
     def __init__(self, embed_dim: int, num_heads: int, mean_module, **base):
-        if mean_module.projections:  # the mean's own values, before AttentionBase sizes the fused in_proj
-            self.projections = (*type(self).projections, *mean_module.projections)
+        # the mean's own projections (its values), before AttentionBase sizes the fused in_proj
+        self.projections = (*type(self).projections, *mean_module.projections)
         super().__init__(embed_dim, num_heads, **base)
 
     def _init_scale(self, input_scale):
@@ -57,10 +56,10 @@ class _CorrelatedGPAttention(GPAttention):
         return p["q"] * c, p["k"] * c, p["o"] * c, p["v"]
 
     def strategy_call(self, x):
-        """The scaled inputs and, with ``prior_mean="softmax-separate"``, the mean's own values (the ``v_mean``
-        projection) as ``mean_values``: one projection of x for both."""
-        p, own = self.project(x), self.strategy.mean_module.projections
-        return self._scaled(p), ({"mean_values": p[own[0]]} if own else {})
+        """The scaled inputs and the mean's own projections (``prior_mean="softmax-separate"``: its values, the
+        ``v_mean`` rows; none for the others) as ``mean_values``: one projection of x for both."""
+        p = self.project(x)
+        return self._scaled(p), {"mean_values": tuple(p[name] for name in self.strategy.mean_module.projections)}
 
     @torch.no_grad()
     def rescale_inputs(self, factor: float) -> None:
@@ -82,7 +81,7 @@ class _CorrelatedGPAttention(GPAttention):
             inducing = getattr(self.strategy, name, None)
             if inducing is not None:
                 inducing *= factor
-        self.strategy.rescale_mean(factor)  # the softmax prior mean stays the attention it was
+        self.strategy.mean_module.rescale_inputs(factor)  # the softmax prior mean stays the attention it was
 
     def query_inputs(self, x):
         """Cross-attention's queries, scaled by ``input_scale``.  # shape: (B, H, T, Dh)"""
@@ -97,16 +96,17 @@ class CGPAttention(_CorrelatedGPAttention):
     :param kernel: canonical kernel κ_o as a kernel spec (:mod:`gpattn.kernels`): ``"canonical-rbf"`` =
         exp(−½‖a−b‖²) (default), another stationary spec, or a
         gpytorch ``Kernel`` (batch_shape ``(H,)`` or ``()``, ``ard_num_dims`` = Dh; checked here).
-    :param sigma: noise standard deviation σ (default 0.1, Bui et al. App. F).
-    :param learn_sigma: learn σ per head (default fixed).
+    :param sigma: noise standard deviation σ (default 0.1, Bui et al. App. F; fixed, as in Bui et al.).
     :param jitter: diagonal jitter before factorising Σ, Σ_q, Σ_k and K_o.
-    :param prior_samples: P_o prior samples of z_o in the regulariser (eqs. 42–44); ``None`` = exact
-        expectation.
-    :param input_scale: fixed factor on the projected inputs (default Dh^(-1/4), see the Choice above).
+    :param input_scale: fixed factor on the projected inputs (default Dh^(-1/4), see the Choice above;
+        ``match_prior_to_stream`` rescales the inputs in an encoder swap).
     :param prior_mean: ``"softmax"`` (default): softmax attention of the scaled inputs, softmax(q kᵀ/√Dh) v at
         the default ``input_scale``, as the prior mean of the query and key processes; the correlated GP models the
         departure from it (docs/derivations.md §7a). ``"zero"``: Bui et al.'s form, where ν carries the whole
-        attention. ``"softmax-separate"``: the mean over values of its own (``scgp``'s default, §7a).
+        attention. Or a prior mean module (:mod:`gpattn.variational.means`).
+
+    The regulariser draws P_o = 10 prior samples of z_o (eqs. 42–44, the strategy's ``prior_samples``; ``None`` is
+    the exact expectation, a verification tool).
     """
 
     def __init__(
@@ -116,25 +116,21 @@ class CGPAttention(_CorrelatedGPAttention):
         *,
         kernel: str | dict | Kernel = "canonical-rbf",
         sigma: float = 0.1,
-        learn_sigma: bool = False,
         jitter: float = 1e-5,
-        prior_samples: int | None = 10,
         input_scale: float | None = None,
         prior_mean: str = "softmax",
         **base,
     ):
-        prior_mean = make_correlated_mean(prior_mean)  # the name parsed once: the strategy takes the module
-        super().__init__(embed_dim, num_heads, prior_mean, **base)
+        mean_module = resolve("cgp", "prior_mean", prior_mean)
+        super().__init__(embed_dim, num_heads, mean_module, **base)
         self._init_scale(input_scale)
-        self.strategy = CorrelatedGP(
-            num_heads,
-            kernel=self._canonical(kernel),
-            sigma=sigma,
-            learn_sigma=learn_sigma,
-            jitter=jitter,
-            prior_samples=prior_samples,
-            prior_mean=prior_mean,
+        self.strategy = self._strategy(
+            kernel=self._canonical(kernel), sigma=sigma, jitter=jitter, mean_module=mean_module
         )
+
+    def _strategy(self, **options) -> CorrelatedGP:
+        """The layer's strategy with ``options`` (a subclass may add the strategy's other settings)."""
+        return CorrelatedGP(self.num_heads, **options)
 
 
 @register("scgp")
@@ -150,11 +146,11 @@ class SCGPAttention(_CorrelatedGPAttention):
 
     :param prior_mean: ``"softmax-separate"`` (default): softmax attention of the scaled inputs over values of its
         own (the ``v_mean`` projection), softmax(q kᵀ/√Dh) W_vm x at the default ``input_scale``, as the prior mean;
-        the regulariser reads the GP's values alone (docs/derivations.md §7a). ``"softmax"``: the same mean over the
-        GP's values v (``cgp``'s default); on CoLA from scratch α·R shrank those values, and the mean with them,
-        until scgp was flagged inert (docs/results.md). ``"zero"``: Bui et al.'s form.
+        the regulariser reads the GP's values alone (docs/derivations.md §7a; over the GP's values, cgp's mean,
+        α·R shrank them and the mean with them on CoLA from scratch until scgp was flagged inert). ``"zero"``: Bui
+        et al.'s form. Or a prior mean module (:mod:`gpattn.variational.means`).
 
-    Other options as ``cgp`` (no ``prior_samples``: the regulariser is in closed form, App. E).
+    Other options as ``cgp`` (the regulariser is in closed form, App. E).
     """
 
     def __init__(
@@ -164,7 +160,6 @@ class SCGPAttention(_CorrelatedGPAttention):
         *,
         kernel: str | dict | Kernel = "canonical-rbf",
         sigma: float = 0.1,
-        learn_sigma: bool = False,
         jitter: float = 1e-5,
         num_inducing: int = 16,
         num_inducing_keys: int = 16,
@@ -174,14 +169,12 @@ class SCGPAttention(_CorrelatedGPAttention):
         prior_mean: str = "softmax-separate",
         **base,
     ):
-        prior_mean = make_correlated_mean(prior_mean)  # the name parsed once: the strategy takes the module
-        super().__init__(embed_dim, num_heads, prior_mean, **base)
+        mean_module = resolve("scgp", "prior_mean", prior_mean)
+        super().__init__(embed_dim, num_heads, mean_module, **base)
         self._init_scale(input_scale)
         # initial inducing inputs spread like the scaled projections of unit-variance tokens under
         # nn.Linear's default initialisation (coordinate std 1/√3 before scaling)
-        self.strategy = SparseCorrelatedGP(
-            num_heads,
-            self.head_dim,
+        self.strategy = self._strategy(
             num_inducing=num_inducing,
             num_inducing_keys=num_inducing_keys,
             amortize=amortize,
@@ -189,7 +182,10 @@ class SCGPAttention(_CorrelatedGPAttention):
             inducing_std=self.input_scale / 3**0.5,
             kernel=self._canonical(kernel),
             sigma=sigma,
-            learn_sigma=learn_sigma,
             jitter=jitter,
-            prior_mean=prior_mean,
+            mean_module=mean_module,
         )
+
+    def _strategy(self, **options) -> SparseCorrelatedGP:
+        """The layer's strategy with ``options`` (a subclass may add the strategy's other settings)."""
+        return SparseCorrelatedGP(self.num_heads, self.head_dim, **options)

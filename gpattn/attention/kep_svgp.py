@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from gpattn.attention._gp import GPAttention
-from gpattn.attention.registry import register
-from gpattn.prior_means import make_kep_mean
+from gpattn.attention.registry import register, resolve
 from gpattn.variational._scale import KEP_PRIOR_VARIANCE
 from gpattn.variational.kep_svgp import KEPSVGP, MERGES
 
@@ -20,15 +19,14 @@ KEP_KERNEL = "cosine"
 
 def _check_kernel(kernel) -> None:
     """``kernel=`` of kep-svgp: only the cosine kernel, whose feature map the primal KSVD needs."""
-    if kernel == KEP_KERNEL or kernel == {"name": KEP_KERNEL}:
-        return
-    got = f"a {type(kernel).__name__} instance" if isinstance(kernel, torch.nn.Module) else repr(kernel)
-    raise ValueError(
-        f"kep-svgp takes only kernel={KEP_KERNEL!r} (kappa(q, k) = phi(q).phi(k), phi(t) = t/|t|), got {got}: "
-        f"its KSVD is solved in the primal, e = phi(q) W_e with W_e = X omega_e built from landmark tokens in "
-        f"the Dh-wide space of an explicit feature map phi (docs/derivations.md §6), while a gpytorch kernel "
-        f"or a kernel spec gives only the values kappa(q, k); use sgpa or sgpa-decoupled for another kernel"
-    )
+    if kernel != KEP_KERNEL and kernel != {"name": KEP_KERNEL}:
+        got = f"a {type(kernel).__name__} instance" if isinstance(kernel, torch.nn.Module) else repr(kernel)
+        raise ValueError(
+            f"kep-svgp takes only kernel={KEP_KERNEL!r} (kappa(q, k) = phi(q).phi(k), phi(t) = t/|t|), got {got}: "
+            f"its KSVD is solved in the primal, e = phi(q) W_e with W_e = X omega_e built from landmark tokens in "
+            f"the Dh-wide space of an explicit feature map phi (docs/derivations.md §6), while a gpytorch kernel "
+            f"or a kernel spec gives only the values kappa(q, k); use sgpa or sgpa-decoupled for another kernel"
+        )
 
 
 def _positive_int(name, val):
@@ -70,11 +68,8 @@ class KEPSVGPAttention(GPAttention):
         repeated when the sequence has fewer than s real tokens), see
         :func:`gpattn.variational.kep_svgp.landmark_indices`.
     :param merge: ``"add"`` (variable length; default) or ``"concat"`` (needs ``seq_len``; a learned
-        map 2T → T; any other T raises ``ValueError``).
+        map 2T → T; any other T raises ``ValueError``): Chen et al.'s two merges of the pair's branches (eq. 19).
     :param seq_len: the fixed T of ``merge="concat"``.
-    :param token_independent: sample one ε per token (the released scheme; same per-token marginals)
-        instead of the exact low-rank sample with ε shared by the tokens.
-    :param include_residual: add back the :math:`K_{ff} - Q_{ff}` term that Remark 3.1 drops.
     :param prior_variance: σ², the outputscale of the attention kernel, so that :math:`p(u_c) = N(0, σ^2\Lambda^2)`
         (the mean map :math:`G\Lambda^{-1}` does not change); 1.0 is Chen et al.'s (2024) prior, the default puts
         the prior's noise on the stream's scale (docs/derivations.md §6, "The prior's outputscale").
@@ -85,11 +80,7 @@ class KEPSVGPAttention(GPAttention):
         CoLA's NLL at or below softmax's where the paper's form overfits (docs/derivations.md §6, "The softmax prior
         mean"). ``"softmax-separate"``: the same with queries and keys of its own (the ``q_mean``, ``k_mean``
         projections), apart from the KSVD features' (docs/derivations.md §6, "The mean's own queries and keys").
-        ``"zero"``: Chen et al.'s form (no values path).
-    :param feature_gradient: True (default; Chen et al.'s): the KSVD features, and so the GP's mean, noise and the
-        ``ksvd`` term, pass their gradient to the layer input and to the q and k maps. False: they read them
-        without it, so that under ``prior_mean="softmax"`` the attention's maps are shaped by the mean alone and the
-        GP is fitted on top of them (docs/derivations.md §6, "The features' gradient").
+        ``"zero"``: Chen et al.'s form (no values path). Or a prior mean module (:mod:`gpattn.variational.means`).
     :param jitter: constant diagonal added to the covariance that ``posterior()`` returns (makes it
         non-singular for ``log_prob``); samples and means never include it.
     """
@@ -115,17 +106,14 @@ class KEPSVGPAttention(GPAttention):
         num_landmarks: int | None = None,
         merge: str = "add",
         seq_len: int | None = None,
-        token_independent: bool = False,
-        include_residual: bool = False,
         jitter: float = 1e-6,
         prior_variance: float = KEP_PRIOR_VARIANCE,
         prior_mean: str = "softmax",
-        feature_gradient: bool = True,
         **base,
     ):
-        mean_module = make_kep_mean(prior_mean)  # the name parsed once: the strategy takes the module
-        if mean_module.projections:  # the mean's own values, before AttentionBase sizes the fused in_proj
-            self.projections = (*type(self).projections, *mean_module.projections)
+        mean_module = resolve("kep-svgp", "prior_mean", prior_mean)
+        # the mean's own projections (its values; its queries and keys), before AttentionBase sizes the fused in_proj
+        self.projections = (*type(self).projections, *mean_module.projections)
         super().__init__(embed_dim, num_heads, **base)
         _check_kernel(kernel)
         _positive_int("rank", rank)
@@ -133,22 +121,20 @@ class KEPSVGPAttention(GPAttention):
             num_landmarks = 10 * rank
         _positive_int("num_landmarks", num_landmarks)
         _check_merge(merge, seq_len)
-        _check_flags_and_scales(token_independent, include_residual, feature_gradient, jitter, prior_variance)
-        self.strategy = KEPSVGP(
-            num_heads,
-            self.head_dim,
-            self.value_dim,
+        _check_scales(jitter, prior_variance)
+        self.strategy = self._strategy(
             rank=rank,
             num_landmarks=num_landmarks,
             merge=merge,
             seq_len=seq_len,
-            token_independent=token_independent,
-            include_residual=include_residual,
             jitter=float(jitter),
             prior_variance=float(prior_variance),
             mean_module=mean_module,
-            feature_gradient=feature_gradient,
         )
+
+    def _strategy(self, **options) -> KEPSVGP:
+        """The layer's strategy with ``options`` (a subclass may add the strategy's other settings)."""
+        return KEPSVGP(self.num_heads, self.head_dim, self.value_dim, **options)
 
     @property
     def jitter(self) -> float:
@@ -159,11 +145,10 @@ class KEPSVGPAttention(GPAttention):
         return self.strategy_call(x)[0]
 
     def strategy_call(self, x):
-        """The layer input, q and k and, with a mean that owns projections, what it reads of them as ``mean_values``
-        (its ``own_inputs``: the ``v_mean`` values, or with ``"softmax-separate"`` its queries, keys and values): one
-        projection of x for both."""
-        p, mean = self.project(x), self.strategy.mean_module
-        return (x, p["q"], p["k"]), ({"mean_values": mean.own_inputs(p)} if mean.projections else {})
+        """The layer input, q and k, and the mean's own projections as ``mean_values`` (the ``v_mean`` values, with
+        ``"softmax-separate"`` its queries, keys and values; none for the zero mean): one projection of x for both."""
+        p = self.project(x)
+        return (x, p["q"], p["k"]), {"mean_values": tuple(p[name] for name in self.strategy.mean_module.projections)}
 
     def match_singular_values(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> tuple:
         """Λ from a batch of this layer's inputs so that the KSVD objective J starts at 0 on them, the function, its
@@ -178,9 +163,7 @@ class KEPSVGPAttention(GPAttention):
         return (
             f"{super().extra_repr()}, rank={k.rank}, num_landmarks={k.ksvd.num_landmarks}, merge={k.merge!r}"
             + (f", seq_len={k.seq_len}" if k.merge == "concat" else "")
-            + f", token_independent={k.token_independent}, include_residual={k.include_residual}"
             + f", prior_variance={float(k.prior_variance):g}, prior_mean={k.mean_module.name!r}"
-            + f", feature_gradient={k.feature_gradient}"
         )
 
 
@@ -196,16 +179,8 @@ def _check_merge(merge, seq_len) -> None:
         raise ValueError(f"seq_len is only used with merge='concat' (merge={merge!r}), got seq_len={seq_len!r}")
 
 
-def _check_flags_and_scales(token_independent, include_residual, feature_gradient, jitter, prior_variance) -> None:
-    """The three flags are bools, ``jitter`` ≥ 0 and ``prior_variance`` > 0."""
-    flags = (
-        ("token_independent", token_independent),
-        ("include_residual", include_residual),
-        ("feature_gradient", feature_gradient),
-    )
-    for name, val in flags:
-        if not isinstance(val, bool):
-            raise ValueError(f"{name} must be True or False, got {val!r}")
+def _check_scales(jitter, prior_variance) -> None:
+    """``jitter`` ≥ 0 and ``prior_variance`` > 0."""
     if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not jitter >= 0:
         raise ValueError(f"jitter must be a float >= 0, got {jitter!r}")
     if isinstance(prior_variance, bool) or not isinstance(prior_variance, (int, float)) or not prior_variance > 0:

@@ -1,5 +1,9 @@
 """SGPA attention layers (docs/derivations.md §5; Chen & Li, ICLR 2023): thin shims over
-:mod:`gpattn.variational.sgpa` (standard) and :mod:`gpattn.variational.sgpa_decoupled` (decoupled)."""
+:mod:`gpattn.variational.sgpa` (standard) and :mod:`gpattn.variational.sgpa_decoupled` (decoupled).
+
+Each layer has Chen & Li's one shared query-key map W_q = W_k; the encoder-swap recipe's form
+(:class:`SeparateMapsSGPAttention`, :class:`SeparateMapsDecoupledSGPAttention`: ``recipe="encoder-swap"`` in
+:func:`gpattn.build_attention`) keeps a pretrained layer's separate W_q and W_k (docs/derivations.md §5d)."""
 
 from __future__ import annotations
 
@@ -7,69 +11,70 @@ import torch
 from gpytorch.kernels import Kernel
 
 from gpattn.attention._gp import GPAttention
-from gpattn.attention.registry import register
+from gpattn.attention.registry import register, resolve
 from gpattn.kernels import make_kernel
-from gpattn.prior_means import check_prior_mean
-from gpattn.variational._scale import PRIOR_VARIANCE, attention_lengthscale
+from gpattn.variational._scale import PRIOR_VARIANCE
 from gpattn.variational.sgpa import AmortisedDiagonalVariationalDistribution, SGPAVariationalStrategy
 from gpattn.variational.sgpa_decoupled import (
     DecoupledSGPAVariationalStrategy,
     WhitenedGlobalVariationalDistribution,
 )
 
-__all__ = ["DEFAULT_KERNEL", "DecoupledSGPAttention", "QK_MAPS", "SGPAttention"]
-
-#: the query-key maps: one shared map W_q = W_k (Chen & Li, the default) or separate W_q, W_k (docs/derivations.md §5d)
-QK_MAPS = ("shared", "separate")
-
-
-#: the kernel of ``kernel=None`` per prior mean: the stationary ARD-RBF with the attention mean (its rows are
-#: a similarity smoother and its prior variance does not grow with the sharpness of the attention), the
-#: exponential dot-product kernel of Chen & Li (2023) on text with the paper's zero mean (docs/derivations.md §5c)
-DEFAULT_KERNEL = {"attention": "ard-rbf", "softmax": "ard-rbf", "zero": "exponential"}
+__all__ = [
+    "DecoupledSGPAttention",
+    "SGPAttention",
+    "SeparateMaps",
+    "SeparateMapsDecoupledSGPAttention",
+    "SeparateMapsSGPAttention",
+]
 
 
-def _kernel(kernel, num_heads: int, head_dim: int, prior_mean: str):
-    """The kernel of a spec on the stream's scale; with the attention or softmax prior mean its lengthscale starts
-    at Dh^¼, so that the mean starts at softmax attention's temperature (docs/derivations.md §5c, §5e)."""
-    if kernel is None:
-        kernel = DEFAULT_KERNEL[check_prior_mean(prior_mean)]
-    lengthscale = attention_lengthscale(head_dim) if prior_mean != "zero" else None
+def _kernel(kernel, num_heads: int, head_dim: int, mean_module):
+    """The kernel of a spec on the stream's scale; ``kernel=None``: the prior mean's own (its ``default_kernel``,
+    docs/derivations.md §5c), and a spec's lengthscale starts where the mean says (Dh^¼ for a mean that attends:
+    softmax attention's temperature, §5c, §5e)."""
+    spec = mean_module.default_kernel if kernel is None else kernel
     return make_kernel(
-        kernel, num_heads, head_dim, prior_variance=PRIOR_VARIANCE, lengthscale=lengthscale
+        spec, num_heads, head_dim, prior_variance=PRIOR_VARIANCE, lengthscale=mean_module.initial_lengthscale(head_dim)
     )
 
 
-class _QueryKeyMaps(GPAttention):
-    """The ``qk`` option of both SGPA variants (docs/derivations.md §5d): ``"shared"`` is Chen & Li's W_q = W_k
-    (projections ("qk", "v")); ``"separate"`` has projections ("q", "k", "v") and evaluates the GP at the
-    queries W_q x with the keys W_k x as inducing inputs: the cross-attention conditional (§13) with the same
-    tokens on both sides. Per-query masks are refused there (§5d)."""
+class _SGPALayer(GPAttention):
+    """The query-key maps of the SGPA variants: Chen & Li's shared W_q = W_k, projections ("qk", "v"); the strategy
+    reads the keys' projections (``key_inputs``), the queries are the keys."""
 
     projections = ("qk", "v")
-
-    def __init__(self, embed_dim: int, num_heads: int, qk: str = "shared", **base):
-        if qk not in QK_MAPS:
-            raise ValueError(f"qk must be one of {list(QK_MAPS)}, got {qk!r}")
-        if qk == "separate":  # before AttentionBase sizes the fused in_proj
-            self.projections, self.query_projection = ("q", "k", "v"), "q"
-        super().__init__(embed_dim, num_heads, **base)
-        self.qk = qk
+    #: the projections the strategy reads (the keys' map and the values)
+    key_inputs = ("qk", "v")
+    #: the projection of the keys (the global keys of sgpa-decoupled are mapped through it)
+    key_projection = "qk"
 
     def strategy_inputs(self, x):
-        """The strategy's inputs without the queries (separate maps read them through :meth:`query_inputs`)."""
-        return tuple(t for name, t in zip(self.projections, super().strategy_inputs(x)) if name != "q")
+        """The keys and the values (with separate maps the queries are read by :meth:`query_inputs`).
+        # shape: x (B, T, D) -> (B, H, T, Dh), (B, H, T, Dv)"""
+        p = self.project(x)
+        return tuple(p[name] for name in self.key_inputs)
+
+
+class SeparateMaps:
+    """Separate query and key maps W_q, W_k (docs/derivations.md §5d), the encoder-swap recipe's form of the SGPA
+    variants (a pretrained layer's maps both kept, docs/huggingface.md): projections ("q", "k", "v"), the GP at the
+    queries W_q x with the keys W_k x as inducing inputs: the cross-attention conditional (§13) with the same
+    tokens on both sides. Per-query masks are refused (§5d): query i is not key i."""
+
+    projections = ("q", "k", "v")
+    key_inputs = ("k", "v")
+    query_projection = "q"
+    key_projection = "k"
 
     def _condition(self, x, mask, context=None):
-        """Separate maps: self-attention is the cross-attention conditional with ``context = x``."""
-        if self.qk == "shared":
-            return super()._condition(x, mask, context)
+        """Self-attention is the cross-attention conditional with ``context = x``."""
         if mask is not None and mask.dim() == 4:
             raise ValueError(
-                f"attn_mask: attention {self.name!r} with qk='separate' takes only masks that pad (the same "
-                f"excluded keys for every query and head); per-query masks (causal, ...) are defined for the shared "
-                f"map, where query i is key i (docs/derivations.md §5d, §11). Pass the padding as key_padding_mask, "
-                f"or use qk='shared'"
+                f"attn_mask: attention {self.name!r} with separate query and key maps (the encoder-swap recipe's form) "
+                f"takes only masks that pad (the same excluded keys for every query and head); per-query masks "
+                f"(causal, ...) are defined for the shared map, where query i is key i (docs/derivations.md §5d, §11). "
+                f"Pass the padding as key_padding_mask, or build the layer with recipe='scratch' (the shared map)"
             )
         if context is not None:
             return super()._condition(x, mask, context)
@@ -79,11 +84,11 @@ class _QueryKeyMaps(GPAttention):
 
 
 @register("sgpa")
-class SGPAttention(_QueryKeyMaps):
+class SGPAttention(_SGPALayer):
     r"""Standard SGPA (Chen & Li (2023) §3.2, docs/derivations.md §5a): each head's output dim d is a sparse variational
     GP whose inducing inputs are the sequence's own keys; the posterior mean is kernel attention
     :math:`K_{qk} v` and the whitened amortised covariance gives :math:`\Sigma_d = L \tilde\Sigma_d L^\top`.
-    By default a symmetric kernel (W_q = W_k: projections ("qk", "v")). Cost O(T³) per (B, H).
+    A symmetric kernel (W_q = W_k: projections ("qk", "v")). Cost O(T³) per (B, H).
 
     :param kernel: a kernel spec (:mod:`gpattn.kernels`, docs/kernels.md): ``"ard-rbf"`` (the default with
         ``prior_mean="attention"``), ``"exponential"`` (the default with
@@ -92,15 +97,12 @@ class SGPAttention(_QueryKeyMaps):
         ``(H,)`` or ``()``, ``ard_num_dims`` = Dh; checked here).
     :param jitter: relative jitter of the Cholesky factor (1e-6 suits float32; 0 for float64 checks).
     :param covariance: ``"full"`` (default: exact joint samples; with L shared, as cheap as ``"diag"``)
-        or ``"diag"`` (independent tokens).
+        or ``"diag"`` (independent tokens), or a covariance object (:mod:`gpattn.variational.covariances`).
     :param prior_mean: ``"attention"`` (default: the GP's prior mean is normalised kernel attention, so the
         posterior mean attends without a per-sequence KL on it and ``kl_seq`` pays only for the amortised
-        covariance; docs/derivations.md §5c), ``"softmax"`` (the prior mean is softmax attention with the
-        kernel's lengthscale as its temperature, whatever the kernel: an encoder swap's pretrained attention
-        exactly; §5e) or ``"zero"`` (Chen & Li's form: mean :math:`K_{qk} v`, paid by the per-sequence KL).
-    :param qk: ``"shared"`` (default: Chen & Li's W_q = W_k) or ``"separate"`` (projections ("q", "k", "v"): the
-        GP at the queries W_q x, the keys W_k x its inducing inputs; the covariance gains the residual
-        K_qq − K_qk K̂_kk⁻¹ K_kq; masks that pad only; docs/derivations.md §5d).
+        covariance; docs/derivations.md §5c) or ``"zero"`` (Chen & Li's form: mean :math:`K_{qk} v`, paid by the
+        per-sequence KL), or a prior mean module (:mod:`gpattn.variational.means`; the encoder-swap recipe's is
+        :class:`~gpattn.variational.means.SoftmaxMean`, softmax attention with the kernel's lengthscale, §5e).
 
     Loss terms: ``kl_seq`` — the KL, summed over heads and Dv, averaged over the batch (docs/derivations.md §9).
 
@@ -113,7 +115,6 @@ class SGPAttention(_QueryKeyMaps):
     ``need_weights`` gives no weights.
     """
 
-    projections = ("qk", "v")
     per_query_masks = True  # one GP per query (docs/derivations.md §11)
     cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
 
@@ -126,37 +127,41 @@ class SGPAttention(_QueryKeyMaps):
         jitter: float = 1e-6,
         covariance: str = "full",
         prior_mean: str = "attention",
-        qk: str = "shared",
         **base,
     ):
-        super().__init__(embed_dim, num_heads, qk, **base)
+        mean_module = resolve("sgpa", "prior_mean", prior_mean)
+        super().__init__(embed_dim, num_heads, **base)
         self.strategy = SGPAVariationalStrategy(
-            _kernel(kernel, num_heads, self.head_dim, prior_mean),
+            _kernel(kernel, num_heads, self.head_dim, mean_module),
             AmortisedDiagonalVariationalDistribution(num_heads, self.head_dim, self.value_dim),
             jitter=jitter,
-            covariance=covariance,
-            prior_mean=prior_mean,
+            covariance=resolve("sgpa", "covariance", covariance),
+            mean_module=mean_module,
+            variational_mean=mean_module.variational_mean(),  # q(ũ)'s mean: the one the prior mean pairs with
         )
 
 
+@register("sgpa", form="separate-maps")
+class SeparateMapsSGPAttention(SeparateMaps, SGPAttention):
+    """``sgpa`` with separate query and key maps (:class:`SeparateMaps`): the encoder-swap recipe's form; the
+    covariance gains the residual K_qq − K_qk K̂_kk⁻¹ K_kq (docs/derivations.md §5d)."""
+
 
 @register("sgpa-decoupled")
-class DecoupledSGPAttention(_QueryKeyMaps):
+class DecoupledSGPAttention(_SGPALayer):
     r"""Decoupled SGPA (Chen & Li (2023) §3.3–3.4, docs/derivations.md §5b): amortised mean basis from the sequence's
     keys and values plus ``num_global`` global inducing inputs per head, mapped like tokens through
-    the layer's own W_qk rows for that head (W_k's with ``qk="separate"``); whitened S̃_g,d per output dim.
+    the layer's own W_qk rows for that head (W_k's with separate maps); whitened S̃_g,d per output dim.
 
     :param kernel: as for ``sgpa``.
     :param num_global: M global inducing inputs per head (default 16, as in Chen & Li (2023)).
     :param covariance: ``"diag"`` (default, the released code's mode: independent tokens) or
-        ``"full"`` (exact joint samples).
+        ``"full"`` (exact joint samples), or a covariance object.
     :param jitter: relative jitter (1e-6 suits float32; 0 for float64 checks).
     :param prior_mean: ``"attention"`` (default: the prior mean is normalised kernel attention over the
         sequence, which replaces the amortised γ-basis; the posterior is m(q) + the global part, and the only
-        KL is the global ``kl_global``; docs/derivations.md §5c), ``"softmax"`` (softmax attention with the
-        kernel's lengthscale in that role, §5e) or ``"zero"`` (Chen & Li's form, below).
-    :param qk: as for ``sgpa``; with ``"separate"`` the global inducing inputs are mapped through W_k (they are
-        inducing inputs, as the keys; docs/derivations.md §5d).
+        KL is the global ``kl_global``; docs/derivations.md §5c) or ``"zero"`` (Chen & Li's form, below), or a
+        prior mean module (as for ``sgpa``).
 
     Loss terms (``prior_mean="zero"``): ``kl_seq`` — the γ-part (input-dependent), summed over heads and Dv,
     averaged over the batch; ``kl_global`` — the β-part (global parameters), summed (docs/derivations.md §9).
@@ -169,7 +174,6 @@ class DecoupledSGPAttention(_QueryKeyMaps):
     O(T³·Dv) per (B, H). ``need_weights`` gives no weights.
     """
 
-    projections = ("qk", "v")
     per_query_masks = True  # query i's mean basis is A_i (docs/derivations.md §11b)
     cross_attention = True  # queries of x, keys and values of the context (docs/derivations.md §13)
 
@@ -183,21 +187,22 @@ class DecoupledSGPAttention(_QueryKeyMaps):
         covariance: str = "diag",
         jitter: float = 1e-6,
         prior_mean: str = "attention",
-        qk: str = "shared",
         **base,
     ):
-        super().__init__(embed_dim, num_heads, qk, **base)
+        mean_module = resolve("sgpa-decoupled", "prior_mean", prior_mean)
+        super().__init__(embed_dim, num_heads, **base)
         if isinstance(num_global, bool) or not isinstance(num_global, int) or num_global < 1:
             raise ValueError(f"num_global must be a positive int, got {num_global!r}")
         self.strategy = DecoupledSGPAVariationalStrategy(
-            _kernel(kernel, num_heads, self.head_dim, prior_mean),
+            _kernel(kernel, num_heads, self.head_dim, mean_module),
             WhitenedGlobalVariationalDistribution(num_heads, num_global, self.value_dim),
             torch.randn(num_heads, num_global, embed_dim),
             jitter=jitter,
-            covariance=covariance,
-            prior_mean=prior_mean,
+            covariance=resolve("sgpa-decoupled", "covariance", covariance),
+            mean_module=mean_module,
+            variational_mean=mean_module.variational_mean(),  # q(ũ)'s mean: the one the prior mean pairs with
         )
-        self._qk_offset = self.projection_rows()["qk" if qk == "shared" else "k"].start
+        self._qk_offset = self.projection_rows()[self.key_projection].start
 
     def global_keys(self) -> torch.Tensor:
         """Each head's global keys through that head's rows of W_qk (W_k).  # shape: (H, M, Dh)"""
@@ -210,3 +215,9 @@ class DecoupledSGPAttention(_QueryKeyMaps):
         """The keys (= queries with the shared map), the values and the global keys.
         # shape: (B, H, T, Dh), (B, H, T, Dv), (H, M, Dh)"""
         return (*super().strategy_inputs(x), self.global_keys())
+
+
+@register("sgpa-decoupled", form="separate-maps")
+class SeparateMapsDecoupledSGPAttention(SeparateMaps, DecoupledSGPAttention):
+    """``sgpa-decoupled`` with separate query and key maps (:class:`SeparateMaps`), the global inducing inputs mapped
+    through W_k (they are inducing inputs, as the keys; docs/derivations.md §5d): the encoder-swap recipe's form."""

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import math
-
 from gpytorch.kernels import Kernel
 
-from gpattn.attention.registry import register
-from gpattn.attention.sgpa import _kernel, _QueryKeyMaps
-from gpattn.prior_means import RFF_PRIOR_MEANS, check_prior_mean
-from gpattn.variational.sgpa_rff import GP_INPUTS, FeatureSGPAVariationalStrategy
+from gpattn.attention.registry import register, resolve
+from gpattn.attention.sgpa import SeparateMaps, _kernel, _SGPALayer
+from gpattn.variational.sgpa_rff import FeatureSGPAVariationalStrategy
 
-__all__ = ["DistanceAwareSGPAttention"]
+__all__ = ["DistanceAwareSGPAttention", "SeparateMapsDistanceAwareSGPAttention"]
 
 
 @register("sgpa-rff")
-class DistanceAwareSGPAttention(_QueryKeyMaps):
+class DistanceAwareSGPAttention(_SGPALayer):
     r"""SGPA whose predictive variance grows away from the training queries (docs/derivations.md §5f): each head's
     output is the attention prior mean m(q) (as ``sgpa``'s default) plus a global GP g(q) on the query space, an RBF
     kernel through ``num_features`` random Fourier features, whose posterior covariance is conditioned on the
@@ -24,25 +21,24 @@ class DistanceAwareSGPAttention(_QueryKeyMaps):
     :param kernel: the prior mean's kernel (as for ``sgpa``: ``"ard-rbf"`` by default, lengthscale Dh^¼).
     :param num_features: R random features per head (default 256).
     :param prior_variance: σ², g's prior variance at every query, on the LayerNorm-ed stream's scale (default 1: away
-        from the data the noise is as large as the stream; ``scale_prior`` multiplies it).
-    :param lengthscale: ℓ of g's RBF kernel on the queries (default √(Dh/3): κ = e⁻¹ at the typical distance of
-        two queries of the default initialisation; an encoder swap sets it by the median heuristic); with
-        ``gp_input="sequence"`` on the unit sphere (default 0.4).
-    :param gp_input: g's input: ``"query"`` (default: each query, per head) or ``"sequence"`` (each sequence's unit
-        mean query over its real tokens and all heads: one value of g per sequence and head, the same at each
-        token; docs/derivations.md §5f). The sequence form takes key padding, not per-query (causal) masks: its
-        input pools every token of the sequence.
-    :param data_weight: w in Σ⁻¹ = I + w E[ψψᵀ] (default 1000).
-    :param momentum: the running second moment's weight of a new training batch (default 0.01).
-    :param prior_mean: ``"attention"`` (default) or ``"softmax"`` (the encoder swap's: the pretrained attention).
-    :param qk: ``"shared"`` (default) or ``"separate"`` (docs/derivations.md §5d).
+        from the data the noise is as large as the stream; ``scale_prior`` multiplies it, as
+        ``match_prior_to_stream`` does in an encoder swap).
+    :param lengthscale: ℓ of g's RBF kernel (default: the covariance's own, √(Dh/3) on the queries: κ = e⁻¹ at the
+        typical distance of two queries of the default initialisation; the encoder-swap recipe starts it at 1 and
+        ``match_prior_to_stream`` sets it by the median heuristic).
+    :param prior_mean: ``"attention"`` (default), or a prior mean module (the encoder-swap recipe's is the softmax
+        mean, the pretrained attention).
+    :param covariance: g's covariance: ``"query"`` (default: g on each query, per head,
+        :class:`~gpattn.variational.covariances.TrainingQueryCovariance`), or a covariance class (or factory) called
+        with ``(num_heads, head_dim, num_features=, lengthscale=, prior_variance=)``; the out-of-scope recipe's is
+        g on each sequence's unit mean query (:class:`~gpattn.variational.covariances.TrainingSequenceCovariance`,
+        docs/derivations.md §5f), which takes key padding, not per-query (causal) masks.
     :param jitter: absolute jitter of ``posterior()``'s covariance.
 
-    Loss terms: ``kl_global`` (q(β)'s KL, ÷ N). Masks: any ``attn_mask`` with ``qk="shared"`` (the prior mean
-    attends over A_i; g ignores masks). Cross-attention: key padding.
+    Loss terms: ``kl_global`` (q(β)'s KL, ÷ N). Masks: any ``attn_mask`` (the prior mean attends over A_i; g
+    ignores masks). Cross-attention: key padding.
     """
 
-    projections = ("qk", "v")
     per_query_masks = True
     cross_attention = True
 
@@ -55,31 +51,22 @@ class DistanceAwareSGPAttention(_QueryKeyMaps):
         num_features: int = 256,
         prior_variance: float = 1.0,
         lengthscale: float | None = None,
-        data_weight: float = 1000.0,
-        momentum: float = 0.01,
         prior_mean: str = "attention",
-        qk: str = "shared",
-        gp_input: str = "query",
+        covariance: str = "query",
         jitter: float = 1e-6,
         **base,
     ):
-        check_prior_mean(prior_mean, RFF_PRIOR_MEANS, "the attention mean of the sequence")  # parsed once, here
-        if gp_input not in GP_INPUTS:
-            raise ValueError(f"gp_input must be one of {sorted(GP_INPUTS)} (g's input: each query, or each "
-                             f"sequence's mean query), got {gp_input!r}")
-        super().__init__(embed_dim, num_heads, qk, **base)
-        self.gp_input = gp_input
-        sequence = gp_input == "sequence"  # parsed once, here: the covariance object is the form
-        if lengthscale is None:
-            lengthscale = 0.4 if sequence else math.sqrt(self.head_dim / 3)
-        covariance = GP_INPUTS[gp_input](
-            num_heads, self.head_dim * (num_heads if sequence else 1), num_features=num_features,
-            prior_variance=prior_variance, lengthscale=lengthscale, data_weight=data_weight, momentum=momentum,
+        mean_module = resolve("sgpa-rff", "prior_mean", prior_mean)
+        covariance = resolve("sgpa-rff", "covariance", covariance)
+        super().__init__(embed_dim, num_heads, **base)
+        # the covariance object is the form: its input's width, its default lengthscale and its masks are its own
+        covariance = covariance(
+            num_heads, self.head_dim, num_features=num_features, prior_variance=prior_variance, lengthscale=lengthscale
         )
-        self.per_query_masks = not sequence
+        self.per_query_masks = covariance.per_query_masks
         self.strategy = FeatureSGPAVariationalStrategy(
-            _kernel(kernel, num_heads, self.head_dim, prior_mean), covariance, self.value_dim,
-            prior_mean=prior_mean, jitter=jitter,
+            _kernel(kernel, num_heads, self.head_dim, mean_module), covariance, self.value_dim,
+            mean_module=mean_module, jitter=jitter,
         )
 
     def rescale_inputs(self, factor: float) -> None:
@@ -90,3 +77,9 @@ class DistanceAwareSGPAttention(_QueryKeyMaps):
     def distance_inputs(self, x):
         """The inputs whose distances g's kernel measures: the queries.  # shape: x (B, T, D) -> (B, H, T, Dh)"""
         return self.query_inputs(x)
+
+
+@register("sgpa-rff", form="separate-maps")
+class SeparateMapsDistanceAwareSGPAttention(SeparateMaps, DistanceAwareSGPAttention):
+    """``sgpa-rff`` with separate query and key maps (:class:`~gpattn.attention.sgpa.SeparateMaps`): the encoder-swap
+    and out-of-scope recipes' form; g reads the queries W_q x."""

@@ -9,7 +9,7 @@ import json
 import math
 
 from gpattn._migrate import migrate_config
-from gpattn.attention.registry import recipe_options
+from gpattn.attention.registry import former_options, list_attention, recipe_options
 from gpattn.experiments._optim import DEFAULT_BATCH_SIZE, ENCODER_DEFAULTS
 from gpattn.experiments._runs import valid_device
 from gpattn.kernels import require_kernel_spec
@@ -125,9 +125,9 @@ class TrainConfig:
             return isinstance(v, int) and not isinstance(v, bool)
 
         if isinstance(self.attention, str) and isinstance(self.attention_options, dict):
-            # the recipe's options written out (gpattn.attention.recipe_options), so config.json (and compare's
-            # reuse check) says which form ran
-            recipe = "encoder-swap" if self.encoder is not None else "scratch"
+            # the recipe (given as the option ``recipe``, else the swap's with an encoder) and its options written out
+            # (gpattn.attention.recipe_options), so config.json (and compare's reuse check) says which form ran
+            recipe = self.attention_options.get("recipe", "encoder-swap" if self.encoder is not None else "scratch")
             self.attention_options = {**recipe_options(self.attention, recipe), **self.attention_options}
         if self.batch_size is None:
             recipe = ENCODER_DEFAULTS.get(self.encoder_recipe, {}) if self.encoder is not None else {}
@@ -210,8 +210,19 @@ class TrainConfig:
     def from_saved(cls, d: dict) -> TrainConfig:
         """A run's saved config (its checkpoint's): as ``from_dict``, after
         :func:`gpattn._migrate.migrate_config` (a config written by an older gpattn keeps the form it
-        trained, with an ``OldVersionWarning``)."""
-        return cls.from_dict(migrate_config(d))
+        trained, with an ``OldVersionWarning``); one that records an option its layer no longer takes at a value no
+        migration reads is an error naming what owns that form now."""
+        d = migrate_config(d)
+        name, options = d.get("attention"), d.get("attention_options")
+        left = former_options(name, options) if name in list_attention() and isinstance(options, dict) else {}
+        if left:
+            raise ValueError(
+                f"this run's config records {', '.join(f'{k}={options[k]!r}' for k in left)}, no option of the {name} "
+                "layer any more and at a value no migration reads (runs of development commits are trained again: "
+                "docs/development.md, 'Versions and compatibility'): train it again with today's form; "
+                + "; ".join(f"{k}: {owner}" for k, owner in left.items())
+            )
+        return cls.from_dict(d)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

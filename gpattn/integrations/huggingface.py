@@ -14,12 +14,13 @@ describes encoders.
 
 **What is transferred** (per swapped layer, also returned by :func:`swap_attention`): the pretrained
 query / key / value weights and biases go into the gpattn layer's fused input projection ``in_proj``
-for every projection the variant has by that name (``q`` ← query, ``k`` ← key, ``v`` ← value); sgpa and
-sgpa-decoupled are swapped with ``qk="separate"`` unless given (separate query and key maps, so both are kept;
-docs/derivations.md §5d), and with ``prior_mean="softmax"`` (their mean then starts at the pretrained attention,
-§5e); a variant with one shared query-key map (``qk``: kernel, or sgpa / sgpa-decoupled
-with ``qk="shared"``, as in a decoder) takes the **key** weights (the query weights are dropped: W_q = W_k is
-that parameterisation); any other projection
+for every projection the variant has by that name (``q`` ← query, ``k`` ← key, ``v`` ← value); a layer is built
+with the variant's ``"encoder-swap"`` recipe (``gpattn.build_attention(..., recipe="encoder-swap")``; another recipe
+may be given as ``recipe=``): sgpa, sgpa-decoupled and sgpa-rff with separate query and key maps (so both are kept;
+docs/derivations.md §5d) and the softmax prior mean (their mean then starts at the pretrained attention, §5e); a
+layer with one shared query-key map (``qk``: kernel, or the SGPA variants' own form, ``recipe="scratch"``, as in a
+decoder) takes the **key** weights (the query weights are dropped: W_q = W_k is that parameterisation); any other
+projection
 (cgp's ``o``) or one of another width (``value_dim`` ≠ head width) keeps its fresh initialisation, as
 do every GP parameter (kernel hyperparameters, inducing / variational parameters). The output
 projection: in BERT and RoBERTa the self-attention is followed by ``attention.output.dense``, so the
@@ -285,7 +286,8 @@ def swap_attention(
         )
     encoder_layers, cls = _encoder_layers(model)
     attr, names = _ARCHITECTURES[cls]
-    options = {**recipe_options(attention, "encoder-swap"), **options}  # the swap's defaults (gpattn.attention)
+    # the swap's recipe and what its config records (gpattn.attention); options given here win
+    options = {"recipe": "encoder-swap", **recipe_options(attention, options.get("recipe", "encoder-swap")), **options}
     swapped = {}
     for i in _layer_indices(layers, len(encoder_layers)):
         parent, child, old = _module_at(encoder_layers[i], attr, cls, i)
@@ -338,10 +340,11 @@ def _swap_decoder(model, decoder_layers_, cls, attention, layers, options) -> di
     """:func:`swap_attention` on a decoder (:data:`gpattn.integrations._decoders.DECODERS`)."""
     spec = DECODERS[cls]
     _check_decoder_variant(attention, cls, spec.rotary)
-    if options.get("qk") == "separate":
+    if options.get("recipe", "scratch") != "scratch":
         raise ValueError(
-            f"qk='separate' cannot replace {cls} (causal self-attention): separate query and key maps take only masks "
-            f"that pad (docs/derivations.md §5d); a decoder keeps the shared map (qk='shared', the default there)"
+            f"recipe={options['recipe']!r} cannot replace {cls} (causal self-attention): a decoder swap builds the "
+            f"variant's own form (recipe='scratch'); the encoder swap's separate query and key maps take only masks "
+            f"that pad (docs/derivations.md §5d)"
         )
     swapped = {}
     for i in _layer_indices(layers, len(decoder_layers_)):

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from gpattn.variational.covariances import DiagonalCovariance
 from gpattn.variational.means import AttentionMean, ZeroMean
 
 __all__ = [
@@ -118,7 +119,7 @@ def sgpa_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | None = Non
     root = L * s[..., None, :]
     kl = 0.5 * ((s.square() - 1 - s.square().log()).sum(-1) + (v * (Kj @ v)).sum(-2))  # shape: (B, H, Dv)
     cov = root @ root.mT
-    if layer.strategy.covariance == "diag":
+    if isinstance(layer.strategy.covariance, DiagonalCovariance):
         cov = torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
     return DenseReference((K @ v).transpose(-1, -2), cov, {"kl_seq": kl.sum((1, 2)).mean(0)})
 
@@ -322,7 +323,7 @@ def sgpa_attention_dense_posterior(layer, x: torch.Tensor, mask: torch.Tensor | 
     s = sgpa_amortised_std(layer, qk).transpose(-1, -2)  # shape: (B, H, Dv, T)
     root = L * s[..., None, :]
     cov = root @ root.mT
-    if layer.strategy.covariance == "diag":
+    if isinstance(layer.strategy.covariance, DiagonalCovariance):
         cov = torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
     kl = 0.5 * (s.square() - 1 - s.square().log()).sum(-1)  # shape: (B, H, Dv)
     mean = prior_mean_dense(layer, qk, qk, v).transpose(-1, -2)
@@ -497,12 +498,12 @@ def _mean_values(layer, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def correlated_prior_mean_dense(gp, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The prior mean of ``cgp`` / ``scgp`` (docs/derivations.md §7a) by its formula: 0 for the papers' zero mean;
-    for ``prior_mean="softmax"`` exp(t q_i·k_j) v_j normalised over the keys, t the strategy's ``mean_temperature``
+    for ``prior_mean="softmax"`` exp(t q_i·k_j) v_j normalised over the keys, t the mean module's ``temperature``
     (``"softmax-separate"``: pass the mean's own values u as ``v``). No padding (compare truncated sequences).
     # shape: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dv) -> (B, H, T, Dv)"""
     if isinstance(gp.mean_module, ZeroMean):
         return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=v.dtype)
-    return attention_mean_dense(torch.exp(gp.mean_temperature.detach() * (q @ k.mT)), v)
+    return attention_mean_dense(torch.exp(gp.mean_module.temperature.detach() * (q @ k.mT)), v)
 
 
 def _sigmas(gp):
@@ -593,7 +594,7 @@ def sgpa_cross_dense_posterior(layer, x: torch.Tensor, context: torch.Tensor) ->
     S_d = (L * s[..., None, :].square()) @ L.mT  # L diag(s_d²) Lᵀ, shape: (B, H, Dv, S, S)
     P = torch.linalg.solve(Kj, Kqk.mT)[:, :, None]  # K̂_kk⁻¹ K_kq, shape: (B, H, 1, S, T)
     cov = (Kqq - Kqk @ P[:, :, 0])[:, :, None] + P.mT @ S_d @ P
-    if layer.strategy.covariance == "diag":
+    if isinstance(layer.strategy.covariance, DiagonalCovariance):
         cov = torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
     kl = 0.5 * (s.square() - 1 - s.square().log()).sum(-1)  # shape: (B, H, Dv)
     if not isinstance(layer.strategy.mean_module, ZeroMean):

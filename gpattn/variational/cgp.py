@@ -26,7 +26,6 @@ from linear_operator.operators import CholLinearOperator, TriangularLinearOperat
 from gpattn.kernels._evaluate import evaluate_kernel
 from gpattn.kernels.cross_covariance import CrossCovarianceKernel
 from gpattn.objectives import CGPRegulariser
-from gpattn.prior_means import make_correlated_mean
 from gpattn.variational._linalg import (
     add_jitter,
     cholesky,
@@ -45,7 +44,7 @@ from gpattn.variational._strategy import (
     check_query_inputs,
     sequence_mean,
 )
-from gpattn.variational.means import add_means
+from gpattn.variational.means import add_means, when_present
 
 #: lower bound of a learned σ: keeps the regulariser's bound 2T log σ² finite
 SIGMA_FLOOR = 1e-3
@@ -83,9 +82,9 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
     The conditional is exact given the inputs (no q(u), no KL); its loss term is the regulariser.
 
     :param num_heads: H; :math:`\sigma_q, \sigma_k` (and a learnable :math:`\sigma`) are per head.
-    :param kernel: the canonical kernel :math:`\kappa_o`: ``"canonical-rbf"`` (default) is
-        :math:`\exp(-\tfrac12\lVert a-b\rVert^2)`, or any ``gpytorch.kernels.Kernel`` (the
-        attention layers also take a kernel spec, :func:`gpattn.kernels.make_kernel`).
+    :param kernel: the canonical kernel :math:`\kappa_o`, a ``gpytorch.kernels.Kernel``; None (default) is
+        :math:`\exp(-\tfrac12\lVert a-b\rVert^2)` (the attention layers build it from a kernel spec,
+        :func:`gpattn.kernels.make_kernel`).
     :param sigma: the noise standard deviation :math:`\sigma` (:math:`\sigma^2` is added to the Gram
         matrices of the conditioning sets). Default 0.1: Bui et al. App. F uses :math:`\sigma = 0.1` for
         SCGPT on CIFAR10 (0.5 on CoLA) and states no value for CGPT, so both use 0.1.
@@ -94,41 +93,34 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         :math:`2T\log\sigma^2` would otherwise run to −∞ with σ.
     :param jitter: added to the diagonal of the matrices that are PSD only in exact arithmetic
         before their Cholesky factorisation (the numerics policy escalates it on failure).
-    :param prior_mean: a mean module, or its name (:data:`gpattn.prior_means.CGP_PRIOR_MEANS`, parsed by
-        :func:`gpattn.prior_means.make_correlated_mean`): :class:`~gpattn.variational.means.ZeroMean` (the papers'
-        form) or :class:`~gpattn.variational.means.CorrelatedSoftmaxMean`: the query and key processes have the prior
-        mean :math:`m(x) = \sum_j \mathrm{softmax}_j(t\, x \cdot k_j)\, v_j`, softmax attention of the canonical
-        inputs at temperature :math:`t` (the buffer ``mean_temperature``, 1 until :meth:`rescale_mean` moves it),
-        and the correlated GP models the departure from it (docs/derivations.md §7a). The covariance and the
-        regulariser are the zero-mean model's; the mean of z_q | z_k is :math:`m(q) + \nu`. With
-        ``separate=True`` the same mean reads values of its own, :math:`u_j` (``condition``'s ``mean_values``),
-        which the regulariser does not read (§7a).
+    :param mean_module: the prior mean (:mod:`gpattn.variational.means`): :class:`~gpattn.variational.means.ZeroMean`
+        (the papers' form) or :class:`~gpattn.variational.means.CorrelatedSoftmaxMean`: the query and key processes
+        have the prior mean :math:`m(x) = \sum_j \mathrm{softmax}_j(t\, x \cdot k_j)\, v_j`, softmax attention of
+        the canonical inputs at the mean's temperature :math:`t`, and the correlated GP models the departure from it
+        (docs/derivations.md §7a). The covariance and the regulariser are the zero-mean model's; the mean of
+        z_q | z_k is :math:`m(q) + \nu`. :class:`~gpattn.variational.means.CorrelatedSeparateSoftmaxMean` reads
+        values of its own, :math:`u_j` (``condition``'s ``mean_values``), which the regulariser does not read
+        (§7a).
     """
 
     def __init__(
         self,
         num_heads: int,
         *,
-        kernel: str | Kernel = "canonical-rbf",
+        kernel: Kernel | None = None,
         sigma: float,
         learn_sigma: bool = False,
         jitter: float,
-        prior_mean: str | nn.Module = "zero",
+        mean_module: nn.Module,
     ):
         super().__init__()
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-        if isinstance(kernel, str):
-            if kernel != "canonical-rbf":
-                raise ValueError(
-                    f"kernel must be 'canonical-rbf' (exp(-|a-b|^2/2)) or a "
-                    f"gpytorch.kernels.Kernel instance, got {kernel!r}"
-                )
-            canonical = None
-        elif isinstance(kernel, Kernel):
-            canonical = kernel
-        else:
-            raise ValueError(f"kernel must be 'canonical-rbf' or a gpytorch.kernels.Kernel, got {type(kernel)}")
+        if kernel is not None and not isinstance(kernel, Kernel):
+            raise ValueError(
+                f"kernel must be a gpytorch.kernels.Kernel or None (exp(-|a-b|^2/2)), got {type(kernel).__name__}; "
+                f"the layers take a kernel spec such as 'canonical-rbf' (gpattn.kernels.make_kernel)"
+            )
         if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not sigma > 0:
             raise ValueError(f"sigma must be a float > 0, got {sigma!r}")
         if not isinstance(learn_sigma, bool):
@@ -136,13 +128,11 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or jitter < 0:
             raise ValueError(f"jitter must be a float >= 0, got {jitter!r}")
         self.num_heads = num_heads
-        #: the prior mean function (GPyTorch's ``mean_module``), built once from its name ``prior_mean`` (or given)
-        self.mean_module = make_correlated_mean(prior_mean)
-        self.prior_mean = self.mean_module.name  # the public spelling
-        self.mean_module.register_state(self)  # the softmax mean's temperature, a buffer of the strategy
+        #: the prior mean function (GPyTorch's ``mean_module``)
+        self.mean_module = mean_module
         self.jitter = float(jitter)
         self.covar = CrossCovarianceKernel(
-            canonical, batch_shape=torch.Size([num_heads]), sigma_q=CGP_SIGMA, sigma_k=CGP_SIGMA
+            kernel, batch_shape=torch.Size([num_heads]), sigma_q=CGP_SIGMA, sigma_k=CGP_SIGMA
         )  # σ_q = σ_k on the stream's scale (gpattn.variational._scale)
         self.learn_sigma = learn_sigma
         self._sigma_value = float(sigma)  # the fixed σ, kept exact (a float32 buffer would round it)
@@ -168,12 +158,6 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         if sigma is None:
             sigma = like.new_full((self.num_heads,), self._sigma_value)
         return sigma.to(like).pow(2)[:, None, None]
-
-    @torch.no_grad()
-    def rescale_mean(self, factor: float) -> None:
-        """Divide the softmax mean's temperature by ``factor``² (nothing for the zero mean): the mean is then
-        unchanged when the canonical inputs are multiplied by ``factor`` (the layers' ``rescale_inputs``)."""
-        self.mean_module.rescale(self, factor)
 
     @torch.no_grad()
     def _scale_prior(self, factor: float) -> None:
@@ -238,20 +222,23 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         factorisation on a leading axis; the layer's loss term: ``added_loss_terms(mask)``).
         ``query_inputs`` (B, H, T', Dh): cross-attention, z_q evaluated at these queries instead of ``q``;
         k, x_o and v are the context's, ``mask`` pads them (docs/derivations.md §13). ``mean_values``: the
-        values u of a mean that owns them (``mean_module.projections``: required there, refused otherwise).
+        tensors of the mean's own projections (``mean_module.projections``: its values u; required there, refused
+        otherwise).
 
         # shape: q, k, o (B, H, T, Dh) projected inputs, v (B, H, T, Dv), mask (B, T) bool (True = padding),
         # mean_values (B, H, T, Dv)
         """
         self._check(q, k, o, v, mask)
-        u = self.mean_module.mean_values_for(v, mean_values)  # what the mean reads: v or values of its own
         if query_inputs is not None:
             check_query_inputs(query_inputs, k)
         with gp_algebra(q.device.type):
-            valid, (q, k, o, v32, u) = self._prepare(mask, q if query_inputs is None else query_inputs, k, o, v, u)
+            queries = q if query_inputs is None else query_inputs
+            valid, (q, k, o, v32, own) = self._prepare(mask, queries, k, o, v, mean_values)
             valid_q = valid if query_inputs is None else None  # cross-attention: the queries are not padded
             cond = self._condition(q, k, o, v32, valid, valid_q=valid_q, **options)
-            cond.add_prior_mean(self.mean_module(self, q, k, u, valid, valid_q))  # m(q) + ν, once
+            excluded = None if valid is None else ~valid[:, :, None, :]  # the padded keys
+            prior = self.mean_module(*self.mean_module.inputs(q, k, v32, own), excluded=excluded)
+            cond.add_prior_mean(prior, valid_q)  # m(q) + ν, once
         cond.output_dtype = v.dtype  # the layer hands on the values' dtype (autocast)
         return cond
 
@@ -289,9 +276,12 @@ class CorrelatedConditional(AmortisedConditional):
         self.gp, self.nu, self.mean, self.valid, self.valid_q = gp, nu, nu, valid, valid_q  # valid_q: the real queries
         self._device = nu.device.type
 
-    def add_prior_mean(self, prior: torch.Tensor | None) -> None:
-        """The predictive mean becomes m(q) + ν (docs/derivations.md §7a); the covariance and R do not change.
-        # shape: prior (B, H, T, Dv), or None: the zero mean (nothing added)"""
+    def add_prior_mean(self, prior: torch.Tensor | None, valid_q: torch.Tensor | None = None) -> None:
+        """The predictive mean becomes m(q) + ν (docs/derivations.md §7a), m 0 at the padded queries of ``valid_q``;
+        the covariance and R do not change.
+        # shape: prior (B, H, T, Dv), or None: the zero mean (nothing added), valid_q (B, 1, T) or None"""
+        if valid_q is not None:
+            prior = when_present(lambda m: m * valid_q[..., None], prior)
         self.mean = add_means(self.nu, prior)
 
     def regularizer(self) -> torch.Tensor:

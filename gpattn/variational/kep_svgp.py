@@ -37,7 +37,6 @@ from linear_operator.operators import (
     LowRankRootLinearOperator,
 )
 
-from gpattn._migrate import moved_names
 from gpattn.objectives import GlobalKL, KSVDLoss
 from gpattn.variational._linalg import (
     LowRankPlusDiagLinearOperator,
@@ -68,9 +67,6 @@ __all__ = [
     "landmark_indices",
     "residual_root",
 ]
-
-#: a name that moved raises an error that says where it went (gpattn._migrate.MOVED_NAMES)
-__getattr__ = moved_names(__name__)
 
 MERGES = ("add", "concat")
 
@@ -471,18 +467,17 @@ class KEPSVGP(AmortisedVariationalStrategy):
         num_landmarks: int,
         merge: str,
         seq_len: int | None,
-        token_independent: bool,
-        include_residual: bool,
         jitter: float,
         prior_variance: float,
         mean_module: nn.Module,
-        feature_gradient: bool,
+        token_independent: bool = False,
+        include_residual: bool = False,
+        feature_gradient: bool = True,
     ):
         super().__init__()
         self.jitter = jitter
-        #: the prior mean of the head output (:func:`gpattn.prior_means.make_kep_mean`; the layer default: softmax)
+        #: the prior mean of the head output (:mod:`gpattn.variational.means`; the layer default: softmax)
         self.mean_module = mean_module
-        self.prior_mean = self.mean_module.name  # the public spelling
         # σ², the kernel's outputscale: p(u_c) = N(0, σ²Λ²); a buffer, so that scale_prior is saved with the model
         self.register_buffer("prior_variance", torch.tensor(float(prior_variance)))
         self.num_heads, self.head_dim, self.value_dim, self.rank = num_heads, head_dim, value_dim, rank
@@ -505,9 +500,8 @@ class KEPSVGP(AmortisedVariationalStrategy):
         with torch.no_grad():
             self.out_weight.uniform_(-bound, bound)
             self.out_bias.uniform_(-bound, bound)
-            if self.mean_module.projections:  # a prior mean that attends: the GP's mean starts at 0 on top of it
-                self.variational_distribution.variational_mean.zero_()
-                self.out_bias.zero_()
+            # a prior mean that attends: the GP's mean starts at 0 on top of it (the zero mean keeps the paper's draw)
+            self.mean_module.start_on_mean(self.variational_distribution.variational_mean, self.out_bias)
             if self.merge == "concat":
                 b = 1.0 / math.sqrt(2 * self.seq_len)
                 self.token_weight.uniform_(-b, b)
@@ -613,10 +607,10 @@ class KEPSVGP(AmortisedVariationalStrategy):
             return KEPConditional(self, features, mask)
 
     def _prior_mean(self, q, k, mean_values, mask) -> torch.Tensor | None:
-        """m(x) of the mean module (None: the zero mean), over the values it reads.
-        # shape: -> (B, H, T, Dv) or None"""
-        values = self.mean_module.mean_values_for((*q.shape[:-1], self.value_dim), mean_values)
-        return self.mean_module(q, k, values, mask)
+        """m(x) of the mean module (None: the zero mean) over the real keys, from the GP's q and k and the tensors of
+        the mean's own projections.  # shape: -> (B, H, T, Dv) or None"""
+        inputs = self.mean_module.inputs(q, k, None, mean_values, value_shape=(*q.shape[:-1], self.value_dim))
+        return self.mean_module(*inputs, excluded=None if mask is None else mask[:, None, None, :])
 
 
 class KEPConditional(AmortisedConditional):

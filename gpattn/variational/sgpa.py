@@ -55,7 +55,6 @@ from linear_operator.operators import (
 )
 
 from gpattn.kernels import evaluate_kernel
-from gpattn.prior_means import make_prior_mean
 from gpattn.variational._linalg import (
     add_jitter,
     cholesky,
@@ -69,16 +68,14 @@ from gpattn.variational._linalg import (
     with_policy,
 )
 from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, check_query_inputs
-from gpattn.variational.means import add_means, variational_mean_for
+from gpattn.variational.means import add_means, when_present
 
 __all__ = [
-    "COVARIANCE_MODES",
     "AmortisedDiagonalVariationalDistribution",
     "CrossSGPAConditional",
     "MaskedSGPAConditional",
     "SGPAConditional",
     "SGPAVariationalStrategy",
-    "check_covariance",
     "check_jitter",
     "check_sequence_inputs",
     "isolate_padding",
@@ -88,23 +85,12 @@ __all__ = [
     "standard_normal",
 ]
 
-#: sampling modes: exact joint samples over the tokens, or independent tokens (marginal variances only)
-COVARIANCE_MODES = ("full", "diag")
-
-
 # ---------------------------------------------------------------------------------- shared helpers
 def check_jitter(jitter) -> float:
     """``jitter`` must be a finite float ≥ 0 (relative to the mean diagonal of the Gram matrix)."""
     if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or not math.isfinite(jitter) or jitter < 0:
         raise ValueError(f"jitter must be a finite number >= 0, got {jitter!r}")
     return float(jitter)
-
-
-def check_covariance(covariance) -> str:
-    """``covariance`` must be one of :data:`COVARIANCE_MODES`."""
-    if covariance not in COVARIANCE_MODES:
-        raise ValueError(f"covariance must be one of {list(COVARIANCE_MODES)}, got {covariance!r}")
-    return covariance
 
 
 def check_sequence_inputs(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> None:
@@ -200,18 +186,18 @@ class SGPAConditional(AmortisedConditional):
     :ivar std: whitened standard deviations s (1 at padded tokens).  # shape: (B, H, T, Dv)
     """
 
-    def __init__(self, chol, gram, values, std, jitter_abs, covariance, prior_mean, variational_mean):
+    def __init__(self, chol, gram, std, jitter_abs, covariance, prior_mean, inducing_values):
         self.chol = chol  # shape: (B, H, T, T)
-        self.values = values  # shape: (B, H, T, Dv), 0 at padded tokens
         self.std = std  # shape: (B, H, T, Dv)
         self.covariance = covariance
         self._jitter_abs = jitter_abs  # shape: (B, H, 1, 1)
         #: m(q) of the prior (docs/derivations.md §5c), or None: the paper's zero mean
         self.prior_mean = prior_mean  # shape: (B, H, T, Dv) or None
-        #: q(ũ)'s mean: amortised Lᵀv or centred at 0 (:mod:`gpattn.variational.means`)
-        self.variational_mean = variational_mean
-        # shape: (B, H, T, Dv); m(q) + K̂ v̂ (padded columns of K are out of the basis), each term where it is not 0
-        self.mean = add_means(prior_mean, variational_mean.update(gram, values))
+        #: q(ũ)'s mean in coefficient form, α with m_u = K α: the values (0 at padded tokens), or None (centred)
+        self.inducing_values = inducing_values  # shape: (B, H, T, Dv) or None
+        #: K̂ α, q(ũ)'s part of the posterior mean (padded columns of K are out of the basis)
+        self._update = when_present(lambda a: gram @ a, inducing_values)  # shape: (B, H, T, Dv) or None
+        self.mean = add_means(prior_mean, self._update)  # shape: (B, H, T, Dv); m(q) + K̂ α, each where it is not 0
 
     # -- GPyTorch vocabulary (whitened u-space: ũ = L⁻¹u at the T keys)
     @property
@@ -224,7 +210,7 @@ class SGPAConditional(AmortisedConditional):
     def variational_distribution(self) -> MultivariateNormal:
         """q(ũ) = N(Lᵀ v, diag s²) (zero prior mean), N(0, diag s²) (attention prior mean, ũ = L⁻¹(u − m(k))).
         # shape: batch (B, H, Dv), event T"""
-        m_tilde = self.variational_mean.whitened(self.chol, self.values)
+        m_tilde = add_means(torch.zeros_like(self.std), when_present(lambda a: self.chol.mT @ a, self.inducing_values))
         return MultivariateNormal(m_tilde.transpose(-1, -2), DiagLinearOperator(self.std.square().transpose(-1, -2)))
 
     def kl_divergence(self) -> torch.Tensor:
@@ -239,8 +225,12 @@ class SGPAConditional(AmortisedConditional):
         """
         s2 = self.std.square()
         trace_logdet = (s2 - 1 - s2.log()).sum(-2)  # shape: (B, H, Dv)
-        # + ‖Lᵀv‖² = vᵀ(K + jI)v with q(ũ) amortised on the values, reusing the mean K v
-        return 0.5 * add_means(trace_logdet, self.variational_mean.quadratic(self.values, self.mean, self._jitter_abs))
+        # + ‖Lᵀv‖² = vᵀ(K + jI)v with q(ũ) amortised on the values, reusing its part K v of the mean
+        quadratic = when_present(
+            lambda a, update: (a * update).sum(-2) + self._jitter_abs[..., 0] * a.square().sum(-2),
+            self.inducing_values, self._update,
+        )
+        return 0.5 * add_means(trace_logdet, quadratic)
 
     # -- q(f)
     def variance(self) -> torch.Tensor:
@@ -248,24 +238,27 @@ class SGPAConditional(AmortisedConditional):
         return self.chol.square() @ self.std.square()
 
     def posterior(self) -> MultivariateNormal:
-        """q(f): ``covariance="full"``: Σ_d = L diag(s_d²) Lᵀ, whose Cholesky factor is L diag(s_d)
-        (lower triangular, positive diagonal: a ``CholLinearOperator``, so solves and log-determinants
-        reuse it); ``"diag"``: its diagonal (independent tokens). The full factor is (B, H, Dv, T, T):
-        for verification, the forward pass never forms it."""
-        if self.covariance == "diag":
-            return posterior_distribution(self.mean, DiagLinearOperator(self.variance().transpose(-1, -2)))
-        root = self.chol[:, :, None] * self.std.transpose(-1, -2)[..., None, :]  # shape: (B, H, Dv, T, T)
-        return posterior_distribution(self.mean, CholLinearOperator(TriangularLinearOperator(root)))
+        """q(f) in the covariance form of the strategy (:mod:`gpattn.variational.covariances`)."""
+        return self.covariance.posterior(self)
 
     def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Exact reparameterised sample(s) with the shared factor L: f_d = K̂ v_d + L (s_d ⊙ ε_d)
-        (full) or K̂ v_d + sqrt(diag Σ_d) ⊙ ε_d (diag).
+        """Exact reparameterised sample(s) in the covariance form of the strategy.
 
         # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P
         """
+        return self.covariance.rsample(self, num_samples, generator)
+
+    def joint_posterior(self) -> MultivariateNormal:
+        """q(f) with Σ_d = L diag(s_d²) Lᵀ, whose Cholesky factor is L diag(s_d) (lower triangular, positive
+        diagonal: a ``CholLinearOperator``, so solves and log-determinants reuse it). The factor is
+        (B, H, Dv, T, T): for verification, the forward pass never forms it."""
+        root = self.chol[:, :, None] * self.std.transpose(-1, -2)[..., None, :]  # shape: (B, H, Dv, T, T)
+        return posterior_distribution(self.mean, CholLinearOperator(TriangularLinearOperator(root)))
+
+    def joint_sample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """f_d = K̂ v_d + L (s_d ⊙ ε_d) with the shared factor L: exact joint samples.
+        # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
         eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)
-        if self.covariance == "diag":
-            return self.mean + safe_sqrt(self.variance()) * eps
         return self.mean + matmul_samples(self.chol, self.std * eps)
 
 
@@ -285,12 +278,12 @@ class CrossSGPAConditional(SGPAConditional):
     :ivar interp: A = K_qk L⁻ᵀ.  # shape: (B, H, T, S)
     """
 
-    def __init__(self, chol, values, std, jitter_abs, covariance, *, mean, interp, gram_diag, gram, jitter,
-                 prior_mean, variational_mean):
-        self.chol, self.values, self.std = chol, values, std  # shapes: (B, H, S, S), (B, H, S, Dv), (B, H, S, Dv)
+    def __init__(self, chol, std, jitter_abs, covariance, *, mean, interp, gram_diag, gram, jitter, prior_mean,
+                 inducing_values):
+        self.chol, self.std = chol, std  # shapes: (B, H, S, S), (B, H, S, Dv)
         self.covariance, self._jitter_abs, self.jitter = covariance, jitter_abs, jitter
         self.prior_mean, self.mean, self.interp = prior_mean, mean, interp  # mean (B, H, T, Dv)
-        self.variational_mean = variational_mean
+        self.inducing_values = inducing_values  # shape: (B, H, S, Dv) or None: the keys' coefficients α
         self.gram_diag, self.gram = gram_diag, gram  # diag K_qq (B, H, T); K_qq (B, H, T, T) or None ("diag")
 
     def kl_divergence(self) -> torch.Tensor:
@@ -298,7 +291,8 @@ class CrossSGPAConditional(SGPAConditional):
         with the zero prior mean only).  # shape: -> (B, H, Dv)"""
         s2 = self.std.square()
         trace_logdet = (s2 - 1 - s2.log()).sum(-2)
-        return 0.5 * add_means(trace_logdet, self.variational_mean.cross_quadratic(self.chol, self.values))
+        quadratic = when_present(lambda a: (self.chol.mT @ a).square().sum(-2), self.inducing_values)  # ‖Lᵀα‖²
+        return 0.5 * add_means(trace_logdet, quadratic)
 
     def variance(self) -> torch.Tensor:
         """diag Σ_d = K_tt − ‖A_t‖² + Σ_j A_tj² s_jd² (the residual clamped at 0).  # shape: -> (B, H, T, Dv)"""
@@ -309,22 +303,17 @@ class CrossSGPAConditional(SGPAConditional):
         """K_qq − K_qk K̂_kk⁻¹ K_kq, shared by the Dv output dims.  # shape: -> (B, H, T, T)"""
         return self.gram - self.interp @ self.interp.mT
 
-    def posterior(self) -> MultivariateNormal:
-        """q(f): ``"full"``: the residual plus the root A diag(s_d) ((B, H, Dv, T, T) when evaluated: for
-        verification); ``"diag"``: diag Σ_d."""
-        if self.covariance == "diag":
-            return posterior_distribution(self.mean, DiagLinearOperator(self.variance().transpose(-1, -2)))
+    def joint_posterior(self) -> MultivariateNormal:
+        """q(f) with the residual plus the root A diag(s_d) ((B, H, Dv, T, T) when evaluated: for verification)."""
         R = self.residual()
         dense = DenseLinearOperator(R[:, :, None].expand(*R.shape[:2], self.std.shape[-1], *R.shape[2:]))
         root = self.interp[:, :, None] * self.std.transpose(-1, -2)[..., None, :]  # shape: (B, H, Dv, T, S)
         return posterior_distribution(self.mean, SumLinearOperator(dense, RootLinearOperator(root)))
 
-    def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Exact reparameterised sample(s): μ + chol(R + jitter·mean diag K_qq) ε₁ + A (s ⊙ ε₂) (full), or
-        μ + sqrt(diag Σ) ⊙ ε (diag).  # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
+    def joint_sample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Exact joint sample(s): μ + chol(R + jitter·mean diag K_qq) ε₁ + A (s ⊙ ε₂).
+        # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
         eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)
-        if self.covariance == "diag":
-            return self.mean + safe_sqrt(self.variance()) * eps
         eps_k = standard_normal(self.std.shape, self.mean, num_samples, generator)  # shape: (..., B, H, S, Dv)
         jit = relative_jitter(self.gram_diag, self.jitter)[..., 0, 0]  # shape: (B, H)
         with gp_algebra(self.mean.device.type):
@@ -349,12 +338,11 @@ class MaskedSGPAConditional(AmortisedConditional):
     :ivar real: the queries that count in the KL: not padding, A_i ≠ ∅.  # shape: (B, H, T)
     """
 
-    def __init__(self, mean, variance, query_kl, real, covariance):
+    def __init__(self, mean, variance, query_kl, real):
         self.mean = mean  # shape: (B, H, T, Dv)
         self._variance = variance  # shape: (B, H, T, Dv)
         self._query_kl = query_kl  # shape: (B, H, T, Dv)
         self.real = real  # shape: (B, H, T)
-        self.covariance = covariance
 
     def _one_q_per_query(self, member: str):
         raise NotImplementedError(
@@ -419,7 +407,11 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
     :param kernel: a gpytorch kernel with batch_shape broadcasting against (B, H).
     :param variational_distribution: the amortised q(ũ) scales.
     :param jitter: relative jitter (module docstring).
-    :param covariance: ``"full"`` exact joint samples, ``"diag"`` independent tokens.
+    :param covariance: the covariance form (:mod:`gpattn.variational.covariances`): ``FullCovariance()`` exact joint
+        samples, ``DiagonalCovariance()`` independent tokens.
+    :param mean_module: the prior mean (:mod:`gpattn.variational.means`).
+    :param variational_mean: q(ũ)'s mean (:class:`~gpattn.variational.means.AmortisedValueMean`, amortised on the
+        values, or :class:`~gpattn.variational.means.CentredVariationalMean`, centred at the prior mean).
     """
 
     def __init__(
@@ -428,20 +420,21 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         variational_distribution: AmortisedDiagonalVariationalDistribution,
         *,
         jitter: float,
-        covariance: str,
-        prior_mean: str | nn.Module,
-        variational_mean=None,
+        covariance,
+        mean_module: nn.Module,
+        variational_mean,
     ):
         super().__init__()
         self.kernel = kernel
         self.variational_distribution = variational_distribution
         self.jitter = check_jitter(jitter)
-        self.covariance = check_covariance(covariance)
-        #: the prior mean function (GPyTorch's ``mean_module``), built once from its name ``prior_mean`` (or given)
-        self.mean_module = make_prior_mean(prior_mean, kernel)
-        self.prior_mean = self.mean_module.name  # the public spelling
-        #: q(ũ)'s mean (docs/derivations.md §5a, §5c); by default the one the prior mean pairs with
-        self.variational_mean = variational_mean_for(self.mean_module) if variational_mean is None else variational_mean
+        self.covariance = covariance
+        #: the prior mean function (GPyTorch's ``mean_module``, :mod:`gpattn.variational.means`)
+        self.mean_module = mean_module
+        mean_module.check_kernel(kernel)  # a mean that cannot read the kernel fails here, not at a forward
+        #: q(ũ)'s mean (docs/derivations.md §5a, §5c): its coefficients reach the conditioning code through its one
+        #: interface, ``inducing_values(values)``
+        self.variational_mean = variational_mean
 
     def condition(
         self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None, query_inputs=None
@@ -464,7 +457,8 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         with gp_algebra(keys.device.type):
             L, K, values, std, jit = self._factorise(keys, values, mask)
             m = self._prior_mean(K, values, keys, keys, None if mask is None else mask[:, None, None, :])
-            return SGPAConditional(L, K, values, std, jit, self.covariance, m, self.variational_mean)
+            alpha = self.variational_mean.inducing_values(values)
+            return SGPAConditional(L, K, std, jit, self.covariance, m, alpha)
 
     def _condition_cross(self, queries, keys, values, mask) -> CrossSGPAConditional:
         """Cross-attention (docs/derivations.md §13): the keys' factorisation as in self-attention, then
@@ -479,17 +473,18 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
                 K_qk = K_qk.masked_fill(mask[:, None, None, :], 0.0)  # padded keys leave the basis
             A = tri_solve(L.mT, K_qk, upper=True, left=False)  # shape: (B, H, T, S); A Lᵀ = K_qk
             m = self._prior_mean(K_qk, values, queries, keys, None if mask is None else mask[:, None, None, :])
-            gram = evaluate_kernel(self.kernel, queries, queries) if self.covariance == "full" else None
+            gram = self.covariance.query_gram(self.kernel, queries)  # K_qq where the covariance form reads it
+            alpha = self.variational_mean.inducing_values(values)
             return CrossSGPAConditional(
-                L, values, std, jit, self.covariance, mean=add_means(m, self.variational_mean.update(K_qk, values)),
+                L, std, jit, self.covariance, mean=add_means(m, when_present(lambda a: K_qk @ a, alpha)),
                 interp=A, gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), gram=gram,
-                jitter=self.jitter, prior_mean=m, variational_mean=self.variational_mean,
+                jitter=self.jitter, prior_mean=m, inducing_values=alpha,
             )
 
     def _prior_mean(self, gram, values, queries, keys, excluded=None) -> torch.Tensor | None:
         """m(q) of the prior mean function (None: the papers' zero mean), the keys in ``excluded`` left out.
         # shape: gram (B, H, T, S) = κ(q, k), excluded broadcastable to it or None"""
-        return self.mean_module(gram, values, excluded, kernel=self.kernel, queries=queries, keys=keys)
+        return self.mean_module(queries, keys, values, kernel=self.kernel, excluded=excluded, gram=gram)
 
     def _factorise(self, keys, values, mask):
         """The padded factors: (L, K̂, v̂, s, jitter).  # shape: mask (B, T) or None"""
@@ -536,7 +531,11 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
             tok = pad[:, None, :, None]  # shape: (B, 1, T, 1)
             std = std.masked_fill(tok, 1.0)  # padded keys are in no query's inducing set
             values = values.masked_fill(tok, 0.0)
-        update, quadratic = self.variational_mean.causal(K, values, jit)  # Σ_{j≤i} K_ij v_j, ½ v_{≤i}ᵀ K̂ v_{≤i}
+        alpha = self.variational_mean.inducing_values(values)
+        update = when_present(lambda a: K.tril() @ a, alpha)  # Σ_{j≤i} K_ij α_j
+        # ½ α_{≤i}ᵀ K̂_{≤i} α_{≤i} as a prefix sum of α_j (2 Σ_{k<j} K_jk α_k + (K_jj + c_j) α_j)
+        diag, j = K.diagonal(dim1=-2, dim2=-1)[..., None], jit[..., None]  # shape: (B, H, T, 1) views
+        quadratic = when_present(lambda a, u: 0.5 * (a * (2 * u - (diag - j) * a)).cumsum(-2), alpha, update)
         s2 = std.square()
         variance = L.square() @ s2  # Σ_{j≤i} L_ij² s_j²: row i of L is row i of the prefix's factor
         query_kl = add_means(0.5 * (s2 - 1 - s2.log()).cumsum(-2), quadratic)  # shape: (B, H, T, Dv)
@@ -547,7 +546,7 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         real = keys.new_ones(keys.shape[:3], dtype=torch.bool) if pad is None else ~pad[:, None, :].expand(
             keys.shape[:3]
         )
-        return MaskedSGPAConditional(mean, variance, query_kl, real, self.covariance)
+        return MaskedSGPAConditional(mean, variance, query_kl, real)
 
     def _condition_general(self, keys, values, excluded, pad) -> MaskedSGPAConditional:
         """Any per-query mask: one Cholesky factorisation of K_SS per query, batched over the queries
@@ -562,9 +561,10 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
         L = cholesky(torch.where(both, Kj[:, :, None], eye), name="sgpa (K_SS per query)")  # shape: (B, H, T, T, T)
         # the prior mean over A_i (§5c) + q(ũ)'s part: masked kernel attention where q(ũ) is amortised on the values
+        alpha = self.variational_mean.inducing_values(values)
         mean = add_means(
             self._prior_mean(K, values, keys, keys, excluded),
-            self.variational_mean.update(K.masked_fill(excluded, 0.0), values),
+            when_present(lambda a: K.masked_fill(excluded, 0.0) @ a, alpha),
         )
         # L_S⁻¹ K̂_{S,i} per query i (the jittered column: with i ∈ A_i it is row i of L_S)
         a = tri_solve(L, Kj.masked_fill(excluded, 0.0)[..., None])[..., 0]  # shape: (B, H, T, T)
@@ -575,9 +575,9 @@ class SGPAVariationalStrategy(AmortisedVariationalStrategy):
         std = self.variational_distribution(keys)  # shape: (B, H, T, Dv)
         s2 = std.square()
         variance = residual[..., None] + a.square() @ s2  # shape: (B, H, T, Dv)
-        query_kl = add_means(  # shape: (B, H, T, Dv); + ½‖L_Sᵀ v_S‖² with q(ũ) amortised on the values
+        query_kl = add_means(  # shape: (B, H, T, Dv); + ½‖L_Sᵀ α_S‖² with q(ũ) amortised on the values
             0.5 * (allowed.to(s2.dtype) @ (s2 - 1 - s2.log())),
-            self.variational_mean.query_quadratic(L, allowed, values),
+            when_present(lambda a: 0.5 * (L.mT @ (allowed[..., None] * a[:, :, None])).square().sum(-2), alpha),
         )
         real = allowed.any(-1) & ~pad[:, None, :]  # shape: (B, H, T)
-        return MaskedSGPAConditional(mean, variance, query_kl, real, self.covariance)
+        return MaskedSGPAConditional(mean, variance, query_kl, real)

@@ -42,7 +42,6 @@ from linear_operator.operators import (
 
 from gpattn.kernels import evaluate_kernel
 from gpattn.objectives import GlobalKL, SequenceKL
-from gpattn.prior_means import make_prior_mean
 from gpattn.variational import _blockwise
 from gpattn.variational._blockwise import block_rows, blockwise
 from gpattn.variational._linalg import (
@@ -51,7 +50,6 @@ from gpattn.variational._linalg import (
     full_precision,
     gp_algebra,
     matmul_samples,
-    safe_sqrt,
     tri_solve,
 )
 from gpattn.variational._strategy import (
@@ -60,9 +58,8 @@ from gpattn.variational._strategy import (
     check_query_inputs,
     sequence_mean,
 )
-from gpattn.variational.means import add_means, variational_mean_for
+from gpattn.variational.means import add_means, present, when_present
 from gpattn.variational.sgpa import (
-    check_covariance,
     check_jitter,
     check_sequence_inputs,
     posterior_distribution,
@@ -119,6 +116,10 @@ class DecoupledSGPAConditional(AmortisedConditional):
     :ivar mean: posterior mean.  # shape: (B, H, T, Dv)
     :ivar interp: A = K_qg L_g⁻ᵀ.  # shape: (B, H, T, M)
     :ivar scale_tril: L_s.  # shape: (H, Dv, M, M)
+    :ivar inducing_values: the mean basis' coefficients α (the values v_a, 0 at padded keys), or None: no mean basis
+        γ (a q(ũ) centred at the prior mean, docs/derivations.md §5c).  # shape: (B, H, T, Dv) or None
+    :ivar proj_values: c = L_g⁻¹ K_ga α, the mean basis' part on the global basis, or None.  # shape: (B, H, M, Dv)
+    :ivar gamma: the γ-part of the KL, ½ αᵀ (K_aa − K_ag K_gg⁻¹ K_ga) α, or None.  # shape: (B, H, Dv) or None
     """
 
     def __init__(
@@ -126,24 +127,23 @@ class DecoupledSGPAConditional(AmortisedConditional):
         *,
         gram,
         gram_diag,
-        gram_values,
         interp,
         mean,
-        values,
-        proj_values,
         whitened_values,
         scale_tril,
         mask,
         jitter,
         covariance,
+        gamma,
+        inducing_values=None,
+        proj_values=None,
     ):
-        self.gram = gram  # shape: (B, H, T, T); K_qq (= K_qa before the padded columns leave)
+        self.gram = gram  # shape: (B, H, T, T) or None; K_qq (= K_qa before the padded columns leave)
         self.gram_diag = gram_diag  # shape: (B, H, T); diag K_qq, evaluated on its own (no (T, T) gradient)
-        self.gram_values = gram_values  # shape: (B, H, T, Dv); K_qa v_a
         self.interp = interp  # shape: (B, H, T, M)
         self.mean = mean  # shape: (B, H, T, Dv)
-        self.values = values  # shape: (B, H, T, Dv); v_a, 0 at padded keys
-        self.proj_values = proj_values  # shape: (B, H, M, Dv); c = L_g⁻¹ K_ga v_a
+        self.gamma = gamma  # shape: (B, H, Dv) or None
+        self.inducing_values, self.proj_values = inducing_values, proj_values  # α, c: (B, H, T, Dv), (B, H, M, Dv)
         self.whitened_values = whitened_values  # shape: (H, M, Dv); ũ = L_gᵀ v_g
         self.scale_tril = scale_tril  # shape: (H, Dv, M, M)
         self.mask = mask
@@ -172,23 +172,12 @@ class DecoupledSGPAConditional(AmortisedConditional):
             \mathrm{KL}_{\beta,d} = \tfrac12\big[\operatorname{tr}\tilde S_{g,d} + \tilde u_d^\top \tilde u_d - M
                                      - \log|\tilde S_{g,d}|\big].
 
-        γ depends on the sequence (``kl_seq``); β on global parameters only (``kl_global``).
+        γ depends on the sequence (``kl_seq``); β on global parameters only (``kl_global``); without the mean basis
+        γ (docs/derivations.md §5c) the γ-part is 0.
         # shape: -> (B, H, Dv), (H, Dv)
         """
-        return self._gamma(), self._beta()
-
-    @property
-    def has_gamma(self) -> bool:
-        """Whether the posterior has the amortised γ-basis (the paper's zero prior mean) and so a
-        per-sequence KL; with the attention prior mean (docs/derivations.md §5c) it has neither."""
-        return self.gram_values is not None
-
-    def _gamma(self) -> torch.Tensor:
-        if not self.has_gamma:  # attention prior mean: no γ-basis
-            return self.values.new_zeros(self.values.shape[0], *self.whitened_values.shape[:1],
-                                         self.values.shape[-1])
-        quad_aa = (self.values * self.gram_values).sum(-2)  # shape: (B, H, Dv); v̂ᵀ K_aa v̂
-        return 0.5 * (quad_aa - self.proj_values.square().sum(-2))
+        B, H, _, Dv = self.mean.shape
+        return add_means(self.mean.new_zeros(B, H, Dv), self.gamma), self._beta()
 
     def _beta(self) -> torch.Tensor:
         L_s = self.scale_tril
@@ -202,12 +191,10 @@ class DecoupledSGPAConditional(AmortisedConditional):
         return gamma + beta
 
     def added_loss_terms(self, mask=None):
-        """``kl_seq``: the γ-part, per sequence (docs/derivations.md §9); ``kl_global``: the β-part, summed
-        over (h, d)."""
-        gamma, beta = self.kl_divergence_parts()
-        if not self.has_gamma:
-            return (GlobalKL(beta.sum()),)
-        return SequenceKL(sequence_mean(gamma, mask)), GlobalKL(beta.sum())
+        """``kl_seq``: the γ-part, per sequence (docs/derivations.md §9; none without the mean basis γ); ``kl_global``:
+        the β-part, summed over (h, d)."""
+        per_sequence = when_present(lambda gamma: SequenceKL(sequence_mean(gamma, mask)), self.gamma)
+        return tuple(present(per_sequence, GlobalKL(self._beta().sum())))
 
     # -- q(f)
     def residual(self) -> torch.Tensor:
@@ -233,10 +220,12 @@ class DecoupledSGPAConditional(AmortisedConditional):
         return blockwise(_diag_variance, A, S, rows=rows, per_query=(self.gram_diag[..., None],))
 
     def posterior(self) -> MultivariateNormal:
-        """q(f): ``"full"``: Σ_d = (K_qq − Q_qq) + (A L_s,d)(A L_s,d)ᵀ as a sum of a dense and a root
-        operator ((B, H, Dv, T, T) when evaluated: for verification); ``"diag"``: diag Σ_d."""
-        if self.covariance == "diag":
-            return posterior_distribution(self.mean, DiagLinearOperator(self.variance().transpose(-1, -2)))
+        """q(f) in the covariance form of the strategy (:mod:`gpattn.variational.covariances`)."""
+        return self.covariance.posterior(self)
+
+    def joint_posterior(self) -> MultivariateNormal:
+        """q(f) with Σ_d = (K_qq − Q_qq) + (A L_s,d)(A L_s,d)ᵀ as a sum of a dense and a root operator
+        ((B, H, Dv, T, T) when evaluated: for verification)."""
         Dv = self.mean.shape[-1]
         R = self.residual()
         dense = DenseLinearOperator(R[:, :, None].expand(*R.shape[:2], Dv, *R.shape[2:]))
@@ -271,19 +260,19 @@ class DecoupledSGPAConditional(AmortisedConditional):
         return matmul_samples(L, eps).gather(-2, inv)  # rows back in token order (ε's row order is immaterial)
 
     def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Exact reparameterised sample(s).
+        """Exact reparameterised sample(s) in the covariance form of the strategy.
+        # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
+        with gp_algebra(self.mean.device.type):
+            return self.covariance.rsample(self, num_samples, generator)
 
-        ``"full"``: Σ_d = R + (A L_s,d)(A L_s,d)ᵀ is a sum of two covariances, so
-        f_d = μ_d + chol(R) ε₁ + A (L_s,d ε₂,d) with independent ε₁ ∈ R^T, ε₂ ∈ R^M: exact, one T×T
-        Cholesky per (B, H) instead of one per (B, H, d). ``"diag"``: f_d = μ_d + sqrt(diag Σ_d) ⊙ ε
-        (independent tokens).
+    def joint_sample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Σ_d = R + (A L_s,d)(A L_s,d)ᵀ is a sum of two covariances, so f_d = μ_d + chol(R) ε₁ + A (L_s,d ε₂,d)
+        with independent ε₁ ∈ R^T, ε₂ ∈ R^M: exact, one T×T Cholesky per (B, H) instead of one per (B, H, d).
 
         # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P
         """
         with gp_algebra(self.mean.device.type):
             eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)  # shape: (..., B, H, T, Dv)
-            if self.covariance == "diag":
-                return self.mean + safe_sqrt(self.variance()) * eps
             B, H, T, Dv = self.mean.shape
             M = self.interp.shape[-1]
             eps_g = standard_normal((B, H, Dv, M), self.mean, num_samples, generator)  # shape: (..., B, H, Dv, M)
@@ -347,33 +336,25 @@ class MaskedDecoupledSGPAConditional(DecoupledSGPAConditional):
     no draw depends on a later token. The γ-part of the KL is per query (:meth:`query_kl_divergence`);
     the layer's term is its mean over the real queries (not padding, A_i ≠ ∅), as for ``sgpa``.
 
-    :ivar query_gamma: ½ v_Sᵀ (K_SS − K_Sg K_gg⁻¹ K_gS) v_S per query, S = A_i.  # shape: (B, H, T, Dv)
+    :ivar query_gamma: ½ v_Sᵀ (K_SS − K_Sg K_gg⁻¹ K_gS) v_S per query, S = A_i, or None (no mean basis γ).
+        # shape: (B, H, T, Dv) or None
     :ivar real: the queries that count in the KL.  # shape: (B, H, T)
     """
 
     def __init__(self, *, query_gamma, real, **factors):
-        super().__init__(gram_values=None, proj_values=None, **factors)
+        # the layer's γ-part: the mean of the queries' over the real queries (β is unchanged: global)
+        weight = real[..., None]  # shape: (B, H, T, 1)
+        gamma = when_present(
+            lambda g: (g * weight.to(g.dtype)).sum(-2) / weight.to(g.dtype).sum(-2).clamp_min(1), query_gamma
+        )
+        super().__init__(gamma=gamma, **factors)
         self.query_gamma = query_gamma
         self.real = real
 
-    @property
-    def has_gamma(self) -> bool:
-        return self.query_gamma is not None
-
     def query_kl_divergence(self) -> torch.Tensor:
-        """The γ-part of each query's KL (0 where A_i = ∅; 0 everywhere with the attention prior mean).
+        """The γ-part of each query's KL (0 where A_i = ∅; 0 everywhere without the mean basis γ).
         # shape: -> (B, H, T, Dv)"""
-        if not self.has_gamma:
-            return torch.zeros_like(self.mean)
-        return self.query_gamma
-
-    def _gamma(self) -> torch.Tensor:
-        """The mean of :meth:`query_kl_divergence` over the real queries (β is unchanged: global).
-        # shape: -> (B, H, Dv)"""
-        if not self.has_gamma:
-            return super()._gamma()
-        real = self.real.to(self.query_gamma.dtype)[..., None]  # shape: (B, H, T, 1)
-        return (self.query_gamma * real).sum(-2) / real.sum(-2).clamp_min(1)
+        return add_means(torch.zeros_like(self.mean), self.query_gamma)
 
     def _jittered_residual(self) -> torch.Tensor:
         """K_qq − Q_qq + diag(``jitter`` · K_ii): per token, so that token i's row of the factor depends on
@@ -403,7 +384,10 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
     :param variational_distribution: the global q(ũ_g).
     :param inducing_inputs: initial Z_g.  # shape: (H, M, D)
     :param jitter: relative jitter (see :mod:`gpattn.variational.sgpa`).
-    :param covariance: ``"full"`` or ``"diag"``.
+    :param covariance: the covariance form (:mod:`gpattn.variational.covariances`).
+    :param mean_module: the prior mean (:mod:`gpattn.variational.means`).
+    :param variational_mean: q(ũ)'s mean (:class:`~gpattn.variational.means.AmortisedValueMean`, the mean basis γ
+        on the sequence, or :class:`~gpattn.variational.means.CentredVariationalMean`, none).
     """
 
     def __init__(
@@ -413,9 +397,9 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         inducing_inputs: torch.Tensor,
         *,
         jitter: float,
-        covariance: str,
-        prior_mean: str | nn.Module,
-        variational_mean=None,
+        covariance,
+        mean_module: nn.Module,
+        variational_mean,
     ):
         super().__init__()
         if inducing_inputs.dim() != 3 or inducing_inputs.shape[1] != variational_distribution.num_global:
@@ -427,15 +411,15 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         self.variational_distribution = variational_distribution
         self.inducing_inputs = nn.Parameter(inducing_inputs.clone())  # shape: (H, M, D)
         self.jitter = check_jitter(jitter)
-        self.covariance = check_covariance(covariance)
-        #: the prior mean function (GPyTorch's ``mean_module``; docs/derivations.md §5c), built once from its name
-        #: ``prior_mean`` (or given); :class:`~gpattn.variational.means.ZeroMean` is the paper's zero mean
-        self.mean_module = make_prior_mean(prior_mean, kernel)
-        self.prior_mean = self.mean_module.name  # the public spelling
-        #: q(ũ)'s mean, which brings the mean basis γ: amortised on the sequence's keys and values (the paper's, with
-        #: the zero mean; its ``decoupled*`` methods), or centred (a prior mean that attends: no γ-basis, no
-        #: per-sequence KL)
-        self.variational_mean = variational_mean_for(self.mean_module) if variational_mean is None else variational_mean
+        self.covariance = covariance
+        #: the prior mean function (GPyTorch's ``mean_module``; docs/derivations.md §5c);
+        #: :class:`~gpattn.variational.means.ZeroMean` is the paper's zero mean
+        self.mean_module = mean_module
+        mean_module.check_kernel(kernel)  # a mean that cannot read the kernel fails here, not at a forward
+        #: q(ũ)'s mean, which brings the mean basis γ through its one interface, ``inducing_values``: the sequence's
+        #: values as its coefficients (the paper's, with the zero mean), or None (centred at a prior mean that
+        #: attends: no mean basis, no per-sequence KL)
+        self.variational_mean = variational_mean
 
     def global_keys(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """k_g[h] = Z_g[h] W_qk[h]ᵀ + b_qk[h]: each head's global inputs through *that head's* rows of
@@ -464,6 +448,12 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         :class:`MaskedDecoupledSGPAConditional`; docs/derivations.md §11b). ``query_inputs`` (B, H, T', Dh):
         cross-attention (§13): ``queries`` are the mean basis' keys, q(f) is at ``query_inputs``.
 
+        q(ũ)'s mean reaches the algebra through its one interface (``variational_mean.inducing_values``): the
+        coefficients α of the mean basis γ on the keys (the values, Chen & Li's), or None, no mean basis (a q(ũ)
+        centred at the prior mean, docs/derivations.md §5c). The mean is m(q) + K_qa α + A (ũ − L_g⁻¹ K_ga α), the
+        KL the global part's plus ½ αᵀ (K_aa − K_ag K_gg⁻¹ K_ga) α: the orthogonally decoupled composition of a mean
+        basis around the global (covariance) basis, as gpytorch's ``OrthogonallyDecoupledVariationalStrategy``.
+
         # shape: queries (B, H, T, Dh), values (B, H, T, Dv), global_keys (H, M, Dh), mask (B, T), (B|1, H|1, T, T)
         """
         if query_inputs is not None:
@@ -480,28 +470,53 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             queries, values = full_precision(queries, values)
             if mask is not None:
                 values = values.masked_fill(mask[:, None, :, None], 0.0)  # padded keys leave the mean basis
-            plan = self.variational_mean.without_gram(lambda: self._mean_without_gram(queries, values, mask, excluded))
-            K = evaluate_kernel(self.kernel, queries, queries) if plan is None else None  # shape: (B, H, T, T)
-            A, u_tilde = self._global_basis(queries, global_keys)
-            factors = dict(
-                gram=K, gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), interp=A, values=values,
-                whitened_values=u_tilde, scale_tril=self.variational_distribution.scale_tril(), mask=mask,
-                jitter=self.jitter, covariance=self.covariance,
-            )
-            m = self._self_prior_mean(factors, excluded, queries, plan)
-            # mean = m(q) + (γ-basis update) + A (global coefficients), each term once (None: absent)
+            alpha = self.variational_mean.inducing_values(values)  # shape: (B, H, T, Dv) or None
             if excluded is not None:
-                update, coeffs, gamma = self.variational_mean.decoupled_per_query(
-                    K, A, values, u_tilde, excluded, causal, mask
-                )
-                return MaskedDecoupledSGPAConditional(mean=add_means(m, update, A @ coeffs), **gamma, **factors)
-            update, coeffs, gamma = self.variational_mean.decoupled(K, A, values, u_tilde)
-            return DecoupledSGPAConditional(mean=add_means(m, update, A @ coeffs), **gamma, **factors)
+                return self._condition_per_query(queries, values, alpha, global_keys, excluded, causal, mask)
+            return self._condition_self(queries, values, alpha, global_keys, mask)
+
+    def _condition_self(self, queries, values, alpha, global_keys, mask) -> DecoupledSGPAConditional:
+        """Self-attention under key padding: the Gram K_qq where the covariance or the mean basis reads it, else none,
+        and m(q) runs without it (docs/derivations.md §12: through fused attention where it runs, evaluated first).
+        # shape: queries (B, H, T, Dh), values (B, H, T, Dv), alpha (B, H, T, Dv) or None, mask (B, T) or None"""
+        K = self.covariance.query_gram(self.kernel, queries, alpha)  # shape: (B, H, T, T) or None
+        fused = None if K is not None else self.mean_module.fused(
+            queries, queries, values, kernel=self.kernel, pad=mask
+        )
+        A, u_tilde = self._global_basis(queries, global_keys)
+        factors = self._factors(K, queries, A, u_tilde, mask)
+        m = fused if fused is not None else self._self_prior_mean(queries, values, mask, K)
+        update = when_present(lambda a: K @ a, alpha)  # K_qa α (padded keys have α = 0)
+        shift = when_present(lambda a: A.mT @ a, alpha)  # c = L_g⁻¹ K_ga α: the mean basis' part on the global
+        coefficients = add_means(u_tilde, when_present(torch.neg, shift))  # ũ − c
+        mean = add_means(m, update, A @ coefficients)
+        gamma = when_present(lambda a, Ka, c: 0.5 * ((a * Ka).sum(-2) - c.square().sum(-2)), alpha, update, shift)
+        return DecoupledSGPAConditional(mean=mean, gamma=gamma, inducing_values=alpha, proj_values=shift, **factors)
+
+    def _condition_per_query(self, queries, values, alpha, global_keys, excluded, causal, mask):
+        """Under a per-query mask query i's mean basis is A_i (docs/derivations.md §11b). With R = K_aa − K_ag K_gg⁻¹
+        K_ga (self-attention: q = a), the mean basis' part of the mean Σ_{j∈A_i} R_ij α_j and γ_i = ½ α_Sᵀ R_SS α_S.
+        Causal: R.tril() and a prefix sum, O(T²·Dv); any other mask O(T³·Dv) time, O(T²·Dv) memory per (B, H).
+        # shape: excluded (B, H, T, T) with padding joined, mask (B, T) or None"""
+        K = evaluate_kernel(self.kernel, queries, queries)  # shape: (B, H, T, T)
+        A, u_tilde = self._global_basis(queries, global_keys)
+        factors = self._factors(K, queries, A, u_tilde, mask)
+        m = self.mean_module(queries, queries, values, kernel=self.kernel, excluded=excluded, gram=K)
+        R = when_present(lambda a: K - A @ A.mT, alpha)  # shape: (B, H, T, T)
+        basis = when_present(lambda a, R: _per_query_basis(R, a, excluded, causal), alpha, R)
+        update, quad = when_present(lambda b: b[0], basis), when_present(lambda b: b[1], basis)
+        allowed = ~excluded
+        real = allowed.any(-1) if mask is None else allowed.any(-1) & ~mask[:, None, :]  # shape: (B, H, T)
+        return MaskedDecoupledSGPAConditional(
+            mean=add_means(m, update, A @ u_tilde), query_gamma=when_present(lambda q: 0.5 * q, quad), real=real,
+            **factors,
+        )
 
     def _condition_cross(self, queries, keys, values, global_keys, mask) -> DecoupledSGPAConditional:
-        """Cross-attention (docs/derivations.md §13): the mean basis γ is the context's keys k_a (values
-        v_a), the global basis is the layer's, q(f) is at the queries: mean = K_qa v_a + A_q (ũ − L_g⁻¹ K_ga v_a)
-        (or m(q) + A_q ũ), Σ as §5b at the queries, γ-part ½ v_aᵀ (K_aa − K_ag K_gg⁻¹ K_ga) v_a.
+        """Cross-attention (docs/derivations.md §13): the mean basis γ is the context's keys k_a (coefficients α),
+        the global basis is the layer's, q(f) is at the queries: mean = m(q) + K_qa α + A_q (ũ − L_g⁻¹ K_ga α), Σ as
+        §5b at the queries, γ-part ½ αᵀ (K_aa − K_ag K_gg⁻¹ K_ga) α. The global basis is taken at the queries and
+        the mean basis' keys at once (one L_g for both).
         # shape: queries (B, H, T, Dh), keys (B, H, S, Dh), values (B, H, S, Dv), mask (B, S) or None"""
         check_sequence_inputs(keys, values, mask)
         check_query_inputs(queries, keys)
@@ -509,33 +524,47 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
             queries, keys, values = full_precision(queries, keys, values)
             if mask is not None:
                 values = values.masked_fill(mask[:, None, :, None], 0.0)  # padded keys leave the mean basis
-            factors, update, coeffs, gamma = self.variational_mean.decoupled_cross(
-                self.kernel, queries, keys, values, lambda inputs: self._global_basis(inputs, global_keys),
-                lambda A, u_tilde: self._cross_factors(queries, values, A, u_tilde),
-            )
+            alpha = self.variational_mean.inducing_values(values)  # shape: (B, H, S, Dv) or None
+            T = queries.shape[-2]
+            points = queries if alpha is None else torch.cat([queries, keys], -2)  # the queries and the basis' keys
+            both, u_tilde = self._global_basis(points, global_keys)
+            A, A_a = both.split([T, both.shape[-2] - T], -2)  # shape: (B, H, T, M), (B, H, S or 0, M)
+            factors = self._cross_factors(queries, A, u_tilde)
+            K_qa = when_present(lambda a: evaluate_kernel(self.kernel, queries, keys), alpha)  # shape: (B, H, T, S)
+            shift = when_present(lambda a: A_a.mT @ a, alpha)  # shape: (B, H, M, Dv); c = L_g⁻¹ K_ga α
+            Kaa_a = when_present(lambda a: evaluate_kernel(self.kernel, keys, keys) @ a, alpha)  # K_aa α, for γ
+            update = when_present(lambda K, a: K @ a, K_qa, alpha)  # K_qa α
+            coefficients = add_means(u_tilde, when_present(torch.neg, shift))  # ũ − c
             m = self._cross_prior_mean(queries, keys, values, mask)
-            return DecoupledSGPAConditional(mean=add_means(m, update, factors["interp"] @ coeffs), **gamma, **factors)
+            mean = add_means(m, update, A @ coefficients)
+            gamma = when_present(lambda a, Ka, c: 0.5 * ((a * Ka).sum(-2) - c.square().sum(-2)), alpha, Kaa_a, shift)
+            return DecoupledSGPAConditional(
+                mean=mean, gamma=gamma, inducing_values=alpha, proj_values=shift, **factors
+            )
 
-    def _cross_factors(self, queries, values, A, u_tilde) -> dict:
-        """The factors of a cross-attention conditional shared by every q(ũ)-mean: the Gram at the queries
-        (``"full"``), its diagonal, the global basis A_q and ũ."""
+    def _factors(self, gram, queries, A, u_tilde, mask) -> dict:
+        """The factors of a self-attention conditional: the Gram (or None), its diagonal, the global basis, ũ."""
         return dict(
-            gram=evaluate_kernel(self.kernel, queries, queries) if self.covariance == "full" else None,
-            gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), interp=A, values=values,
-            whitened_values=u_tilde, scale_tril=self.variational_distribution.scale_tril(), mask=None,
+            gram=gram, gram_diag=evaluate_kernel(self.kernel, queries, queries, diag=True), interp=A,
+            whitened_values=u_tilde, scale_tril=self.variational_distribution.scale_tril(), mask=mask,
             jitter=self.jitter, covariance=self.covariance,
         )
+
+    def _cross_factors(self, queries, A, u_tilde) -> dict:
+        """The factors of a cross-attention conditional: the Gram at the queries where the covariance form reads it,
+        its diagonal, the global basis A_q and ũ."""
+        return self._factors(self.covariance.query_gram(self.kernel, queries), queries, A, u_tilde, None)
 
     def _cross_prior_mean(self, queries, keys, values, mask) -> torch.Tensor:
         """m(q) over the context's keys: through fused attention where it runs (no (T, S) matrix; key padding
         only, docs/derivations.md §12), else from the kernel's (T, S) block (the attention mean) or the dense
         softmax (the softmax mean).  # shape: queries (B, H, T, Dh), keys (B, H, S, Dh), mask (B, S) or None"""
-        fused = self.mean_module.fused(self.kernel, queries, keys, values, mask)
+        fused = self.mean_module.fused(queries, keys, values, kernel=self.kernel, pad=mask)
         if fused is not None:
             return fused
         pad = None if mask is None else mask[:, None, None, :]
         # a mean that reads the Gram κ(q, k) evaluates its (T, S) block from the kernel inputs (gram=None)
-        return self.mean_module(None, values, pad, kernel=self.kernel, queries=queries, keys=keys)
+        return self.mean_module(queries, keys, values, kernel=self.kernel, excluded=pad)
 
     def _global_basis(self, queries: torch.Tensor, global_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A, ũ)``: A = K_qg L_g⁻ᵀ (L_g = chol(K_gg + jitter)) and ũ = L_gᵀ u, the whitened global basis.
@@ -547,38 +576,33 @@ class DecoupledSGPAVariationalStrategy(AmortisedVariationalStrategy):
         A = tri_solve(L_g.mT, K_qg, upper=True, left=False)  # shape: (B, H, T, M); A L_gᵀ = K_qg
         return A, L_g.mT @ self.variational_distribution.inducing_values
 
-    def _mean_without_gram(self, queries, values, mask, excluded) -> torch.Tensor | int | None:
-        """A q(ũ)-mean that reads no Gram (centred at the prior mean) with the diagonal covariance and key padding
-        needs no (T, T) Gram (docs/derivations.md §12): the mean m(q) from fused attention, or (a kernel without the
-        log-linear form, a long sequence) the rows of its query blocks; None: the Gram is formed (the q(ũ)-mean
-        decides, :meth:`~gpattn.variational.means.CentredVariationalMean.without_gram`)."""
-        if self.covariance != "diag" or excluded is not None:
-            return None
-        fused = self.mean_module.fused(self.kernel, queries, queries, values, mask)
-        if fused is not None:
-            return fused
-        rows = block_rows(*queries.shape[:3], queries.shape[-2], device=queries.device)
-        return None if rows is None else max(1, rows // 4)  # the mean forms several block-sized temporaries
-
     def _attention_mean_rows(self, queries, keys, values, pad=None) -> torch.Tensor:
-        """The attention prior mean m(q) of one block of queries.  # shape: queries (B, H, b, Dh) -> (B, H, b, Dv)"""
+        """The prior mean m(q) of one block of queries.  # shape: queries (B, H, b, Dh) -> (B, H, b, Dv)"""
         with gp_algebra(queries.device.type):
-            return self.mean_module(None, values, pad, kernel=self.kernel, queries=queries, keys=keys)
+            return self.mean_module(queries, keys, values, kernel=self.kernel, excluded=pad)
 
-    def _self_prior_mean(
-        self, factors: dict, excluded: torch.Tensor | None, queries: torch.Tensor, rows: int | torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """The prior mean m(q) of self-attention over the allowed keys (None for the zero mean; docs/derivations.md
-        §5c). ``rows``: m(q) in blocks of that many queries, without the Gram, or m(q) itself (the fused path), or
-        None: from the Gram (docs/derivations.md §12).  # shape: -> (B, H, T, Dv) or None"""
-        mask = factors["mask"]
-        not_allowed = excluded if excluded is not None else None if mask is None else mask[:, None, None, :]
-        if torch.is_tensor(rows):
-            return rows
+    def _self_prior_mean(self, queries, values, mask, gram) -> torch.Tensor | None:
+        """The prior mean m(q) of self-attention over the real keys (None for the zero mean; docs/derivations.md §5c):
+        from the Gram where it was formed, else (no fused path, §12) in blocks of queries for a long sequence, else
+        from the Gram the mean evaluates itself.
+        # shape: queries (B, H, T, Dh), values (B, H, T, Dv), mask (B, T) or None, gram (B, H, T, T) or None
+        # -> (B, H, T, Dv) or None"""
+        pad = None if mask is None else mask[:, None, None, :]
+        rows = None if gram is not None else block_rows(*queries.shape[:3], queries.shape[-2], device=queries.device)
         if rows is None:
-            return self.mean_module(
-                factors["gram"], factors["values"], not_allowed, kernel=self.kernel, queries=queries, keys=queries
-            )
-        return blockwise(
-            self._attention_mean_rows, queries, queries, factors["values"], rows=rows, per_query=(not_allowed,)
-        )
+            return self.mean_module(queries, queries, values, kernel=self.kernel, excluded=pad, gram=gram)
+        # the mean forms several block-sized temporaries
+        return blockwise(self._attention_mean_rows, queries, queries, values, rows=max(1, rows // 4), per_query=(pad,))
+
+
+def _per_query_basis(R, alpha, excluded, causal) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean basis' part of each query's mean, Σ_{j∈A_i} R_ij α_j, and 2γ_i = α_Sᵀ R_SS α_S (S = A_i), for a
+    per-query mask (docs/derivations.md §11b).  # shape: R (B, H, T, T), alpha (B, H, T, Dv), excluded (B, H, T, T)
+    -> (B, H, T, Dv) twice"""
+    if causal:
+        Ra = R.tril() @ alpha  # shape: (B, H, T, Dv); Σ_{j≤i} R_ij α_j
+        diag = R.diagonal(dim1=-2, dim2=-1)[..., None]  # shape: (B, H, T, 1)
+        # α_{≤i}ᵀ R_{≤i} α_{≤i} as a prefix sum of α_j (2 Σ_{k<j} R_jk α_k + R_jj α_j)
+        return Ra, (alpha * (2 * Ra - diag * alpha)).cumsum(-2)
+    w = (~excluded)[..., None] * alpha[:, :, None]  # shape: (B, H, T, T, Dv): α_S per query, 0 elsewhere
+    return R.masked_fill(excluded, 0.0) @ alpha, (w * (R[:, :, None] @ w)).sum(-2)

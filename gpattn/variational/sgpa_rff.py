@@ -27,36 +27,18 @@ noise by moving every query onto the data. """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import DenseLinearOperator, DiagLinearOperator, RootLinearOperator, SumLinearOperator
 
-from gpattn._migrate import moved_names
 from gpattn.objectives import GlobalKL
-from gpattn.prior_means import make_prior_mean
 from gpattn.variational._linalg import full_precision, gp_algebra, matmul_samples, tri_solve
-from gpattn.variational._scale import check_prior_factor
 from gpattn.variational._strategy import AmortisedConditional, AmortisedVariationalStrategy, check_query_inputs
 from gpattn.variational.means import add_means
 from gpattn.variational.sgpa import check_sequence_inputs, posterior_distribution, split_per_query_mask, standard_normal
 
-__all__ = [
-    "GP_INPUTS", "FeatureSGPAConditional", "FeatureSGPAVariationalStrategy",
-    "SequenceFeatureConditional", "TrainingQueryCovariance", "TrainingSequenceCovariance",
-]
-
-#: a name that moved raises an error that says where it went (gpattn._migrate.MOVED_NAMES)
-__getattr__ = moved_names(__name__)
-
-def _positive(name: str, value, integer: bool = False):
-    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
-    if not ok or not math.isfinite(value) or value <= 0:
-        kind = "int" if integer else "number"
-        raise ValueError(f"{name} must be a finite {kind} > 0, got {value!r}")
-    return value if integer else float(value)
+__all__ = ["FeatureSGPAConditional", "FeatureSGPAVariationalStrategy", "SequenceFeatureConditional"]
 
 
 def _solve_rows(chol: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
@@ -144,164 +126,25 @@ class SequenceFeatureConditional(FeatureSGPAConditional):
         return self.mean + self.root.norm(dim=-1, keepdim=True) * eps
 
 
-class TrainingQueryCovariance(nn.Module):
-
-    r"""The covariance of g: R random Fourier features of an RBF kernel per head and the posterior precision
-    Σ⁻¹ = I + w E[ψψᵀ] from the running second moment of the training queries' features (module docstring).
-
-    :param num_heads: H.
-    :param head_dim: Dh (the queries' width).
-    :param num_features: R features per head.
-    :param lengthscale: ℓ, the RBF lengthscale on the queries (fixed: a prior hyperparameter).
-    :param prior_variance: σ², the prior variance of g at every query (fixed: a prior hyperparameter).
-    :param data_weight: w, pseudo-observations per unit noise of the precision.
-    :param momentum: the running average's weight of a new batch (after the first ⌈1/momentum⌉ batches, which
-        are averaged with equal weights).
-    """
-
-    #: the conditional a strategy with this covariance returns
-    conditional = FeatureSGPAConditional
-
-    def __init__(
-        self, num_heads: int, head_dim: int, *, num_features: int, lengthscale: float, prior_variance: float,
-        data_weight: float, momentum: float,
-    ):
-        super().__init__()
-        R = _positive("num_features", num_features, integer=True)
-        self.data_weight = _positive("data_weight", data_weight)
-        self.momentum = _positive("momentum", momentum)
-        if self.momentum > 1:
-            raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
-        #: Ω ~ N(0, I) and b ~ U(0, 2π): the fixed random features  # shape: (H, R, Dh), (H, R)
-        self.register_buffer("frequencies", torch.randn(num_heads, R, head_dim))
-        self.register_buffer("phases", 2 * math.pi * torch.rand(num_heads, R))
-        self.register_buffer("lengthscale", torch.full((num_heads,), _positive("lengthscale", lengthscale)))
-        self.register_buffer("outputscale", torch.full((num_heads,), _positive("prior_variance", prior_variance)))
-        #: E_train[ψψᵀ], the running second moment of the training queries' unit features  # shape: (H, R, R)
-        self.register_buffer("second_moment", torch.zeros(num_heads, R, R))
-        self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
-
-    @property
-    def num_features(self) -> int:
-        """R."""
-        return self.frequencies.shape[1]
-
-    @property
-    def prior_variance(self) -> torch.Tensor:
-        """σ² per head (the ``outputscale`` buffer).  # shape: (H,)"""
-        return self.outputscale
-
-    def unit_features(self, queries: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
-        """ψ(q) = √(2/R) cos(Ω q/ℓ + b), ψᵀψ' ≈ exp(−‖q − q'‖²/2ℓ²) at every query (``real`` is not needed).
-        # shape: (B, H, T, Dh) -> (B, H, T, R)"""
-        omega = (self.frequencies / self.lengthscale[:, None, None]).to(queries.dtype)
-        angle = queries @ omega.mT + self.phases[:, None, :].to(queries.dtype)
-        return math.sqrt(2.0 / self.num_features) * torch.cos(angle)
-
-    @staticmethod
-    def batch_moment(psi: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
-        """E[ψψᵀ] over one batch's real tokens (detached).
-        # shape: psi (B, H, T, R), real (B, T) or None -> (H, R, R)"""
-        psi = psi.detach()
-        if real is None:
-            return torch.einsum("bhtr,bhts->hrs", psi, psi) / (psi.shape[0] * psi.shape[2])
-        psi = psi * real[:, None, :, None].to(psi.dtype)
-        return torch.einsum("bhtr,bhts->hrs", psi, psi) / real.sum().clamp_min(1).to(psi.dtype)
-
-    @torch.no_grad()
-    def track(self, moment: torch.Tensor) -> None:
-        """Fold one training batch's E[ψψᵀ] into the running second moment: equal weights for the first
-        ⌈1/momentum⌉ batches, then the running average (no host read: it compiles).  # shape: moment (H, R, R)"""
-        weight = (1.0 / (self.num_batches_tracked + 1).to(self.second_moment.dtype)).clamp_min(self.momentum)
-        self.second_moment.lerp_(moment.to(self.second_moment.dtype), weight)
-        self.num_batches_tracked.add_(1)
-
-    def precision_cholesky(self, moment: torch.Tensor) -> torch.Tensor:
-        """L with L Lᵀ = Σ⁻¹ = I + w·moment.  # shape: moment (H, R, R) -> (H, R, R)"""
-        eye = torch.eye(moment.shape[-1], dtype=moment.dtype, device=moment.device)
-        # I + w·(a PSD moment) has eigenvalues ≥ 1: no jitter, no failure to check (and no host read)
-        return torch.linalg.cholesky_ex(eye + self.data_weight * moment)[0]
-
-    def scale(self, factor: float) -> None:
-        """σ² ← factor · σ² (``scale_prior``)."""
-        self.outputscale.mul_(check_prior_factor(factor))
-
-    def rescale_inputs(self, factor: float) -> None:
-        """Queries scaled by ``factor``: ℓ ← ℓ / factor (the median heuristic of an encoder swap)."""
-        self.lengthscale.div_(check_prior_factor(factor))
-
-
-class TrainingSequenceCovariance(TrainingQueryCovariance):
-    r"""The covariance of a sequence-level g (docs/derivations.md §5f, "The sequence as g's input"): one input per
-    sequence, the unit direction of its mean query over real tokens and all heads, x̂ = q̄ / ‖q̄‖ with
-    q̄ = mean_t [q_t^(1), …, q_t^(H)] ∈ R^{H·Dh}; R random Fourier features of an RBF kernel on the unit sphere,
-    shared by the heads (each head keeps its own β and σ²); Σ⁻¹ = I + w E_train[ψ̂ψ̂ᵀ] over training sequences.
-    A normalised input makes ℓ a prior on angles: the stream's scale does not enter (:meth:`rescale_inputs` is the
-    identity).
-
-    :param num_heads: H (σ² per head).
-    :param input_dim: H·Dh, the width of the concatenated queries.
-    :param num_features: R features (shared by the heads).
-    :param lengthscale: ℓ on the unit sphere (distances in [0, 2]).
-    :param prior_variance: σ² per head, as :class:`TrainingQueryCovariance`.
-    :param data_weight: w, as :class:`TrainingQueryCovariance`.
-    :param momentum: as :class:`TrainingQueryCovariance`.
-    """
-
-    #: the conditional a strategy with this covariance returns
-    conditional = SequenceFeatureConditional
-
-    def __init__(
-        self, num_heads: int, input_dim: int, *, num_features: int, lengthscale: float, prior_variance: float,
-        data_weight: float, momentum: float,
-    ):
-        super().__init__(
-            1, input_dim, num_features=num_features, lengthscale=lengthscale, prior_variance=prior_variance,
-            data_weight=data_weight, momentum=momentum,
-        )
-        self.outputscale = torch.full((num_heads,), float(prior_variance))  # the registered buffer, per head
-
-    def unit_features(self, queries: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
-        """ψ̂ = ψ(x̂) of each sequence's unit mean query over its ``real`` tokens (all when None).
-        # shape: queries (B, H, T, Dh), real (B, T) or None -> (B, 1, 1, R)"""
-        B, H, T, Dh = queries.shape
-        joint = queries.transpose(1, 2).reshape(B, T, H * Dh)
-        if real is None:
-            pooled = joint.mean(1)
-        else:
-            weight = real.to(joint.dtype)[..., None]
-            pooled = (joint * weight).sum(1) / weight.sum(1).clamp_min(1)
-        unit = torch.nn.functional.normalize(pooled, dim=-1)[:, None, None, :]  # shape: (B, 1, 1, H·Dh)
-        return super().unit_features(unit)
-
-    @staticmethod
-    def batch_moment(psi: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
-        """E[ψ̂ψ̂ᵀ] over one batch's sequences (detached; ``real`` was used in pooling).
-        # shape: psi (B, 1, 1, R) -> (1, R, R)"""
-        psi = psi.detach()[:, 0, 0]
-        return (psi.mT @ psi / psi.shape[0])[None]
-
-    def rescale_inputs(self, factor: float) -> None:
-        """The identity: g reads the unit direction of the queries, which a scale does not move."""
-        check_prior_factor(factor)
-
-
 class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
     """q(f) = m(q) + g(q) of ``sgpa-rff`` (module docstring; docs/derivations.md §5f).
 
-    :param kernel: the prior mean's kernel (its rows are the attention weights of ``"attention"``; its lengthscale
-        is the temperature of ``"softmax"``).
-    :param covariance: the :class:`TrainingQueryCovariance` of g.
+    :param kernel: the prior mean's kernel (its rows are the attention weights of the attention mean; its lengthscale
+        is the temperature of the softmax mean).
+    :param covariance: g's covariance, a :class:`~gpattn.variational.covariances.TrainingQueryCovariance` (each query)
+        or :class:`~gpattn.variational.covariances.TrainingSequenceCovariance` (each sequence): it names the
+        conditional this strategy returns.
     :param value_dim: Dv.
-    :param prior_mean: ``"attention"`` or ``"softmax"`` (gpattn.variational.means).
+    :param mean_module: the prior mean m (:mod:`gpattn.variational.means`).
     :param jitter: absolute jitter of ``posterior()``'s covariance (samples need none).
     """
 
-    def __init__(self, kernel, covariance: TrainingQueryCovariance, value_dim: int, *, prior_mean, jitter: float):
+    def __init__(self, kernel, covariance: nn.Module, value_dim: int, *, mean_module: nn.Module, jitter: float):
         super().__init__()
         self.kernel = kernel
-        self.mean_module = make_prior_mean(prior_mean, kernel)
-        self.prior_mean = self.mean_module.name
+        #: the prior mean function (GPyTorch's ``mean_module``)
+        self.mean_module = mean_module
+        mean_module.check_kernel(kernel)  # a mean that cannot read the kernel fails here, not at a forward
         self.covariance = covariance
         H, R = covariance.outputscale.shape[0], covariance.num_features
         #: μ, the posterior mean of β  # shape: (H, R, Dv)
@@ -332,7 +175,7 @@ class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
             queries, keys, values = full_precision(queries, keys, values)
             not_allowed = excluded if excluded is not None else None if mask is None else mask[:, None, None, :]
             # m(q): a mean that reads the Gram κ(q, k) evaluates it from the kernel inputs (gram=None)
-            m = self.mean_module(None, values, not_allowed, kernel=self.kernel, queries=queries, keys=keys)
+            m = self.mean_module(queries, keys, values, kernel=self.kernel, excluded=not_allowed)
             cov = self.covariance
             real = None if (mask is None or query_inputs is not None) else ~mask
             features = cov.unit_features(queries, real)  # shape: (B, H|1, T|1, R); once, with its gradient for the mean
@@ -351,6 +194,3 @@ class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
             mean = add_means(m, sigma * (features @ mu))
         return cov.conditional(mean=mean, root=root, chol=chol, coefficients=mu, jitter=self.jitter)
 
-
-#: g's input (the ``gp_input`` option of ``sgpa-rff``): each query, or each sequence's unit mean query
-GP_INPUTS = {"query": TrainingQueryCovariance, "sequence": TrainingSequenceCovariance}
