@@ -24,10 +24,12 @@ from pathlib import Path
 import torch
 
 import gpattn
+from gpattn.attention.registry import CHOICES
 
 __all__ = [
     "BENCH_OPTIONS",
     "EXTRA_CONFIGS",
+    "extra_values",
     "REFERENCE",
     "add_omp_wait_policy_argument",
     "default_mem_limit_mb",
@@ -70,9 +72,15 @@ BENCH_OPTIONS: dict[str, int] = {
     "c": 2,
 }
 
-#: options that select a different algorithm: each listed value other than the variant's default is
-#: benchmarked as an extra configuration, labelled ``name[option=value]``
-EXTRA_CONFIGS: dict[str, tuple] = {"covariance": ("full", "diag")}
+#: options that select a different algorithm: each of the variant's names for it in the registry
+#: (:data:`gpattn.attention.registry.CHOICES`) other than its default is benchmarked as an extra configuration,
+#: labelled ``name[option=value]``
+EXTRA_CONFIGS: tuple[str, ...] = ("covariance",)
+
+
+def extra_values(name: str, key: str) -> tuple:
+    """The names ``key`` takes in variant ``name`` (the registry's), ``()`` where it has none."""
+    return tuple(CHOICES.get(name, {}).get(key, ()))
 
 
 def variant_configs(names=None) -> list[dict]:
@@ -92,10 +100,10 @@ def variant_configs(names=None) -> list[dict]:
         # the algorithm-selecting options are spelled out, so every label says which one it ran
         options.update({k: valid[k] for k in EXTRA_CONFIGS if k in valid})
         configs.append({"variant": name, "name": name, "options": options})
-        for key, values in EXTRA_CONFIGS.items():
+        for key in EXTRA_CONFIGS:
             if key not in valid:
                 continue
-            for value in values:
+            for value in extra_values(name, key):
                 if value != valid[key]:
                     configs.append(
                         {"variant": f"{name}[{key}={value}]", "name": name, "options": {**options, key: value}}
