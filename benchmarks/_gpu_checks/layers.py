@@ -7,6 +7,7 @@ import copy
 import torch
 
 import gpattn
+from gpattn.attention.sgpa import SeparateMaps
 
 from .compare import (
     TOL_F32_FACTOR,
@@ -165,7 +166,7 @@ class LayerCase:
         ``attn_mask`` for the variants with per-query masks (not the SGPA variants' separate maps, which take masks
         that pad only: docs/derivations.md §5d)."""
         self.cl = self._pair64(self.large, "float64_T160", "float64 T=160")
-        if getattr(self.base, "per_query_masks", False) and getattr(self.base, "qk", "shared") != "separate":
+        if getattr(self.base, "per_query_masks", False) and not isinstance(self.base, SeparateMaps):
             T = self.small[0].shape[1]
             causal = torch.ones(T, T, dtype=torch.bool).triu(1)
             self._pair64(self.small, "float64_causal", "float64 causal attn_mask", attn_mask=causal)

@@ -38,7 +38,6 @@ __all__ = [
     "MEAN_UNDER_NOISE",
     "CollapseWarning",
     "EpochStats",
-    "GPCollapseWarning",
     "attention_use",
     "base_rate_entropy",
     "collapse_warnings",
@@ -64,10 +63,12 @@ _ADVICE = (
 
 
 class CollapseWarning(UserWarning):
-    """A GP layer's mean collapsed under its noise, or the model (of any attention) sits at the base rate."""
+    """A GP layer's mean collapsed under its noise, or the model (of any attention) sits at the base rate.
+    ``GPCollapseWarning``, its name before softmax runs got the base-rate check too, is this class (a filter on either
+    name holds)."""
 
 
-#: the name before softmax runs got the base-rate check too (the same class: filters on either name hold)
+# the former name, kept importable (not exported): the same class
 GPCollapseWarning = CollapseWarning
 
 

@@ -3,7 +3,7 @@ r"""Prior mean functions of the GP attention variants: one protocol, GPyTorch's 
 
 A GP prior GP(m, κ) with a mean function m pays in its KL only for the posterior's deviation from m. Every variant
 that takes a prior mean (sgpa, sgpa-decoupled, sgpa-rff, kep-svgp, cgp, scgp) receives a :class:`PriorMean`, one kind
-of module:
+of module::
 
     mean(queries, keys, values, *, kernel=None, excluded=None, gram=None) -> m(q), or None
 

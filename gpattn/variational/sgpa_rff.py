@@ -111,7 +111,8 @@ class FeatureSGPAConditional(AmortisedConditional):
 
 
 class SequenceFeatureConditional(FeatureSGPAConditional):
-    """The factors of a sequence-level ``sgpa-rff`` forward (:class:`TrainingSequenceCovariance`): g takes one value
+    """The factors of a sequence-level ``sgpa-rff`` forward
+    (:class:`~gpattn.variational.covariances.TrainingSequenceCovariance`): g takes one value
     per sequence and head, the same at each of its tokens.
 
     :ivar root: σ ψ̂ᵀ L⁻ᵀ.  # shape: (B, H, 1, R)
