@@ -184,7 +184,7 @@ def test_evaluate_predictions_records_the_new_metrics():
 
 
 def test_compare_label_flags_a_temperature_gp():
-    from gpattn.experiments.compare import _label
+    from gpattn.experiments.report import _label
 
     flagged = {"ood": {U.MATCHED_KEYS[0]: 0.52, U.MATCHED_KEYS[1]: 0.51}}
     fine = {"ood": {U.MATCHED_KEYS[0]: 0.9, U.MATCHED_KEYS[1]: 0.8}}

@@ -54,6 +54,8 @@ __all__ = [
     "OOD_KEYS",
     "OOD_SCORE_NAMES",
     "accuracy",
+    "SAME_SAMPLES",
+    "SAMPLE_SCORES",
     "all_ood_scores",
     "aupr_error",
     "aupr_success",
@@ -72,6 +74,7 @@ __all__ = [
     "ood_metrics",
     "ood_score_key",
     "ood_scores",
+    "samples_differ",
     "predictive_entropy_split",
     "risk_coverage_curve",
     "temperature_scale",
@@ -525,15 +528,35 @@ def ood_score_key(name: str, key: str) -> str:
     return key if name == "msp" else f"{key}_{OOD_SCORE_NAMES[name]}"
 
 
-def all_ood_scores(sample_logits, average: str = "probs") -> dict[str, np.ndarray]:
+#: the scores that read the spread of the Monte-Carlo samples: a model whose samples do not differ has none
+SAMPLE_SCORES = ("mc-variance", "mutual-information")
+#: samples whose logits differ by at most this fraction of the largest logit are one prediction (float32 round-off)
+SAME_SAMPLES = 1e-5
+
+
+def samples_differ(sample_logits) -> bool:
+    """Whether the Monte-Carlo samples (N, P, C) are more than one prediction: P > 1 and some logit's spread over the
+    samples above :data:`SAME_SAMPLES` of the largest logit (a deterministic model's copies differ by round-off)."""
+    z = _as_float64(sample_logits, "sample_logits")
+    if z.ndim != 3 or z.shape[1] < 2:
+        return False
+    return bool(np.ptp(z, axis=1).max() > SAME_SAMPLES * max(1.0, float(np.abs(z).max())))
+
+
+def all_ood_scores(sample_logits, average: str = "probs") -> dict[str, np.ndarray | None]:
     """Every OOD score (CLI name -> (N,), higher = more in-distribution) of sample logits (N, P, C);
-    msp and entropy use the predictive probabilities of :func:`average_samples` with ``average``."""
+    msp and entropy use the predictive probabilities of :func:`average_samples` with ``average``. The sample scores
+    (:data:`SAMPLE_SCORES`) are ``None`` for samples that do not differ (:func:`samples_differ`): a model that does
+    not sample has no such score, and its round-off is not one."""
     z = _as_float64(sample_logits, "sample_logits")  # shape: (N, P, C)
     sp = special.softmax(z, axis=2)
     p = average_samples(z, average)
+    sampled = samples_differ(z)
     return {
-        name: ood_scores(p, kind, logits=z.mean(axis=1), sample_probs=sp) for name, kind in OOD_SCORE_NAMES.items()
-    }
+        name: (ood_scores(p, kind, logits=z.mean(axis=1), sample_probs=sp)
+               if sampled or name not in SAMPLE_SCORES else None)
+        for name, kind in OOD_SCORE_NAMES.items()
+    }  # fmt: skip
 
 
 def ood_metrics(scores_in, scores_out) -> dict[str, float]:

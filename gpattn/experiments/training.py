@@ -208,7 +208,9 @@ def evaluate_predictions(preds: dict, bundle, average: str = "probs", temperatur
             row = {k: None for k in M.METRIC_KEYS}
         if name in bundle.ood_splits:
             for score, values in M.all_ood_scores(logits, average).items():
-                detect = M.ood_metrics(scores_in[score], values)
+                # a score the model does not have (a sample score of a model that does not sample) is None: "–"
+                has = values is not None and scores_in[score] is not None
+                detect = M.ood_metrics(scores_in[score], values) if has else dict.fromkeys(M.OOD_KEYS)
                 row.update({M.ood_score_key(score, k): v for k, v in detect.items()})
         result[name] = {
             k: (None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)) for k, v in row.items()
@@ -590,7 +592,9 @@ def _one_step(run: _Run, bar) -> None:
     if offset + 1 == run.steps_per_epoch:
         entry = _epoch_entry(run, parts, epoch)
         run.history.append(entry)
-        bar.set_postfix(loss=f"{entry['train']['loss']:.3f}", refresh=False)  # read once an epoch
+        # the loss and its data part: under a global KL the loss can rise while the NLL falls
+        train = entry["train"]
+        bar.set_postfix(loss=f"{train['loss']:.3f}", nll=f"{train['nll']:.3f}", refresh=False)  # read once an epoch
         if run.log is not None and not cfg.progress:  # no bar: a line per epoch instead
             line = _epoch_line(run, entry)
             if run.dist.main:
@@ -605,8 +609,9 @@ def _epoch_line(run: _Run, entry: dict) -> str:
     """The line of an epoch without a progress bar: its mean loss, and the validation NLL and accuracy at the
     run's ``num_samples`` (on forked random streams: the run takes the steps it would take without the line)."""
     cfg, split = run.cfg, run.bundle.splits["val"]
-    loss = entry["train"]["loss"]
-    line = f"[train] {cfg.attention} seed {cfg.seed}: epoch {entry['epoch']}/{cfg.epochs}, loss {loss:.4f}"
+    loss, nll = entry["train"]["loss"], entry["train"]["nll"]
+    line = (f"[train] {cfg.attention} seed {cfg.seed}: epoch {entry['epoch']}/{cfg.epochs}, loss {loss:.4f} "
+            f"(NLL {nll:.4f} + the weighted KL and regulariser terms {loss - nll:.4f}, per training example)")
     if not len(split):
         return line
     with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
