@@ -111,3 +111,14 @@ def test_the_epoch_line_shows_the_nll_beside_the_loss(tmp_path):
         assert found, line
         loss, nll, rest = map(float, found.groups())
         assert rest > 0 and abs(loss - (nll + rest)) < 2e-4  # a GP layer's KL is a part of the loss
+
+
+def test_the_temperature_diagnostic_ignores_round_off():
+    from gpattn.experiments.uncertainty import temperature_diagnostic
+
+    g = np.random.default_rng(3)
+    copies_in, copies_out = _logits(seed=4), _logits(seed=5)
+    noisy = [z + 1e-7 * g.normal(size=z.shape) for z in (copies_in, copies_out)]
+    assert all(np.isnan(v) for v in temperature_diagnostic(*noisy).values())
+    assert all(np.isfinite(v) for v in temperature_diagnostic(_logits(spread=0.3, seed=4),
+                                                              _logits(spread=0.3, seed=5)).values())

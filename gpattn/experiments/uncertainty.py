@@ -130,11 +130,12 @@ def entropy_matched_auroc(score_in, score_out, entropy_in, entropy_out, n_bins: 
 
 def temperature_diagnostic(sample_logits_in, sample_logits_out, n_bins: int = 10, average: str = "probs") -> dict:
     """{:data:`MATCHED_KEYS`}: the entropy-matched OOD AUROC of the mutual information and of the logit
-    variance of in-domain vs OOD Monte-Carlo logits (N, P, C). With one sample (P = 1), or P equal samples
-    (a deterministic model repeated: no variance to judge), both are NaN."""
+    variance of in-domain vs OOD Monte-Carlo logits (N, P, C). With one sample (P = 1), or samples that do not
+    differ beyond round-off (a deterministic model repeated, :func:`gpattn.experiments.metrics.samples_differ`: no
+    variance to judge), both are NaN."""
     out = {}
     z_in, z_out = (M._as_float64(z, "sample_logits") for z in (sample_logits_in, sample_logits_out))
-    if z_in.shape[1] < 2 or z_out.shape[1] < 2 or not (np.ptp(z_in, axis=1).any() or np.ptp(z_out, axis=1).any()):
+    if not (M.samples_differ(z_in) or M.samples_differ(z_out)) or min(z_in.shape[1], z_out.shape[1]) < 2:
         return {k: math.nan for k in MATCHED_KEYS}
     p_in, p_out = M.average_samples(z_in, average), M.average_samples(z_out, average)
     h_in, h_out = (-np.sum(special.xlogy(p, p), axis=1) for p in (p_in, p_out))
