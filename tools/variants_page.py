@@ -89,7 +89,9 @@ VARIANTS = {
         "options": ("kernel", "prior_mean", "covariance"),
         "pick": "a GP attention layer from scratch or swapped into a pretrained encoder (the swap's recipe, "
         '`recipe="encoder-swap"`, keeps both pretrained maps and the softmax mean so it starts at the pretrained '
-        "attention); also a causal decoder.",
+        "attention); also a causal decoder. `covariance=\"full\"` (default) draws the tokens jointly, one "
+        "T × T factorisation per head and value dimension; `\"diag\"` draws them independently (the marginals are "
+        "the same, no factorisation: cheaper at long T).",
     },
     "sgpa-decoupled": {
         "what": "Decoupled SGPA: the keys for the mean and M global inducing points, shared by every sequence, "
@@ -99,7 +101,8 @@ VARIANTS = {
         "cost": "O(T²·Dv + T·M² + M³) per (B, H)",
         "options": ("num_global", "kernel", "prior_mean", "covariance"),
         "pick": "the GP layer whose uncertainty comes from variables that see the training set (global inducing "
-        "points); long sequences through the fused attention mean.",
+        "points); long sequences through the fused attention mean. `covariance=\"diag\"` (default, the released "
+        "code's) keeps it linear in memory; `\"full\"` draws the tokens jointly at O(Dv·T³).",
     },
     "sgpa-rff": {
         "what": "Distance-aware SGPA: the attention prior mean plus a global GP on the queries (random Fourier "
@@ -123,7 +126,8 @@ VARIANTS = {
         "prior_mean='zero', long sequences (linear in T); with prior_mean='softmax-separate' (the mean's own queries "
         "and keys) where the attention must find content at small widths (attention suite at width 32, T 24: mean over "
         "seeds softmax's, against 0.82 by default; CoLA out of domain worse); in a pretrained encoder only with the "
-        "trunk frozen (under full fine-tuning it stays below softmax's MCC).",
+        "trunk frozen (under full fine-tuning it stays below softmax's MCC). `merge=\"add\"` (default) takes any "
+        "length; `\"concat\"`, Chen et al.'s other merge, learns a 2T → T map and needs a fixed `seq_len`.",
     },
     "cgp": {
         "what": "CGPT: correlated GPs on the queries and keys; the attention is the key process conditioned on the "
