@@ -179,6 +179,7 @@ class RandomFeatureGP(gpytorch.Module):
             mean_field_factor=mean_field_factor,
         ))
         ell = math.sqrt(in_features) if lengthscale is None else float(lengthscale)
+        self.in_features = in_features  # D, as nn.Linear names its input width
         self.num_features, self.lengthscale, self.ridge = num_features, ell, float(ridge)
         self.mean_field_factor = float(opts["mean_field_factor"])
         self.norm = nn.LayerNorm(in_features, elementwise_affine=False) if input_norm else nn.Identity()
