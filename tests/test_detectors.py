@@ -109,3 +109,42 @@ def test_bad_inputs_name_the_argument():
         Dt.RelativeMahalanobis().fit(np.full((20, D), np.nan), y)
     with pytest.raises(ValueError, match="detector name must be one of"):
         Dt.detector_from_state("lof", {})
+
+
+# ----------------------------------------------------------------------------- in a run
+def test_a_run_fits_the_detectors_reports_them_and_predict_and_evaluate_reuse_them(tmp_path):
+    """digits, 1 epoch: metrics.json has each detector's OOD metrics (equal to scikit-learn's ROC area of the
+    scores in predictions.pt), the checkpoint's states are the detectors refitted on the training features, and
+    load_run(...).predict and ``gpattn evaluate`` score with them without the training data."""
+    import json
+
+    from gpattn.experiments import load_run
+    from gpattn.experiments.cli import main
+    from gpattn.experiments.features import fit_detectors
+    from gpattn.experiments.metrics import ood_score_key
+    from gpattn.experiments.training import TrainConfig, load_run_with_data, train
+
+    cfg = TrainConfig(dataset="digits", attention="softmax", embed_dim=16, num_heads=2, num_layers=1, epochs=1,
+                      batch_size=32, lr=5e-3, patch_size=4, num_samples=2, progress=False)  # fmt: skip
+    metrics = train(cfg, tmp_path / "run")
+    preds = torch.load(tmp_path / "run" / "predictions.pt", weights_only=True)
+    s_in, s_out = (preds[k]["detector_scores"] for k in ("test", "ood"))
+    for name in Dt.DETECTORS:
+        truth = np.r_[np.ones(len(s_in[name])), np.zeros(len(s_out[name]))]  # in-distribution positive
+        expected = roc_auc_score(truth, -np.r_[s_in[name].numpy(), s_out[name].numpy()])
+        assert metrics["ood"][ood_score_key(name, "ood_auroc")] == pytest.approx(expected, abs=1e-12)
+    _, model, bundle, ckpt = load_run_with_data(tmp_path / "run")
+    assert ckpt["detectors"]["choices"]["knn_k"] == Dt.KNN_DEFAULT_K  # digits has no OOD validation split yet
+    refit = fit_detectors(model, bundle, num_samples=2)
+    for name, state in ckpt["detectors"]["states"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(torch.as_tensor(refit["states"][name][key]), torch.as_tensor(value))
+    images = bundle.splits["ood"].inputs[:7]
+    pred = load_run(tmp_path / "run").predict(images)
+    for name in Dt.DETECTORS:
+        torch.testing.assert_close(pred.detector_scores[name], s_out[name][:7].float(), rtol=1e-4, atol=1e-5)
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "ev")]) == 0
+    again = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    for name in Dt.DETECTORS:
+        key = ood_score_key(name, "ood_auroc")
+        assert again["ood"][key] == pytest.approx(metrics["ood"][key], abs=1e-9)

@@ -9,7 +9,9 @@ random features). :func:`pooled_features` reads that input by putting a recorder
 pass (not a forward pre-hook: a gpytorch ``Module``, as the SNGP head is, runs no hooks of its own), so it needs
 nothing of the model but ``model.head`` and the classifiers' ``forward(inputs, key_padding_mask, num_samples=P)``.
 
-These are the features the post-hoc detectors (:mod:`gpattn.experiments.detectors`) are fitted on.
+These are the features the post-hoc detectors (:mod:`gpattn.experiments.detectors`) are fitted on:
+:func:`fit_detectors` fits every detector of :data:`gpattn.experiments.detectors.DETECTORS` on a run's training split
+(the checkpoint's ``detectors`` entry) and :func:`detector_scores` scores a split with them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,25 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-__all__ = ["pooled_features", "split_features"]
+from gpattn._warnings import warn
+
+__all__ = [
+    "OOD_VALIDATION_SPLIT",
+    "DetectorWarning",
+    "detector_scores",
+    "fit_detectors",
+    "pooled_features",
+    "split_features",
+]
+
+#: the bundle split (labels -1) a run's choices about OOD detection are made on, beside the in-domain ``val``
+#: split, where the data set has one; never an evaluation split
+OOD_VALIDATION_SPLIT = "ood_val"
+
+
+class DetectorWarning(UserWarning):
+    """A feature detector could not be fitted on a run's training features (its reason in the message and in the
+    checkpoint's ``detectors["choices"]["not_fitted"]``): its OOD score is absent from the run's metrics."""
 
 
 class _Recorder(nn.Module):
@@ -76,10 +96,52 @@ def pooled_features(model: nn.Module, batches, num_samples: int = 1) -> torch.Te
 def split_features(model: nn.Module, split, batch_size: int = 256, num_samples: int = 1) -> torch.Tensor:
     """:func:`pooled_features` of every row of a data split (:class:`gpattn.experiments.data.Split`), in
     batches of ``batch_size`` on the model's device, rows in the split's order.  # shape: (N, D)"""
-    from gpattn.experiments.training import _batch
+    from gpattn.experiments._runs import _batch
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     device = next(model.parameters()).device
     rows = torch.arange(len(split.labels)).split(batch_size)
     return pooled_features(model, (_batch(split, idx, device)[:2] for idx in rows), num_samples)
+
+
+def fit_detectors(model: nn.Module, bundle, num_samples: int = 1, batch_size: int = 256) -> dict:
+    """Every detector of :data:`gpattn.experiments.detectors.DETECTORS` fitted on the pooled features of
+    ``bundle``'s training split (:func:`split_features` with ``num_samples``) and its labels: the checkpoint's
+    ``detectors`` entry, plain data, ``{"num_samples": P, "states": {name: state}, "choices": {...}}``.
+
+    kNN's k is :func:`gpattn.experiments.detectors.choose_k` on the in-domain ``val`` split against
+    :data:`OOD_VALIDATION_SPLIT` where the bundle has both (``choices["knn_k_auroc"]`` keeps each k's validation
+    AUROC), else :data:`gpattn.experiments.detectors.KNN_DEFAULT_K`; ``choices["knn_k"]`` says which."""
+    from gpattn.experiments import detectors as Dt
+
+    train = bundle.splits["train"]
+    feats = split_features(model, train, batch_size, num_samples)
+    val, ood_val = bundle.splits.get("val"), bundle.splits.get(OOD_VALIDATION_SPLIT)
+    k = min(Dt.KNN_DEFAULT_K, max(len(train.labels), 1))
+    choices = {"knn_k": k, "knn_k_from": "default (no OOD validation split), at most the training rows"}
+    if val is not None and len(val.labels) and ood_val is not None and len(ood_val.labels):
+        val_in, val_ood = (split_features(model, s, batch_size, num_samples) for s in (val, ood_val))
+        k, aurocs = Dt.choose_k(feats, val_in, val_ood)
+        choices = {"knn_k": k, "knn_k_from": f"val against {OOD_VALIDATION_SPLIT}", "knn_k_auroc": aurocs}
+    options = {Dt.KNN.name: {"k": k}}  # every other detector with its defaults
+    states = {}
+    for name, cls in Dt.DETECTORS.items():
+        try:
+            states[name] = cls(**options.get(name, {})).fit(feats, train.labels).state_dict()
+        except ValueError as err:  # e.g. a class with one training row: no shared covariance to fit
+            choices.setdefault("not_fitted", {})[name] = str(err)
+            warn(f"the {name} OOD score is left out of this run: {err}", DetectorWarning)
+    return {"num_samples": num_samples, "states": states, "choices": choices}
+
+
+def detector_scores(model: nn.Module, split, detectors: dict, batch_size: int = 256) -> dict[str, torch.Tensor]:
+    """Each fitted detector's scores of ``split`` (higher = more out-of-distribution), float64 ``(N,)`` by name,
+    from ``detectors`` (:func:`fit_detectors`' entry; the features at its ``num_samples``)."""
+    from gpattn.experiments.detectors import detector_from_state
+
+    feats = split_features(model, split, batch_size, detectors["num_samples"])
+    return {
+        name: torch.from_numpy(detector_from_state(name, state).score(feats))
+        for name, state in detectors["states"].items()
+    }

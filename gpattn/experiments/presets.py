@@ -116,7 +116,7 @@ PRESETS: dict[str, dict] = {
         batch_size=32, lr=_LR_MINILM, num_samples=10, seeds=[0, 1, 2],
         # the recipe measured here before the --encoder defaults (one lr, no warm-up, no decay): kept as measured
         encoder_lr=_LR_MINILM, encoder_weight_decay=0.0, warmup=0.0,
-        # no softmax+sngp: SNGP is built for gpattn's own classifiers, not --encoder models (gpattn.experiments.sngp)
+        # no softmax+sngp in the list as measured (encoder SNGP came later: gpattn.experiments.sngp.ENCODER_SNGP)
         variants="softmax,softmax+ts,softmax+mcdropout,softmax+laplace,softmax+ens3,sgpa,sgpa-decoupled,kep-svgp,"
         "cgp,scgp,sgpa-rff",
         variant_options={"kep-svgp": {"rank": _KEP_RANK_COLA}}, variant_settings={"kep-svgp": _KEP_SETTINGS_COLA},
@@ -130,9 +130,10 @@ PRESETS: dict[str, dict] = {
         dataset="clinc150", encoder="minilm", encoder_recipe="frozen-trunk", attention_layers="last", epochs=3,
         batch_size=32, lr=_LR_MINILM, num_samples=10, seeds=[0, 1, 2, 3, 4],
         encoder_lr=_LR_MINILM, encoder_weight_decay=0.0, warmup=0.0,
-        # the uncertainty protocol (docs/uncertainty.md): temperature scaling after averaging beside every model (no
-        # softmax+sngp: SNGP is built for gpattn's own classifiers, not --encoder models)
-        variants="softmax,softmax+ts,softmax+mcdropout,softmax+laplace,softmax+ens3,softmax+ens3+ts,sgpa,sgpa+ts,"
+        # the uncertainty protocol (docs/uncertainty.md): temperature scaling after averaging beside every model;
+        # softmax+sngp is BERT-SNGP's recipe (a GP head, no spectral normalisation in the pretrained encoder)
+        variants="softmax,softmax+ts,softmax+mcdropout,softmax+laplace,softmax+sngp,softmax+sngp+ts,softmax+ens3,"
+        "softmax+ens3+ts,sgpa,sgpa+ts,"
         "sgpa-decoupled,sgpa-decoupled+ts,kep-svgp,kep-svgp+ts,cgp,cgp+ts,scgp,scgp+ts,sgpa-rff,sgpa-rff+ts",
         variant_options={"kep-svgp": {"rank": _KEP_RANK_COLA}, "sgpa-rff": {"recipe": "out-of-scope"}},
         # an estimate, not a measurement: cola-minilm's 80 min x 2 (15,000 vs ~7,700 training queries) x 5/3 seeds,
