@@ -35,13 +35,15 @@ def test_fixture_bundle_has_official_splits_and_unlabelled_ood(clinc_dir):
     bundle = load_dataset("clinc150", data_dir=clinc_dir, verify_checksum=False)
     raw = json.loads((clinc_dir / "data_full.json").read_text())
     sizes = {name: len(split.labels) for name, split in bundle.splits.items()}
-    assert sizes == {"train": 40, "val": 15, "test": 20, "ood": 6}
+    assert sizes == {"train": 40, "val": 15, "test": 20, "ood": 6, "ood_val": 2}  # ood_val: oos_val's queries
+    assert bundle.texts["ood_val"] == [text for text, _ in raw["oos_val"]]
     assert bundle.num_classes == 5
     assert bundle.info["class_names"] == [f"intent_{k}" for k in range(5)]
     assert bundle.info["raw_sizes"] == {k: len(v) for k, v in raw.items()}
     assert bundle.info["checksum_verified"] is False
     assert bundle.ood_splits == ("ood",)
     assert np.all(np.asarray(bundle.splits["ood"].labels) == -1)
+    assert np.all(np.asarray(bundle.splits["ood_val"].labels) == -1)
     # labels follow the file's intents in sorted order, row by row
     test_ids = [int(v) for v in bundle.splits["test"].labels]
     assert test_ids == [int(intent.split("_")[1]) for _, intent in raw["test"]]
@@ -86,7 +88,7 @@ def test_real_file_counts_and_checksum():
     bundle = load_dataset("clinc150", data_dir=REAL.parent)
     assert bundle.info["checksum_verified"] is True and bundle.info["sha256"] == clinc_module.CLINC150_SHA256
     assert {name: len(s.labels) for name, s in bundle.splits.items()} == {
-        "train": 15000, "val": 3000, "test": 4500, "ood": 1000
+        "train": 15000, "val": 3000, "test": 4500, "ood": 1000, "ood_val": 100
     }
     assert bundle.num_classes == 150
     assert np.bincount(np.asarray(bundle.splits["train"].labels), minlength=150).tolist() == [100] * 150

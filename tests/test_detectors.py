@@ -134,7 +134,9 @@ def test_a_run_fits_the_detectors_reports_them_and_predict_and_evaluate_reuse_th
         expected = roc_auc_score(truth, -np.r_[s_in[name].numpy(), s_out[name].numpy()])
         assert metrics["ood"][ood_score_key(name, "ood_auroc")] == pytest.approx(expected, abs=1e-12)
     _, model, bundle, ckpt = load_run_with_data(tmp_path / "run")
-    assert ckpt["detectors"]["choices"]["knn_k"] == Dt.KNN_DEFAULT_K  # digits has no OOD validation split yet
+    choices = ckpt["detectors"]["choices"]  # k chosen on val against digits' ood_val (held-out-class images)
+    assert choices["knn_k_from"] == "val against ood_val" and choices["knn_k"] in Dt.KNN_GRID
+    assert choices["knn_k_auroc"][choices["knn_k"]] == max(choices["knn_k_auroc"].values())
     refit = fit_detectors(model, bundle, num_samples=2)
     for name, state in ckpt["detectors"]["states"].items():
         for key, value in state.items():
