@@ -32,11 +32,14 @@ def test_registered():
 
 
 def test_fixture_bundle_has_official_splits_and_unlabelled_ood(clinc_dir):
-    bundle = load_dataset("clinc150", data_dir=clinc_dir, verify_checksum=False)
+    bundle = load_dataset("clinc150", data_dir=clinc_dir, verify_checksum=False, ood_val=True)
     raw = json.loads((clinc_dir / "data_full.json").read_text())
     sizes = {name: len(split.labels) for name, split in bundle.splits.items()}
     assert sizes == {"train": 40, "val": 15, "test": 20, "ood": 6, "ood_val": 2}  # ood_val: oos_val's queries
     assert bundle.texts["ood_val"] == [text for text, _ in raw["oos_val"]]
+    assert "ood_val" not in load_dataset("clinc150", data_dir=clinc_dir, verify_checksum=False).splits  # default
+    with pytest.raises(ValueError, match="ood_val must be True or False"):
+        load_dataset("clinc150", data_dir=clinc_dir, verify_checksum=False, ood_val="yes")
     assert bundle.num_classes == 5
     assert bundle.info["class_names"] == [f"intent_{k}" for k in range(5)]
     assert bundle.info["raw_sizes"] == {k: len(v) for k, v in raw.items()}
@@ -88,7 +91,7 @@ def test_real_file_counts_and_checksum():
     bundle = load_dataset("clinc150", data_dir=REAL.parent)
     assert bundle.info["checksum_verified"] is True and bundle.info["sha256"] == clinc_module.CLINC150_SHA256
     assert {name: len(s.labels) for name, s in bundle.splits.items()} == {
-        "train": 15000, "val": 3000, "test": 4500, "ood": 1000, "ood_val": 100
+        "train": 15000, "val": 3000, "test": 4500, "ood": 1000
     }
     assert bundle.num_classes == 150
     assert np.bincount(np.asarray(bundle.splits["train"].labels), minlength=150).tolist() == [100] * 150

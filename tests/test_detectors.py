@@ -124,7 +124,8 @@ def test_a_run_fits_the_detectors_reports_them_and_predict_and_evaluate_reuse_th
     from gpattn.experiments.metrics import ood_score_key
     from gpattn.experiments.training import TrainConfig, load_run_with_data, train
 
-    cfg = TrainConfig(dataset="digits", attention="softmax", embed_dim=16, num_heads=2, num_layers=1, epochs=1,
+    cfg = TrainConfig(dataset="digits", dataset_options={"ood_val_fraction": 0.3}, attention="softmax",
+                      embed_dim=16, num_heads=2, num_layers=1, epochs=1,
                       batch_size=32, lr=5e-3, patch_size=4, num_samples=2, progress=False)  # fmt: skip
     metrics = train(cfg, tmp_path / "run")
     preds = torch.load(tmp_path / "run" / "predictions.pt", weights_only=True)

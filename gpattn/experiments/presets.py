@@ -127,7 +127,8 @@ PRESETS: dict[str, dict] = {
     # "out-of-scope" recipe (gpattn.attention.registry: g on each sentence's unit mean query, R = 1024, l = 0.2,
     # w = 1e4, the setting chosen on CLINC150's validation split, docs/results.md)
     "clinc150-minilm": dict(
-        dataset="clinc150", encoder="minilm", encoder_recipe="frozen-trunk", attention_layers="last", epochs=3,
+        dataset="clinc150", dataset_options={"ood_val": True}, encoder="minilm", encoder_recipe="frozen-trunk",
+        attention_layers="last", epochs=3,
         batch_size=32, lr=_LR_MINILM, num_samples=10, seeds=[0, 1, 2, 3, 4],
         encoder_lr=_LR_MINILM, encoder_weight_decay=0.0, warmup=0.0,
         # the uncertainty protocol (docs/uncertainty.md): temperature scaling after averaging beside every model;
@@ -140,9 +141,11 @@ PRESETS: dict[str, dict] = {
         # x 7/6 for sgpa-rff; a loaded CPU measured 45-90 min per GP run (docs/results.md)
         budget_minutes=320, **_GP_WEIGHTS,
     ),
-    # ViT on the embedded digits: shift = corruptions x 5 severities, ood = held-out classes 8 and 9
+    # ViT on the embedded digits: shift = corruptions x 5 severities, ood = held-out classes 8 and 9 (70 % of their
+    # images; 30 % are ood_val, where choices about OOD detection are made)
     "digits": dict(
-        dataset="digits", epochs=20, batch_size=32, lr=3e-3, num_samples=10, seeds=[0, 1, 2],
+        dataset="digits", dataset_options={"ood_val_fraction": 0.3}, epochs=20, batch_size=32, lr=3e-3,
+        num_samples=10, seeds=[0, 1, 2],
         variants="all+baselines", embed_dim=64, num_heads=4, num_layers=2, mlp_ratio=2.0, dropout=0.1,
         variant_settings={"cgp": _CGP_SETTINGS_DIGITS}, **_IMAGE_POOLING, **_GP_WEIGHTS,
     ),

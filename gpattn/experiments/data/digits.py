@@ -75,16 +75,16 @@ def load_digits(
     val_fraction: float = 0.15,
     test_fraction: float = 0.25,
     severities: Sequence[int] = (1, 2, 3, 4, 5),
-    ood_val_fraction: float = 0.3,
+    ood_val_fraction: float = 0.0,
 ) -> DatasetBundle:
     """Splits: train / val / test (stratified, seeded) of the in-domain classes relabelled 0..K-1 in
     order; ``shift`` = the test images under every corruption of :data:`CORRUPTIONS` at each of
     ``severities`` (labels kept, ``groups`` = severity; ``info["shift_corruptions"]`` names the
     corruption of each example, ``info["shift_chunks"]`` lists the contiguous blocks); the images of
     ``ood_classes``, labels -1, split (stratified by digit, seeded) into ``ood_val`` (``ood_val_fraction`` of
-    them: the OOD validation split on which choices about OOD detection are made, never reported) and ``ood``
-    (the rest, the evaluation split); ``ood_val_fraction=0`` puts every one in ``ood``. ``data_dir`` and
-    ``download`` are unused (embedded data)."""
+    them: the OOD validation split on which choices about OOD detection are made, never reported; the ``digits``
+    preset takes 0.3) and ``ood`` (the rest, the evaluation split); the default 0 puts every one in ``ood``, the
+    data set of the runs before the split existed. ``data_dir`` and ``download`` are unused (embedded data)."""
     from sklearn.datasets import load_digits as sklearn_digits
 
     raw = sklearn_digits()
