@@ -74,15 +74,19 @@ class FeatureDetector:
     name = ""
 
     def fit(self, train_features, train_labels) -> FeatureDetector:  # pragma: no cover - the protocol
+        """Fit on the training features ``(N, D)`` and their labels ``(N,)``; returns the detector."""
         raise NotImplementedError
 
     def score(self, features) -> np.ndarray:  # pragma: no cover - the protocol
+        """The ``(N,)`` float64 scores of features ``(N, D)``, higher = more out-of-distribution."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:  # pragma: no cover - the protocol
+        """The fitted state as plain data (tensors, numbers), for a checkpoint read with ``weights_only=True``."""
         raise NotImplementedError
 
     def load_state_dict(self, state: dict) -> FeatureDetector:  # pragma: no cover - the protocol
+        """Restore a :meth:`state_dict`; returns the detector."""
         raise NotImplementedError
 
     def _check_fitted(self, attr: str) -> None:

@@ -126,6 +126,7 @@ class SpectralScope:
     name = ""
 
     def linears(self, model: nn.Module) -> list[nn.Linear]:  # pragma: no cover - the protocol
+        """The ``nn.Linear`` modules of ``model`` to spectral-normalise (never ``model.head``'s)."""
         raise NotImplementedError
 
 
