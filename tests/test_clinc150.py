@@ -32,16 +32,21 @@ def test_registered():
 
 
 def test_fixture_bundle_has_official_splits_and_unlabelled_ood(clinc_dir):
-    bundle = load_dataset("clinc150", data_dir=clinc_dir, verify_checksum=False)
+    bundle = load_dataset("clinc150", data_dir=clinc_dir, verify_checksum=False, ood_val=True)
     raw = json.loads((clinc_dir / "data_full.json").read_text())
     sizes = {name: len(split.labels) for name, split in bundle.splits.items()}
-    assert sizes == {"train": 40, "val": 15, "test": 20, "ood": 6}
+    assert sizes == {"train": 40, "val": 15, "test": 20, "ood": 6, "ood_val": 2}  # ood_val: oos_val's queries
+    assert bundle.texts["ood_val"] == [text for text, _ in raw["oos_val"]]
+    assert "ood_val" not in load_dataset("clinc150", data_dir=clinc_dir, verify_checksum=False).splits  # default
+    with pytest.raises(ValueError, match="ood_val must be True or False"):
+        load_dataset("clinc150", data_dir=clinc_dir, verify_checksum=False, ood_val="yes")
     assert bundle.num_classes == 5
     assert bundle.info["class_names"] == [f"intent_{k}" for k in range(5)]
     assert bundle.info["raw_sizes"] == {k: len(v) for k, v in raw.items()}
     assert bundle.info["checksum_verified"] is False
     assert bundle.ood_splits == ("ood",)
     assert np.all(np.asarray(bundle.splits["ood"].labels) == -1)
+    assert np.all(np.asarray(bundle.splits["ood_val"].labels) == -1)
     # labels follow the file's intents in sorted order, row by row
     test_ids = [int(v) for v in bundle.splits["test"].labels]
     assert test_ids == [int(intent.split("_")[1]) for _, intent in raw["test"]]

@@ -152,7 +152,7 @@ def test_digits_shapes_dtypes_range(digits):
     assert digits.vocab is None and digits.vocab_size is None
     assert digits.eval_splits == {"in_domain": "test", "shift": "shift", "ood": "ood"}
     assert digits.ood_splits == ("ood",)
-    assert set(digits.splits) == {"train", "val", "test", "shift", "ood"}
+    assert set(digits.splits) == {"train", "val", "test", "shift", "ood"}  # ood_val only when asked for
     for split in digits.splits.values():
         assert split.inputs.dtype == torch.float32 and split.inputs.shape[1:] == (1, 8, 8)
         assert split.labels.dtype == torch.int64 and split.labels.shape == (len(split),)
@@ -178,10 +178,27 @@ def test_digits_relabelling_partition_and_ood(digits, sk_digits):
             assert y in label_of[k] and not label_of[k] & {8, 9}
             in_domain[k] += 1
     assert in_domain == Counter(_pixel_key(x) for x, t in zip(images, targets) if t < 8)  # exact partition
-    ood = digits.splits["ood"]
-    assert len(ood) == int(np.isin(targets, (8, 9)).sum()) and set(ood.labels.tolist()) == {-1}
-    assert all(label_of[_pixel_key(x)] <= {8, 9} for x in ood.inputs.numpy())
-    assert not {_pixel_key(x) for x in ood.inputs.numpy()} & set(in_domain)
+    assert len(digits.splits["ood"]) == int(np.isin(targets, (8, 9)).sum())  # the default: every one in ood
+    split = load_dataset("digits", seed=0, severities=(), ood_val_fraction=0.3)
+    ood, ood_val = split.splits["ood"], split.splits["ood_val"]
+    assert len(ood) + len(ood_val) == int(np.isin(targets, (8, 9)).sum())
+    assert set(ood.labels.tolist()) == set(ood_val.labels.tolist()) == {-1}
+    for split in (ood, ood_val):
+        assert all(label_of[_pixel_key(x)] <= {8, 9} for x in split.inputs.numpy())
+        assert not {_pixel_key(x) for x in split.inputs.numpy()} & set(in_domain)
+    # the held-out images exactly once over ood and ood_val (an exact partition), about 30 % in ood_val per digit
+    held_out = Counter(_pixel_key(x) for x, t in zip(images, targets) if t >= 8)
+    assert Counter(_pixel_key(x) for s in (ood, ood_val) for x in s.inputs.numpy()) == held_out
+    for digit in (8, 9):
+        n_val = sum(label_of[_pixel_key(x)] == {digit} for x in ood_val.inputs.numpy())
+        assert abs(n_val - 0.3 * int((targets == digit).sum())) <= 1.5  # up to images that two digits share
+    again = load_dataset("digits", seed=0, severities=(), ood_val_fraction=0.3)
+    assert torch.equal(again.splits["ood_val"].inputs, ood_val.inputs)  # seeded
+    moved = load_dataset("digits", severities=(), seed=1, ood_val_fraction=0.3).splits["ood_val"]
+    assert not torch.equal(moved.inputs, ood_val.inputs)
+    assert "ood_val" not in digits.splits
+    with pytest.raises(ValueError, match="ood_val_fraction"):
+        load_dataset("digits", ood_val_fraction=1.0)
 
     other = load_dataset("digits", ood_classes=(0, 3), severities=())
     assert other.num_classes == 8 and other.info["class_names"] == ["1", "2", "4", "5", "6", "7", "8", "9"]

@@ -107,7 +107,8 @@ def test_the_epoch_line_shows_the_nll_beside_the_loss(tmp_path):
     lines = [line for line in done.stdout.splitlines() if line.startswith("[train] sgpa-rff seed 0: epoch ")]
     assert len(lines) == 2
     for line in lines:
-        found = re.search(r"loss (-?[0-9.]+) \(NLL ([0-9.]+) \+ the weighted KL and regulariser terms (-?[0-9.]+)", line)
+        found = re.search(r"loss (-?[0-9.]+) \(NLL ([0-9.]+) \+ the weighted KL and regulariser terms (-?[0-9.]+)",
+                          line)
         assert found, line
         loss, nll, rest = map(float, found.groups())
         assert rest > 0 and abs(loss - (nll + rest)) < 2e-4  # a GP layer's KL is a part of the loss

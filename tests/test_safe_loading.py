@@ -127,7 +127,7 @@ def test_every_variant_round_trips_weights_only(tmp_path, capsys, loads, attenti
     model = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]  # (recorded too)
     _, loaded, _, ckpt = load_run_with_data(tmp_path)
     assert set(ckpt) == {"format_version", "gpattn_version", "config", "model", "optimizer", "scheduler", "step",
-                         "history", "epoch_stats", "rng", "data", "rng_ranks"}  # fmt: skip
+                         "history", "epoch_stats", "rng", "data", "rng_ranks", "detectors"}  # fmt: skip
     assert ckpt["history"] and ckpt["rng"].dtype == torch.uint8
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, model[name]), name

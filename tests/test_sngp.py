@@ -267,8 +267,9 @@ def test_specs_options_and_config_checks():
         TrainConfig(sngp={"num_feature": 8})
     with pytest.raises(ValueError, match="ridge"):
         TrainConfig(sngp={"ridge": -1.0})
-    with pytest.raises(ValueError, match="sngp"):
-        TrainConfig(sngp={}, encoder="minilm")
+    assert TrainConfig(sngp={}, encoder="minilm").sngp == {}  # an encoder takes SNGP too (tests/test_sngp_encoder.py)
+    with pytest.raises(ValueError, match="spectral_norm must be one of"):
+        TrainConfig(sngp={"spectral_norm": "every"})
     assert S.check_sngp_options({"num_features": 8})["spectral_bound"] == S.SNGP_DEFAULTS["spectral_bound"]
 
 

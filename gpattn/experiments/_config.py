@@ -80,7 +80,8 @@ class TrainConfig:
     dropout: float = 0.1
     mc_dropout: bool = False
     #: SNGP (``compare``'s ``+sngp``): None = off, else the options of gpattn.experiments.sngp.apply_sngp, all of
-    #: them (spectral-normalised blocks, a random-feature GP head, its Laplace covariance fitted after training)
+    #: them (spectral normalisation of the scope ``spectral_norm`` names, a random-feature GP head, its Laplace
+    #: covariance fitted after training); on an encoder too (gpattn.experiments.sngp.sngp_options)
     sngp: dict | None = None
     pooling: str | None = None
     patch_size: int | None = None
@@ -194,8 +195,6 @@ class TrainConfig:
         if self.sngp is not None:
             from gpattn.experiments.sngp import check_sngp_options
 
-            if self.encoder is not None:
-                raise bad("sngp", "None with an encoder (SNGP is built for gpattn's own classifiers)")
             check_sngp_options(self.sngp)
 
     @classmethod

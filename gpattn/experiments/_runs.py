@@ -161,3 +161,20 @@ def fit_to_positions(bundle, width: int):
             DataWarning,
         )
     return (dataclasses.replace(bundle, splits=splits) if cut else bundle), cut
+
+
+# ----------------------------------------------------------------------------- batches
+def _batch(split, idx, device=None):
+    """Inputs, mask and labels of rows ``idx`` on ``device`` (host tensors when None); text batches are
+    cut to their longest real sequence (read on the host, before the copy: no device synchronisation)."""
+    x = split.inputs[idx]
+    mask = None if split.mask is None else split.mask[idx]
+    if mask is not None:
+        longest = int((~mask).sum(1).numpy().max()) if len(idx) else 1
+        # contiguous: a compiled model (--compile) guards on strides, and a cut of the full width has the width's
+        x, mask = x[:, : max(longest, 1)].contiguous(), mask[:, : max(longest, 1)].contiguous()
+    y = split.labels[idx]
+    if device is not None and torch.device(device).type != "cpu":  # pinned host memory: an asynchronous copy
+        x, y = (t.pin_memory().to(device, non_blocking=True) for t in (x, y))
+        mask = None if mask is None else mask.pin_memory().to(device, non_blocking=True)
+    return x, mask, y

@@ -147,7 +147,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
         type=_ood_scores,
         default=["msp"],
         help="OOD score(s) shown in the printout, report.md tables and histograms, comma list of "
-        "msp (default), entropy, energy, mc-variance, mutual-information; metrics.json has all of them",
+        "msp (default), entropy, energy, mc-variance, mutual-information, and the feature detectors fitted on the "
+        "training split: mahalanobis, relative-mahalanobis, knn; metrics.json has all of them",
     )
     p.add_argument(
         "--no-progress", action="store_true",
@@ -369,6 +370,12 @@ def cmd_evaluate(args) -> int:
             }
             for k in sorted({"val", *bundle.eval_splits.values()})
         }
+        if ckpt.get("detectors") is not None:  # the feature detectors the run fitted on its training split
+            from gpattn.experiments.features import detector_scores
+
+            for k, pred in preds.items():
+                pred["detector_scores"] = detector_scores(model, bundle.splits[k], ckpt["detectors"],
+                                                          cfg.eval_batch_size)
     metrics = evaluate_predictions(preds, bundle, cfg.average)
     data_json = ckpt_path.parent / "data.json"
     record = {

@@ -5,8 +5,9 @@ A *variant spec* is a registered attention name with optional modifiers:
 ``softmax+laplace`` (post-hoc last-layer Laplace, :mod:`gpattn.experiments.laplace`; laplace-torch when installed,
 else the dense float64 back end),
 ``softmax+mcdropout`` (dropout kept on at prediction), ``softmax+sngp`` (SNGP, Liu et al. 2020: spectral-normalised
-blocks and a random-feature GP head with a Laplace covariance, :mod:`gpattn.experiments.sngp`; a training-time
-change, so it trains a run of its own), ``softmax+ens5`` (deep ensemble of 5
+blocks — none on a pretrained encoder, as BERT-SNGP — and a random-feature GP head with a Laplace covariance,
+:mod:`gpattn.experiments.sngp`; a training-time change, so it trains a run of its own), ``softmax+ens5`` (deep
+ensemble of 5
 independently seeded models: the seed run plus members seeded ``seed + 1000·j``). Modifiers combine
 (``kep-svgp+ens5``). Attention options for one variant go in brackets after its name, comma-separated
 ``key=value`` pairs: ``sto[tau=2]``, ``h-sto[tau1=1,tau2=20]+ts`` (values are Python literals, else
@@ -46,7 +47,7 @@ from gpattn.experiments._variants import (  # noqa: F401  (BASELINES re-exported
     split_variants,
 )
 from gpattn.experiments.report import REPORT_COLUMNS, _plots, write_report  # noqa: F401  (write_report re-exported)
-from gpattn.experiments.sngp import SNGP_DEFAULTS
+from gpattn.experiments.sngp import sngp_options
 from gpattn.experiments.training import (
     COLLAPSE,
     DIVERGED,
@@ -71,7 +72,7 @@ def _run(
     one candidate of an α grid (the run's own folder ``<name>/alpha=<α>``), else the base's α."""
     cfg = dataclasses.replace(
         base, attention=spec.attention, attention_options=_spec_options(base, spec), mc_dropout=spec.mcdropout,
-        seed=seed, sngp=dict(SNGP_DEFAULTS) if spec.sngp else None,
+        seed=seed, sngp=sngp_options(base.encoder is not None) if spec.sngp else None,
         progress=progress,
         **({} if alpha is None else {"alpha": alpha}),
     )
@@ -191,9 +192,20 @@ def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:
         k: {
             "logits": la.predict_logits(bundle.splits[k], cfg.num_samples, generator=g),
             "labels": bundle.splits[k].labels,
+            **_member_detector_scores([keys], k),  # last-layer Laplace keeps the run's features: its detectors'
         }
         for k in keys
     }
+
+
+def _member_detector_scores(members: list, key: str) -> dict:
+    """``{"detector_scores": ...}`` of split ``key``: each feature detector's score averaged over the members that
+    all have it (one member: its own); ``{}`` when some member has none (e.g. a run from before the detectors)."""
+    found = [m[key].get("detector_scores") for m in members]
+    if any(f is None for f in found):
+        return {}
+    names = set.intersection(*(set(f) for f in found))
+    return {"detector_scores": {n: torch.stack([f[n] for f in found]).mean(0) for n in sorted(names)}}
 
 
 def _log(message: str) -> None:
@@ -299,7 +311,8 @@ def compare(
                 continue
             # deep ensemble: pool every member's samples (equal P, so this averages member predictions)
             preds = {k: {"logits": torch.cat([m[k]["logits"] for m in members], dim=1),
-                         "labels": members[0][k]["labels"]} for k in members[0]}
+                         "labels": members[0][k]["labels"], **_member_detector_scores(members, k)}
+                     for k in members[0]}
             temperature = 1.0
             if spec.ts:
                 temperature = float(M.temperature_scale(preds["val"]["logits"], preds["val"]["labels"]))
@@ -376,10 +389,6 @@ def _check_specs(specs, base: TrainConfig) -> set[str]:
         width, heads = encoder_shape(base)
     takers = set()
     for spec in specs:
-        if spec.sngp and base.encoder is not None:
-            raise ValueError(
-                f"variant {spec.spec!r}: +sngp is built for gpattn's own classifiers, not --encoder models"
-            )
         try:
             layer = build_attention(spec.attention, width, heads, **_spec_options(base, spec))
         except (ValueError, TypeError) as err:

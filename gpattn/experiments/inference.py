@@ -42,7 +42,9 @@ def _stub_bundle(meta: dict):
 class Prediction:
     """``probs`` (N, C) predictive probabilities; ``total_entropy`` = H(p̄), ``expected_entropy`` (aleatoric)
     = mean over samples of H(p_s), ``mutual_information`` (epistemic) = total − expected, each (N,) in nats;
-    ``sample_probs`` (N, P, C); ``labels`` the predicted class names."""
+    ``sample_probs`` (N, P, C); ``labels`` the predicted class names; ``detector_scores`` each feature detector's
+    score (N,), higher = more out-of-distribution, for a run that fitted them (:mod:`gpattn.experiments.detectors`,
+    on the training split after training; empty for a run from before them)."""
 
     probs: torch.Tensor
     total_entropy: torch.Tensor
@@ -50,6 +52,7 @@ class Prediction:
     mutual_information: torch.Tensor
     sample_probs: torch.Tensor
     labels: list[str]
+    detector_scores: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def aleatoric(self) -> torch.Tensor:
@@ -134,8 +137,10 @@ def _as_texts(inputs) -> list[str]:
 class Run:
     """A trained run: its config, model (eval mode) and data metadata. Use :func:`load_run`."""
 
-    def __init__(self, cfg, model, meta: dict, path: Path):
+    def __init__(self, cfg, model, meta: dict, path: Path, detectors: dict | None = None):
         self.cfg, self.model, self.meta, self.path = cfg, model, meta, path
+        #: the checkpoint's fitted feature detectors (gpattn.experiments.features.fit_detectors), or None
+        self.detectors = detectors
         self.class_names = list(meta["class_names"])
         self._tokenizer = None  # a pretrained encoder's, rebuilt from the checkpoint on first use
 
@@ -204,12 +209,25 @@ class Run:
             if seed is not None:
                 torch.manual_seed(seed)
             logits = self._sample_logits(ids, mask, P, batch_size)  # shape: (N, P, C)
+            scores = self._detector_scores(ids, mask, batch_size)
         sample_probs = torch.softmax(logits, dim=-1)
         probs = torch.as_tensor(M.average_samples(logits, self.cfg.average), dtype=torch.float32)
         split = M.predictive_entropy_split(sample_probs)
         total, expected, mi = (torch.as_tensor(v, dtype=torch.float32) for v in split)
         labels = [self.class_names[k] for k in probs.argmax(1).tolist()]
-        return Prediction(probs, total, expected, mi, sample_probs, labels)
+        return Prediction(probs, total, expected, mi, sample_probs, labels, scores)
+
+    def _detector_scores(self, ids, mask, batch_size: int) -> dict[str, torch.Tensor]:
+        """The fitted feature detectors' scores of encoded inputs (float32 (N,) by name; {} without detectors)."""
+        from gpattn.experiments.data import Split
+        from gpattn.experiments.features import detector_scores
+
+        if not self.detectors or not self.detectors.get("states"):
+            return {}
+        P = self.detectors["num_samples"]
+        rows = predict_rows(batch_size, P, ids.shape[1] if mask is not None else 1)
+        split = Split(ids, torch.zeros(ids.shape[0], dtype=torch.int64), mask)
+        return {k: v.float() for k, v in detector_scores(self.model, split, self.detectors, rows).items()}
 
     def _sample_logits(self, ids, mask, num_samples: int, batch_size: int) -> torch.Tensor:
         """Sample logits of encoded inputs, in eval mode, in batches of :func:`predict_rows`.  # shape: (N, P, C)"""
@@ -238,4 +256,4 @@ def load_run(path, device=None) -> Run:
     model = build_model(cfg, _stub_bundle(ckpt["data"])).to(target)
     model.load_state_dict(ckpt["model"])
     model.eval()
-    return Run(cfg, model, ckpt["data"], path)
+    return Run(cfg, model, ckpt["data"], path, ckpt.get("detectors"))

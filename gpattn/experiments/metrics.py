@@ -47,8 +47,11 @@ from typing import NamedTuple
 import numpy as np
 from scipy import optimize, special
 
+from gpattn.experiments.detectors import DETECTORS
+
 __all__ = [
     "CalibrationBins",
+    "LOGIT_SCORE_NAMES",
     "METRIC_KEYS",
     "NLL_EPS",
     "OOD_KEYS",
@@ -74,6 +77,7 @@ __all__ = [
     "ood_metrics",
     "ood_score_key",
     "ood_scores",
+    "prediction_ood_scores",
     "samples_differ",
     "predictive_entropy_split",
     "risk_coverage_curve",
@@ -510,15 +514,19 @@ def predictive_entropy_split(sample_probs) -> tuple[np.ndarray, np.ndarray, np.n
     return total, expected, np.maximum(total - expected, 0.0)
 
 
-#: OOD scores by their CLI names (``--ood-score``) -> :func:`ood_scores` kinds; metrics.json keeps the
-#: max-probability (msp) results under ``ood_auroc`` ..., the others as ``ood_auroc_<kind>`` ...
-OOD_SCORE_NAMES = {
+#: the scores of the logits by their CLI names -> :func:`ood_scores` kinds
+LOGIT_SCORE_NAMES = {
     "msp": "max_prob",
     "entropy": "entropy",
     "energy": "energy",
     "mc-variance": "mc_variance",
     "mutual-information": "mutual_information",
 }
+#: OOD scores by their CLI names (``--ood-score``) -> their metrics.json suffixes: the scores of the logits
+#: (:data:`LOGIT_SCORE_NAMES`) and the feature detectors (:data:`gpattn.experiments.detectors.DETECTORS`, fitted on
+#: the training split, their scores in a prediction's ``detector_scores``); metrics.json keeps the max-probability
+#: (msp) results under ``ood_auroc`` ..., the others as ``ood_auroc_<suffix>`` ...
+OOD_SCORE_NAMES = {**LOGIT_SCORE_NAMES, **{name: name.replace("-", "_") for name in DETECTORS}}
 
 
 def ood_score_key(name: str, key: str) -> str:
@@ -555,8 +563,18 @@ def all_ood_scores(sample_logits, average: str = "probs") -> dict[str, np.ndarra
     return {
         name: (ood_scores(p, kind, logits=z.mean(axis=1), sample_probs=sp)
                if sampled or name not in SAMPLE_SCORES else None)
-        for name, kind in OOD_SCORE_NAMES.items()
+        for name, kind in LOGIT_SCORE_NAMES.items()
     }  # fmt: skip
+
+
+def prediction_ood_scores(prediction: dict, average: str = "probs", temperature: float = 1.0) -> dict[str, np.ndarray]:
+    """Every OOD score of one split's prediction (``{"logits": (N, P, C), "detector_scores": {name: (N,)}}``, the
+    latter optional), higher = more in-distribution: :func:`all_ood_scores` of the logits divided by
+    ``temperature``, and each feature detector's score negated (a detector scores higher = more OOD)."""
+    out = all_ood_scores(prediction["logits"] / temperature, average)
+    for name, values in (prediction.get("detector_scores") or {}).items():
+        out[name] = -_as_float64(values, f"detector_scores[{name!r}]")
+    return out
 
 
 def ood_metrics(scores_in, scores_out) -> dict[str, float]:

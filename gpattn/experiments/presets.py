@@ -116,7 +116,7 @@ PRESETS: dict[str, dict] = {
         batch_size=32, lr=_LR_MINILM, num_samples=10, seeds=[0, 1, 2],
         # the recipe measured here before the --encoder defaults (one lr, no warm-up, no decay): kept as measured
         encoder_lr=_LR_MINILM, encoder_weight_decay=0.0, warmup=0.0,
-        # no softmax+sngp: SNGP is built for gpattn's own classifiers, not --encoder models (gpattn.experiments.sngp)
+        # no softmax+sngp in the list as measured (encoder SNGP came later: gpattn.experiments.sngp.ENCODER_SNGP)
         variants="softmax,softmax+ts,softmax+mcdropout,softmax+laplace,softmax+ens3,sgpa,sgpa-decoupled,kep-svgp,"
         "cgp,scgp,sgpa-rff",
         variant_options={"kep-svgp": {"rank": _KEP_RANK_COLA}}, variant_settings={"kep-svgp": _KEP_SETTINGS_COLA},
@@ -127,21 +127,25 @@ PRESETS: dict[str, dict] = {
     # "out-of-scope" recipe (gpattn.attention.registry: g on each sentence's unit mean query, R = 1024, l = 0.2,
     # w = 1e4, the setting chosen on CLINC150's validation split, docs/results.md)
     "clinc150-minilm": dict(
-        dataset="clinc150", encoder="minilm", encoder_recipe="frozen-trunk", attention_layers="last", epochs=3,
+        dataset="clinc150", dataset_options={"ood_val": True}, encoder="minilm", encoder_recipe="frozen-trunk",
+        attention_layers="last", epochs=3,
         batch_size=32, lr=_LR_MINILM, num_samples=10, seeds=[0, 1, 2, 3, 4],
         encoder_lr=_LR_MINILM, encoder_weight_decay=0.0, warmup=0.0,
-        # the uncertainty protocol (docs/uncertainty.md): temperature scaling after averaging beside every model (no
-        # softmax+sngp: SNGP is built for gpattn's own classifiers, not --encoder models)
-        variants="softmax,softmax+ts,softmax+mcdropout,softmax+laplace,softmax+ens3,softmax+ens3+ts,sgpa,sgpa+ts,"
+        # the uncertainty protocol (docs/uncertainty.md): temperature scaling after averaging beside every model;
+        # softmax+sngp is BERT-SNGP's recipe (a GP head, no spectral normalisation in the pretrained encoder)
+        variants="softmax,softmax+ts,softmax+mcdropout,softmax+laplace,softmax+sngp,softmax+sngp+ts,softmax+ens3,"
+        "softmax+ens3+ts,sgpa,sgpa+ts,"
         "sgpa-decoupled,sgpa-decoupled+ts,kep-svgp,kep-svgp+ts,cgp,cgp+ts,scgp,scgp+ts,sgpa-rff,sgpa-rff+ts",
         variant_options={"kep-svgp": {"rank": _KEP_RANK_COLA}, "sgpa-rff": {"recipe": "out-of-scope"}},
         # an estimate, not a measurement: cola-minilm's 80 min x 2 (15,000 vs ~7,700 training queries) x 5/3 seeds,
         # x 7/6 for sgpa-rff; a loaded CPU measured 45-90 min per GP run (docs/results.md)
         budget_minutes=320, **_GP_WEIGHTS,
     ),
-    # ViT on the embedded digits: shift = corruptions x 5 severities, ood = held-out classes 8 and 9
+    # ViT on the embedded digits: shift = corruptions x 5 severities, ood = held-out classes 8 and 9 (70 % of their
+    # images; 30 % are ood_val, where choices about OOD detection are made)
     "digits": dict(
-        dataset="digits", epochs=20, batch_size=32, lr=3e-3, num_samples=10, seeds=[0, 1, 2],
+        dataset="digits", dataset_options={"ood_val_fraction": 0.3}, epochs=20, batch_size=32, lr=3e-3,
+        num_samples=10, seeds=[0, 1, 2],
         variants="all+baselines", embed_dim=64, num_heads=4, num_layers=2, mlp_ratio=2.0, dropout=0.1,
         variant_settings={"cgp": _CGP_SETTINGS_DIGITS}, **_IMAGE_POOLING, **_GP_WEIGHTS,
     ),

@@ -48,11 +48,11 @@ def _plots(plot_preds, out: Path, average: str, ood_scores=("msp",)) -> list[str
                     p_in, labels, out / f"reliability_{_safe(spec)}.png", title=f"{spec} (in-domain, seed {seed})"
                 )
                 curves[spec] = (p_in, labels)
-                scores_in = M.all_ood_scores(preds[test]["logits"] / temperature, average)
+                scores_in = M.prediction_ood_scores(preds[test], average, temperature)
                 for name in bundle.ood_splits:
-                    scores_out = M.all_ood_scores(preds[bundle.eval_splits[name]]["logits"] / temperature, average)
+                    scores_out = M.prediction_ood_scores(preds[bundle.eval_splits[name]], average, temperature)
                     for score in ood_scores:
-                        if scores_in[score] is not None and scores_out[score] is not None:  # a score it has
+                        if scores_in.get(score) is not None and scores_out.get(score) is not None:  # a score it has
                             ood[score][spec] = (scores_in[score], scores_out[score])
         bundle = per_seed[first][2]
         for split, key in bundle.eval_splits.items():

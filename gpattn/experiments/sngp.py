@@ -26,8 +26,11 @@ Two changes to a trained-from-scratch classifier, both trained, plus one pass af
    and in eval mode the head returns the paper's mean-field logits
    :math:`\mathrm{logits} / \sqrt{1 + \lambda\, \phi^\top \Sigma \phi}` with :math:`\lambda = \pi/8`.
 
-:func:`apply_sngp` turns a gpattn classifier into its SNGP form (``softmax+sngp`` in ``compare``; the
-``sngp`` field of :class:`gpattn.experiments.training.TrainConfig`). The head works in any model:
+:func:`apply_sngp` turns a gpattn classifier or a pretrained-encoder model into its SNGP form (``softmax+sngp`` in
+``compare``; the ``sngp`` field of :class:`gpattn.experiments.training.TrainConfig`); which matrices are spectral-
+normalised is a :class:`SpectralScope` (:data:`SPECTRAL_SCOPES`: ``none``, ``blocks``, ``all``), ``blocks`` from
+scratch and ``none`` on a pretrained encoder (:func:`sngp_options`, uncertainty-baselines' BERT-SNGP). The head
+works in any model:
 ``head(h)`` in train mode gives the MAP logits, :meth:`RandomFeatureGP.fit` sets the covariance from head
 inputs, and in eval mode ``head(h)`` gives the mean-field logits (before a fit: under the prior covariance
 :math:`s^{-1} I`, the posterior after no data).
@@ -46,14 +49,21 @@ from torch.nn.utils.parametrizations import spectral_norm
 from gpattn.variational._linalg import cholesky
 
 __all__ = [
+    "ENCODER_SNGP",
     "MEAN_FIELD_FACTOR",
     "SNGP_DEFAULTS",
+    "SPECTRAL_SCOPES",
+    "AllLinears",
+    "BlockLinears",
+    "NoSpectralNorm",
     "RandomFeatureGP",
+    "SpectralScope",
     "apply_sngp",
     "check_sngp_options",
     "fit_covariance",
     "laplace_weights",
     "mean_field_logits",
+    "sngp_options",
     "spectral_normalise",
 ]
 
@@ -81,14 +91,18 @@ def _positive(name: str, value, integer: bool = False):
 
 
 def check_sngp_options(options: dict) -> dict:
-    """``options`` (a subset of :data:`SNGP_DEFAULTS`) checked and completed with the defaults; a
-    ``ValueError`` naming the option for an unknown key or a bad value."""
+    """``options`` (a subset of :data:`SNGP_DEFAULTS` and ``spectral_norm``) checked and completed with the
+    defaults (``spectral_norm`` absent: ``"blocks"``, the from-scratch recipe); a ``ValueError`` naming the option
+    for an unknown key or a bad value."""
+    valid = {*SNGP_DEFAULTS, "spectral_norm"}
     if not isinstance(options, dict):
-        raise ValueError(f"sngp options must be a dict (keys {sorted(SNGP_DEFAULTS)}), got {options!r}")
-    unknown = sorted(set(options) - set(SNGP_DEFAULTS))
+        raise ValueError(f"sngp options must be a dict (keys {sorted(valid)}), got {options!r}")
+    unknown = sorted(set(options) - valid)
     if unknown:
-        raise ValueError(f"unknown sngp options {unknown}; valid: {', '.join(sorted(SNGP_DEFAULTS))}")
-    out = {**SNGP_DEFAULTS, **options}
+        raise ValueError(f"unknown sngp options {unknown}; valid: {', '.join(sorted(valid))}")
+    out = {**SNGP_DEFAULTS, "spectral_norm": BlockLinears.name, **options}
+    if out["spectral_norm"] not in SPECTRAL_SCOPES:
+        raise ValueError(f"spectral_norm must be one of {', '.join(SPECTRAL_SCOPES)}, got {out['spectral_norm']!r}")
     for name in ("spectral_bound", "ridge"):
         _positive(name, out[name])
     for name in ("power_iterations", "num_features"):
@@ -101,6 +115,68 @@ def check_sngp_options(options: dict) -> dict:
     if not isinstance(out["input_norm"], bool):
         raise ValueError(f"input_norm must be True or False, got {out['input_norm']!r}")
     return out
+
+
+# ----------------------------------------------------------------------------- which matrices are normalised
+class SpectralScope:
+    """Which ``nn.Linear`` modules of a classifier :func:`apply_sngp` spectral-normalises (docs/derivations.md §14,
+    "Choice (which matrices)"): :meth:`linears` of a model, never its head."""
+
+    #: the option's value (``TrainConfig.sngp["spectral_norm"]``)
+    name = ""
+
+    def linears(self, model: nn.Module) -> list[nn.Linear]:  # pragma: no cover - the protocol
+        """The ``nn.Linear`` modules of ``model`` to spectral-normalise (never ``model.head``'s)."""
+        raise NotImplementedError
+
+
+class NoSpectralNorm(SpectralScope):
+    """None: the GP head alone. The pretrained-encoder recipe (uncertainty-baselines' BERT-SNGP on CLINC150 leaves
+    the attention and feed-forward layers of the pretrained BERT unnormalised; it hurt accuracy there)."""
+
+    name = "none"
+
+    def linears(self, model: nn.Module) -> list[nn.Linear]:
+        return []
+
+
+class BlockLinears(SpectralScope):
+    """Every ``nn.Linear`` of the transformer layers the model trains (``model.trained_layers()``: a gpattn
+    classifier's blocks; an encoder model's top layers with the frozen trunk, else all its layers): the attention
+    projections and the feed-forward layers, the residual branches (Liu et al.'s recipe from scratch)."""
+
+    name = "blocks"
+
+    def linears(self, model: nn.Module) -> list[nn.Linear]:
+        return [m for m in model.trained_layers().modules() if isinstance(m, nn.Linear)]
+
+
+class AllLinears(SpectralScope):
+    """Every ``nn.Linear`` of the model that training changes (its weight requires a gradient), the head aside:
+    the blocks' and the input map's (a ViT's patch embedding, a dense-feature embedding)."""
+
+    name = "all"
+
+    def linears(self, model: nn.Module) -> list[nn.Linear]:
+        head = set(map(id, model.head.modules()))
+        return [
+            m for m in model.modules()
+            if isinstance(m, nn.Linear) and id(m) not in head and m.weight.requires_grad
+        ]  # fmt: skip
+
+
+#: ``spectral_norm`` option values -> the scope objects
+SPECTRAL_SCOPES: dict[str, SpectralScope] = {s.name: s for s in (NoSpectralNorm(), BlockLinears(), AllLinears())}
+
+#: the options a pretrained encoder's ``+sngp`` changes from :data:`SNGP_DEFAULTS` (uncertainty-baselines' BERT-SNGP,
+#: baselines/clinc_intent/sngp.py: ``use_spec_norm_att=False``, ``use_spec_norm_ffn=False``)
+ENCODER_SNGP = {"spectral_norm": NoSpectralNorm.name}
+
+
+def sngp_options(encoder: bool) -> dict:
+    """The ``TrainConfig.sngp`` of a ``+sngp`` run: :data:`SNGP_DEFAULTS` from scratch, with :data:`ENCODER_SNGP`
+    on a pretrained encoder (``encoder``: whether the run has one)."""
+    return {**SNGP_DEFAULTS, **(ENCODER_SNGP if encoder else {})}
 
 
 # ----------------------------------------------------------------------------- spectral normalisation
@@ -179,6 +255,7 @@ class RandomFeatureGP(gpytorch.Module):
             mean_field_factor=mean_field_factor,
         ))
         ell = math.sqrt(in_features) if lengthscale is None else float(lengthscale)
+        self.in_features = in_features  # D, as nn.Linear names its input width
         self.num_features, self.lengthscale, self.ridge = num_features, ell, float(ridge)
         self.mean_field_factor = float(opts["mean_field_factor"])
         self.norm = nn.LayerNorm(in_features, elementwise_affine=False) if input_norm else nn.Identity()
@@ -251,21 +328,22 @@ class RandomFeatureGP(gpytorch.Module):
 
 # ----------------------------------------------------------------------------- a whole classifier
 def apply_sngp(model: nn.Module, **options) -> nn.Module:
-    """Make a gpattn classifier (``TransformerClassifier``, ``ViTClassifier``) an SNGP model, in place:
-    spectral normalisation of every ``nn.Linear`` in ``model.encoder.blocks`` (attention projections and FFN)
-    and a :class:`RandomFeatureGP` as ``model.head``. ``options``: :data:`SNGP_DEFAULTS`. Returns ``model``."""
+    """Make a classifier an SNGP model, in place: spectral normalisation of the ``nn.Linear`` modules its
+    ``spectral_norm`` option's :class:`SpectralScope` names (default ``"blocks"``: every ``nn.Linear`` of the
+    transformer blocks, attention projections and FFN) and a :class:`RandomFeatureGP` as ``model.head``. The model:
+    a gpattn classifier (``TransformerClassifier``, ``ViTClassifier``) or an encoder model
+    (:class:`gpattn.integrations.huggingface.HFClassifier`): ``model.trained_layers()`` and a linear ``model.head``.
+    ``options``: :data:`SNGP_DEFAULTS` and ``spectral_norm`` (:data:`SPECTRAL_SCOPES`). Returns ``model``."""
     opts = check_sngp_options(options)
-    blocks = getattr(getattr(model, "encoder", None), "blocks", None)
     head = getattr(model, "head", None)
-    if not isinstance(blocks, nn.ModuleList) or not isinstance(head, nn.Linear):
+    if not callable(getattr(model, "trained_layers", None)) or not isinstance(head, nn.Linear):
         raise ValueError(
-            "apply_sngp needs a gpattn classifier (TransformerClassifier or ViTClassifier: model.encoder.blocks and "
-            f"a Linear model.head), got {type(model).__name__}; for another model use spectral_normalise and "
-            "RandomFeatureGP directly"
+            "apply_sngp needs a gpattn classifier (TransformerClassifier, ViTClassifier or HFClassifier: "
+            f"model.trained_layers() and a Linear model.head), got {type(model).__name__}; for another model use "
+            "spectral_normalise and RandomFeatureGP directly"
         )
-    for module in blocks.modules():
-        if isinstance(module, nn.Linear):
-            spectral_normalise(module, opts["spectral_bound"], opts["power_iterations"])
+    for module in SPECTRAL_SCOPES[opts["spectral_norm"]].linears(model):
+        spectral_normalise(module, opts["spectral_bound"], opts["power_iterations"])
     model.head = RandomFeatureGP(
         head.in_features, head.out_features, num_features=opts["num_features"], lengthscale=opts["lengthscale"],
         input_norm=opts["input_norm"], ridge=opts["ridge"], mean_field_factor=opts["mean_field_factor"],

@@ -48,8 +48,9 @@ from gpattn.experiments._guard import TrainingDivergedError, _DivergenceGuard
 from gpattn.experiments._io import CHECKPOINT_FORMAT, check_resumable
 from gpattn.experiments._optim import build_optimizer
 from gpattn.experiments._runlock import locked_run
-from gpattn.experiments._runs import (
+from gpattn.experiments._runs import (  # _batch: re-exported, laplace and the benchmarks read it here
     CHECKPOINT,
+    _batch,
     as_device,
     bundle_meta,
     fit_to_positions,
@@ -109,7 +110,7 @@ def build_model(cfg: TrainConfig, bundle, positions: int | None = None) -> torch
     if cfg.encoder is not None:
         from gpattn.experiments.encoders import build_encoder_model
 
-        return build_encoder_model(cfg, bundle)
+        return _with_sngp(build_encoder_model(cfg, bundle), cfg)
     layers = AUTO_LAYERS.get(cfg.attention, "all") if cfg.attention_layers == "auto" else cfg.attention_layers
     # the config's encoder settings under their own names (EncoderSpec's), the layers resolved
     common = {name: getattr(cfg, name) for name in EncoderSpec.names()}
@@ -131,27 +132,17 @@ def build_model(cfg: TrainConfig, bundle, positions: int | None = None) -> torch
         )
     else:
         raise ValueError(f"data set kind must be 'text' or 'image', got {bundle.kind!r}")
-    if cfg.sngp is not None:  # spectral-normalised blocks and a random-feature GP head (gpattn.experiments.sngp)
+    return _with_sngp(model, cfg)
+
+
+def _with_sngp(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
+    """``model`` made an SNGP model with ``cfg.sngp`` (spectral normalisation of the scope it names and a
+    random-feature GP head: gpattn.experiments.sngp), or as it is without."""
+    if cfg.sngp is not None:
         from gpattn.experiments.sngp import apply_sngp
 
         apply_sngp(model, **cfg.sngp)
     return model
-
-
-def _batch(split, idx, device=None):
-    """Inputs, mask and labels of rows ``idx`` on ``device`` (host tensors when None); text batches are
-    cut to their longest real sequence (read on the host, before the copy: no device synchronisation)."""
-    x = split.inputs[idx]
-    mask = None if split.mask is None else split.mask[idx]
-    if mask is not None:
-        longest = int((~mask).sum(1).numpy().max()) if len(idx) else 1
-        # contiguous: a compiled model (--compile) guards on strides, and a cut of the full width has the width's
-        x, mask = x[:, : max(longest, 1)].contiguous(), mask[:, : max(longest, 1)].contiguous()
-    y = split.labels[idx]
-    if device is not None and torch.device(device).type != "cpu":  # pinned host memory: an asynchronous copy
-        x, y = (t.pin_memory().to(device, non_blocking=True) for t in (x, y))
-        mask = None if mask is None else mask.pin_memory().to(device, non_blocking=True)
-    return x, mask, y
 
 
 def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -187,17 +178,21 @@ def evaluate_predictions(preds: dict, bundle, average: str = "probs", temperatur
     """metrics.json content from sample logits: classification metrics per evaluation split, on its
     labelled rows (``None`` where no row has a label; ``n`` / ``n_labelled`` / ``class_counts`` say
     which), and for OOD splits the OOD-detection metrics against ``in_domain`` under every score
-    (max probability as ``ood_auroc`` ..., the others as ``ood_auroc_<score>`` ...)."""
+    (max probability as ``ood_auroc`` ..., the others as ``ood_auroc_<score>`` ...): the scores of the logits and,
+    where a split's prediction carries ``detector_scores`` (:func:`gpattn.experiments.features.detector_scores`),
+    the feature detectors'."""
     from gpattn.experiments import metrics as M
 
     def probs_of(name):
         logits = preds[bundle.eval_splits[name]]["logits"] / temperature
         return M.average_samples(logits, average=average), logits
 
+    def scores_of(name):  # the logits' scores and the feature detectors' (a prediction's detector_scores)
+        return M.prediction_ood_scores(preds[bundle.eval_splits[name]], average, temperature)
+
     names = bundle.info.get("class_names") or [str(k) for k in range(bundle.num_classes)]
     result = {}
-    _, logits_in = probs_of("in_domain")
-    scores_in = M.all_ood_scores(logits_in, average)
+    scores_in = scores_of("in_domain")
     for name, key in bundle.eval_splits.items():
         probs, logits = probs_of(name)
         labels = preds[key]["labels"]
@@ -207,7 +202,9 @@ def evaluate_predictions(preds: dict, bundle, average: str = "probs", temperatur
         else:
             row = {k: None for k in M.METRIC_KEYS}
         if name in bundle.ood_splits:
-            for score, values in M.all_ood_scores(logits, average).items():
+            for score, values in scores_of(name).items():
+                if score not in scores_in:  # a detector the in-domain split was not scored by
+                    continue
                 # a score the model does not have (a sample score of a model that does not sample) is None: "–"
                 has = values is not None and scores_in[score] is not None
                 detect = M.ood_metrics(scores_in[score], values) if has else dict.fromkeys(M.OOD_KEYS)
@@ -388,6 +385,8 @@ class _Run:
     net: torch.nn.Module | None = None
     guard: _DivergenceGuard | None = None
     log: object = None
+    #: the feature detectors fitted after training (gpattn.experiments.features.fit_detectors), in the checkpoint
+    detectors: dict | None = None
 
     @property
     def device(self) -> torch.device:
@@ -418,8 +417,23 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps, log) -
         split = run.bundle.splits["train"]
         rows = torch.arange(len(split)).split(cfg.eval_batch_size)
         fit_covariance(run.model, (_batch(split, idx, run.device)[:2] for idx in rows))
-        _save(run)
+    _fit_detectors(run)
+    _save(run)
     return _evaluate(run)
+
+
+def _forked(run: _Run):
+    """Forked random streams: a pass over the data that leaves the run's Monte-Carlo draws as they were."""
+    return torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else [])
+
+
+def _fit_detectors(run: _Run) -> None:
+    """The feature detectors (Mahalanobis, kNN, ...: gpattn.experiments.detectors) fitted on the training split's
+    pooled features at the final weights, the run's ``num_samples``; kept in the checkpoint."""
+    from gpattn.experiments.features import fit_detectors
+
+    with _forked(run):
+        run.detectors = fit_detectors(run.model, run.bundle, run.cfg.num_samples, run.cfg.eval_batch_size)
 
 
 def _run_data(cfg: TrainConfig, out: Path | None, writes: bool, bundle, log):
@@ -530,6 +544,7 @@ def _save(run: _Run) -> None:
             "rng": states[0]["cpu"],
             "rng_ranks": states,
             "data": run.meta,
+            **({"detectors": run.detectors} if run.detectors is not None else {}),
         },
         run.checkpoint,
     )
@@ -656,6 +671,13 @@ def _evaluate(run: _Run) -> dict:
         }
         for key in sorted({"val", *bundle.eval_splits.values()})
     }
+    if run.detectors is not None:
+        from gpattn.experiments.features import detector_scores
+
+        with _forked(run):
+            for key, pred in preds.items():
+                pred["detector_scores"] = detector_scores(run.model, bundle.splits[key], run.detectors,
+                                                          cfg.eval_batch_size)
     result = evaluate_predictions(preds, bundle, cfg.average)
     dist.close()
     if run.main:

@@ -509,6 +509,10 @@ class HFClassifier(LossTermWalkers, nn.Module):
     def _top_layers(self) -> nn.ModuleList:
         return self._layer_list[0][self.trunk_layers :]
 
+    def trained_layers(self) -> nn.ModuleList:
+        """The transformer layers training changes: the top layers with ``frozen_trunk``, else every layer."""
+        return self._top_layers() if self.frozen_trunk else self._layer_list[0]
+
     def train(self, mode: bool = True):
         """As ``nn.Module.train``; with ``frozen_trunk`` the trunk stays in eval mode (no dropout)."""
         super().train(mode)

@@ -78,6 +78,10 @@ class _SequenceClassifier(LossTermWalkers, nn.Module):
         h = self.encoder.propagate(self.embed_drop(h), mask, draws)  # shape: (B, T, D) or (P, B, T, D)
         return sample_logits(self.head(pool_tokens(h, mask, cls=self.cls_token is not None)), P)
 
+    def trained_layers(self) -> nn.ModuleList:
+        """The transformer blocks (every one trains; the counterpart of an encoder model's trained layers)."""
+        return self.encoder.blocks
+
     def loss_terms(self) -> dict[str, torch.Tensor]:
         """Loss terms of every attention layer in the last forward, summed over layers."""
         return self.encoder.loss_terms()

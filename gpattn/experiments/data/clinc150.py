@@ -67,13 +67,16 @@ def load_clinc150(
     min_freq: int = 1,
     max_vocab_size=None,
     verify_checksum: bool = True,
+    ood_val: bool = False,
 ) -> DatasetBundle:
     """CLINC150's 150 in-scope intents as a text-classification bundle on the official splits, with the
     1,000 ``oos_test`` queries as the OOD split ``ood`` (label -1).
 
     train = ``train`` (15,000), val = ``val`` (3,000, for early stopping and temperature scaling), test =
-    ``test`` (4,500); ``oos_train`` and ``oos_val`` are not used (no model here trains on out-of-scope
-    queries; ``info["raw_sizes"]`` counts them). Class ids are the intents in sorted order
+    ``test`` (4,500); with ``ood_val=True`` (the ``clinc150-minilm`` preset's) the 100 ``oos_val`` queries are
+    ``ood_val`` (label -1), the OOD validation split on which choices about OOD detection are made (never
+    reported; off by default: the data set of the runs before it existed); ``oos_train`` is not used (no model
+    here trains on out-of-scope queries; ``info["raw_sizes"]`` counts it). Class ids are the intents in sorted order
     (``info["class_names"]``). ``seed`` changes nothing (the splits are the official ones); it is recorded.
     Queries are short (at most 28 words in the file), so ``max_len`` 32 truncates none.
     ``verify_checksum=False`` skips the SHA-256 check of an existing file (for a synthetic one from
@@ -90,15 +93,19 @@ def load_clinc150(
         unseen = sorted(set(raw[key][1]) - set(to_id))
         if unseen:
             raise ValueError(f"{path}: {key} has intents that train lacks: {unseen[:5]}")
-    texts = {"train": raw["train"][0], "val": raw["val"][0], "test": raw["test"][0], "ood": raw["oos_test"][0]}
+    if not isinstance(ood_val, bool):
+        raise ValueError(f"ood_val must be True or False, got {ood_val!r}")
+    texts = {"train": raw["train"][0], "val": raw["val"][0], "test": raw["test"][0], "ood": raw["oos_test"][0],
+             **({"ood_val": raw["oos_val"][0]} if ood_val else {})}  # fmt: skip
     labels = {key: [to_id[v] for v in raw[key][1]] for key in ("train", "val", "test")}
-    labels["ood"] = [-1] * len(texts["ood"])
+    labels.update({key: [-1] * len(texts[key]) for key in ("ood", "ood_val") if key in texts})
     info = {
         **provenance,
         "seed": seed,
         "class_names": class_names,
         "raw_sizes": {key: len(value[0]) for key, value in raw.items()},
         "ood_source": "oos_test",
+        **({"ood_val_source": "oos_val"} if ood_val else {}),
     }
     return build_text_bundle(
         "clinc150",

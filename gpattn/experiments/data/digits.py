@@ -75,12 +75,16 @@ def load_digits(
     val_fraction: float = 0.15,
     test_fraction: float = 0.25,
     severities: Sequence[int] = (1, 2, 3, 4, 5),
+    ood_val_fraction: float = 0.0,
 ) -> DatasetBundle:
     """Splits: train / val / test (stratified, seeded) of the in-domain classes relabelled 0..K-1 in
     order; ``shift`` = the test images under every corruption of :data:`CORRUPTIONS` at each of
     ``severities`` (labels kept, ``groups`` = severity; ``info["shift_corruptions"]`` names the
-    corruption of each example, ``info["shift_chunks"]`` lists the contiguous blocks); ``ood`` = every
-    image of ``ood_classes``, labels -1. ``data_dir`` and ``download`` are unused (embedded data)."""
+    corruption of each example, ``info["shift_chunks"]`` lists the contiguous blocks); the images of
+    ``ood_classes``, labels -1, split (stratified by digit, seeded) into ``ood_val`` (``ood_val_fraction`` of
+    them: the OOD validation split on which choices about OOD detection are made, never reported; the ``digits``
+    preset takes 0.3) and ``ood`` (the rest, the evaluation split); the default 0 puts every one in ``ood``, the
+    data set of the runs before the split existed. ``data_dir`` and ``download`` are unused (embedded data)."""
     from sklearn.datasets import load_digits as sklearn_digits
 
     raw = sklearn_digits()
@@ -94,6 +98,7 @@ def load_digits(
     sev = check_severities(severities)
     val_fraction = check_fraction("val_fraction", val_fraction, allow_zero=False)
     test_fraction = check_fraction("test_fraction", test_fraction, allow_zero=False)
+    ood_val_fraction = check_fraction("ood_val_fraction", ood_val_fraction)
     if val_fraction + test_fraction >= 1:
         raise ValueError(f"val_fraction + test_fraction must be < 1, got {val_fraction} + {test_fraction}")
 
@@ -131,7 +136,10 @@ def load_digits(
         eval_splits["shift"] = "shift"
     if held_out:
         x_ood = images[~is_in]
-        splits["ood"] = image_split(x_ood, np.full(len(x_ood), -1))
+        ood_idx, ood_val_idx = stratified_split(targets[~is_in], (ood_val_fraction,), seed)
+        splits["ood"] = image_split(x_ood[ood_idx], np.full(len(ood_idx), -1))
+        if len(ood_val_idx):
+            splits["ood_val"] = image_split(x_ood[ood_val_idx], np.full(len(ood_val_idx), -1))
         eval_splits["ood"] = "ood"
         ood_splits = ("ood",)
     info["sizes"] = {k: len(v) for k, v in splits.items()}

@@ -1,0 +1,147 @@
+"""The pooled penultimate features of a classifier: the input of its ``model.head``.
+
+Every classifier gpattn trains reads its logits from one module, ``model.head``, applied to the pooled
+representation: :class:`gpattn.models.TransformerClassifier` and :class:`gpattn.models.ViTClassifier`
+(``nn.Linear``), :class:`gpattn.integrations.huggingface.HFClassifier` (the ``--encoder`` models, ``nn.Linear``)
+and an SNGP model (:func:`gpattn.experiments.sngp.apply_sngp`: a
+:class:`gpattn.experiments.sngp.RandomFeatureGP`, whose input is the pooled state before its layer norm and
+random features). :func:`pooled_features` reads that input by putting a recorder around ``model.head`` for the
+pass (not a forward pre-hook: a gpytorch ``Module``, as the SNGP head is, runs no hooks of its own), so it needs
+nothing of the model but ``model.head`` and the classifiers' ``forward(inputs, key_padding_mask, num_samples=P)``.
+
+These are the features the post-hoc detectors (:mod:`gpattn.experiments.detectors`) are fitted on:
+:func:`fit_detectors` fits every detector of :data:`gpattn.experiments.detectors.DETECTORS` on a run's training split
+(the checkpoint's ``detectors`` entry) and :func:`detector_scores` scores a split with them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from gpattn._warnings import warn
+
+__all__ = [
+    "OOD_VALIDATION_SPLIT",
+    "DetectorWarning",
+    "detector_scores",
+    "fit_detectors",
+    "pooled_features",
+    "split_features",
+]
+
+#: the bundle split (labels -1) a run's choices about OOD detection are made on, beside the in-domain ``val``
+#: split, where the data set has one; never an evaluation split
+OOD_VALIDATION_SPLIT = "ood_val"
+
+
+class DetectorWarning(UserWarning):
+    """A feature detector could not be fitted on a run's training features (its reason in the message and in the
+    checkpoint's ``detectors["choices"]["not_fitted"]``): its OOD score is absent from the run's metrics."""
+
+
+class _Recorder(nn.Module):
+    """``head`` that keeps (a CPU float32 copy of) each input it reads, averaged over a leading sample axis."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.detach()  # shape: (B, D) or (P, B, D)
+        self.seen.append((x.mean(0) if x.dim() == 3 else x).float().cpu())
+        return self.head(h)
+
+
+@torch.no_grad()
+def pooled_features(model: nn.Module, batches, num_samples: int = 1) -> torch.Tensor:
+    """The input of ``model.head`` for every row of ``batches``, in eval mode, float32 on the CPU.
+
+    ``batches`` yields ``(inputs, key_padding_mask)`` pairs (mask ``None`` for images), each run as
+    ``model(inputs, key_padding_mask, num_samples=num_samples)``; the model's train/eval mode is restored.
+
+    What a model that samples gives: a model that samples nothing in eval mode (softmax attention, dropout off,
+    an SNGP model) gives the same features for every ``num_samples``. A model that samples in eval mode (a GP
+    attention layer, ``mc_dropout``) gives with ``num_samples=1`` the features of one draw, and with
+    ``num_samples=P`` the mean over the P draws of the pooled features (the head's input then has the sample
+    axis first, ``(P, B, D)``, and it is averaged over that axis): the Monte-Carlo estimate of the mean features.
+
+    Returns ``(N, D)``: N the rows of all batches, D the head's input width.
+    """
+    head = getattr(model, "head", None)
+    if not isinstance(head, nn.Module):
+        raise ValueError(
+            f"model must have a module model.head reading the pooled features (a gpattn classifier, an HFClassifier "
+            f"or an SNGP model), got {type(model).__name__} with head {type(head).__name__}"
+        )
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    recorder = _Recorder(head)
+    was_training = model.training
+    try:
+        model.head = recorder
+        model.eval()
+        for inputs, mask in batches:
+            model(inputs, mask, num_samples=num_samples)
+    finally:
+        model.head = head
+        model.train(was_training)
+    seen = recorder.seen
+    if not seen:
+        return torch.zeros(0, getattr(head, "in_features", 0))
+    return torch.cat(seen)  # shape: (N, D)
+
+
+def split_features(model: nn.Module, split, batch_size: int = 256, num_samples: int = 1) -> torch.Tensor:
+    """:func:`pooled_features` of every row of a data split (:class:`gpattn.experiments.data.Split`), in
+    batches of ``batch_size`` on the model's device, rows in the split's order.  # shape: (N, D)"""
+    from gpattn.experiments._runs import _batch
+
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    device = next(model.parameters()).device
+    rows = torch.arange(len(split.labels)).split(batch_size)
+    return pooled_features(model, (_batch(split, idx, device)[:2] for idx in rows), num_samples)
+
+
+def fit_detectors(model: nn.Module, bundle, num_samples: int = 1, batch_size: int = 256) -> dict:
+    """Every detector of :data:`gpattn.experiments.detectors.DETECTORS` fitted on the pooled features of
+    ``bundle``'s training split (:func:`split_features` with ``num_samples``) and its labels: the checkpoint's
+    ``detectors`` entry, plain data, ``{"num_samples": P, "states": {name: state}, "choices": {...}}``.
+
+    kNN's k is :func:`gpattn.experiments.detectors.choose_k` on the in-domain ``val`` split against
+    :data:`OOD_VALIDATION_SPLIT` where the bundle has both (``choices["knn_k_auroc"]`` keeps each k's validation
+    AUROC), else :data:`gpattn.experiments.detectors.KNN_DEFAULT_K`; ``choices["knn_k"]`` says which."""
+    from gpattn.experiments import detectors as Dt
+
+    train = bundle.splits["train"]
+    feats = split_features(model, train, batch_size, num_samples)
+    val, ood_val = bundle.splits.get("val"), bundle.splits.get(OOD_VALIDATION_SPLIT)
+    k = min(Dt.KNN_DEFAULT_K, max(len(train.labels), 1))
+    choices = {"knn_k": k, "knn_k_from": "default (no OOD validation split), at most the training rows"}
+    if val is not None and len(val.labels) and ood_val is not None and len(ood_val.labels):
+        val_in, val_ood = (split_features(model, s, batch_size, num_samples) for s in (val, ood_val))
+        k, aurocs = Dt.choose_k(feats, val_in, val_ood)
+        choices = {"knn_k": k, "knn_k_from": f"val against {OOD_VALIDATION_SPLIT}", "knn_k_auroc": aurocs}
+    options = {Dt.KNN.name: {"k": k}}  # every other detector with its defaults
+    states = {}
+    for name, cls in Dt.DETECTORS.items():
+        try:
+            states[name] = cls(**options.get(name, {})).fit(feats, train.labels).state_dict()
+        except ValueError as err:  # e.g. a class with one training row: no shared covariance to fit
+            choices.setdefault("not_fitted", {})[name] = str(err)
+            warn(f"the {name} OOD score is left out of this run: {err}", DetectorWarning)
+    return {"num_samples": num_samples, "states": states, "choices": choices}
+
+
+def detector_scores(model: nn.Module, split, detectors: dict, batch_size: int = 256) -> dict[str, torch.Tensor]:
+    """Each fitted detector's scores of ``split`` (higher = more out-of-distribution), float64 ``(N,)`` by name,
+    from ``detectors`` (:func:`fit_detectors`' entry; the features at its ``num_samples``)."""
+    from gpattn.experiments.detectors import detector_from_state
+
+    feats = split_features(model, split, batch_size, detectors["num_samples"])
+    return {
+        name: torch.from_numpy(detector_from_state(name, state).score(feats))
+        for name, state in detectors["states"].items()
+    }
