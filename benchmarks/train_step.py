@@ -17,6 +17,7 @@ is bound by arithmetic, one far above it by launches and memory traffic.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import time
@@ -63,10 +64,18 @@ LINALG_FLOPS = {
 }
 
 
+def _attention(name: str):
+    """A registered name, or ``name@recipe``: the variant as that recipe builds it (e.g. ``sgpa-rff@out-of-scope``,
+    g on each sequence)."""
+    variant, _, recipe = name.partition("@")
+    return functools.partial(gpattn.build_attention, variant, recipe=recipe) if recipe else variant
+
+
 def _model(name: str, T: int, cfg: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(0)
     return TransformerClassifier(
-        2, vocab_size=cfg.vocab, max_len=T, embed_dim=cfg.width, num_heads=cfg.heads, num_layers=2, attention=name
+        2, vocab_size=cfg.vocab, max_len=T, embed_dim=cfg.width, num_heads=cfg.heads, num_layers=2,
+        attention=_attention(name),
     ).train().to(cfg.device)
 
 
@@ -213,7 +222,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ts", default="16,64,256,1024", help="comma-separated sequence lengths")
     p.add_argument("--modes", default=",".join(MODES), help="eager, compiled or both")
-    p.add_argument("--variants", default=None, help="comma-separated registry names (default: all)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated registry names, or name@recipe (e.g. sgpa-rff@out-of-scope) (default: all)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
