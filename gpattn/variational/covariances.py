@@ -94,6 +94,15 @@ def _positive(name: str, value, integer: bool = False):
     return value if integer else float(value)
 
 
+def _symmetric_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """leftᵀ right where it is symmetric (left: right's rows scaled): its upper half of block rows, the lower-left
+    block mirrored — ¾ of a general product's arithmetic, in two products.  # shape: (H, N, R), (H, N, R) -> (H, R, R)"""
+    h = right.shape[-1] // 2
+    top = left[..., :h].mT @ right  # shape: (H, h, R)
+    bottom = left[..., h:].mT @ right[..., h:]  # shape: (H, R − h, R − h)
+    return torch.cat([top, torch.cat([top[..., h:].mT, bottom], -1)], -2)
+
+
 class TrainingQueryCovariance(nn.Module):
     r"""The covariance of g: R random Fourier features of an RBF kernel per head and the posterior precision
     Σ⁻¹ = I + w E[ψψᵀ] from the running second moment of the training queries' features (docs/derivations.md §5f).
@@ -183,9 +192,9 @@ class TrainingQueryCovariance(nn.Module):
         # shape: psi (B, H, T, R), real (B, T) or None -> (H, R, R)"""
         rows = _heads(psi.detach())  # shape: (H, B·T, R)
         if real is None:
-            return rows.mT @ rows / rows.shape[1]
-        weight = real.reshape(-1).to(rows.dtype)  # the rows' order: sequence-major, as real's
-        return (rows.mT * weight) @ rows / real.sum().clamp_min(1).to(rows.dtype)
+            return _symmetric_product(rows, rows) / rows.shape[1]
+        weight = real.reshape(-1, 1).to(rows.dtype)  # the rows' order: sequence-major, as real's
+        return _symmetric_product(rows * weight, rows) / real.sum().clamp_min(1).to(rows.dtype)
 
     @torch.no_grad()
     def track(self, moment: torch.Tensor) -> None:
