@@ -96,7 +96,8 @@ def _positive(name: str, value, integer: bool = False):
 
 def _symmetric_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """leftᵀ right where it is symmetric (left: right's rows scaled): its upper half of block rows, the lower-left
-    block mirrored — ¾ of a general product's arithmetic, in two products.  # shape: (H, N, R), (H, N, R) -> (H, R, R)"""
+    block mirrored — ¾ of a general product's arithmetic, in two products.
+    # shape: (H, N, R), (H, N, R) -> (H, R, R)"""
     h = right.shape[-1] // 2
     top = left[..., :h].mT @ right  # shape: (H, h, R)
     bottom = left[..., h:].mT @ right[..., h:]  # shape: (H, R − h, R − h)

@@ -55,6 +55,12 @@ def _tokens(rows: torch.Tensor, batch: int) -> torch.Tensor:
     return rows.view(H, batch, N // batch, k).transpose(0, 1)
 
 
+def _solve_rows(chol: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
+    """Ψ L⁻ᵀ by one triangular solve per head of its (B·T, R) rows.
+    # shape: chol (H, R, R), psi (B, H, T, R) -> (B, H, T, R)"""
+    return _tokens(tri_solve(chol.mT, _heads(psi), upper=True, left=False), psi.shape[0])
+
+
 def _whitened_rows(inverse: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
     """Ψ L⁻ᵀ, every row of every sequence times its head's L⁻ᵀ in one product per head.
     # shape: inverse (H, R, R), psi (B, H, T, R) -> (B, H, T, R)"""
@@ -69,14 +75,27 @@ class FeatureSGPAConditional(AmortisedConditional):
         # shape: (B, H, T, R), laid out head-major
     :ivar scale: σ c per head.  # shape: (H, 1, 1)
     :ivar chol: L, the Cholesky factor of the posterior precision.  # shape: (H, R, R), or (1, R, R) shared by the heads
-    :ivar inverse: L⁻¹ (one triangular solve per head and forward, read by the KL's tr Σ, the draws and the root).
-        # shape: as ``chol``
+    :ivar inverse: L⁻¹, one triangular solve per head and forward, read by the KL's tr Σ, the draws and the root
+        (docs/derivations.md §5f, "Cost").  # shape: as ``chol``
     :ivar coefficients: μ.  # shape: (H, R, Dv)
     """
 
-    def __init__(self, *, mean, features, scale, chol, inverse, coefficients, jitter):
-        self.mean, self.features, self.scale, self.chol, self.inverse = mean, features, scale, chol, inverse
+    def __init__(self, *, mean, features, scale, chol, coefficients, jitter):
+        self.mean, self.features, self.scale, self.chol = mean, features, scale, chol
         self.coefficients, self.jitter = coefficients, jitter
+        self.inverse = self._inverse()
+
+    def _inverse(self) -> torch.Tensor | None:
+        eye = torch.eye(self.chol.shape[-1], dtype=self.chol.dtype, device=self.chol.device)
+        return tri_solve(self.chol, eye)
+
+    def _trace_covariance(self) -> torch.Tensor:
+        """tr Σ = ‖L⁻¹‖²_F.  # shape: -> (H,) or (1,)"""
+        return self.inverse.square().sum((-2, -1))
+
+    def _covariance_root(self) -> torch.Tensor:
+        """L⁻ᵀ: Σ = L⁻ᵀ (L⁻ᵀ)ᵀ.  # shape: as ``chol``"""
+        return self.inverse.mT
 
     @property
     def root(self) -> torch.Tensor:
@@ -93,16 +112,15 @@ class FeatureSGPAConditional(AmortisedConditional):
     @property
     def variational_distribution(self) -> MultivariateNormal:
         """q(β) = N(μ, Σ), Σ = L⁻ᵀL⁻¹.  # shape: batch (H, Dv), event R"""
-        root = self.inverse.mT  # L⁻ᵀ: Σ = L⁻ᵀ (L⁻ᵀ)ᵀ
+        root = self._covariance_root()
         H, R, Dv = self.coefficients.shape  # a sequence-level g's one factor is shared by its H heads
         return MultivariateNormal(self.coefficients.mT, RootLinearOperator(root[:, None].expand(H, Dv, R, R)))
 
     def kl_divergence(self) -> torch.Tensor:
         """KL(q(β_d) ‖ p(β_d)) = ½[tr Σ + ‖μ_d‖² − R − log|Σ|], a global term.  # shape: -> (H, Dv)"""
         R = self.chol.shape[-1]
-        inv = self.inverse  # tr Σ = ‖L⁻¹‖²_F
         log_det_precision = 2 * self.chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)  # shape: (H,)
-        const = inv.square().sum((-2, -1)) - R + log_det_precision  # shape: (H,)
+        const = self._trace_covariance() - R + log_det_precision  # shape: (H,)
         return 0.5 * (const[:, None] + self.coefficients.square().sum(-2))
 
     def added_loss_terms(self, mask=None):
@@ -126,8 +144,8 @@ class FeatureSGPAConditional(AmortisedConditional):
     def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """f_d = mean_d + σ Ψ L⁻ᵀ ε_d, ε_d ∈ R^R: exact joint samples over the tokens, one draw of β per sequence.
         The product σ Ψ L⁻ᵀ ε is associated the cheaper way (docs/derivations.md §5f, "Cost"): with fewer draws'
-        columns (P·Dv) than tokens (T), L⁻ᵀ ε first (a solve of P·Dv columns per sequence, no (T, R) root formed),
-        else the root σ Ψ L⁻ᵀ first (a solve of T rows); the same ε either way.
+        columns (P·Dv) than tokens (T), L⁻ᵀ ε first (a product of P·Dv columns per sequence, no (T, R) root formed),
+        else the root σ Ψ L⁻ᵀ first (a product of T rows); the same ε either way.
         # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
         B, H, T, Dv = self.mean.shape
         R = self.chol.shape[-1]
@@ -147,7 +165,25 @@ class SequenceFeatureConditional(FeatureSGPAConditional):
     per sequence and head, the same at each of its tokens.
 
     :ivar root: σ ψ̂ᵀ L⁻ᵀ.  # shape: (B, H, 1, R)
+    :ivar inverse: None: with one input per sequence nothing reads L⁻¹ but the KL's tr Σ, which
+        :func:`torch.cholesky_inverse` gives at ⅔ of the arithmetic of L \\ I (R = 1024 in the out-of-scope recipe).
     """
+
+    def _inverse(self) -> None:
+        return None
+
+    def _trace_covariance(self) -> torch.Tensor:
+        """tr Σ = tr (L Lᵀ)⁻¹.  # shape: -> (1,)"""
+        return torch.cholesky_inverse(self.chol).diagonal(dim1=-2, dim2=-1).sum(-1)
+
+    def _covariance_root(self) -> torch.Tensor:
+        eye = torch.eye(self.chol.shape[-1], dtype=self.chol.dtype, device=self.chol.device)
+        return tri_solve(self.chol.mT, eye, upper=True)
+
+    @property
+    def root(self) -> torch.Tensor:
+        """σ ψ̂ᵀ L⁻ᵀ by one triangular solve of the batch's B rows.  # shape: (B, H, 1, R)"""
+        return self.scale * _solve_rows(self.chol, self.features)
 
     def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """f_d = mean_d + σ ‖L⁻¹ψ̂‖ ε_d, ε_d ~ N(0, 1): at one input g_d is N(σψ̂ᵀμ_d, σ²ψ̂ᵀΣψ̂), so the value is
@@ -222,12 +258,11 @@ class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
             else:
                 moment = cov.second_moment.to(cos.dtype)
             chol = cov.precision_cholesky(moment)
-            inverse = tri_solve(chol, torch.eye(chol.shape[-1], dtype=chol.dtype, device=chol.device))  # L⁻¹, once
             scale = c * cov.outputscale.to(cos.dtype).sqrt()[:, None, None]  # σ c, shape: (H, 1, 1)
             mu = self.variational_mean.to(cos.dtype)
             # the mean's global part takes the queries with their gradient: μ and the query map learn together
             mean = add_means(m, _tokens(scale * (_heads(features) @ mu), features.shape[0]))
         return cov.conditional(
-            mean=mean, features=cos, scale=scale, chol=chol, inverse=inverse, coefficients=mu, jitter=self.jitter
+            mean=mean, features=cos, scale=scale, chol=chol, coefficients=mu, jitter=self.jitter
         )
 
