@@ -54,12 +54,18 @@ def _cholesky_solve_flops(rhs, L, *args, out_shape=None, **kwargs) -> int:
     return 2 * _batch_size(L, rhs) * L[-1] ** 2 * rhs[-1]
 
 
+def _cholesky_inverse_flops(L, *args, out_shape=None, **kwargs) -> int:
+    """(L Lᵀ)⁻¹ from L (…, n, n): 2n³/3 flops (LAPACK's potri: L's triangular inverse, then its product)."""
+    return 2 * _batch_size(L) * L[-1] ** 3 // 3
+
+
 #: what FlopCounterMode does not count by itself (it counts the matrix products and attention): the factorisations
 #: and solves of the GP layers, at their textbook counts
 LINALG_FLOPS = {
     aten.linalg_solve_triangular: _tri_solve_flops,
     aten.linalg_cholesky_ex: _cholesky_flops,
     aten.cholesky_solve: _cholesky_solve_flops,
+    aten.cholesky_inverse: _cholesky_inverse_flops,
     torch.ops.gpattn.host_cholesky: _cholesky_flops,  # gpattn's CPU factorisation, one operator (its body unseen)
 }
 
