@@ -17,6 +17,7 @@ is bound by arithmetic, one far above it by launches and memory traffic.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import time
@@ -53,20 +54,34 @@ def _cholesky_solve_flops(rhs, L, *args, out_shape=None, **kwargs) -> int:
     return 2 * _batch_size(L, rhs) * L[-1] ** 2 * rhs[-1]
 
 
+def _cholesky_inverse_flops(L, *args, out_shape=None, **kwargs) -> int:
+    """(L Lᵀ)⁻¹ from L (…, n, n): 2n³/3 flops (LAPACK's potri: L's triangular inverse, then its product)."""
+    return 2 * _batch_size(L) * L[-1] ** 3 // 3
+
+
 #: what FlopCounterMode does not count by itself (it counts the matrix products and attention): the factorisations
 #: and solves of the GP layers, at their textbook counts
 LINALG_FLOPS = {
     aten.linalg_solve_triangular: _tri_solve_flops,
     aten.linalg_cholesky_ex: _cholesky_flops,
     aten.cholesky_solve: _cholesky_solve_flops,
+    aten.cholesky_inverse: _cholesky_inverse_flops,
     torch.ops.gpattn.host_cholesky: _cholesky_flops,  # gpattn's CPU factorisation, one operator (its body unseen)
 }
+
+
+def _attention(name: str):
+    """A registered name, or ``name@recipe``: the variant as that recipe builds it (e.g. ``sgpa-rff@out-of-scope``,
+    g on each sequence)."""
+    variant, _, recipe = name.partition("@")
+    return functools.partial(gpattn.build_attention, variant, recipe=recipe) if recipe else variant
 
 
 def _model(name: str, T: int, cfg: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(0)
     return TransformerClassifier(
-        2, vocab_size=cfg.vocab, max_len=T, embed_dim=cfg.width, num_heads=cfg.heads, num_layers=2, attention=name
+        2, vocab_size=cfg.vocab, max_len=T, embed_dim=cfg.width, num_heads=cfg.heads, num_layers=2,
+        attention=_attention(name),
     ).train().to(cfg.device)
 
 
@@ -213,7 +228,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ts", default="16,64,256,1024", help="comma-separated sequence lengths")
     p.add_argument("--modes", default=",".join(MODES), help="eager, compiled or both")
-    p.add_argument("--variants", default=None, help="comma-separated registry names (default: all)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated registry names, or name@recipe (e.g. sgpa-rff@out-of-scope) (default: all)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")

@@ -451,7 +451,8 @@ def test_train_step_interleaves_the_timed_steps_and_keeps_a_failing_variant_as_a
 
 def test_train_step_counts_factorisations_and_solves_at_their_textbook_flops():
     """The counter's additions (train_step.LINALG_FLOPS): gpattn's Cholesky (the CPU custom operator, its body not
-    counted again) n³/3, a triangular solve from either side n² per right-hand side, cholesky_solve two of them."""
+    counted again) n³/3, a triangular solve from either side n² per right-hand side, cholesky_solve two of them,
+    cholesky_inverse 2n³/3."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from gpattn.variational._linalg import cholesky, tri_solve
@@ -466,6 +467,7 @@ def test_train_step_counts_factorisations_and_solves_at_their_textbook_flops():
         "right solve": (lambda: tri_solve(L, torch.randn(3, 5, 8, dtype=A.dtype), left=False), 3 * 8 * 8 * 5),
         "one L for a batch": (lambda: tri_solve(L[0], torch.randn(3, 8, 5, dtype=A.dtype)), 3 * 8 * 8 * 5),
         "cholesky_solve": (lambda: torch.cholesky_solve(torch.randn(3, 8, 5, dtype=A.dtype), L), 2 * 3 * 8 * 8 * 5),
+        "cholesky_inverse": (lambda: torch.cholesky_inverse(L), 2 * 3 * 8**3 // 3),
     }
     for what, (fn, expected) in cases.items():
         with FlopCounterMode(display=False, custom_mapping=train_step.LINALG_FLOPS) as counter:
@@ -546,3 +548,15 @@ def test_device_session_records_a_timeout_and_goes_on(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "session.log"]
     with pytest.raises(SystemExit):
         session.main(["--out", str(out), "--only", "nope"])
+
+
+def test_train_step_builds_a_variant_as_a_recipe_names_it():
+    """--variants name@recipe: the model's layers are the recipe's form (sgpa-rff@out-of-scope: g on each sequence),
+    a plain name the variant's scratch form."""
+    from gpattn.variational.covariances import TrainingQueryCovariance, TrainingSequenceCovariance
+
+    train_step = importlib.import_module("train_step")
+    cfg = train_step.parse_args(["--quick"])
+    for name, form in (("sgpa-rff@out-of-scope", TrainingSequenceCovariance), ("sgpa-rff", TrainingQueryCovariance)):
+        covariances = [m for m in train_step._model(name, 8, cfg).modules() if isinstance(m, TrainingQueryCovariance)]
+        assert len(covariances) == 2 and all(type(c) is form for c in covariances), name

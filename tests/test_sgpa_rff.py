@@ -10,7 +10,9 @@ import torch
 
 import gpattn
 from gpattn.testing import GPAttentionTestCase
+from gpattn.testing.assertions import assert_samples_match_moments
 from gpattn.testing.references import DenseReference, prior_mean_dense, sgpa_heads
+from gpattn.variational._linalg import standard_normal
 from gpattn.variational.covariances import TrainingQueryCovariance, TrainingSequenceCovariance
 
 F64 = torch.float64
@@ -352,3 +354,94 @@ def test_sequence_input_ignores_padded_tokens_and_refuses_per_query_masks():
         layer(x, attn_mask=causal)
     with pytest.raises(ValueError, match="covariance must be one of \\['query'\\]"):
         gpattn.build_attention("sgpa-rff", 16, 2, covariance="tokens")
+
+
+# ---- the training step's cost (docs/derivations.md §5f, "Cost"): the same distribution, computed the cheaper way ----
+
+
+def _perturbed_layer(D=4, H=2, R=6, seed=0):
+    """A float64 layer with a non-zero μ and a tracked second moment; its Dv = D/H."""
+    torch.manual_seed(seed)
+    layer = gpattn.build_attention("sgpa-rff", D, H, num_features=R, jitter=1e-9).double()
+    with torch.no_grad():
+        TestSGPARFF.perturb(None, layer)
+    return layer
+
+
+def _dense_root(layer, x):
+    """σ Ψ L⁻ᵀ by its formula, L = chol(I + w·M) of the running moment M (eval), densely per head.
+    # shape: x (B, T, D) -> (B, H, T, R)"""
+    cov = layer.strategy.covariance
+    qk, _ = sgpa_heads(layer, x)
+    psi = _features_dense(cov, qk)
+    R = psi.shape[-1]
+    L = torch.linalg.cholesky(torch.eye(R, dtype=F64) + cov.data_weight * cov.second_moment.double())
+    sigma = cov.outputscale.double().sqrt()[:, None, None]
+    return sigma * psi @ torch.linalg.inv(L).mT
+
+
+@pytest.mark.parametrize("num_samples", [None, 2, 9])
+def test_a_draw_is_the_dense_root_times_its_normals_whichever_way_it_is_associated(num_samples):
+    """f = mean + (σΨL⁻ᵀ) ε with ε the conditional's own normals: the draw of P·Dv ≤ T columns (L⁻ᵀ ε first, no root
+    formed) and of P·Dv > T (the root first) are the dense root times the same ε, to float64 rounding."""
+    layer = _perturbed_layer()  # Dv = 2, T = 8: P = None, 2 draw through L⁻ᵀ ε, P = 9 through the root
+    x = torch.randn(3, 8, 4, dtype=F64)
+    with torch.no_grad():
+        cond = layer._condition(x, None)
+        f = cond.rsample(num_samples, generator=torch.Generator().manual_seed(7))
+    eps_shape = (3, 2, 6, 2)
+    eps = standard_normal(eps_shape, f, num_samples, torch.Generator().manual_seed(7))
+    root = _dense_root(layer, x)
+    expected = cond.mean + root @ eps  # ε's sample axis P broadcasts
+    torch.testing.assert_close(f, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_draws_through_the_normals_first_have_the_analytic_moments():
+    """Monte Carlo in float64 on the path a training step takes (one draw, P·Dv ≤ T): the draws' mean and token
+    covariance are σΨμ + m and σ²ΨΣΨᵀ (the dense reference's)."""
+    layer = _perturbed_layer(R=8)
+    x = torch.randn(1, 8, 4, dtype=F64)
+    ref = rff_dense_posterior(layer, x, None)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        cond = layer._condition(x, None)
+        f = torch.stack([cond.rsample(4, generator=g) for _ in range(2500)]).flatten(0, 1)  # P·Dv = 8 = T each
+    assert_samples_match_moments(f.transpose(-1, -2), ref.mean, ref.covariance)
+
+
+def test_a_training_forward_conditions_on_its_own_batch_under_padding():
+    """Training mode: the precision is I + w·E_batch[ψψᵀ] over the batch's real queries (the features laid out per
+    head, the mask as weights), the dense reference's, and no gradient or statistic is tracked under no_grad."""
+    layer = _perturbed_layer(D=8, H=2, R=10).train()
+    x = torch.randn(3, 6, 8, dtype=F64)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    pad[2, 1:] = True
+    ref = rff_dense_posterior(layer, x, pad)
+    with torch.no_grad():
+        cond = layer._condition(x, pad)
+    torch.testing.assert_close(cond.mean.transpose(-1, -2), ref.mean, rtol=1e-10, atol=1e-10)
+    root = cond.root
+    expected = ref.covariance - 1e-9 * torch.eye(6, dtype=F64)  # the reference's jitter off: σ²ΨΣΨᵀ per output dim
+    torch.testing.assert_close((root @ root.mT)[:, :, None].expand_as(expected), expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(cond.kl_divergence().sum(), ref.loss_terms["kl_global"], rtol=1e-10, atol=1e-10)
+
+
+def test_the_training_mean_has_its_gradient_by_gradcheck():
+    """The differentiable path (the features as a shifted sine, their constant on μ's product, the batch's own
+    precision under padding): the mean's analytic gradients w.r.t. the input and μ, and the draw's w.r.t. μ, match
+    finite differences in float64 (the draw's noise reads the queries detached: its gradient w.r.t. the input is the
+    mean's, test_no_gradient_reaches_the_query_map_through_the_noise)."""
+    layer = _perturbed_layer(R=5).train()
+    strategy = layer.strategy
+    mu = strategy._parameters.pop("variational_mean").detach().clone().requires_grad_(True)  # μ as an input
+    x = torch.randn(2, 4, 4, dtype=F64, requires_grad=True)
+    pad = torch.tensor([[False] * 4, [False, False, True, True]])
+
+    def condition(x, mu):
+        strategy.variational_mean = mu
+        return layer._condition(x, pad)
+
+    assert torch.autograd.gradcheck(lambda x, mu: condition(x, mu).mean, (x, mu), eps=1e-6, atol=1e-7)
+    draw = lambda mu: condition(x.detach(), mu).rsample(generator=torch.Generator().manual_seed(2))  # noqa: E731
+    assert torch.autograd.gradcheck(draw, (mu,), eps=1e-6, atol=1e-7)

@@ -25,7 +25,7 @@ from gpattn.variational._linalg import safe_sqrt, standard_normal
 from gpattn.variational._scale import check_prior_factor
 from gpattn.variational.means import when_present
 from gpattn.variational.sgpa import posterior_distribution
-from gpattn.variational.sgpa_rff import FeatureSGPAConditional, SequenceFeatureConditional
+from gpattn.variational.sgpa_rff import FeatureSGPAConditional, SequenceFeatureConditional, _heads
 
 __all__ = ["DiagonalCovariance", "FullCovariance", "TrainingQueryCovariance", "TrainingSequenceCovariance"]
 
@@ -94,6 +94,16 @@ def _positive(name: str, value, integer: bool = False):
     return value if integer else float(value)
 
 
+def _symmetric_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """leftᵀ right where it is symmetric (left: right's rows scaled): its upper half of block rows, the lower-left
+    block mirrored — ¾ of a general product's arithmetic, in two products.
+    # shape: (H, N, R), (H, N, R) -> (H, R, R)"""
+    h = right.shape[-1] // 2
+    top = left[..., :h].mT @ right  # shape: (H, h, R)
+    bottom = left[..., h:].mT @ right[..., h:]  # shape: (H, R − h, R − h)
+    return torch.cat([top, torch.cat([top[..., h:].mT, bottom], -1)], -2)
+
+
 class TrainingQueryCovariance(nn.Module):
     r"""The covariance of g: R random Fourier features of an RBF kernel per head and the posterior precision
     Σ⁻¹ = I + w E[ψψᵀ] from the running second moment of the training queries' features (docs/derivations.md §5f).
@@ -153,22 +163,39 @@ class TrainingQueryCovariance(nn.Module):
         """σ² per head (the ``outputscale`` buffer).  # shape: (H,)"""
         return self.outputscale
 
-    def unit_features(self, queries: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
-        """ψ(q) = √(2/R) cos(Ω q/ℓ + b), ψᵀψ' ≈ exp(−‖q − q'‖²/2ℓ²) at every query (``real`` is not needed).
+    @property
+    def feature_scale(self) -> float:
+        """c = √(2/R), the features' constant: ψ = c·cos(Ω q/ℓ + b)."""
+        return math.sqrt(2.0 / self.num_features)
+
+    def cosines(self, queries: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """cos(Ω q/ℓ + b), the features without their constant c (``real`` is not needed), laid out head-major: the
+        result's memory is (H, B, T, R), so that each head's rows are one matrix without a copy. Computed as
+        sin(Ω q/ℓ + b + π/2) (the phase added to the (H, R) phases, in one fused product): sin's backward is one
+        cos and one product over the (B, H, T, R) features, cos's a sin, a negation and a product.
         # shape: (B, H, T, Dh) -> (B, H, T, R)"""
+        B, H, T, Dh = queries.shape
         omega = (self.frequencies / self.lengthscale[:, None, None]).to(queries.dtype)
-        angle = queries @ omega.mT + self.phases[:, None, :].to(queries.dtype)
-        return math.sqrt(2.0 / self.num_features) * torch.cos(angle)
+        phases = (self.phases.to(queries.dtype) + math.pi / 2)[:, None, :]  # shape: (H, 1, R)
+        rows = queries.transpose(0, 1).reshape(H, B * T, Dh)  # shape: (H, B·T, Dh), a copy of the narrow queries
+        angle = torch.baddbmm(phases, rows, omega.mT)  # shape: (H, B·T, R)
+        return torch.sin(angle).view(H, B, T, -1).transpose(0, 1)
+
+    def unit_features(self, queries: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """ψ(q) = √(2/R) cos(Ω q/ℓ + b), ψᵀψ' ≈ exp(−‖q − q'‖²/2ℓ²) at every query (``real``: as :meth:`cosines`).
+        # shape: (B, H, T, Dh) -> (B, H, T, R)"""
+        return self.feature_scale * self.cosines(queries, real)
 
     @staticmethod
     def batch_moment(psi: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
-        """E[ψψᵀ] over one batch's real tokens (detached).
+        """E[ψψᵀ] over one batch's real tokens (detached): one product per head of its (B·T, R) rows, read in place
+        when ``psi`` is laid out head-major (:meth:`cosines`).
         # shape: psi (B, H, T, R), real (B, T) or None -> (H, R, R)"""
-        psi = psi.detach()
+        rows = _heads(psi.detach())  # shape: (H, B·T, R)
         if real is None:
-            return torch.einsum("bhtr,bhts->hrs", psi, psi) / (psi.shape[0] * psi.shape[2])
-        psi = psi * real[:, None, :, None].to(psi.dtype)
-        return torch.einsum("bhtr,bhts->hrs", psi, psi) / real.sum().clamp_min(1).to(psi.dtype)
+            return _symmetric_product(rows, rows) / rows.shape[1]
+        weight = real.reshape(-1, 1).to(rows.dtype)  # the rows' order: sequence-major, as real's
+        return _symmetric_product(rows * weight, rows) / real.sum().clamp_min(1).to(rows.dtype)
 
     @torch.no_grad()
     def track(self, moment: torch.Tensor) -> None:
@@ -228,8 +255,8 @@ class TrainingSequenceCovariance(TrainingQueryCovariance):
         """0.4 on the unit sphere, whatever the width."""
         return 0.4
 
-    def unit_features(self, queries: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
-        """ψ̂ = ψ(x̂) of each sequence's unit mean query over its ``real`` tokens (all when None).
+    def cosines(self, queries: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """ψ̂ / c = cos(Ω x̂/ℓ + b) of each sequence's unit mean query over its ``real`` tokens (all when None).
         # shape: queries (B, H, T, Dh), real (B, T) or None -> (B, 1, 1, R)"""
         B, H, T, Dh = queries.shape
         joint = queries.transpose(1, 2).reshape(B, T, H * Dh)
@@ -239,7 +266,7 @@ class TrainingSequenceCovariance(TrainingQueryCovariance):
             weight = real.to(joint.dtype)[..., None]
             pooled = (joint * weight).sum(1) / weight.sum(1).clamp_min(1)
         unit = torch.nn.functional.normalize(pooled, dim=-1)[:, None, None, :]  # shape: (B, 1, 1, H·Dh)
-        return super().unit_features(unit)
+        return super().cosines(unit)
 
     @staticmethod
     def batch_moment(psi: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:

@@ -41,25 +41,67 @@ from gpattn.variational.sgpa import check_sequence_inputs, posterior_distributio
 __all__ = ["FeatureSGPAConditional", "FeatureSGPAVariationalStrategy", "SequenceFeatureConditional"]
 
 
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    """Every token of every sequence as a row of its head: a view where ``x`` is laid out head-major (as
+    :meth:`~gpattn.variational.covariances.TrainingQueryCovariance.cosines` lays out its features), a copy otherwise.
+    # shape: (B, H, T, k) -> (H, B·T, k)"""
+    B, H, T, k = x.shape
+    return x.transpose(0, 1).reshape(H, B * T, k)
+
+
+def _tokens(rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """The inverse of :func:`_heads` (a view).  # shape: (H, B·T, k) -> (B, H, T, k)"""
+    H, N, k = rows.shape
+    return rows.view(H, batch, N // batch, k).transpose(0, 1)
+
+
 def _solve_rows(chol: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
-    """Ψ L⁻ᵀ, every row of every sequence against its head's factor in one solve per head (a solve broadcast over the
-    batch would copy L once per sequence).  # shape: chol (H, R, R), psi (B, H, T, R) -> (B, H, T, R)"""
-    B, H, T, R = psi.shape
-    rows = psi.transpose(0, 1).reshape(H, B * T, R)
-    return tri_solve(chol.mT, rows, upper=True, left=False).view(H, B, T, R).transpose(0, 1)
+    """Ψ L⁻ᵀ by one triangular solve per head of its (B·T, R) rows.
+    # shape: chol (H, R, R), psi (B, H, T, R) -> (B, H, T, R)"""
+    return _tokens(tri_solve(chol.mT, _heads(psi), upper=True, left=False), psi.shape[0])
+
+
+def _whitened_rows(inverse: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
+    """Ψ L⁻ᵀ, every row of every sequence times its head's L⁻ᵀ in one product per head.
+    # shape: inverse (H, R, R), psi (B, H, T, R) -> (B, H, T, R)"""
+    return _tokens(_heads(psi) @ inverse.mT, psi.shape[0])
 
 
 class FeatureSGPAConditional(AmortisedConditional):
     """The factors of one ``sgpa-rff`` forward pass (explicit, never cached).
 
     :ivar mean: m(q) + σ Ψ μ.  # shape: (B, H, T, Dv)
-    :ivar root: σ Ψ L⁻ᵀ, the root of the covariance shared by the Dv output dims.  # shape: (B, H, T, R)
+    :ivar features: Ψ / c, the queries' random features without their constant c = √(2/R) (detached).
+        # shape: (B, H, T, R), laid out head-major
+    :ivar scale: σ c per head.  # shape: (H, 1, 1)
     :ivar chol: L, the Cholesky factor of the posterior precision.  # shape: (H, R, R), or (1, R, R) shared by the heads
+    :ivar inverse: L⁻¹, one triangular solve per head and forward, read by the KL's tr Σ, the draws and the root
+        (docs/derivations.md §5f, "Cost").  # shape: as ``chol``
     :ivar coefficients: μ.  # shape: (H, R, Dv)
     """
 
-    def __init__(self, *, mean, root, chol, coefficients, jitter):
-        self.mean, self.root, self.chol, self.coefficients, self.jitter = mean, root, chol, coefficients, jitter
+    def __init__(self, *, mean, features, scale, chol, coefficients, jitter):
+        self.mean, self.features, self.scale, self.chol = mean, features, scale, chol
+        self.coefficients, self.jitter = coefficients, jitter
+        self.inverse = self._inverse()
+
+    def _inverse(self) -> torch.Tensor | None:
+        eye = torch.eye(self.chol.shape[-1], dtype=self.chol.dtype, device=self.chol.device)
+        return tri_solve(self.chol, eye)
+
+    def _trace_covariance(self) -> torch.Tensor:
+        """tr Σ = ‖L⁻¹‖²_F.  # shape: -> (H,) or (1,)"""
+        return self.inverse.square().sum((-2, -1))
+
+    def _covariance_root(self) -> torch.Tensor:
+        """L⁻ᵀ: Σ = L⁻ᵀ (L⁻ᵀ)ᵀ.  # shape: as ``chol``"""
+        return self.inverse.mT
+
+    @property
+    def root(self) -> torch.Tensor:
+        """σ Ψ L⁻ᵀ, the root of the covariance shared by the Dv output dims (computed on each read: O(R²) per token).
+        # shape: (B, H, T, R)"""
+        return self.scale * _whitened_rows(self.inverse, self.features)
 
     @property
     def prior_distribution(self) -> MultivariateNormal:
@@ -70,18 +112,15 @@ class FeatureSGPAConditional(AmortisedConditional):
     @property
     def variational_distribution(self) -> MultivariateNormal:
         """q(β) = N(μ, Σ), Σ = L⁻ᵀL⁻¹.  # shape: batch (H, Dv), event R"""
-        eye = torch.eye(self.chol.shape[-1], dtype=self.chol.dtype, device=self.chol.device)
-        root = tri_solve(self.chol.mT, eye, upper=True)  # L⁻ᵀ: Σ = L⁻ᵀ (L⁻ᵀ)ᵀ
+        root = self._covariance_root()
         H, R, Dv = self.coefficients.shape  # a sequence-level g's one factor is shared by its H heads
         return MultivariateNormal(self.coefficients.mT, RootLinearOperator(root[:, None].expand(H, Dv, R, R)))
 
     def kl_divergence(self) -> torch.Tensor:
         """KL(q(β_d) ‖ p(β_d)) = ½[tr Σ + ‖μ_d‖² − R − log|Σ|], a global term.  # shape: -> (H, Dv)"""
         R = self.chol.shape[-1]
-        eye = torch.eye(R, dtype=self.chol.dtype, device=self.chol.device)
-        inv = tri_solve(self.chol, eye)  # L⁻¹: tr Σ = ‖L⁻¹‖²_F
         log_det_precision = 2 * self.chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)  # shape: (H,)
-        const = inv.square().sum((-2, -1)) - R + log_det_precision  # shape: (H,)
+        const = self._trace_covariance() - R + log_det_precision  # shape: (H,)
         return 0.5 * (const[:, None] + self.coefficients.square().sum(-2))
 
     def added_loss_terms(self, mask=None):
@@ -104,10 +143,21 @@ class FeatureSGPAConditional(AmortisedConditional):
 
     def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """f_d = mean_d + σ Ψ L⁻ᵀ ε_d, ε_d ∈ R^R: exact joint samples over the tokens, one draw of β per sequence.
+        The product σ Ψ L⁻ᵀ ε is associated the cheaper way (docs/derivations.md §5f, "Cost"): with fewer draws'
+        columns (P·Dv) than tokens (T), L⁻ᵀ ε first (a product of P·Dv columns per sequence, no (T, R) root formed),
+        else the root σ Ψ L⁻ᵀ first (a product of T rows); the same ε either way.
         # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
         B, H, T, Dv = self.mean.shape
-        eps = standard_normal((B, H, self.root.shape[-1], Dv), self.mean, num_samples, generator)
-        return self.mean + matmul_samples(self.root, eps)
+        R = self.chol.shape[-1]
+        eps = standard_normal((B, H, R, Dv), self.mean, num_samples, generator)
+        P = 1 if num_samples is None else num_samples
+        if P * Dv > T:
+            return self.mean + matmul_samples(self.root, eps)
+        rows = eps.reshape(-1, B, H, R, Dv).permute(2, 1, 0, 4, 3).reshape(H, B * P * Dv, R)  # εᵀ, per head
+        draws = (rows @ self.inverse).view(H, B, P * Dv, R).mT  # (L⁻ᵀ ε)ᵀ = εᵀ L⁻¹, read transposed: (H, B, R, P·Dv)
+        noise = self.scale[..., None] * (self.features.transpose(0, 1) @ draws)  # shape: (H, B, T, P·Dv)
+        noise = noise.view(H, B, T, P, Dv).permute(3, 1, 0, 2, 4)  # shape: (P, B, H, T, Dv)
+        return self.mean + (noise[0] if num_samples is None else noise)
 
 
 class SequenceFeatureConditional(FeatureSGPAConditional):
@@ -116,7 +166,25 @@ class SequenceFeatureConditional(FeatureSGPAConditional):
     per sequence and head, the same at each of its tokens.
 
     :ivar root: σ ψ̂ᵀ L⁻ᵀ.  # shape: (B, H, 1, R)
+    :ivar inverse: None: with one input per sequence nothing reads L⁻¹ but the KL's tr Σ, which
+        :func:`torch.cholesky_inverse` gives at ⅔ of the arithmetic of L \\ I (R = 1024 in the out-of-scope recipe).
     """
+
+    def _inverse(self) -> None:
+        return None
+
+    def _trace_covariance(self) -> torch.Tensor:
+        """tr Σ = tr (L Lᵀ)⁻¹.  # shape: -> (1,)"""
+        return torch.cholesky_inverse(self.chol).diagonal(dim1=-2, dim2=-1).sum(-1)
+
+    def _covariance_root(self) -> torch.Tensor:
+        eye = torch.eye(self.chol.shape[-1], dtype=self.chol.dtype, device=self.chol.device)
+        return tri_solve(self.chol.mT, eye, upper=True)
+
+    @property
+    def root(self) -> torch.Tensor:
+        """σ ψ̂ᵀ L⁻ᵀ by one triangular solve of the batch's B rows.  # shape: (B, H, 1, R)"""
+        return self.scale * _solve_rows(self.chol, self.features)
 
     def rsample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """f_d = mean_d + σ ‖L⁻¹ψ̂‖ ε_d, ε_d ~ N(0, 1): at one input g_d is N(σψ̂ᵀμ_d, σ²ψ̂ᵀΣψ̂), so the value is
@@ -179,19 +247,23 @@ class FeatureSGPAVariationalStrategy(AmortisedVariationalStrategy):
             m = self.mean_module(queries, keys, values, kernel=self.kernel, excluded=not_allowed)
             cov = self.covariance
             real = None if (mask is None or query_inputs is not None) else ~mask
-            features = cov.unit_features(queries, real)  # shape: (B, H|1, T|1, R); once, with its gradient for the mean
-            psi = features.detach()  # the noise path's: no gradient into the query map
+            # cos(Ω q/ℓ + b) once, with its gradient for the mean; ψ = c·cos, the constant c = √(2/R) kept on the
+            # small factors (μ's product, the (R, R) moment, the draws) instead of a pass over the (B, H, T, R) features
+            features = cov.cosines(queries, real)  # shape: (B, H|1, T|1, R), head-major
+            c = cov.feature_scale
+            cos = features.detach()  # the noise path's: no gradient into the query map
             if self.training:  # as BatchNorm: the batch's own statistics in training, the running ones in eval
-                moment = cov.batch_moment(psi, real)
+                moment = cov.batch_moment(cos, real) * c**2  # E[ψψᵀ], a statistic: no autograd graph
                 if torch.is_grad_enabled():
                     cov.track(moment)
             else:
-                moment = cov.second_moment.to(psi.dtype)
+                moment = cov.second_moment.to(cos.dtype)
             chol = cov.precision_cholesky(moment)
-            sigma = cov.outputscale.to(psi.dtype).sqrt()[:, None, None]  # shape: (H, 1, 1)
-            root = sigma * _solve_rows(chol, psi)  # σ Ψ L⁻ᵀ
-            mu = self.variational_mean.to(psi.dtype)
+            scale = c * cov.outputscale.to(cos.dtype).sqrt()[:, None, None]  # σ c, shape: (H, 1, 1)
+            mu = self.variational_mean.to(cos.dtype)
             # the mean's global part takes the queries with their gradient: μ and the query map learn together
-            mean = add_means(m, sigma * (features @ mu))
-        return cov.conditional(mean=mean, root=root, chol=chol, coefficients=mu, jitter=self.jitter)
+            mean = add_means(m, _tokens(scale * (_heads(features) @ mu), features.shape[0]))
+        return cov.conditional(
+            mean=mean, features=cos, scale=scale, chol=chol, coefficients=mu, jitter=self.jitter
+        )
 
