@@ -75,6 +75,14 @@ def predict_rows(batch_size: int, num_samples: int, tokens: int) -> int:
     return max(1, min(batch_size, PREDICT_TOKEN_BUDGET // per_row, PREDICT_PAIR_BUDGET // (per_row * max(tokens, 1))))
 
 
+def tokens_per_row(model, inputs: torch.Tensor, mask: torch.Tensor | None) -> int:
+    """The tokens each row of ``inputs`` becomes in ``model``, for :func:`predict_rows`: a padded sequence's width
+    (ids, or a frozen trunk's states), else the model's own count (a ViT's patches, ``max_tokens``), else 1."""
+    if mask is not None:
+        return int(inputs.shape[1])
+    return int(getattr(model, "max_tokens", None) or 1)
+
+
 class EmptyTextWarning(UserWarning):
     """``Run.predict`` was given texts with no words: what it returns for them is the model's answer to an
     empty input, not a judgement of any text."""
@@ -212,15 +220,12 @@ class Run:
         return Prediction(probs, total, expected, mi, sample_probs, labels)
 
     def _sample_logits(self, ids, mask, num_samples: int, batch_size: int) -> torch.Tensor:
-        """Sample logits of encoded inputs, in eval mode, in batches of :func:`predict_rows`.  # shape: (N, P, C)"""
-        self.model.eval()
-        device, chunks = self.device, []
-        batch_size = predict_rows(batch_size, num_samples, ids.shape[1] if mask is not None else 1)
-        for start in range(0, ids.shape[0], batch_size):
-            x = ids[start : start + batch_size].to(device)
-            m = None if mask is None else mask[start : start + batch_size].to(device)
-            chunks.append(self.model(x, m, num_samples=num_samples).float().cpu())
-        return torch.cat(chunks) if chunks else torch.zeros(0, num_samples, self.meta["num_classes"])
+        """Sample logits of encoded inputs, in eval mode, in passes of :func:`predict_rows` rows (the evaluation's
+        own loop, :func:`gpattn.experiments.training.predict`).  # shape: (N, P, C)"""
+        from gpattn.experiments.training import predict
+
+        rows = types.SimpleNamespace(inputs=ids, mask=mask, labels=torch.full((ids.shape[0],), -1))
+        return predict(self.model, rows, num_samples, batch_size)
 
 
 def load_run(path, device=None) -> Run:

@@ -65,6 +65,7 @@ from gpattn.experiments.diagnostics import (
     base_rate_entropy,
     collapse_warnings,
 )
+from gpattn.experiments.inference import predict_rows, tokens_per_row
 from gpattn.models import EncoderSpec, TransformerClassifier, ViTClassifier
 from gpattn.objectives import DeepGPELBO
 
@@ -165,13 +166,17 @@ def predict(
     progress: str | None = None,
 ) -> torch.Tensor:
     """Sample logits of a whole split in eval mode, on the model's device (sharded over ranks under
-    torchrun), returned on the CPU; ``progress``: a tqdm bar over the batches with that description (an
-    evaluation of cgp or sgpa at P samples can take minutes).  # shape: (N, P, C)"""
+    torchrun), returned on the CPU. Every evaluation (a run's own, ``gpattn evaluate``, ``Run.predict``) runs
+    here, in passes of at most ``batch_size`` rows, fewer where P samples of long sequences would not fit the
+    memory bound of :func:`gpattn.experiments.inference.predict_rows` (rows × samples × tokens). ``progress``: a
+    tqdm bar over the passes with that description (an evaluation of cgp or sgpa at P samples can take
+    minutes).  # shape: (N, P, C)"""
     model.eval()
     n = len(split.labels)
     rows = torch.arange(n) if dist is None else dist.shard(torch.arange(n))
     device = next(model.parameters()).device
     out = []
+    batch_size = predict_rows(batch_size, num_samples, tokens_per_row(model, split.inputs, split.mask))
     starts = range(0, len(rows), batch_size)
     bar = tqdm(starts, desc=progress, disable=progress is None, leave=False, dynamic_ncols=True, unit="batch")
     for start in bar:
@@ -414,7 +419,8 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps, log) -
         from gpattn.experiments.sngp import fit_covariance
 
         split = run.bundle.splits["train"]
-        rows = torch.arange(len(split)).split(cfg.eval_batch_size)
+        per_pass = predict_rows(cfg.eval_batch_size, 1, tokens_per_row(run.model, split.inputs, split.mask))
+        rows = torch.arange(len(split)).split(per_pass)
         fit_covariance(run.model, (_batch(split, idx, run.device)[:2] for idx in rows))
         _save(run)
     return _evaluate(run)
