@@ -151,7 +151,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--no-progress", action="store_true",
-        help="no tqdm progress bars; train prints a line per epoch instead (loss, validation NLL and accuracy)",
+        help="no tqdm progress bars; a line per epoch (loss, validation NLL and accuracy) and per evaluated split "
+        "instead",
     )
     _device_arg(p)
     p.add_argument(

@@ -32,6 +32,8 @@ import math
 import os
 import signal
 import tempfile
+import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +46,7 @@ from gpattn._warnings import warn
 from gpattn.experiments._config import RUN_SETTINGS, TrainConfig, _same_run  # noqa: F401  (re-exported)
 from gpattn.experiments._data_check import load_checked_data, record_run_paths
 from gpattn.experiments._dist import _Dist, _rng_state, _set_rng_state
+from gpattn.experiments._estimate import TIMED_STEPS, StepClock, duration, over_an_hour, run_estimate
 from gpattn.experiments._guard import TrainingDivergedError, _DivergenceGuard
 from gpattn.experiments._io import CHECKPOINT_FORMAT, check_resumable
 from gpattn.experiments._optim import build_optimizer
@@ -345,7 +348,7 @@ def _match_prior_to_stream(model, split, device) -> list[dict]:
 @locked_run  # one writer per run folder: a second gets RunFolderLockedError naming the holder's pid
 def train(
     cfg: TrainConfig, out: str | os.PathLike | None = None, resume: bool = False, bundle=None,
-    stop_after_steps: int | None = None, log=None,
+    stop_after_steps: int | None = None, log=None, estimate=None, header: bool = True,
 ) -> dict:
     """Fit, checkpoint and evaluate one run; returns the metrics dict (also ``out/metrics.json``).
 
@@ -353,13 +356,15 @@ def train(
     optimizer steps and raises ``KeyboardInterrupt``. A run that fails with an error leaves no
     ``config.json`` or ``data.json`` of its own (an interrupted run keeps them beside its checkpoint, a
     diverged one beside ``diverged.json``). ``log``: a callable given lines to show (``gpattn train`` prints
-    them at once): the data header before training, and with ``cfg.progress`` off a line per epoch (loss,
-    validation NLL and accuracy).
+    them at once): the data header before training (unless ``header`` is False), the run's estimated time once its
+    first steps are timed (:mod:`gpattn.experiments._estimate`; a warning line over an hour), and with
+    ``cfg.progress`` off a line per epoch (loss, validation NLL and accuracy) and per evaluated split. ``estimate``:
+    a callable given that :class:`gpattn.experiments._estimate.RunEstimate` instead of the log (``compare``'s).
     """
     written = [Path(out) / name for name in ("config.json", "data.json")] if out is not None else []
     before = {p: p.stat().st_mtime_ns if p.is_file() else None for p in written}
     try:
-        return _train(cfg, out, resume, bundle, stop_after_steps, log)
+        return _train(cfg, out, resume, bundle, stop_after_steps, log, estimate, header)
     except TrainingDivergedError:
         raise
     except Exception:
@@ -391,6 +396,7 @@ class _Run:
     net: torch.nn.Module | None = None
     guard: _DivergenceGuard | None = None
     log: object = None
+    estimate: object = None
 
     @property
     def device(self) -> torch.device:
@@ -406,8 +412,9 @@ class _Run:
         return None if self.out is None else self.out / CHECKPOINT
 
 
-def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps, log) -> dict:
-    run = _setup(cfg, out, resume, bundle, log)
+def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps, log, estimate, header) -> dict:
+    run = _setup(cfg, out, resume, bundle, log, header)
+    run.estimate = estimate
     if resume:
         _restore(run)
     run.net = run.dist.wrap(run.model)  # DistributedDataParallel under torchrun
@@ -452,7 +459,7 @@ def _run_data(cfg: TrainConfig, out: Path | None, writes: bool, bundle, log):
     return bundle
 
 
-def _setup(cfg: TrainConfig, out, resume: bool, bundle, log=None) -> _Run:
+def _setup(cfg: TrainConfig, out, resume: bool, bundle, log=None, header: bool = True) -> _Run:
     """The run's files, data (:func:`_run_data`), model, optimizer and objective."""
     resolve_device(cfg.device)  # CUDA asked for where there is none: refused before any file is written
     out = Path(out) if out is not None else None
@@ -461,7 +468,7 @@ def _setup(cfg: TrainConfig, out, resume: bool, bundle, log=None) -> _Run:
         out.mkdir(parents=True, exist_ok=True)
         _write_json(cfg.to_dict(), out / "config.json")
         (out / DIVERGED).unlink(missing_ok=True)  # a record of an earlier attempt in this folder
-    bundle = _run_data(cfg, out, writes, bundle, log)
+    bundle = _run_data(cfg, out, writes, bundle, log if header else None)
     dist = _Dist(cfg.device)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
@@ -553,10 +560,13 @@ def _fit(run: _Run, stop_after_steps) -> None:
         if run.main:
             _write_json({"step": err.step, "message": str(err), "config": cfg.to_dict()}, run.out / DIVERGED)
 
+    clock = StepClock(torch.cuda.synchronize if run.device.type == "cuda" else lambda: None)
     try:
         with _Interrupt() as interrupt:
             while run.step < run.total_steps:
                 _one_step(run, bar)
+                if (per_step := clock.tick()) is not None:
+                    _report_estimate(run, per_step)
                 if stop_after_steps is not None and stop_after_steps <= run.step < run.total_steps:
                     _save(run)
                     raise KeyboardInterrupt(f"stopped after {run.step} steps")
@@ -607,6 +617,40 @@ def _one_step(run: _Run, bar) -> None:
         _save(run)
 
 
+def _report_estimate(run: _Run, seconds_per_step: float) -> None:
+    """The run's estimated time, once its first steps are timed: the steps left at ``seconds_per_step``, the
+    evaluation at the time per row and sample of one evaluation pass (timed here, on forked random streams)."""
+    if not run.dist.main or (run.estimate is None and run.log is None):
+        return
+    cfg, splits = run.cfg, run.bundle.splits
+    split = splits["val"] if len(splits["val"]) else splits["train"]
+    rows = min(len(split), predict_rows(cfg.eval_batch_size, cfg.num_samples, tokens_per_row(run.model, split.inputs,
+                                                                                             split.mask)))
+    part = types.SimpleNamespace(**{k: None if v is None else v[:rows] for k, v in
+                                    (("inputs", split.inputs), ("mask", split.mask), ("labels", split.labels))})
+    with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
+        start = time.perf_counter()
+        predict(run.model, part, cfg.num_samples, rows, precision=cfg.precision)  # to the host: synchronised
+        per_row_sample = (time.perf_counter() - start) / max(rows * cfg.num_samples, 1)
+    rows = sum(len(splits[k]) for k in _evaluated(run.bundle))
+    if run.log is not None and not cfg.progress:  # a validation line per epoch left
+        rows += len(splits["val"]) * (cfg.epochs - run.step // run.steps_per_epoch)
+    est = run_estimate(run.total_steps - run.step, seconds_per_step, rows * cfg.num_samples, per_row_sample)
+    with tqdm.external_write_mode():
+        if run.estimate is not None:
+            run.estimate(est)
+            return
+        what = f"{cfg.attention} seed {cfg.seed}"
+        run.log(f"[train] {what}: estimated {est.line()} from steps {run.step - TIMED_STEPS + 1}–{run.step}")
+        if warning := over_an_hour(est.total, f"this run ({what})"):
+            run.log(f"[train] {warning}")
+
+
+def _evaluated(bundle) -> list[str]:
+    """The splits a run evaluates at its end: every evaluation split and ``val``."""
+    return sorted({"val", *bundle.eval_splits.values()})
+
+
 def _epoch_line(run: _Run, entry: dict) -> str:
     """The line of an epoch without a progress bar: its mean loss, and the validation NLL and accuracy at the
     run's ``num_samples`` (on forked random streams: the run takes the steps it would take without the line)."""
@@ -647,16 +691,19 @@ def _evaluate(run: _Run) -> dict:
     if dist.main:
         for msg in warnings_:
             warn(f"{cfg.attention} seed {cfg.seed}: {msg}", CollapseWarning)  # at the caller's line
-    preds = {
-        key: {
+    preds = {}
+    for key in _evaluated(bundle):
+        start, split = time.perf_counter(), bundle.splits[key]
+        preds[key] = {
             "logits": predict(
-                run.model, bundle.splits[key], cfg.num_samples, cfg.eval_batch_size, dist, cfg.precision,
+                run.model, split, cfg.num_samples, cfg.eval_batch_size, dist, cfg.precision,
                 progress=f"{cfg.attention} seed {cfg.seed}: evaluating {key}" if cfg.progress and dist.main else None,
             ),
-            "labels": bundle.splits[key].labels,
+            "labels": split.labels,
         }
-        for key in sorted({"val", *bundle.eval_splits.values()})
-    }
+        if run.log is not None and not cfg.progress and dist.main:  # no bar: a line per split instead
+            run.log(f"[train] {cfg.attention} seed {cfg.seed}: evaluated {key} ({len(split)} rows × "
+                    f"{cfg.num_samples} samples) in {duration(time.perf_counter() - start)[1:]}")
     result = evaluate_predictions(preds, bundle, cfg.average)
     dist.close()
     if run.main:
