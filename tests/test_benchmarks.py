@@ -522,6 +522,22 @@ def test_first_call_rss_smoke_schema(tmp_path):
     assert bad["status"] == "error" and bad["reason"]
 
 
+@pytest.mark.slow
+def test_train_rss_smoke_schema(tmp_path):
+    """benchmarks/train_rss.py --quick: a fresh ``gpattn train`` process per variant, its peak RSS as a ratio to
+    softmax's, and the estimate it printed against the time after it."""
+    train_rss = importlib.import_module("train_rss")
+    out = tmp_path / "rss.json"
+    rows = train_rss.main(["--quick", "--variants", "softmax", "--json", str(out)])["rows"]
+    assert [r["variant"] for r in rows] == ["softmax"] and json.loads(out.read_text())["rows"] == rows
+    r = rows[0]
+    assert r["status"] == "ok", r.get("reason")
+    assert r["T"] == 8 and r["peak_rss_mb"] > 0 and r["rss_ratio_to_softmax"] == 1.0
+    assert r["estimate_s"] >= 0 and 0 < r["after_estimate_s"] < r["wall_s"]
+    assert r["estimate_error"] == pytest.approx(r["estimate_s"] / r["after_estimate_s"] - 1)
+    assert train_rss._seconds("~4.2 min") == pytest.approx(252.0) and train_rss._seconds("~2.3 h") == 8280.0
+
+
 def test_device_session_steps_parse_and_fit_one_device_call(tmp_path):
     """Every step of the prepared GPU session is a command its script accepts (its own parser, the same argv), the
     limits sum within one device command (600 s, with a minute for the machine's start), and what comes back stays

@@ -171,7 +171,7 @@ def predict(
     """Sample logits of a whole split in eval mode, on the model's device (sharded over ranks under
     torchrun), returned on the CPU. Every evaluation (a run's own, ``gpattn evaluate``, ``Run.predict``) runs
     here, in passes of at most ``batch_size`` rows, fewer where P samples of long sequences would not fit the
-    memory bound of :func:`gpattn.experiments.inference.predict_rows` (rows × samples × tokens). ``progress``: a
+    memory bound of ``gpattn.experiments.inference.predict_rows`` (rows × samples × tokens). ``progress``: a
     tqdm bar over the passes with that description (an evaluation of cgp or sgpa at P samples can take
     minutes).  # shape: (N, P, C)"""
     model.eval()
@@ -357,9 +357,9 @@ def train(
     ``config.json`` or ``data.json`` of its own (an interrupted run keeps them beside its checkpoint, a
     diverged one beside ``diverged.json``). ``log``: a callable given lines to show (``gpattn train`` prints
     them at once): the data header before training (unless ``header`` is False), the run's estimated time once its
-    first steps are timed (:mod:`gpattn.experiments._estimate`; a warning line over an hour), and with
+    first steps are timed (``gpattn.experiments._estimate``; a warning line over an hour), and with
     ``cfg.progress`` off a line per epoch (loss, validation NLL and accuracy) and per evaluated split. ``estimate``:
-    a callable given that :class:`gpattn.experiments._estimate.RunEstimate` instead of the log (``compare``'s).
+    a callable given that ``RunEstimate`` (``gpattn.experiments._estimate``) instead of the log (``compare``'s).
     """
     written = [Path(out) / name for name in ("config.json", "data.json")] if out is not None else []
     before = {p: p.stat().st_mtime_ns if p.is_file() else None for p in written}
