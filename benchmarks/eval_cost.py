@@ -4,7 +4,7 @@ over the same rows, in the same run (issue #58's floor: the ratio ≤ 1.25 for e
 The model: ``TransformerClassifier`` over token ids at the text defaults (``TrainConfig``: 2 blocks, width 64, 4
 heads), every layer the variant, eval mode; N = ``--rows`` sequences of T tokens, a quarter of them padded to half
 length. Both sides run the evaluation's own loop, :func:`gpattn.experiments.training.predict` (passes of
-:func:`gpattn.experiments.inference.predict_rows` rows at ``--eval-batch-size``): ``P samples`` is one call with
+:func:`gpattn.experiments._runs.predict_rows` rows at ``--eval-batch-size``): ``P samples`` is one call with
 ``num_samples=P`` (the first sampling layer draws the P samples, the layers below it run once), ``P × 1 sample`` is P
 calls with ``num_samples=1``. Each is the median of ``--reps`` timings, the two interleaved, after one untimed call
 of each. ``ratio`` = P samples / (P × 1 sample); softmax, which does not sample, evaluates once whatever P is.

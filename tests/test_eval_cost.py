@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-import gpattn.experiments.inference as inference
+import gpattn.experiments._runs as inference
 from gpattn import deterministic
 from gpattn.experiments.training import TrainConfig, predict, train
 from gpattn.models import TransformerClassifier

@@ -20,7 +20,14 @@ import torch
 
 from gpattn._warnings import warn
 from gpattn.attention._masks import check_num_samples
-from gpattn.experiments._runs import as_device, bundle_meta, run_checkpoint
+from gpattn.experiments._runs import (  # noqa: F401  (the memory bound, re-exported where it was defined first)
+    PREDICT_PAIR_BUDGET,
+    PREDICT_TOKEN_BUDGET,
+    as_device,
+    bundle_meta,
+    predict_rows,
+    run_checkpoint,
+)
 
 __all__ = ["EmptyTextWarning", "Prediction", "Run", "UnknownWordsWarning", "bundle_meta", "load_run"]
 
@@ -58,29 +65,6 @@ class Prediction:
     @property
     def epistemic(self) -> torch.Tensor:
         return self.mutual_information
-
-
-#: Run.predict's memory bound: rows per forward pass such that rows × samples × tokens and rows × samples ×
-#: tokens² stay below these (a GP layer holds a T × T covariance per head and sample; 300 texts at
-#: num_samples=50 and batch_size=256 once took about 20 GB with cgp)
-PREDICT_TOKEN_BUDGET, PREDICT_PAIR_BUDGET = 2**16, 2**21
-
-
-def predict_rows(batch_size: int, num_samples: int, tokens: int) -> int:
-    """At most ``batch_size`` rows, fewer where :data:`PREDICT_TOKEN_BUDGET` / :data:`PREDICT_PAIR_BUDGET` bound
-    them; at least 1."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    per_row = num_samples * max(tokens, 1)
-    return max(1, min(batch_size, PREDICT_TOKEN_BUDGET // per_row, PREDICT_PAIR_BUDGET // (per_row * max(tokens, 1))))
-
-
-def tokens_per_row(model, inputs: torch.Tensor, mask: torch.Tensor | None) -> int:
-    """The tokens each row of ``inputs`` becomes in ``model``, for :func:`predict_rows`: a padded sequence's width
-    (ids, or a frozen trunk's states), else the model's own count (a ViT's patches, ``max_tokens``), else 1."""
-    if mask is not None:
-        return int(inputs.shape[1])
-    return int(getattr(model, "max_tokens", None) or 1)
 
 
 class EmptyTextWarning(UserWarning):
