@@ -75,7 +75,11 @@ def test_run_plan_says_run_k_of_n_the_time_left_and_warns_once():
     assert lines[-1] == "[compare] run 2 of 3 (softmax seed 1): finished before, not trained again"
 
 
-def test_train_logs_its_estimate_and_a_line_per_epoch_and_split(tmp_path):
+def test_train_logs_its_estimate_and_a_line_per_epoch_and_split(tmp_path, capsys):
+    """``train``'s log: the estimate once, a line per epoch and per evaluated split; ``gpattn evaluate --no-progress``
+    prints a line per split too."""
+    from gpattn.experiments.cli import main
+
     lines = []
     train(TrainConfig(dataset="digits", attention="softmax", **TINY), tmp_path, log=lines.append)
     estimate = [line for line in lines if "estimated" in line]
@@ -84,6 +88,11 @@ def test_train_logs_its_estimate_and_a_line_per_epoch_and_split(tmp_path):
     assert any(line.startswith("[train] softmax seed 0: epoch 1/1, loss") for line in lines)
     for split in ("val", "test", "shift", "ood"):
         assert sum(line.startswith(f"[train] softmax seed 0: evaluated {split} (") for line in lines) == 1, lines
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", str(tmp_path), "--no-progress", "--out", str(tmp_path / "ev")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    for split in ("val", "test", "shift", "ood"):
+        assert sum(line.startswith(f"evaluated {split} (") and line.endswith(" s") for line in printed) == 1, printed
 
 
 def test_compare_says_run_k_of_n_with_an_estimate_and_the_time_of_each_run(tmp_path):

@@ -9,6 +9,7 @@ import json
 import re
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -361,15 +362,18 @@ def cmd_evaluate(args) -> int:
     ckpt_path = given / CHECKPOINT if given.is_dir() else given
     out = _evaluation_out(args, ckpt_path.parent)  # after the data check: a changed data file is the first error
     torch.manual_seed(seed)  # the Monte-Carlo draws: the same command gives the same metrics
+    preds = {}
     with _validation(args):
-        preds = {
-            k: {
-                "logits": predict(model, bundle.splits[k], P, cfg.eval_batch_size, precision=cfg.precision,
+        for k in sorted({"val", *bundle.eval_splits.values()}):
+            start, split = time.perf_counter(), bundle.splits[k]
+            preds[k] = {
+                "logits": predict(model, split, P, cfg.eval_batch_size, precision=cfg.precision,
                                   progress=None if args.no_progress else f"evaluating {k}"),
-                "labels": bundle.splits[k].labels,
+                "labels": split.labels,
             }
-            for k in sorted({"val", *bundle.eval_splits.values()})
-        }
+            if args.no_progress:  # no bar: a line per split instead
+                print(f"evaluated {k} ({len(split)} rows × {P} samples) in {time.perf_counter() - start:.1f} s",
+                      flush=True)
     metrics = evaluate_predictions(preds, bundle, cfg.average)
     data_json = ckpt_path.parent / "data.json"
     record = {
