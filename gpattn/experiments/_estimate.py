@@ -34,6 +34,7 @@ class RunEstimate:
 
     @property
     def total(self) -> float:
+        """Training and evaluation, in seconds."""
         return self.training + self.evaluation
 
     def line(self) -> str:
@@ -84,7 +85,7 @@ def over_an_hour(seconds: float, what: str) -> str | None:
 
 
 class StepClock:
-    """Times the steps of one process's run: :meth:`tick` after every step returns the mean seconds per step of
+    """Times the steps of one process's run: ``tick()`` after every step returns the mean seconds per step of
     the :data:`TIMED_STEPS` steps after the :data:`WARM_UP_STEPS` first, once, then None. ``sync``: what makes the
     device's queued work finish (CUDA) before a reading."""
 
@@ -92,6 +93,7 @@ class StepClock:
         self.sync, self.clock, self.steps, self.start, self.done = sync, clock, 0, None, False
 
     def tick(self) -> float | None:
+        """Count a step; the mean seconds per timed step once they are done (once), else None."""
         if self.done:
             return None
         self.steps += 1
@@ -119,6 +121,7 @@ class RunPlan:
         return f"[compare] run {self.folders.index(folder) + 1} of {len(self.folders)} ({label})"
 
     def start(self, folder, label: str) -> None:
+        """Announce the run in ``folder`` ("run k of n (label): started") and start its clock."""
         self.started[folder] = time.perf_counter()
         self.log(f"{self._tag(folder, label)}: started")
 
@@ -140,6 +143,8 @@ class RunPlan:
         return report
 
     def finish(self, folder, label: str, reused: bool) -> None:
+        """Say the run took its time (which then stands for its variant's other seeds), or that it was finished
+        before (``reused``)."""
         if reused:
             self.log(f"{self._tag(folder, label)}: finished before, not trained again")
             return
