@@ -72,7 +72,7 @@ def test_run_plan_says_run_k_of_n_the_time_left_and_warns_once():
     assert lines[1].endswith("; ~2.2 h left in this compare (1 run of variants not timed yet counted at the mean)")
     assert sum(line.startswith("[compare] warning: this compare is expected to take ~2.2 h") for line in lines) == 1
     assert lines[-2].startswith("[compare] run 1 of 3 (softmax seed 0): done in ") and lines[-2].endswith(" s")
-    assert lines[-1] == "[compare] run 2 of 3 (softmax seed 1): finished before, not trained again"
+    assert lines[-1] == "[compare] run 2 of 3 (softmax seed 1): done before, nothing to run"
 
 
 def test_train_logs_its_estimate_and_a_line_per_epoch_and_split(tmp_path, capsys):
@@ -106,5 +106,5 @@ def test_compare_says_run_k_of_n_with_an_estimate_and_the_time_of_each_run(tmp_p
     assert runs[3] == "[compare] run 2 of 2 (softmax seed 1): started"
     assert any(line.startswith("[compare] run 2 of 2 (softmax seed 1): done in ") for line in runs)
     # +ts: the same run, not trained again
-    assert runs.count("[compare] run 1 of 2 (softmax seed 0): finished before, not trained again") == 1
+    assert runs.count("[compare] run 1 of 2 (softmax seed 0): done before, nothing to run") == 1
     assert any(line.startswith("[train] softmax seed 1: evaluated test (") for line in lines)  # --no-progress lines

@@ -104,3 +104,22 @@ def test_evaluation_computes_no_regulariser_and_gives_the_same_output(name, monk
     with_r = model(split.inputs, split.mask, num_samples=5)
     assert len(calls) == 1 and set(model.loss_terms()) == {"cgp"}
     torch.testing.assert_close(evaluated, with_r, rtol=0, atol=0)
+
+
+def test_the_objective_of_an_eval_mode_forward_says_it_is_the_data_term_alone():
+    """An eval-mode forward records no loss term, so an objective computed on it is the data term alone: said, not
+    silent; in training mode the terms are there and nothing is said."""
+    import warnings
+
+    from gpattn.objectives import DeepGPELBO
+
+    split, model = _text_split(n=4), _model("sgpa", layers=1)
+    objective = DeepGPELBO(model, 100, combine_terms=False)
+    logits = model.eval()(split.inputs, split.mask, num_samples=2)
+    with pytest.warns(UserWarning, match="eval mode.*the data term alone"):
+        parts = objective(logits, split.labels)
+    assert "kl_seq" not in parts
+    logits = model.train()(split.inputs, split.mask, num_samples=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "kl_seq" in objective(logits, split.labels)

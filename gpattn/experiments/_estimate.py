@@ -146,7 +146,7 @@ class RunPlan:
         """Say the run took its time (which then stands for its variant's other seeds), or that it was finished
         before (``reused``)."""
         if reused:
-            self.log(f"{self._tag(folder, label)}: finished before, not trained again")
+            self.log(f"{self._tag(folder, label)}: done before, nothing to run")
             return
         took = time.perf_counter() - self.started.get(folder, time.perf_counter())
         if self.keys.get(folder) is not None:
