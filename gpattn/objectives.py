@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from gpytorch.mlls import AddedLossTerm
 
 from gpattn._settings import is_validating
+from gpattn._warnings import warn
 
 __all__ = [
     "ALPHA",
@@ -443,6 +444,15 @@ class DeepGPELBO(_Objective):
         return total
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, step: int | None = None):
-        """# shape: logits (B, P, C), labels (B,) -> the loss (combine_terms) or the parts"""
+        """The objective of the model's last forward, which must be a training-mode one for its GP layers' terms: an
+        eval-mode forward records none (the KL terms and the CGP regulariser are training's, not evaluation's), so a
+        model in eval mode with a GP layer gets a warning that the loss is the data term alone.
+        # shape: logits (B, P, C), labels (B,) -> the loss (combine_terms) or the parts"""
+        if not self.model.training and any(getattr(m, "is_gp", False) for m in self.model.modules()):
+            warn(
+                f"{type(self).__name__}: the model is in eval mode, and a GP layer records its loss terms (KL, CGP "
+                f"regulariser) in training mode only: this loss is the data term alone. Call model.train() before "
+                f"the forward whose objective you compute."
+            )
         parts = self._parts(logits, labels, self.named_loss_terms(), self.log_prior(), step)
         return parts["loss"] if self.combine_terms else parts

@@ -37,7 +37,7 @@ def _fake_preds(p_true: float, n: int = 40, classes: int = 3) -> dict:
 def test_selected_run_keeps_the_lowest_validation_nll_and_skips_diverged(monkeypatch):
     quality = {1e-3: 0.5, 1e-5: 0.9, 1e-6: 0.7, 1e-7: None}  # None: that candidate diverges
 
-    def fake_run(base, spec, seed, root, bundle, progress, fingerprint, log, trained, alpha=None):
+    def fake_run(base, spec, seed, root, bundle, progress, fingerprint, log, trained, alpha=None, plan=None):
         if quality[alpha] is None:
             raise TrainingDivergedError("diverged", 3)
         return f"cfg{alpha}", f"folder{alpha}", _fake_preds(quality[alpha])

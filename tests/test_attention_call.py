@@ -45,7 +45,8 @@ def test_a_forward_writes_no_attribute_on_the_layer(name):
 @pytest.mark.parametrize("name", list_attention())
 def test_the_records_are_this_forwards(name):
     """The loss terms and diagnostics a forward leaves are its own: an eval-mode forward after a training
-    one leaves no diagnostics, and a forward of a batch without padding replaces the terms."""
+    one leaves no diagnostics and no loss terms (they are training's: evaluation computes none), and a training
+    forward of a batch without padding replaces the terms."""
     layer = build_attention(name, 16, 2)
     x, mask = _inputs()
     layer.train()(x, mask)
@@ -53,7 +54,8 @@ def test_the_records_are_this_forwards(name):
     if layer.is_gp:
         assert layer.diagnostics() and terms
     layer.eval()(x)
-    assert layer.diagnostics() == {}
+    assert layer.diagnostics() == {} and dict(layer.named_added_loss_terms()) == {} and layer.loss_terms() == {}
+    layer.train()(x)
     again = dict(layer.named_added_loss_terms())
     assert again.keys() == terms.keys() and all(again[k] is not terms[k] for k in terms)
 

@@ -423,6 +423,24 @@ def test_train_step_smoke_schema(tmp_path):
     assert "flops" not in rows[("kernel", "compiled")]  # counted once per variant and T
 
 
+def test_eval_cost_smoke_schema(tmp_path):
+    """benchmarks/eval_cost.py --quick: a row per (variant, T) with P samples, P × 1 sample and their ratio, softmax
+    first, and the table."""
+    eval_cost = importlib.import_module("eval_cost")
+    out = tmp_path / "eval.json"
+    eval_cost.main(["--quick", "--variants", "cgp", "--threads", "1", "--json", str(out),
+                    "--markdown", str(tmp_path / "eval.md")])
+    data = json.loads(out.read_text())
+    assert [r["variant"] for r in data["rows"]] == ["softmax", "cgp"]
+    for r in data["rows"]:
+        assert r["status"] == "ok", r["reason"]
+        assert (r["T"], r["rows"], r["samples"]) == (8, 6, 3) and r["p_samples_s"] > 0 and r["p_single_s"] > 0
+        assert r["ratio"] == pytest.approx(r["p_samples_s"] / r["p_single_s"], rel=1e-12)
+    assert data["meta"]["samples"] == 3 and data["meta"]["ts"] == [8]
+    table = (tmp_path / "eval.md").read_text()
+    assert "| variant | T | P=3 samples (s) | 3 × 1 sample (s) | ratio |" in table and "| cgp | 8 |" in table
+
+
 def test_train_step_interleaves_the_timed_steps_and_keeps_a_failing_variant_as_a_row(monkeypatch):
     """The k-th timed step of every variant runs between the others' k-th (a load drift moves them alike); each
     variant's first and warm-up steps come before any timed one; a variant failing mid-run is an error row."""
@@ -504,6 +522,22 @@ def test_first_call_rss_smoke_schema(tmp_path):
     assert "| kernel | 32 |" in first_call_rss.to_markdown(rows)
     bad = first_call_rss.measure("no-such-variant", 8, 1, 2, 16, 1)
     assert bad["status"] == "error" and bad["reason"]
+
+
+@pytest.mark.slow
+def test_train_rss_smoke_schema(tmp_path):
+    """benchmarks/train_rss.py --quick: a fresh ``gpattn train`` process per variant, its peak RSS as a ratio to
+    softmax's, and the estimate it printed against the time after it."""
+    train_rss = importlib.import_module("train_rss")
+    out = tmp_path / "rss.json"
+    rows = train_rss.main(["--quick", "--variants", "softmax", "--json", str(out)])["rows"]
+    assert [r["variant"] for r in rows] == ["softmax"] and json.loads(out.read_text())["rows"] == rows
+    r = rows[0]
+    assert r["status"] == "ok", r.get("reason")
+    assert r["T"] == 8 and r["peak_rss_mb"] > 0 and r["rss_ratio_to_softmax"] == 1.0
+    assert r["estimate_s"] >= 0 and 0 < r["after_estimate_s"] < r["wall_s"]
+    assert r["estimate_error"] == pytest.approx(r["estimate_s"] / r["after_estimate_s"] - 1)
+    assert train_rss._seconds("~4.2 min") == pytest.approx(252.0) and train_rss._seconds("~2.3 h") == 8280.0
 
 
 def test_device_session_steps_parse_and_fit_one_device_call(tmp_path):

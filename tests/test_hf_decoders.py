@@ -238,6 +238,11 @@ def test_lm_objective_with_global_terms_and_data_term():
     away_from_the_prior(swap_attention(model, "sgpa-decoupled", "all"))
     ids, mask = batch()
     labels = ids.masked_fill(mask == 0, -100)
+    out = model(ids, attention_mask=mask, labels=labels)  # eval mode: the GP layers record no loss term
+    with pytest.warns(UserWarning, match="eval mode.*the data term alone"):
+        assert CausalLMELBO(model, num_data=50, beta=0.5)(out.logits, labels) == out.loss
+    model.train()
+    torch.manual_seed(0)
     out = model(ids, attention_mask=mask, labels=labels)
     loss = CausalLMELBO(model, num_data=50, beta=0.5)(out.logits, labels)
     n = int((labels[:, 1:] != -100).sum())

@@ -28,13 +28,13 @@ def test_a_model_without_samples_has_no_sample_scores():
     # before: mutual information and MC variance of round-off, AUROC ~ 0.5 of noise, reported as a number
     noisy_copies = _logits() + 1e-7 * np.random.default_rng(2).normal(size=(40, 5, 3))
     scores = M.all_ood_scores(noisy_copies)
-    assert set(scores) == set(M.OOD_SCORE_NAMES)
+    assert set(scores) == set(M.LOGIT_SCORE_NAMES)
     for name in M.SAMPLE_SCORES:
         assert scores[name] is None
-    for name in set(M.OOD_SCORE_NAMES) - set(M.SAMPLE_SCORES):
+    for name in set(M.LOGIT_SCORE_NAMES) - set(M.SAMPLE_SCORES):
         assert scores[name].shape == (40,)
     sampled = M.all_ood_scores(_logits(spread=0.5))
-    assert all(sampled[name].shape == (40,) for name in M.OOD_SCORE_NAMES)
+    assert all(sampled[name].shape == (40,) for name in M.LOGIT_SCORE_NAMES)
 
 
 def _results(values: dict, split="ood", seeds=(0, 1, 2)):

@@ -73,8 +73,11 @@ class GPAttention(AttentionBase):
     def _attend(self, call):
         cond = self._condition(call.x, call.mask, call.context)
         out = cond.rsample(call.num_samples) if call.sampling else cond.mean  # shape: (B or P, B, H, T, Dv)
-        # after the draw: a loss term that samples (CGP's prior samples) takes the random numbers after it
-        self.set_loss_terms(*cond.added_loss_terms(call.loss_mask))
+        # after the draw: a loss term that samples (CGP's prior samples) takes the random numbers after it. Only in
+        # training: the terms are the objective's, and evaluation computes none (CGP's regulariser was ~37 % of its
+        # evaluation time), so an eval-mode forward leaves loss_terms() empty, as it leaves diagnostics() empty
+        if self.training:
+            self.set_loss_terms(*cond.added_loss_terms(call.loss_mask))
         mean = cond.mean
         if cond.output_dtype is not None:
             out, mean = out.to(cond.output_dtype), mean.to(cond.output_dtype)

@@ -71,7 +71,7 @@ class ForwardRecords(LossTermWalkers):
 
     def loss_terms(self) -> dict[str, torch.Tensor]:
         """The unweighted loss terms of the last forward by name, summed over this layer's added loss terms
-        (empty for deterministic baselines)."""
+        (empty for deterministic baselines, and after an eval-mode forward: the terms are training's)."""
         return summed_loss_terms(self)
 
     def diagnostics(self) -> dict[str, torch.Tensor]:

@@ -1,5 +1,6 @@
 """What the training loop and the readers of a run share: the checkpoint's file name, reading a run's
-checkpoint safely, the ``--device`` specification, and the data metadata a checkpoint carries.
+checkpoint safely, the ``--device`` specification, the data metadata a checkpoint carries, and the memory bound of
+every evaluation (:func:`predict_rows`).
 
 :mod:`gpattn.experiments.training` writes runs and :mod:`gpattn.experiments.inference` reads them; both
 import this module and neither imports the other's private names (inference imports training's public
@@ -20,13 +21,17 @@ from gpattn.experiments._io import check_checkpoint_format, load_file
 __all__ = [
     "CHECKPOINT",
     "POSITION_SPLITS",
+    "PREDICT_PAIR_BUDGET",
+    "PREDICT_TOKEN_BUDGET",
     "as_device",
     "bundle_meta",
     "fit_to_positions",
     "load_checkpoint",
     "model_positions",
+    "predict_rows",
     "resolve_device",
     "run_checkpoint",
+    "tokens_per_row",
     "valid_device",
 ]
 
@@ -178,3 +183,28 @@ def _batch(split, idx, device=None):
         x, y = (t.pin_memory().to(device, non_blocking=True) for t in (x, y))
         mask = None if mask is None else mask.pin_memory().to(device, non_blocking=True)
     return x, mask, y
+
+
+# ----------------------------------------------------------------------------- evaluation memory
+#: every evaluation's memory bound (``gpattn.experiments.training.predict``: a run's own, ``gpattn evaluate``,
+#: ``Run.predict``): rows per forward pass such that rows × samples × tokens and rows × samples ×
+#: tokens² stay below these (a GP layer holds a T × T covariance per head and sample; 300 texts at
+#: num_samples=50 and batch_size=256 once took about 20 GB with cgp)
+PREDICT_TOKEN_BUDGET, PREDICT_PAIR_BUDGET = 2**16, 2**21
+
+
+def predict_rows(batch_size: int, num_samples: int, tokens: int) -> int:
+    """At most ``batch_size`` rows, fewer where :data:`PREDICT_TOKEN_BUDGET` / :data:`PREDICT_PAIR_BUDGET` bound
+    them; at least 1."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    per_row = num_samples * max(tokens, 1)
+    return max(1, min(batch_size, PREDICT_TOKEN_BUDGET // per_row, PREDICT_PAIR_BUDGET // (per_row * max(tokens, 1))))
+
+
+def tokens_per_row(model, inputs: torch.Tensor, mask: torch.Tensor | None) -> int:
+    """The tokens each row of ``inputs`` becomes in ``model``, for :func:`predict_rows`: a padded sequence's width
+    (ids, or a frozen trunk's states), else the model's own count (a ViT's patches, ``max_tokens``), else 1."""
+    if mask is not None:
+        return int(inputs.shape[1])
+    return int(getattr(model, "max_tokens", None) or 1)

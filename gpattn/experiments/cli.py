@@ -9,6 +9,7 @@ import json
 import re
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -152,7 +153,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--no-progress", action="store_true",
-        help="no tqdm progress bars; train prints a line per epoch instead (loss, validation NLL and accuracy)",
+        help="no tqdm progress bars; a line per epoch (loss, validation NLL and accuracy) and per evaluated split "
+        "instead",
     )
     _device_arg(p)
     p.add_argument(
@@ -361,15 +363,18 @@ def cmd_evaluate(args) -> int:
     ckpt_path = given / CHECKPOINT if given.is_dir() else given
     out = _evaluation_out(args, ckpt_path.parent)  # after the data check: a changed data file is the first error
     torch.manual_seed(seed)  # the Monte-Carlo draws: the same command gives the same metrics
+    preds = {}
     with _validation(args):
-        preds = {
-            k: {
-                "logits": predict(model, bundle.splits[k], P, cfg.eval_batch_size, precision=cfg.precision,
+        for k in sorted({"val", *bundle.eval_splits.values()}):
+            start, split = time.perf_counter(), bundle.splits[k]
+            preds[k] = {
+                "logits": predict(model, split, P, cfg.eval_batch_size, precision=cfg.precision,
                                   progress=None if args.no_progress else f"evaluating {k}"),
-                "labels": bundle.splits[k].labels,
+                "labels": split.labels,
             }
-            for k in sorted({"val", *bundle.eval_splits.values()})
-        }
+            if args.no_progress:  # no bar: a line per split instead
+                print(f"evaluated {k} ({len(split)} rows × {P} samples) in {time.perf_counter() - start:.1f} s",
+                      flush=True)
         if ckpt.get("detectors") is not None:  # the feature detectors the run fitted on its training split
             from gpattn.experiments.features import detector_scores
 

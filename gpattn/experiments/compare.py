@@ -37,6 +37,7 @@ import torch
 
 from gpattn.attention.registry import attention_class, attention_options, build_attention
 from gpattn.experiments._compare_guard import OVERWRITE, check_out_folder, check_replace, earlier_rows_note
+from gpattn.experiments._estimate import RunPlan
 from gpattn.experiments._io import CHECKPOINT_FORMAT, checkpoint_format, load_file
 from gpattn.experiments._runs import CHECKPOINT, load_checkpoint, resolve_device
 from gpattn.experiments._variants import (  # noqa: F401  (BASELINES re-exported)
@@ -65,22 +66,22 @@ __all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "split_
 
 def _run(
     base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, progress: bool, fingerprint, log, trained: set,
-    alpha: float | None = None,
+    alpha: float | None = None, plan: RunPlan | None = None,
 ):
     """(config, folder, predictions) of one trained run: reused when its configuration and data are the
     same as now, else trained (its folder added to ``trained``); the log line says which and why. ``alpha``:
-    one candidate of an α grid (the run's own folder ``<name>/alpha=<α>``), else the base's α."""
+    one candidate of an α grid (the run's own folder ``<name>/alpha=<α>``), else the base's α. ``plan``: the
+    call's runs, which say "run k of n", the run's estimate and the time left."""
     cfg = dataclasses.replace(
         base, attention=spec.attention, attention_options=_spec_options(base, spec), mc_dropout=spec.mcdropout,
         seed=seed, sngp=sngp_options(base.encoder is not None) if spec.sngp else None,
         progress=progress,
         **({} if alpha is None else {"alpha": alpha}),
     )
-    folder = _run_folder(root, spec) / f"seed{seed}"
-    label = f"{spec.run_name} seed {seed}"
-    if alpha is not None:
-        folder = _run_folder(root, spec) / f"alpha={alpha:g}" / f"seed{seed}"
-        label = f"{spec.run_name} α={alpha:g} seed {seed}"
+    folder = _seed_folder(root, spec, seed, alpha)
+    label = f"{spec.run_name} seed {seed}" if alpha is None else f"{spec.run_name} α={alpha:g} seed {seed}"
+    plan = plan or RunPlan([folder], lambda line: None, lambda f: False)
+    timed = dict(log=log, estimate=plan.estimated(folder, label), header=False)  # epoch and split lines, estimate
     done, diverged = folder / "predictions.pt", folder / DIVERGED
     # up to the settings that do not change the result (training.RUN_SETTINGS: e.g. the device)
     config_file = folder / "config.json"
@@ -91,16 +92,20 @@ def _run(
     if same_config and same_data and diverged.is_file():  # a deterministic rerun would diverge again
         record = json.loads(diverged.read_text())
         log(f"[compare]   {label}: reused (diverged before with this configuration and data)")
+        plan.finish(folder, label, reused=True)
         raise TrainingDivergedError(record["message"], record["step"])
     ckpt_file = folder / "checkpoint.pt"
     old_format = done.is_file() and ckpt_file.is_file() and not _current_format(ckpt_file)
     if same_config and same_data and done.is_file() and not old_format:
         log(f"[compare]   {label}: reused {folder} (same configuration and data)")
+        plan.finish(folder, label, reused=True)
     elif same_data and not done.is_file() and (step := _resumable(folder, cfg)) is not None:
         log(f"[compare]   {label}: resumed from its checkpoint at step {step[0]} ({step[1]} of "
             f"{cfg.epochs} epochs done; interrupted before, same configuration and data) -> {folder}")
-        train(cfg, folder, bundle=bundle, resume=True)
+        plan.start(folder, label)
+        train(cfg, folder, bundle=bundle, resume=True, **timed)
         trained.add(folder)
+        plan.finish(folder, label, reused=False)
     else:
         why = (
             "no finished run" if not done.is_file() and not diverged.is_file()
@@ -113,14 +118,16 @@ def _run(
             why += "; its checkpoint is from another configuration or data, so it starts from scratch"
         check_replace(folder, label, why, done.is_file() and not old_format)  # finished: replaced with overwrite
         log(f"[compare]   {label}: trained ({why}) -> {folder}")
-        train(cfg, folder, bundle=bundle)
+        plan.start(folder, label)
+        train(cfg, folder, bundle=bundle, **timed)
         trained.add(folder)
+        plan.finish(folder, label, reused=False)
     return cfg, folder, load_file(done, what="predictions file")
 
 
 def _selected_run(
     base: TrainConfig, spec: VariantSpec, seed: int, root: Path, bundle, progress: bool, fingerprint, log, trained: set,
-    grid: tuple[float, ...],
+    grid: tuple[float, ...], plan: RunPlan | None = None,
 ):
     """(config, folder, predictions, selection) of one run; with an α ``grid``, the candidate with the lowest
     validation NLL (probabilities averaged over the samples, as evaluated) and ``selection`` = ``{"alpha":
@@ -129,11 +136,13 @@ def _selected_run(
     from gpattn.experiments import metrics as M
 
     if not grid:
-        return (*_run(base, spec, seed, root, bundle, progress, fingerprint, log, trained), None)
+        return (*_run(base, spec, seed, root, bundle, progress, fingerprint, log, trained, plan=plan), None)
     scores, runs, error = {}, {}, None
     for alpha in grid:
         try:
-            runs[alpha] = _run(base, spec, seed, root, bundle, progress, fingerprint, log, trained, alpha=alpha)
+            runs[alpha] = _run(
+                base, spec, seed, root, bundle, progress, fingerprint, log, trained, alpha=alpha, plan=plan
+            )
         except TrainingDivergedError as err:
             scores[f"{alpha:g}"], error = "diverged", err
             continue
@@ -153,6 +162,11 @@ def _current_format(path: Path) -> bool:
     """Whether the checkpoint at ``path`` is of this gpattn's format (a run cached by an older gpattn may
     be of another model under the same configuration: CHANGELOG.md)."""
     return checkpoint_format(load_file(path)) == CHECKPOINT_FORMAT
+
+
+def _seed_folder(root: Path, spec: VariantSpec, seed: int, alpha: float | None = None) -> Path:
+    """One run's folder: ``<variant>/seed<S>``, or ``<variant>/alpha=<α>/seed<S>`` for a candidate of an α grid."""
+    return _run_folder(root, spec) / ("" if alpha is None else f"alpha={alpha:g}") / f"seed{seed}"
 
 
 def _run_folder(root: Path, spec: VariantSpec) -> Path:
@@ -265,6 +279,9 @@ def compare(
         log(f"[compare] {notes[-1]}")
     out = check_out_folder(out)
     out.mkdir(parents=True, exist_ok=True)
+    plan = RunPlan([_seed_folder(out, s, seed + 1000 * j, a) for s in specs for seed in seeds for j in range(s.ensemble)
+                    for a in (grid if grid and s.attention in takers else (None,))], log,
+                   lambda folder: (folder / "predictions.pt").is_file())
     results: dict[str, dict[str, dict]] = {}
     plot_preds: dict[str, dict] = {}
     bundles: dict[int, object] = {}
@@ -294,7 +311,7 @@ def compare(
                     cfg, folder, member, selection = _selected_run(
                         dataclasses.replace(base, **variant_settings.get(spec.attention, {})), spec, seed + 1000 * j,
                         out, bundle, progress, summaries[seed]["fingerprint"], log, trained,
-                        grid if spec.attention in takers else (),
+                        grid if spec.attention in takers else (), plan,
                     )
                     if selection is not None:
                         chosen.append(selection)

@@ -20,7 +20,14 @@ import torch
 
 from gpattn._warnings import warn
 from gpattn.attention._masks import check_num_samples
-from gpattn.experiments._runs import as_device, bundle_meta, run_checkpoint
+from gpattn.experiments._runs import (  # noqa: F401  (the memory bound, re-exported where it was defined first)
+    PREDICT_PAIR_BUDGET,
+    PREDICT_TOKEN_BUDGET,
+    as_device,
+    bundle_meta,
+    predict_rows,
+    run_checkpoint,
+)
 
 __all__ = ["EmptyTextWarning", "Prediction", "Run", "UnknownWordsWarning", "bundle_meta", "load_run"]
 
@@ -61,21 +68,6 @@ class Prediction:
     @property
     def epistemic(self) -> torch.Tensor:
         return self.mutual_information
-
-
-#: Run.predict's memory bound: rows per forward pass such that rows × samples × tokens and rows × samples ×
-#: tokens² stay below these (a GP layer holds a T × T covariance per head and sample; 300 texts at
-#: num_samples=50 and batch_size=256 once took about 20 GB with cgp)
-PREDICT_TOKEN_BUDGET, PREDICT_PAIR_BUDGET = 2**16, 2**21
-
-
-def predict_rows(batch_size: int, num_samples: int, tokens: int) -> int:
-    """At most ``batch_size`` rows, fewer where :data:`PREDICT_TOKEN_BUDGET` / :data:`PREDICT_PAIR_BUDGET` bound
-    them; at least 1."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    per_row = num_samples * max(tokens, 1)
-    return max(1, min(batch_size, PREDICT_TOKEN_BUDGET // per_row, PREDICT_PAIR_BUDGET // (per_row * max(tokens, 1))))
 
 
 class EmptyTextWarning(UserWarning):
@@ -230,15 +222,12 @@ class Run:
         return {k: v.float() for k, v in detector_scores(self.model, split, self.detectors, rows).items()}
 
     def _sample_logits(self, ids, mask, num_samples: int, batch_size: int) -> torch.Tensor:
-        """Sample logits of encoded inputs, in eval mode, in batches of :func:`predict_rows`.  # shape: (N, P, C)"""
-        self.model.eval()
-        device, chunks = self.device, []
-        batch_size = predict_rows(batch_size, num_samples, ids.shape[1] if mask is not None else 1)
-        for start in range(0, ids.shape[0], batch_size):
-            x = ids[start : start + batch_size].to(device)
-            m = None if mask is None else mask[start : start + batch_size].to(device)
-            chunks.append(self.model(x, m, num_samples=num_samples).float().cpu())
-        return torch.cat(chunks) if chunks else torch.zeros(0, num_samples, self.meta["num_classes"])
+        """Sample logits of encoded inputs, in eval mode, in passes of :func:`predict_rows` rows (the evaluation's
+        own loop, :func:`gpattn.experiments.training.predict`).  # shape: (N, P, C)"""
+        from gpattn.experiments.training import predict
+
+        rows = types.SimpleNamespace(inputs=ids, mask=mask, labels=torch.full((ids.shape[0],), -1))
+        return predict(self.model, rows, num_samples, batch_size)
 
 
 def load_run(path, device=None) -> Run:

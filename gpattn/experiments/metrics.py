@@ -56,9 +56,9 @@ __all__ = [
     "NLL_EPS",
     "OOD_KEYS",
     "OOD_SCORE_NAMES",
-    "accuracy",
     "SAME_SAMPLES",
     "SAMPLE_SCORES",
+    "accuracy",
     "all_ood_scores",
     "aupr_error",
     "aupr_success",
@@ -78,9 +78,9 @@ __all__ = [
     "ood_score_key",
     "ood_scores",
     "prediction_ood_scores",
-    "samples_differ",
     "predictive_entropy_split",
     "risk_coverage_curve",
+    "samples_differ",
     "temperature_scale",
 ]
 

@@ -32,6 +32,8 @@ import math
 import os
 import signal
 import tempfile
+import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +46,7 @@ from gpattn._warnings import warn
 from gpattn.experiments._config import RUN_SETTINGS, TrainConfig, _same_run  # noqa: F401  (re-exported)
 from gpattn.experiments._data_check import load_checked_data, record_run_paths
 from gpattn.experiments._dist import _Dist, _rng_state, _set_rng_state
+from gpattn.experiments._estimate import TIMED_STEPS, StepClock, duration, over_an_hour, run_estimate
 from gpattn.experiments._guard import TrainingDivergedError, _DivergenceGuard
 from gpattn.experiments._io import CHECKPOINT_FORMAT, check_resumable
 from gpattn.experiments._optim import build_optimizer
@@ -56,8 +59,10 @@ from gpattn.experiments._runs import (  # _batch: re-exported, laplace and the b
     fit_to_positions,
     load_checkpoint,
     model_positions,
+    predict_rows,
     resolve_device,
     run_checkpoint,
+    tokens_per_row,
 )
 from gpattn.experiments.diagnostics import (
     CollapseWarning,
@@ -66,6 +71,7 @@ from gpattn.experiments.diagnostics import (
     base_rate_entropy,
     collapse_warnings,
 )
+from gpattn.experiments.uncertainty import evaluate_predictions  # noqa: F401  (re-exported: compare, cli, tests)
 from gpattn.models import EncoderSpec, TransformerClassifier, ViTClassifier
 from gpattn.objectives import DeepGPELBO
 
@@ -156,13 +162,17 @@ def predict(
     progress: str | None = None,
 ) -> torch.Tensor:
     """Sample logits of a whole split in eval mode, on the model's device (sharded over ranks under
-    torchrun), returned on the CPU; ``progress``: a tqdm bar over the batches with that description (an
-    evaluation of cgp or sgpa at P samples can take minutes).  # shape: (N, P, C)"""
+    torchrun), returned on the CPU. Every evaluation (a run's own, ``gpattn evaluate``, ``Run.predict``) runs
+    here, in passes of at most ``batch_size`` rows, fewer where P samples of long sequences would not fit the
+    memory bound of :func:`gpattn.experiments._runs.predict_rows` (rows × samples × tokens). ``progress``: a
+    tqdm bar over the passes with that description (an evaluation of cgp or sgpa at P samples can take
+    minutes).  # shape: (N, P, C)"""
     model.eval()
     n = len(split.labels)
     rows = torch.arange(n) if dist is None else dist.shard(torch.arange(n))
     device = next(model.parameters()).device
     out = []
+    batch_size = predict_rows(batch_size, num_samples, tokens_per_row(model, split.inputs, split.mask))
     starts = range(0, len(rows), batch_size)
     bar = tqdm(starts, desc=progress, disable=progress is None, leave=False, dynamic_ncols=True, unit="batch")
     for start in bar:
@@ -172,53 +182,6 @@ def predict(
     classes = getattr(model, "num_classes", 2)
     local = torch.cat(out).cpu() if out else torch.zeros(0, num_samples, classes)  # one copy to the host
     return local if dist is None else dist.gather_rows(local, n)
-
-
-def evaluate_predictions(preds: dict, bundle, average: str = "probs", temperature: float = 1.0) -> dict:
-    """metrics.json content from sample logits: classification metrics per evaluation split, on its
-    labelled rows (``None`` where no row has a label; ``n`` / ``n_labelled`` / ``class_counts`` say
-    which), and for OOD splits the OOD-detection metrics against ``in_domain`` under every score
-    (max probability as ``ood_auroc`` ..., the others as ``ood_auroc_<score>`` ...): the scores of the logits and,
-    where a split's prediction carries ``detector_scores`` (:func:`gpattn.experiments.features.detector_scores`),
-    the feature detectors'."""
-    from gpattn.experiments import metrics as M
-
-    def probs_of(name):
-        logits = preds[bundle.eval_splits[name]]["logits"] / temperature
-        return M.average_samples(logits, average=average), logits
-
-    def scores_of(name):  # the logits' scores and the feature detectors' (a prediction's detector_scores)
-        return M.prediction_ood_scores(preds[bundle.eval_splits[name]], average, temperature)
-
-    names = bundle.info.get("class_names") or [str(k) for k in range(bundle.num_classes)]
-    result = {}
-    scores_in = scores_of("in_domain")
-    for name, key in bundle.eval_splits.items():
-        probs, logits = probs_of(name)
-        labels = preds[key]["labels"]
-        known = labels >= 0
-        if bool(known.any()):
-            row = M.classification_metrics(probs[known.numpy()], labels[known])
-        else:
-            row = {k: None for k in M.METRIC_KEYS}
-        if name in bundle.ood_splits:
-            for score, values in scores_of(name).items():
-                if score not in scores_in:  # a detector the in-domain split was not scored by
-                    continue
-                # a score the model does not have (a sample score of a model that does not sample) is None: "–"
-                has = values is not None and scores_in[score] is not None
-                detect = M.ood_metrics(scores_in[score], values) if has else dict.fromkeys(M.OOD_KEYS)
-                row.update({M.ood_score_key(score, k): v for k, v in detect.items()})
-        result[name] = {
-            k: (None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)) for k, v in row.items()
-        }
-        counts = torch.bincount(labels[known], minlength=len(names)).tolist()
-        result[name].update(
-            n=len(labels), n_labelled=int(known.sum()), class_counts={c: k for c, k in zip(names, counts)}
-        )
-    from gpattn.experiments.uncertainty import add_uncertainty_metrics  # adaptive ECE, conformal, matched AUROC
-
-    return add_uncertainty_metrics(result, preds, bundle, average, temperature)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -339,7 +302,7 @@ def _match_prior_to_stream(model, split, device) -> list[dict]:
 @locked_run  # one writer per run folder: a second gets RunFolderLockedError naming the holder's pid
 def train(
     cfg: TrainConfig, out: str | os.PathLike | None = None, resume: bool = False, bundle=None,
-    stop_after_steps: int | None = None, log=None,
+    stop_after_steps: int | None = None, log=None, estimate=None, header: bool = True,
 ) -> dict:
     """Fit, checkpoint and evaluate one run; returns the metrics dict (also ``out/metrics.json``).
 
@@ -347,13 +310,15 @@ def train(
     optimizer steps and raises ``KeyboardInterrupt``. A run that fails with an error leaves no
     ``config.json`` or ``data.json`` of its own (an interrupted run keeps them beside its checkpoint, a
     diverged one beside ``diverged.json``). ``log``: a callable given lines to show (``gpattn train`` prints
-    them at once): the data header before training, and with ``cfg.progress`` off a line per epoch (loss,
-    validation NLL and accuracy).
+    them at once): the data header before training (unless ``header`` is False), the run's estimated time once its
+    first steps are timed (``gpattn.experiments._estimate``; a warning line over an hour), and with
+    ``cfg.progress`` off a line per epoch (loss, validation NLL and accuracy) and per evaluated split. ``estimate``:
+    a callable given that ``RunEstimate`` (``gpattn.experiments._estimate``) instead of the log (``compare``'s).
     """
     written = [Path(out) / name for name in ("config.json", "data.json")] if out is not None else []
     before = {p: p.stat().st_mtime_ns if p.is_file() else None for p in written}
     try:
-        return _train(cfg, out, resume, bundle, stop_after_steps, log)
+        return _train(cfg, out, resume, bundle, stop_after_steps, log, estimate, header)
     except TrainingDivergedError:
         raise
     except Exception:
@@ -387,6 +352,7 @@ class _Run:
     log: object = None
     #: the feature detectors fitted after training (gpattn.experiments.features.fit_detectors), in the checkpoint
     detectors: dict | None = None
+    estimate: object = None
 
     @property
     def device(self) -> torch.device:
@@ -402,8 +368,9 @@ class _Run:
         return None if self.out is None else self.out / CHECKPOINT
 
 
-def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps, log) -> dict:
-    run = _setup(cfg, out, resume, bundle, log)
+def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps, log, estimate, header) -> dict:
+    run = _setup(cfg, out, resume, bundle, log, header)
+    run.estimate = estimate
     if resume:
         _restore(run)
     run.net = run.dist.wrap(run.model)  # DistributedDataParallel under torchrun
@@ -415,7 +382,8 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps, log) -
         from gpattn.experiments.sngp import fit_covariance
 
         split = run.bundle.splits["train"]
-        rows = torch.arange(len(split)).split(cfg.eval_batch_size)
+        per_pass = predict_rows(cfg.eval_batch_size, 1, tokens_per_row(run.model, split.inputs, split.mask))
+        rows = torch.arange(len(split)).split(per_pass)
         fit_covariance(run.model, (_batch(split, idx, run.device)[:2] for idx in rows))
     _fit_detectors(run)
     _save(run)
@@ -462,7 +430,7 @@ def _run_data(cfg: TrainConfig, out: Path | None, writes: bool, bundle, log):
     return bundle
 
 
-def _setup(cfg: TrainConfig, out, resume: bool, bundle, log=None) -> _Run:
+def _setup(cfg: TrainConfig, out, resume: bool, bundle, log=None, header: bool = True) -> _Run:
     """The run's files, data (:func:`_run_data`), model, optimizer and objective."""
     resolve_device(cfg.device)  # CUDA asked for where there is none: refused before any file is written
     out = Path(out) if out is not None else None
@@ -471,7 +439,7 @@ def _setup(cfg: TrainConfig, out, resume: bool, bundle, log=None) -> _Run:
         out.mkdir(parents=True, exist_ok=True)
         _write_json(cfg.to_dict(), out / "config.json")
         (out / DIVERGED).unlink(missing_ok=True)  # a record of an earlier attempt in this folder
-    bundle = _run_data(cfg, out, writes, bundle, log)
+    bundle = _run_data(cfg, out, writes, bundle, log if header else None)
     dist = _Dist(cfg.device)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
@@ -564,10 +532,13 @@ def _fit(run: _Run, stop_after_steps) -> None:
         if run.main:
             _write_json({"step": err.step, "message": str(err), "config": cfg.to_dict()}, run.out / DIVERGED)
 
+    clock = StepClock(torch.cuda.synchronize if run.device.type == "cuda" else lambda: None)
     try:
         with _Interrupt() as interrupt:
             while run.step < run.total_steps:
                 _one_step(run, bar)
+                if (per_step := clock.tick()) is not None:
+                    _report_estimate(run, per_step)
                 if stop_after_steps is not None and stop_after_steps <= run.step < run.total_steps:
                     _save(run)
                     raise KeyboardInterrupt(f"stopped after {run.step} steps")
@@ -620,6 +591,44 @@ def _one_step(run: _Run, bar) -> None:
         _save(run)
 
 
+def _report_estimate(run: _Run, seconds_per_step: float) -> None:
+    """The run's estimated time, once its first steps are timed: the steps left at ``seconds_per_step``, the
+    evaluation at the time per row and sample of an evaluation pass (the faster of two, timed here on forked random
+    streams). Not counted: the metrics, the files and the process's start and exit (seconds)."""
+    if not run.dist.main or (run.estimate is None and run.log is None):
+        return
+    cfg, splits = run.cfg, run.bundle.splits
+    split = splits["val"] if len(splits["val"]) else splits["train"]
+    rows = min(len(split), predict_rows(cfg.eval_batch_size, cfg.num_samples, tokens_per_row(run.model, split.inputs,
+                                                                                             split.mask)))
+    part = types.SimpleNamespace(**{k: None if v is None else v[:rows] for k, v in
+                                    (("inputs", split.inputs), ("mask", split.mask), ("labels", split.labels))})
+    seconds = []
+    with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
+        for _ in range(2):  # the faster of two: a first eval-mode pass pays one-off work (~2x sgpa's at T = 128)
+            start = time.perf_counter()
+            predict(run.model, part, cfg.num_samples, rows, precision=cfg.precision)  # to the host: synchronised
+            seconds.append(time.perf_counter() - start)
+    per_row_sample = min(seconds) / max(rows * cfg.num_samples, 1)
+    rows = sum(len(splits[k]) for k in _evaluated(run.bundle))
+    if run.log is not None and not cfg.progress:  # a validation line per epoch left
+        rows += len(splits["val"]) * (cfg.epochs - run.step // run.steps_per_epoch)
+    est = run_estimate(run.total_steps - run.step, seconds_per_step, rows * cfg.num_samples, per_row_sample)
+    with tqdm.external_write_mode():
+        if run.estimate is not None:
+            run.estimate(est)
+            return
+        what = f"{cfg.attention} seed {cfg.seed}"
+        run.log(f"[train] {what}: estimated {est.line()} from steps {run.step - TIMED_STEPS + 1}–{run.step}")
+        if warning := over_an_hour(est.total, f"this run ({what})"):
+            run.log(f"[train] {warning}")
+
+
+def _evaluated(bundle) -> list[str]:
+    """The splits a run evaluates at its end: every evaluation split and ``val``."""
+    return sorted({"val", *bundle.eval_splits.values()})
+
+
 def _epoch_line(run: _Run, entry: dict) -> str:
     """The line of an epoch without a progress bar: its mean loss, and the validation NLL and accuracy at the
     run's ``num_samples`` (on forked random streams: the run takes the steps it would take without the line)."""
@@ -661,16 +670,19 @@ def _evaluate(run: _Run) -> dict:
     if dist.main:
         for msg in warnings_:
             warn(f"{cfg.attention} seed {cfg.seed}: {msg}", CollapseWarning)  # at the caller's line
-    preds = {
-        key: {
+    preds = {}
+    for key in _evaluated(bundle):
+        start, split = time.perf_counter(), bundle.splits[key]
+        preds[key] = {
             "logits": predict(
-                run.model, bundle.splits[key], cfg.num_samples, cfg.eval_batch_size, dist, cfg.precision,
+                run.model, split, cfg.num_samples, cfg.eval_batch_size, dist, cfg.precision,
                 progress=f"{cfg.attention} seed {cfg.seed}: evaluating {key}" if cfg.progress and dist.main else None,
             ),
-            "labels": bundle.splits[key].labels,
+            "labels": split.labels,
         }
-        for key in sorted({"val", *bundle.eval_splits.values()})
-    }
+        if run.log is not None and not cfg.progress and dist.main:  # no bar: a line per split instead
+            run.log(f"[train] {cfg.attention} seed {cfg.seed}: evaluated {key} ({len(split)} rows × "
+                    f"{cfg.num_samples} samples) in {duration(time.perf_counter() - start)[1:]}")
     if run.detectors is not None:
         from gpattn.experiments.features import detector_scores
 

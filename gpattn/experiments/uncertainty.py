@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 from scipy import special, stats
 
 from gpattn.experiments import metrics as M
@@ -42,6 +43,7 @@ __all__ = [
     "add_uncertainty_metrics",
     "conformal_sets",
     "entropy_matched_auroc",
+    "evaluate_predictions",
     "is_temperature",
     "logit_variance",
     "paired_difference",
@@ -214,3 +216,46 @@ def add_uncertainty_metrics(result: dict, preds: dict, bundle, average: str = "p
         if name in bundle.ood_splits:
             row.update({k: (None if math.isnan(v) else float(v)) for k, v in temperature_diagnostic(z_in, z).items()})
     return result
+
+
+def evaluate_predictions(preds: dict, bundle, average: str = "probs", temperature: float = 1.0) -> dict:
+    """metrics.json content from sample logits: classification metrics per evaluation split, on its
+    labelled rows (``None`` where no row has a label; ``n`` / ``n_labelled`` / ``class_counts`` say
+    which), and for OOD splits the OOD-detection metrics against ``in_domain`` under every score
+    (max probability as ``ood_auroc`` ..., the others as ``ood_auroc_<score>`` ...): the scores of the logits and,
+    where a split's prediction carries ``detector_scores`` (:func:`gpattn.experiments.features.detector_scores`),
+    the feature detectors'."""
+    def probs_of(name):
+        logits = preds[bundle.eval_splits[name]]["logits"] / temperature
+        return M.average_samples(logits, average=average), logits
+
+    def scores_of(name):  # the logits' scores and the feature detectors' (a prediction's detector_scores)
+        return M.prediction_ood_scores(preds[bundle.eval_splits[name]], average, temperature)
+
+    names = bundle.info.get("class_names") or [str(k) for k in range(bundle.num_classes)]
+    result = {}
+    scores_in = scores_of("in_domain")
+    for name, key in bundle.eval_splits.items():
+        probs, logits = probs_of(name)
+        labels = preds[key]["labels"]
+        known = labels >= 0
+        if bool(known.any()):
+            row = M.classification_metrics(probs[known.numpy()], labels[known])
+        else:
+            row = {k: None for k in M.METRIC_KEYS}
+        if name in bundle.ood_splits:
+            for score, values in scores_of(name).items():
+                if score not in scores_in:  # a detector the in-domain split was not scored by
+                    continue
+                # a score the model does not have (a sample score of a model that does not sample) is None: "–"
+                has = values is not None and scores_in[score] is not None
+                detect = M.ood_metrics(scores_in[score], values) if has else dict.fromkeys(M.OOD_KEYS)
+                row.update({M.ood_score_key(score, k): v for k, v in detect.items()})
+        result[name] = {
+            k: (None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)) for k, v in row.items()
+        }
+        counts = torch.bincount(labels[known], minlength=len(names)).tolist()
+        result[name].update(
+            n=len(labels), n_labelled=int(known.sum()), class_counts={c: k for c, k in zip(names, counts)}
+        )
+    return add_uncertainty_metrics(result, preds, bundle, average, temperature)

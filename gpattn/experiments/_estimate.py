@@ -1,0 +1,154 @@
+"""What a run will cost, said before it costs it: ``gpattn train`` and ``gpattn compare`` time a run's first steps
+(the first, warm-up, step excluded) and one evaluation pass, then print the run's estimated time (training and
+evaluation) and, in ``compare``, "run k of n" and the time left; a configuration expected to take over an hour on
+this machine gets a warning line.
+
+The arithmetic is pure (:func:`run_estimate`, :func:`time_left`, :func:`duration`), tested on constructed timings;
+:class:`StepClock` holds the measurement, :class:`RunPlan` ``compare``'s runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+#: steps left untimed at a run's start (the first call's one-off work: imports, allocations, compilation)
+WARM_UP_STEPS = 1
+#: steps timed after the warm-up for the time per step
+TIMED_STEPS = 3
+#: an estimate over this many seconds gets a warning line before the run goes on
+WARN_SECONDS = 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEstimate:
+    """A run's expected seconds: ``training`` (its steps left) and ``evaluation`` (its rows × samples), with what
+    they were estimated from."""
+
+    training: float
+    evaluation: float
+    steps: int
+    seconds_per_step: float
+    row_samples: int
+
+    @property
+    def total(self) -> float:
+        """Training and evaluation, in seconds."""
+        return self.training + self.evaluation
+
+    def line(self) -> str:
+        """``~4.2 min (training: 120 steps at 1.52 s/step, ~3.0 min; evaluation: 3,700 row-samples, ~1.2 min)``."""
+        return (f"{duration(self.total)} (training: {self.steps} steps at {self.seconds_per_step:.3g} s/step, "
+                f"{duration(self.training)}; evaluation: {self.row_samples:,} rows × samples, "
+                f"{duration(self.evaluation)})")
+
+
+def run_estimate(steps: int, seconds_per_step: float, row_samples: int, seconds_per_row_sample: float) -> RunEstimate:
+    """The seconds of ``steps`` optimizer steps at ``seconds_per_step`` and of an evaluation of ``row_samples`` rows ×
+    samples at ``seconds_per_row_sample`` (measured on one evaluation pass)."""
+    for name, value in (("steps", steps), ("row_samples", row_samples)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    for name, value in (("seconds_per_step", seconds_per_step), ("seconds_per_row_sample", seconds_per_row_sample)):
+        if not value >= 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return RunEstimate(steps * seconds_per_step, row_samples * seconds_per_row_sample, steps, seconds_per_step,
+                       row_samples)
+
+
+def time_left(current_left: float, later: Sequence[Hashable], known: dict) -> tuple[float, int]:
+    """(seconds, runs guessed): the current run's ``current_left`` seconds plus every ``later`` run's, each the
+    ``known`` seconds of its key (a variant timed already) or, for a variant not timed yet, the mean of the known ones
+    (counted in the second value). A key of ``None`` is a run that costs nothing (reused)."""
+    mean = sum(known.values()) / len(known) if known else 0.0
+    guessed = sum(1 for key in later if key is not None and key not in known)
+    return current_left + sum(known.get(key, mean) for key in later if key is not None), guessed
+
+
+def duration(seconds: float) -> str:
+    """``~40 s``, ``~4.2 min``, ``~2.3 h``."""
+    if seconds < 90:
+        return f"~{seconds:.0f} s"
+    if seconds < 5400:
+        return f"~{seconds / 60:.1f} min"
+    return f"~{seconds / 3600:.1f} h"
+
+
+def over_an_hour(seconds: float, what: str) -> str | None:
+    """The warning line for an estimate over :data:`WARN_SECONDS`, else None."""
+    if seconds <= WARN_SECONDS:
+        return None
+    return (f"warning: {what} is expected to take {duration(seconds)} on this machine; fewer epochs, seeds or "
+            f"variants, a shorter max_len or fewer --num-samples shorten it (interrupt with Ctrl-C: a run resumes "
+            f"from its checkpoint)")
+
+
+class StepClock:
+    """Times the steps of one process's run: ``tick()`` after every step returns the mean seconds per step of
+    the :data:`TIMED_STEPS` steps after the :data:`WARM_UP_STEPS` first, once, then None. ``sync``: what makes the
+    device's queued work finish (CUDA) before a reading."""
+
+    def __init__(self, sync: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter):
+        self.sync, self.clock, self.steps, self.start, self.done = sync, clock, 0, None, False
+
+    def tick(self) -> float | None:
+        """Count a step; the mean seconds per timed step once they are done (once), else None."""
+        if self.done:
+            return None
+        self.steps += 1
+        if self.steps == WARM_UP_STEPS:
+            self.sync()
+            self.start = self.clock()
+        elif self.steps == WARM_UP_STEPS + TIMED_STEPS:
+            self.sync()
+            self.done = True
+            return (self.clock() - self.start) / TIMED_STEPS
+        return None
+
+
+class RunPlan:
+    """``compare``'s runs in order (their folders; a run finished on disk counts as reused, no cost), each announced
+    as "run k of n", its estimate and the time left when its first steps are timed, its time when it ends."""
+
+    def __init__(self, folders: Sequence, log: Callable[[str], None], finished: Callable[[object], bool]):
+        self.folders = list(dict.fromkeys(folders))  # one run per folder (+ts shares its variant's)
+        self.keys = {f: None if finished(f) else f.parent for f in self.folders}  # a variant's seeds cost alike
+        self.log, self.known, self.started, self.warned = log, {}, {}, False
+        self.began = time.perf_counter()
+
+    def _tag(self, folder, label: str) -> str:
+        return f"[compare] run {self.folders.index(folder) + 1} of {len(self.folders)} ({label})"
+
+    def start(self, folder, label: str) -> None:
+        """Announce the run in ``folder`` ("run k of n (label): started") and start its clock."""
+        self.started[folder] = time.perf_counter()
+        self.log(f"{self._tag(folder, label)}: started")
+
+    def estimated(self, folder, label: str) -> Callable[[RunEstimate], None]:
+        """The callback ``train`` gives the run's estimate: the run's line, the time left, a warning over an hour."""
+
+        def report(estimate: RunEstimate) -> None:
+            self.known.setdefault(self.keys[folder], estimate.total)
+            later = [self.keys[f] for f in self.folders[self.folders.index(folder) + 1 :]]
+            left, guessed = time_left(estimate.total, later, self.known)
+            runs = "1 run" if guessed == 1 else f"{guessed} runs"
+            note = f" ({runs} of variants not timed yet counted at the mean)" if guessed else ""
+            self.log(f"{self._tag(folder, label)}: {estimate.line()}; {duration(left)} left in this compare{note}")
+            warning = over_an_hour(time.perf_counter() - self.began + left, "this compare")
+            if warning and not self.warned:
+                self.warned = True
+                self.log(f"[compare] {warning}")
+
+        return report
+
+    def finish(self, folder, label: str, reused: bool) -> None:
+        """Say the run took its time (which then stands for its variant's other seeds), or that it was finished
+        before (``reused``)."""
+        if reused:
+            self.log(f"{self._tag(folder, label)}: done before, nothing to run")
+            return
+        took = time.perf_counter() - self.started.get(folder, time.perf_counter())
+        if self.keys.get(folder) is not None:
+            self.known[self.keys[folder]] = took  # the measured time replaces the estimate for its other seeds
+        self.log(f"{self._tag(folder, label)}: done in {duration(took)[1:]}")

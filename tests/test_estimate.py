@@ -1,0 +1,110 @@
+"""An estimate before a run, progress during it (issue #58, item 3): the arithmetic on constructed timings, and the
+lines ``train`` and ``compare`` print."""
+
+from pathlib import Path
+
+import pytest
+
+from gpattn.experiments import _estimate as E
+from gpattn.experiments.compare import compare
+from gpattn.experiments.training import TrainConfig, train
+
+TINY = dict(embed_dim=16, num_heads=2, num_layers=1, epochs=1, batch_size=32, lr=5e-3, pooling="mean", patch_size=4,
+            num_samples=3, progress=False)
+
+
+def test_run_estimate_adds_the_steps_and_the_evaluation():
+    est = E.run_estimate(120, 1.5, 37_000, 0.002)  # 120 steps at 1.5 s, 3,700 rows × 10 samples at 2 ms
+    assert est.training == pytest.approx(180.0) and est.evaluation == pytest.approx(74.0)
+    assert est.total == pytest.approx(254.0)
+    assert est.line() == ("~4.2 min (training: 120 steps at 1.5 s/step, ~3.0 min; evaluation: 37,000 rows × "
+                          "samples, ~74 s)")
+    assert E.run_estimate(0, 2.0, 0, 1.0).total == 0.0
+
+
+@pytest.mark.parametrize("args, name", [((-1, 1.0, 1, 1.0), "steps"), ((1, 1.0, 2.5, 1.0), "row_samples"),
+                                        ((1, float("nan"), 1, 1.0), "seconds_per_step"),
+                                        ((1, 1.0, 1, -1.0), "seconds_per_row_sample")])
+def test_run_estimate_names_a_bad_argument(args, name):
+    with pytest.raises(ValueError, match=name):
+        E.run_estimate(*args)
+
+
+def test_time_left_counts_known_variants_at_their_time_and_the_others_at_the_mean():
+    known = {"softmax": 60.0, "sgpa": 240.0}
+    # the current run's 100 s, sgpa's next seed 240 s, softmax's 60 s, an untimed variant at the mean 150 s, a
+    # reused run (None) nothing
+    assert E.time_left(100.0, ["sgpa", "softmax", "cgp", None], known) == (100.0 + 240 + 60 + 150, 1)
+    assert E.time_left(5.0, [], {}) == (5.0, 0)
+    assert E.time_left(5.0, ["x"], {}) == (5.0, 1)  # nothing timed yet: nothing to guess with
+
+
+def test_duration_and_the_warning_over_an_hour():
+    assert [E.duration(s) for s in (40, 252, 5400, 8280)] == ["~40 s", "~4.2 min", "~1.5 h", "~2.3 h"]
+    assert E.over_an_hour(3600.0, "this run") is None
+    line = E.over_an_hour(8280.0, "this run (sgpa seed 0)")
+    assert line.startswith("warning: this run (sgpa seed 0) is expected to take ~2.3 h on this machine")
+
+
+def test_step_clock_times_the_steps_after_the_warm_up_once():
+    """Steps of 10 s (the first: warm-up), then 1, 2 and 3 s: the clock reads 2 s per step, once."""
+    times = iter([10.0, 16.0])  # read after the warm-up step and after the third timed step
+    synced = []
+    clock = E.StepClock(sync=lambda: synced.append(1), clock=lambda: next(times))
+    readings = [clock.tick() for _ in range(E.WARM_UP_STEPS + E.TIMED_STEPS + 3)]
+    assert readings[E.WARM_UP_STEPS + E.TIMED_STEPS - 1] == pytest.approx(2.0)
+    assert sum(r is not None for r in readings) == 1 and len(synced) == 2
+
+
+def test_run_plan_says_run_k_of_n_the_time_left_and_warns_once():
+    lines = []
+    folders = [Path("out/runs/softmax/seed0"), Path("out/runs/softmax/seed1"), Path("out/runs/sgpa/seed0"),
+               Path("out/runs/softmax/seed0")]  # +ts shares softmax's run: counted once
+    plan = E.RunPlan(folders, lines.append, finished=lambda f: f.name == "seed1")  # seed 1 finished: reused
+    plan.start(folders[0], "softmax seed 0")
+    plan.estimated(folders[0], "softmax seed 0")(E.run_estimate(100, 40.0, 0, 0.0))  # 4,000 s
+    plan.estimated(folders[0], "softmax seed 0")(E.run_estimate(100, 40.0, 0, 0.0))
+    plan.finish(folders[0], "softmax seed 0", reused=False)
+    plan.finish(folders[1], "softmax seed 1", reused=True)
+    assert lines[0] == "[compare] run 1 of 3 (softmax seed 0): started"
+    # left: this run's 4,000 s, the reused seed 1 nothing, sgpa (not timed) at the mean 4,000 s
+    assert lines[1].startswith("[compare] run 1 of 3 (softmax seed 0): ~66.7 min (training: 100 steps at 40 s/step")
+    assert lines[1].endswith("; ~2.2 h left in this compare (1 run of variants not timed yet counted at the mean)")
+    assert sum(line.startswith("[compare] warning: this compare is expected to take ~2.2 h") for line in lines) == 1
+    assert lines[-2].startswith("[compare] run 1 of 3 (softmax seed 0): done in ") and lines[-2].endswith(" s")
+    assert lines[-1] == "[compare] run 2 of 3 (softmax seed 1): done before, nothing to run"
+
+
+def test_train_logs_its_estimate_and_a_line_per_epoch_and_split(tmp_path, capsys):
+    """``train``'s log: the estimate once, a line per epoch and per evaluated split; ``gpattn evaluate --no-progress``
+    prints a line per split too."""
+    from gpattn.experiments.cli import main
+
+    lines = []
+    train(TrainConfig(dataset="digits", attention="softmax", **TINY), tmp_path, log=lines.append)
+    estimate = [line for line in lines if "estimated" in line]
+    assert len(estimate) == 1 and estimate[0].startswith("[train] softmax seed 0: estimated ~")
+    assert "training: 24 steps at" in estimate[0] and estimate[0].endswith("from steps 2–4")  # 28 steps, 4 done
+    assert any(line.startswith("[train] softmax seed 0: epoch 1/1, loss") for line in lines)
+    for split in ("val", "test", "shift", "ood"):
+        assert sum(line.startswith(f"[train] softmax seed 0: evaluated {split} (") for line in lines) == 1, lines
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", str(tmp_path), "--no-progress", "--out", str(tmp_path / "ev")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    for split in ("val", "test", "shift", "ood"):
+        assert sum(line.startswith(f"evaluated {split} (") and line.endswith(" s") for line in printed) == 1, printed
+
+
+def test_compare_says_run_k_of_n_with_an_estimate_and_the_time_of_each_run(tmp_path):
+    lines = []
+    compare("softmax,softmax+ts", [0, 1], tmp_path, TrainConfig(dataset="digits", **TINY), progress=False,
+            log=lines.append)
+    runs = [line for line in lines if line.startswith("[compare] run ")]
+    assert runs[0] == "[compare] run 1 of 2 (softmax seed 0): started"
+    assert runs[1].startswith("[compare] run 1 of 2 (softmax seed 0): ~") and "left in this compare" in runs[1]
+    assert runs[2].startswith("[compare] run 1 of 2 (softmax seed 0): done in ")
+    assert runs[3] == "[compare] run 2 of 2 (softmax seed 1): started"
+    assert any(line.startswith("[compare] run 2 of 2 (softmax seed 1): done in ") for line in runs)
+    # +ts: the same run, not trained again
+    assert runs.count("[compare] run 1 of 2 (softmax seed 0): done before, nothing to run") == 1
+    assert any(line.startswith("[train] softmax seed 1: evaluated test (") for line in lines)  # --no-progress lines
