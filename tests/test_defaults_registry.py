@@ -311,9 +311,10 @@ def test_the_registry_s_options_are_what_a_layer_built_without_options_runs_with
 
 
 def test_the_demo_trains_the_sgpa_variants_with_separate_query_and_key_maps():
-    """The demo's 8 epochs train the SGPA variants only in their separate-map form (issue 58,
-    research/notes/time_to_accuracy.md): compare's specs and ``train --preset demo`` build it and the run's config
-    records it; the other GP variants keep their defaults, and the longer digits preset keeps the shared map."""
+    """The demo's 8 epochs train the SGPA variants only in their separate-map form, and sgpa-rff and cgp only at a
+    larger learning rate (issue 58, research/notes/time_to_accuracy.md): compare's specs and ``train --preset demo``
+    build them and the run's config records them; the other GP variants keep their defaults, and the longer digits
+    preset keeps the shared map."""
     from gpattn.experiments.cli import _config, build_parser
     from gpattn.experiments.compare import expand_variants
     from gpattn.experiments.presets import get_preset
@@ -328,5 +329,11 @@ def test_the_demo_trains_the_sgpa_variants_with_separate_query_and_key_maps():
         args = build_parser().parse_args(["train", "--preset", "demo", "--attention", name, "--out", "x"])
         assert _config(args, attention=name)[0].attention_options["recipe"] == "encoder-swap", name
     assert all(not specs[name] for name in ("sgpa-rff", "kep-svgp", "cgp", "scgp"))
+    # sgpa-rff and cgp train at their own, larger learning rate there; the others at the preset's
+    lrs = {}
+    for name in ("sgpa-rff", "cgp", "softmax", "sgpa"):
+        args = build_parser().parse_args(["train", "--preset", "demo", "--attention", name, "--out", "x"])
+        lrs[name] = _config(args, attention=name)[0].lr
+    assert lrs == {"sgpa-rff": 2 * demo["lr"], "cgp": 2 * demo["lr"], "softmax": demo["lr"], "sgpa": demo["lr"]}
     assert gpattn.build_attention("sgpa", 16, 2).projections == ("qk", "v")  # the library's (the paper's) form
     assert "variant_options" not in get_preset("digits")
