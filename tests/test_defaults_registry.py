@@ -308,3 +308,32 @@ def test_the_registry_s_options_are_what_a_layer_built_without_options_runs_with
             assert value == default, (name, option, value, default)
         checked += 1
     assert checked, f"{name}: no option checked"
+
+
+def test_the_demo_trains_the_sgpa_variants_with_separate_query_and_key_maps():
+    """The demo's 8 epochs train the SGPA variants only in their separate-map form, and sgpa-rff and cgp only at a
+    larger learning rate (issue 58, research/notes/time_to_accuracy.md): compare's specs and ``train --preset demo``
+    build them and the run's config records them; the other GP variants keep their defaults, and the longer digits
+    preset keeps the shared map."""
+    from gpattn.experiments.cli import _config, build_parser
+    from gpattn.experiments.compare import expand_variants
+    from gpattn.experiments.presets import get_preset
+    from gpattn.experiments.training import TrainConfig
+
+    demo = get_preset("demo")
+    specs = {s.attention: dict(s.options) for s in expand_variants(demo["variants"], demo.get("variant_options"))}
+    for name in ("sgpa", "sgpa-decoupled"):
+        cfg = TrainConfig(attention=name, attention_options=specs[name])
+        layer = gpattn.build_attention(name, 16, 2, **cfg.attention_options)
+        assert layer.projections == ("q", "k", "v") and cfg.attention_options["recipe"] == "encoder-swap", name
+        args = build_parser().parse_args(["train", "--preset", "demo", "--attention", name, "--out", "x"])
+        assert _config(args, attention=name)[0].attention_options["recipe"] == "encoder-swap", name
+    assert all(not specs[name] for name in ("sgpa-rff", "kep-svgp", "cgp", "scgp"))
+    # sgpa-rff and cgp train at their own, larger learning rate there; the others at the preset's
+    lrs = {}
+    for name in ("sgpa-rff", "cgp", "softmax", "sgpa"):
+        args = build_parser().parse_args(["train", "--preset", "demo", "--attention", name, "--out", "x"])
+        lrs[name] = _config(args, attention=name)[0].lr
+    assert lrs == {"sgpa-rff": 2 * demo["lr"], "cgp": 2 * demo["lr"], "softmax": demo["lr"], "sgpa": demo["lr"]}
+    assert gpattn.build_attention("sgpa", 16, 2).projections == ("qk", "v")  # the library's (the paper's) form
+    assert "variant_options" not in get_preset("digits")
