@@ -91,7 +91,9 @@ VARIANTS = {
         '`recipe="encoder-swap"`, keeps both pretrained maps and the softmax mean so it starts at the pretrained '
         "attention); also a causal decoder. `covariance=\"full\"` (default) draws the tokens jointly, one "
         "T × T factorisation per head and value dimension; `\"diag\"` draws them independently (the marginals are "
-        "the same, no factorisation: cheaper at long T).",
+        "the same, no factorisation: cheaper at long T). With the paper's shared W_q = W_k and a CLS token it learns "
+        "slowly: the digits preset's 20 epochs train it, the demo's 8 do not, so the demo builds the separate-map "
+        "form (research/notes/time_to_accuracy.md).",
     },
     "sgpa-decoupled": {
         "what": "Decoupled SGPA: the keys for the mean and M global inducing points, shared by every sequence, "
