@@ -205,6 +205,18 @@ def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:
     }
 
 
+def _readout_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> tuple[dict, dict]:
+    """Logits of the trained run in ``folder`` read out through a GP on its pooled features (``+gpreadout``):
+    fitted on the training split, λ chosen on the validation NLL (:mod:`gpattn.experiments.readout`)."""
+    from gpattn.experiments.readout import readout_predictions
+    from gpattn.experiments.training import model_for_checkpoint
+
+    device = resolve_device(cfg.device)
+    model, bundle = model_for_checkpoint(cfg, bundle, load_checkpoint(folder / CHECKPOINT, map_location=device), device)
+    return readout_predictions(model, bundle, keys, cfg.num_samples, average=cfg.average, seed=cfg.seed,
+                               batch_size=cfg.eval_batch_size)
+
+
 def _log(message: str) -> None:
     print(message, flush=True)
 
@@ -286,7 +298,7 @@ def compare(
             log(f"[compare] {spec.spec} seed {seed}")
             members = []
             try:
-                collapse, chosen = [], []
+                collapse, chosen, readouts = [], [], []
                 for j in range(spec.ensemble):
                     cfg, folder, member, selection = _selected_run(
                         dataclasses.replace(base, **variant_settings.get(spec.attention, {})), spec, seed + 1000 * j,
@@ -296,6 +308,11 @@ def compare(
                     if selection is not None:
                         chosen.append(selection)
                     runs.add(folder)
+                    if spec.gpreadout:
+                        member, readout = _readout_predictions(cfg, folder, bundle, member)
+                        readouts.append(readout)
+                        log(f"[compare]   {spec.spec} seed {seed + 1000 * j}: readout λ = "
+                            f"{readout['mean_field_factor']:g} chosen on the validation NLL")
                     members.append(_laplace_predictions(cfg, folder, bundle, member) if spec.laplace else member)
                     # gpattn.experiments.diagnostics: a collapsed layer or the base rate
                     if (folder / COLLAPSE).is_file():
@@ -319,6 +336,8 @@ def compare(
                 one = len(chosen) == 1
                 metrics["alpha"] = chosen[0]["alpha"] if one else [c["alpha"] for c in chosen]
                 metrics["alpha_selection"] = chosen[0]["val_nll"] if one else [c["val_nll"] for c in chosen]
+            if readouts:  # one readout per ensemble member
+                metrics["readout"] = readouts[0] if len(readouts) == 1 else readouts
             if collapse:
                 metrics["collapse"] = collapse
                 log(f"[compare] {spec.spec} seed {seed}: collapse: " + "; ".join(collapse))
@@ -684,7 +703,8 @@ def write_report(
         f"ood_auroc = OOD detection with the max-probability (msp) score, ood_auroc_<score> with another score "
         f"(shown: {', '.join(ood_scores)}; every score is in results.json). `+ts` = temperature scaling on the "
         "validation split, `+laplace` = last-layer Laplace, `+mcdropout` = MC dropout, `+sngp` = SNGP "
-        "(spectral-normalised blocks, random-feature GP head, mean-field logits), `+ensN` = deep ensemble of N "
+        "(spectral-normalised blocks, random-feature GP head, mean-field logits), `+gpreadout` = the run's head read "
+        "out through a GP's variance on its pooled features (λ on the validation NLL), `+ensN` = deep ensemble of N "
         "models.",
         "",
     ]
