@@ -215,3 +215,17 @@ def test_clip_groups_probe_clips_the_layer_and_the_rest_apart():
     with pytest.raises(SystemExit):
         probe.main(["--groups", "2", "--", "train", "--help"])
     assert training._DivergenceGuard is original
+
+
+@pytest.mark.filterwarnings("ignore::gpattn.experiments.diagnostics.CollapseWarning")  # one tiny epoch
+def test_readout_forms_smoke(tmp_path, capsys):
+    """research/readout_forms.py on a tiny digits run: one row per form of the readout's GP, each with its λ."""
+    from gpattn.experiments.training import TrainConfig, train
+
+    cfg = TrainConfig(dataset="digits", embed_dim=8, num_heads=2, num_layers=1, epochs=1, batch_size=64,
+                      num_samples=1, patch_size=4, progress=False)
+    train(cfg, tmp_path / "run")
+    probe = _research("readout_forms")
+    probe.main([str(tmp_path / "run")])
+    rows = [line for line in capsys.readouterr().out.splitlines() if "λ=" in line]
+    assert [row.split("|")[0].strip() for row in rows] == list(probe.FORMS)

@@ -1,5 +1,5 @@
 r"""A GP readout: a trained classifier's linear head, its logits carried to the prediction with the posterior
-variance of a GP on the pooled features the head reads (issue 57, item 3; docs/derivations.md §14a).
+variance of a GP on the pooled features the head reads (docs/derivations.md §14a).
 
 With h = h(x) the head's input (the pooled representation) and φ the random Fourier features of an RBF kernel on
 it (:class:`gpattn.experiments.sngp.RandomFeatureGP`'s features, reused),
