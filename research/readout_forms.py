@@ -9,6 +9,10 @@ features? No training: for each form of the GP (the precision's curvature, ridge
 * the spread of v: its mean on the training features, the in-domain test rows and the ``ood`` rows.
 
     python research/readout_forms.py RUN_DIR [RUN_DIR ...]    # e.g. runs/digits/runs/softmax/seed0
+    python research/readout_forms.py --scales 0.25,0.5,2 --ridges 0.01 RUN_DIR   # and the ridge form at ℓ = m ×
+        the median distance and at other ridges s
+
+Each row also prints the validation NLL at the chosen λ, the criterion a choice of form would read.
 
 Finding: research/notes/gp_readout.md.
 """
@@ -43,24 +47,41 @@ def _auroc(inside, outside) -> float:
     return M.ood_metrics(np.asarray(inside), np.asarray(outside))["ood_auroc"]
 
 
+def _attached(model, seed):
+    R.attach_gp_readout(model, seed=seed)
+    return model
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--scales", default="", help="comma list of m: the ridge form at ℓ = m × the median distance")
+    parser.add_argument("--ridges", default="", help="comma list of s: the ridge form at the median ℓ and ridge s")
+    parser.add_argument("--forms", default=",".join(FORMS), help=f"comma list of {', '.join(FORMS)} (default all)")
     args = parser.parse_args(argv)
+    scales = [float(m) for m in args.scales.split(",") if m]
+    ridges = [float(r) for r in args.ridges.split(",") if r]
     for run in args.runs:
         cfg, model, bundle, _ = load_run_with_data(run)
         ev = bundle.eval_splits
         print(f"## {run} (splits: {ev})")
-        for name, options in FORMS.items():
+        forms = {name: FORMS[name] for name in args.forms.split(",") if name}
+        if scales:
+            _, model, bundle, _ = load_run_with_data(run)
+            median = float(R.fit_gp_readout(_attached(model, cfg.seed), bundle.splits["train"]).lengthscale)
+            forms.update({f"ridge ℓ×{m:g}": dict(lengthscale=m * median) for m in scales})
+        forms.update({f"ridge s={r:g}": dict(ridge=r) for r in ridges})
+        for name, options in forms.items():
             _, model, bundle, _ = load_run_with_data(run)
             readout = R.attach_gp_readout(model, seed=cfg.seed, **options)
             R.fit_gp_readout(model, bundle.splits["train"])
             parts = {k: R.readout_split(model, bundle.splits[k], cfg.num_samples) for k in ("val", *ev.values())}
-            lam, _ = R.select_mean_field_factor(*parts["val"], bundle.splits["val"].labels, average=cfg.average)
+            lam, val = R.select_mean_field_factor(*parts["val"], bundle.splits["val"].labels, average=cfg.average)
             v_train = readout.variance(extract_features(model, bundle.splits["train"], head=readout.head))
             v_in, v_ood = (parts[ev[k]][1].mean(1) for k in ("in_domain", "ood"))
             means = "/".join(f"{float(v.mean()):.4f}" for v in (v_train, v_in, v_ood))
-            row = [f"{name:>10}", f"λ={lam:g}", f"v AUROC {_auroc(-v_in, -v_ood):.3f}", f"v mean train/in/ood {means}"]
+            row = [f"{name:>10}", f"λ={lam:g}", f"val nll {val[lam]:.4f}", f"v AUROC {_auroc(-v_in, -v_ood):.3f}",
+                   f"v mean train/in/ood {means}"]
             logits = {k: mean_field_logits(*parts[ev[k]], lam) for k in ev}
             probs = {k: M.average_samples(z, cfg.average) for k, z in logits.items()}
             labels_in = bundle.splits[ev["in_domain"]].labels

@@ -132,16 +132,20 @@ def test_model_with_readout_predicts_the_head_at_factor_zero_and_round_trips_thr
 
 
 def test_readout_split_is_what_the_model_predicts_with_a_sample_axis():
-    """MC dropout samples the pooled features: (P, B, D) at the head; the split's logits and variances, read out
-    at λ, are the model's own prediction at λ (same random draws)."""
+    """MC dropout samples the pooled features: (P, B, D) at the head; the split's head logits and inputs, read out
+    at λ, are the model's own prediction at λ (same random draws), with the readout attached or not."""
     model, train, val = _vit(dropout=0.3, mc_dropout=True), _split(30, 1), _split(11, 2)
+    torch.manual_seed(5)
+    plain = R.readout_split(model, val, num_samples=3, batch_size=4)
     readout = R.attach_gp_readout(model, num_features=32)
     R.fit_gp_readout(model, train)
-    torch.manual_seed(5)
-    logits, variance = R.readout_split(model, val, num_samples=3, batch_size=4)
-    assert logits.shape == (11, 3, 3) and variance.shape == (11, 3)
-    assert float(variance.std(1).max()) > 0  # the samples' features differ
     readout.set_factor(2.0)
+    torch.manual_seed(5)
+    logits, h = R.readout_split(model, val, num_samples=3, batch_size=4)
+    assert logits.shape == (11, 3, 3) and h.shape == (11, 3, 16)
+    torch.testing.assert_close((logits, h), plain, rtol=0, atol=0)  # the head's own logits, whatever λ
+    variance = readout.variance(h)
+    assert variance.shape == (11, 3) and float(variance.std(1).max()) > 0  # the samples' features differ
     torch.manual_seed(5)
     want = predict(model, val, num_samples=3, batch_size=4)
     from gpattn.experiments.sngp import mean_field_logits
@@ -172,6 +176,71 @@ def test_factor_selection_finds_the_closed_form_optimum():
     assert best == 24.0
     best, _ = R.select_mean_field_factor(logits, torch.zeros(n, 1), labels, (5.0, 0.0, 1.0))  # v = 0: all tie
     assert best == 0.0
+
+
+class _FeatureModel(nn.Module):
+    """The smallest gpattn-style classifier: the inputs are the pooled features, ``head`` the last layer."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head, self.num_classes = head, head.out_features
+
+    def forward(self, x, key_padding_mask=None, num_samples=1):
+        from gpattn.models._blocks import sample_logits
+
+        return sample_logits(self.head(x), num_samples)
+
+
+@torch.no_grad()
+def test_readout_predictions_choose_ridge_and_factor_as_brute_force_does():
+    """Three confident clusters; validation rows between them carry random labels, so the NLL rewards shrinking
+    them and how much depends on s: the chosen (s, λ) is the argmin of the validation NLL computed here with explicit
+    inverses, the split's logits are the head's read out there, and the readout sits on the model at that choice."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(0)
+    centres = torch.tensor([[0.0, 4.0], [-4.0, -2.0], [4.0, -2.0]])
+    y = torch.arange(3).repeat(40)
+    train = centres[y] + 0.5 * torch.randn(120, 2, generator=g)
+    y_val = torch.randint(0, 3, (60,), generator=g)
+    val = torch.cat([centres[y_val[:30]] + 0.5 * torch.randn(30, 2, generator=g), 2 * torch.randn(30, 2, generator=g)])
+    test = 3 * torch.randn(25, 2, generator=g)
+    head = nn.Linear(2, 3)
+    with torch.no_grad():
+        head.weight.copy_(2 * centres)
+        head.bias.zero_()
+    bundle = SimpleNamespace(splits={"train": Split(train, y, None), "val": Split(val, y_val, None),
+                                     "test": Split(test, torch.zeros(25).long(), None)})
+    model = _FeatureModel(head)
+    preds, chosen = R.readout_predictions(model, bundle, ["test"], 2, seed=3, num_features=256)
+    # brute force, float64: the readout's draws at the median ℓ, v by explicit inverses, the NLL by hand
+    unit = R._new_readout(head, 3, num_features=256).gp
+    w, b = unit.feature_weight.double() / float(np.median(pdist(train.numpy()))), unit.feature_bias.double()
+
+    def phi(x):
+        return math.sqrt(2 / 256) * torch.cos(x.double() @ w.T + b)
+
+    mu = head(val).double()
+    brute = {}
+    for ridge in R.RIDGE_GRID:
+        inv = torch.linalg.inv(ridge * torch.eye(256, dtype=torch.float64) + phi(train).T @ phi(train))
+        v = ((phi(val) @ inv) * phi(val)).sum(-1)
+        for lam in R.FACTOR_GRID:
+            logp = torch.log_softmax(mu / torch.sqrt(1 + lam * v).unsqueeze(-1), -1)
+            brute[(ridge, lam)] = float(-logp[torch.arange(60), y_val].mean())
+    best = min(brute, key=brute.get)  # dict order: s as RIDGE_GRID, then λ ascending: ties keep the earlier
+    assert (chosen["ridge"], chosen["mean_field_factor"]) == best and best[1] > 0
+    assert chosen["val_nll"][f"{best[0]:g}"][f"{best[1]:g}"] == pytest.approx(brute[best], rel=1e-6)
+    per_ridge = [min(v for (r, _), v in brute.items() if r == ridge) for ridge in R.RIDGE_GRID]
+    assert max(per_ridge) - min(per_ridge) > 1e-3  # s matters here: a wrong choice of s is seen
+    assert isinstance(model.head, R.GPReadout) and float(model.head.mean_field_factor) == best[1]
+    assert model.head.gp.ridge == best[0]
+    torch.testing.assert_close(model.head.gp.feature_bias, unit.feature_bias, rtol=0, atol=0)  # the seed's draws
+    inv = torch.linalg.inv(best[0] * torch.eye(256, dtype=torch.float64) + phi(train).T @ phi(train))
+    v_test = ((phi(test) @ inv) * phi(test)).sum(-1)
+    want = head(test).double() / torch.sqrt(1 + best[1] * v_test).unsqueeze(-1)
+    torch.testing.assert_close(preds["test"]["logits"], want.float().unsqueeze(1).expand(-1, 2, -1), rtol=1e-4,
+                               atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -208,6 +277,10 @@ def test_errors_name_the_argument():
         R.select_mean_field_factor(torch.zeros(2, 1, 2), torch.zeros(2, 1), torch.zeros(2).long(), (0.0, -1.0))
     with pytest.raises(ValueError, match="no labelled row"):
         R.select_mean_field_factor(torch.zeros(2, 1, 2), torch.zeros(2, 1), -torch.ones(2).long())
+    with pytest.raises(ValueError, match="ridges"):
+        R.readout_predictions(_vit(), None, [], 1, ridges=())
+    with pytest.raises(ValueError, match=r"model.head must be an nn.Linear \(a trained"):
+        R.readout_predictions(model, None, [], 1)  # its readout attached already
     with pytest.raises(ValueError, match="choose one"):
         C.parse_variant("softmax+gpreadout+laplace")
     with pytest.raises(ValueError, match=r"\+gpreadout"):
@@ -223,15 +296,20 @@ def test_compare_gpreadout_end_to_end(tmp_path):
     C.compare("softmax,softmax+gpreadout", [0], tmp_path, base, progress=False, log=lambda s: None)
     saved = json.loads((tmp_path / "results.json").read_text())
     chosen = saved["softmax+gpreadout"]["0"]["readout"]
-    assert chosen["mean_field_factor"] in R.FACTOR_GRID
-    assert chosen["mean_field_factor"] == min(R.FACTOR_GRID, key=lambda g: chosen["val_nll"][f"{g:g}"])
+    assert chosen["mean_field_factor"] in R.FACTOR_GRID and chosen["ridge"] in R.RIDGE_GRID
+    flat = {(float(s), float(g)): v for s, row in chosen["val_nll"].items() for g, v in row.items()}
+    assert set(flat) == {(s, float(f"{g:g}")) for s in R.RIDGE_GRID for g in R.FACTOR_GRID}
+    assert flat[(chosen["ridge"], float(f"{chosen['mean_field_factor']:g}"))] == min(flat.values())
     assert math.isfinite(saved["softmax+gpreadout"]["0"]["ood"]["ood_auroc"])
     assert "`+gpreadout`" in (tmp_path / "report.md").read_text()
-    # the numbers are the run's model with the readout fitted on the training split at the chosen λ
-    cfg, model, bundle, _ = load_run_with_data(tmp_path / "runs" / "softmax" / "seed0")
-    readout = R.attach_gp_readout(model, seed=0)
+    # the numbers are the run's model with the readout fitted on the training split at the chosen s and λ
+    folder = tmp_path / "runs" / "softmax" / "seed0"
+    cfg, model, bundle, _ = load_run_with_data(folder)
+    readout = R.attach_gp_readout(model, seed=0, ridge=chosen["ridge"])
     R.fit_gp_readout(model, bundle.splits["train"])
     readout.set_factor(chosen["mean_field_factor"])
     key = bundle.eval_splits["in_domain"]
-    got = C._readout_predictions(cfg, tmp_path / "runs" / "softmax" / "seed0", bundle, [key])[0][key]["logits"]
-    torch.testing.assert_close(predict(model, bundle.splits[key], cfg.num_samples), got, rtol=1e-5, atol=1e-6)
+    preds, again = C._readout_predictions(cfg, folder, bundle, [key])
+    assert again == chosen
+    torch.testing.assert_close(predict(model, bundle.splits[key], cfg.num_samples), preds[key]["logits"], rtol=1e-5,
+                               atol=1e-6)

@@ -11,10 +11,12 @@ it (:class:`gpattn.experiments.sngp.RandomFeatureGP`'s features, reused),
 the sum over the training split (one eval-mode pass, post hoc), :math:`w_i = 1` (the ridge precision: a GP
 regression's posterior variance, the default) or :math:`w_i = p_i(1 - p_i)` of the head's logits (the Laplace
 precision of SNGP); the mean-field rule is :func:`gpattn.experiments.sngp.mean_field_logits`. λ = 0 gives back the
-head's logits exactly; λ is chosen on the validation split's NLL from :data:`FACTOR_GRID`
-(:func:`select_mean_field_factor`), π/8 being the probit-matched value. Everything fitted (the features' draws, the
-lengthscale, the precision's factor, λ) is a buffer, so the model's ``state_dict`` carries it: a fresh model with
-:func:`attach_gp_readout` and ``load_state_dict`` predicts without the training data.
+head's logits exactly; ``compare`` chooses λ from :data:`gpattn.experiments.readout.FACTOR_GRID` and the ridge s
+from :data:`gpattn.experiments.readout.RIDGE_GRID` together on the validation split's NLL
+(:func:`gpattn.experiments.readout.readout_predictions`), π/8 being the probit-matched λ. Everything fitted (the
+features' draws, the lengthscale, the precision's factor, λ) is a buffer, so the model's ``state_dict`` carries it:
+a fresh model with :func:`gpattn.experiments.readout.attach_gp_readout` and ``load_state_dict`` predicts without
+the training data.
 
 ``+gpreadout`` in ``compare`` (``softmax+gpreadout``, ``sgpa-rff+gpreadout+ts``): a post-hoc modifier like
 ``+laplace``, on the run it modifies.
@@ -32,6 +34,7 @@ from gpattn.experiments.sngp import MEAN_FIELD_FACTOR, RandomFeatureGP, mean_fie
 __all__ = [
     "FACTOR_GRID",
     "GPReadout",
+    "RIDGE_GRID",
     "attach_gp_readout",
     "fit_gp_readout",
     "readout_predictions",
@@ -40,9 +43,12 @@ __all__ = [
     "unit_weights",
 ]
 
-#: the candidates of λ chosen on the validation NLL: 0 (the head itself), π/8 (the probit-matched value), then
-#: half decades up to 10³ (v is at most about 1/s, so λ·v reaches a tenfold shrink of the logits at λ ≈ 100 s)
-FACTOR_GRID = (0.0, MEAN_FIELD_FACTOR, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
+#: the candidates of λ chosen on the validation NLL: 0 (the head itself), π/8 (the probit-matched value) and half
+#: decades from 10⁻² to 10³ (v ranges from about R/N near the data to 1/s far from it, so the useful λ moves with s)
+FACTOR_GRID = (0.0, 0.01, 0.03, 0.1, 0.3, MEAN_FIELD_FACTOR, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
+#: the candidates of the ridge s chosen with λ on the validation NLL (decades: a smaller s lets the data shrink v
+#: further below the prior 1/s, so the variance's spread between the data and far from it grows)
+RIDGE_GRID = (1.0, 0.1, 0.01, 0.001, 0.0001)
 #: training rows the median heuristic of the lengthscale reads (a fixed random subset)
 MEDIAN_ROWS = 1000
 #: training rows per block of the precision's accumulation
@@ -73,7 +79,7 @@ class GPReadout(nn.Module):
         reads the head's input as the head does.
     :param ridge: s, the prior precision (the ``s·I`` of the precision).
     :param curvature: each training example's weight in the precision from the head's logits, a function
-        ``(N, C) -> (N,)``: :func:`unit_weights` (default, the ridge precision) or
+        ``(N, C) -> (N,)``: :func:`gpattn.experiments.readout.unit_weights` (default, the ridge precision) or
         :func:`gpattn.experiments.sngp.laplace_weights` (SNGP's Laplace precision).
 
     Until :meth:`fit` the readout has no variance (:meth:`variance` raises); λ (``mean_field_factor``, a buffer)
@@ -134,7 +140,7 @@ class GPReadout(nn.Module):
         if not self.fitted:
             raise ValueError("the GPReadout is not fitted: call fit_gp_readout(model, train_split) or readout.fit(h) "
                              "with the training features first")
-        phi = self.gp.features(h.to(self.gp.feature_weight.dtype))
+        phi = self.gp.features(h.to(self.gp.feature_weight))  # the readout's device and dtype
         return self.gp.variance(phi.reshape(-1, self.gp.num_features)).reshape(h.shape[:-1])
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -184,21 +190,26 @@ class GPReadout(nn.Module):
                 f"mean_field_factor={float(self.mean_field_factor):g}, fitted on {int(self.gp.num_fitted)}")
 
 
+def _new_readout(head: nn.Linear, seed: int, **options) -> GPReadout:
+    """A :class:`gpattn.experiments.readout.GPReadout` of ``head`` whose random features are drawn from
+    ``seed`` (the global RNG left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPReadout(head, **options)
+
+
 def attach_gp_readout(model: nn.Module, *, seed: int = 0, **options) -> GPReadout:
-    """Wrap ``model.head`` (an ``nn.Linear``) in a :class:`GPReadout`, in place, and return the readout.
-    ``options``: :class:`GPReadout`'s keywords; ``seed`` fixes the random features' draws (the global RNG is
-    left as it was). A model whose readout was fitted loads into a fresh model after this call."""
+    """Wrap ``model.head`` (an ``nn.Linear``) in a :class:`gpattn.experiments.readout.GPReadout`, in place,
+    and return the readout. ``options``: the readout's keywords; ``seed`` fixes the random features' draws (the
+    global RNG is left as it was). A model whose readout was fitted loads into a fresh model after this call."""
     head = getattr(model, "head", None)
     if isinstance(head, GPReadout):
         raise ValueError("model.head is a GPReadout already (attach_gp_readout called twice?)")
     if not isinstance(head, nn.Linear):
         raise ValueError(f"attach_gp_readout needs a model whose last layer model.head is an nn.Linear (gpattn's "
                          f"classifiers), got {type(head).__name__}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        readout = GPReadout(head, **options)
-    model.head = readout
-    return readout
+    model.head = _new_readout(head, seed, **options)
+    return model.head
 
 
 def _readout_of(model) -> GPReadout:
@@ -211,7 +222,7 @@ def _readout_of(model) -> GPReadout:
 
 @torch.no_grad()
 def fit_gp_readout(model: nn.Module, train_split, batch_size: int = 256) -> GPReadout:
-    """Fit ``model.head`` (a :class:`GPReadout`) on the head's inputs over ``train_split`` (a
+    """Fit ``model.head`` (a :class:`gpattn.experiments.readout.GPReadout`) on the head's inputs over ``train_split`` (a
     ``gpattn.experiments.data.Split``), one eval-mode pass with ``num_samples=1``
     (:func:`gpattn.experiments.laplace.extract_features`). Returns the readout; its λ is kept."""
     from gpattn.experiments.laplace import extract_features
@@ -228,28 +239,37 @@ def fit_gp_readout(model: nn.Module, train_split, batch_size: int = 256) -> GPRe
     return readout.fit(h.to(readout.head.weight.device))
 
 
+def _linear_head(model) -> nn.Linear:
+    head = getattr(model, "head", None)
+    head = head.head if isinstance(head, GPReadout) else head
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"model.head must be an nn.Linear or a GPReadout of one, got {type(head).__name__}")
+    return head
+
+
 @torch.no_grad()
 def readout_split(
     model: nn.Module, split, num_samples: int, batch_size: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head's logits and the readout's variance on every row of ``split`` at ``num_samples`` samples, in eval
-    mode (one forward per batch, as :func:`gpattn.experiments.training.predict`): ``(N, P, C)`` and ``(N, P)``;
-    ``mean_field_logits(logits, variance, λ)`` is the model's prediction at λ."""
+    """The linear head's logits and its inputs h on every row of ``split`` at ``num_samples`` samples, in eval mode
+    (one forward per batch, as :func:`gpattn.experiments.training.predict`): ``(N, P, C)`` and ``(N, P, D)``, for
+    ``model.head`` a Linear or a :class:`gpattn.experiments.readout.GPReadout`;
+    ``mean_field_logits(logits, readout.variance(h), λ)`` is the prediction of the model read out at λ."""
     from gpattn.experiments.training import predict
     from gpattn.models._blocks import sample_logits
 
-    readout = _readout_of(model)
-    variances: list[torch.Tensor] = []
-    hook = readout.register_forward_hook(lambda module, args, output: variances.append(module.variance(args[0])))
-    factor = float(readout.mean_field_factor)
-    readout.mean_field_factor.fill_(0.0)  # the model returns the head's logits; the hook records v
+    head = _linear_head(model)
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hook = head.register_forward_hook(lambda module, args, output: captured.append((output, args[0])))
     try:
-        logits = predict(model, split, num_samples, batch_size)
+        predict(model, split, num_samples, batch_size)
     finally:
         hook.remove()
-        readout.mean_field_factor.fill_(factor)
-    v = [sample_logits(b.unsqueeze(-1), num_samples).squeeze(-1).cpu() for b in variances]  # (B, P) per batch
-    return logits, torch.cat(v) if v else torch.zeros(0, num_samples, dtype=torch.float64)
+    logits = [sample_logits(z, num_samples).cpu() for z, _ in captured]  # (B, P, C) per batch
+    inputs = [sample_logits(h, num_samples).cpu() for _, h in captured]  # (B, P, D) per batch
+    if not captured:
+        return torch.zeros(0, num_samples, head.out_features), torch.zeros(0, num_samples, head.in_features)
+    return torch.cat(logits), torch.cat(inputs)
 
 
 def select_mean_field_factor(
@@ -277,23 +297,43 @@ def select_mean_field_factor(
 
 
 def readout_predictions(
-    model: nn.Module, bundle, keys, num_samples: int, *, grid=FACTOR_GRID, average: str = "probs", seed: int = 0,
-    batch_size: int = 256, **options,
+    model: nn.Module, bundle, keys, num_samples: int, *, grid=FACTOR_GRID, ridges=RIDGE_GRID, average: str = "probs",
+    seed: int = 0, batch_size: int = 256, **options,
 ) -> tuple[dict, dict]:
-    """``compare``'s ``+gpreadout``: attach a :class:`GPReadout` to the trained ``model``, fit it on
-    ``bundle.splits["train"]``, choose λ on ``bundle.splits["val"]`` (:func:`select_mean_field_factor`) and
-    predict every split of ``keys``. Returns ``(predictions, selection)``: ``{key: {"logits": (N, P, C),
-    "labels"}}`` as a run's ``predictions.pt``, and ``{"mean_field_factor": λ, "val_nll": {λ: NLL},
-    "lengthscale": ℓ}``."""
-    readout = attach_gp_readout(model, seed=seed, **options)
-    fit_gp_readout(model, bundle.splits["train"], batch_size)
+    """``compare``'s ``+gpreadout``: a :class:`gpattn.experiments.readout.GPReadout` on the trained
+    ``model``'s linear head, fitted on ``bundle.splits["train"]`` at each ridge s of ``ridges``, (s, λ) chosen
+    together on the NLL of ``bundle.splits["val"]`` (:func:`gpattn.experiments.readout.select_mean_field_factor`
+    per s; a tie keeps the earlier s), attached as ``model.head`` at the chosen s and λ, and every split of ``keys``
+    predicted. Returns ``(predictions, selection)``: ``{key: {"logits": (N, P, C), "labels"}}`` as a run's
+    ``predictions.pt``, and ``{"mean_field_factor": λ, "ridge": s, "lengthscale": ℓ, "val_nll": {s: {λ: NLL}}}``."""
+    from gpattn.experiments.laplace import extract_features
+
+    head = getattr(model, "head", None)
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"model.head must be an nn.Linear (a trained classifier's head), got {type(head).__name__}")
+    ridges = list(ridges)
+    if not ridges:
+        raise ValueError("ridges must name at least one ridge s > 0, e.g. RIDGE_GRID")
+    h_train = extract_features(model, bundle.splits["train"], batch_size).to(head.weight.device)
+    if h_train.shape[0] == 0:
+        raise ValueError("bundle.splits['train'] is empty: the readout needs the training features")
     parts = {k: readout_split(model, bundle.splits[k], num_samples, batch_size) for k in dict.fromkeys(["val", *keys])}
-    lam, scores = select_mean_field_factor(*parts["val"], bundle.splits["val"].labels, grid, average)
-    readout.set_factor(lam)
+    labels = bundle.splits["val"].labels
+    best, scores = None, {}
+    for ridge in ridges:
+        readout = _new_readout(head, seed, ridge=ridge, **options).fit(h_train)
+        variance = readout.variance(parts["val"][1]).cpu()
+        lam, nll = select_mean_field_factor(parts["val"][0], variance, labels, grid, average)
+        scores[f"{ridge:g}"] = {f"{g:g}": v for g, v in nll.items()}
+        if best is None or nll[lam] < best[0]:
+            best = (nll[lam], ridge, lam, readout)
+    _, ridge, lam, readout = best
+    model.head = readout.set_factor(lam)
     preds = {
-        k: {"logits": mean_field_logits(*parts[k], lam).to(torch.float32), "labels": bundle.splits[k].labels}
+        k: {"logits": mean_field_logits(parts[k][0], readout.variance(parts[k][1]).cpu(), lam).to(torch.float32),
+            "labels": bundle.splits[k].labels}
         for k in keys
     }
-    selection = {"mean_field_factor": lam, "val_nll": {f"{g:g}": s for g, s in scores.items()},
-                 "lengthscale": float(readout.lengthscale)}
+    selection = {"mean_field_factor": lam, "ridge": ridge, "lengthscale": float(readout.lengthscale),
+                 "val_nll": scores}
     return preds, selection
