@@ -288,14 +288,20 @@ def test_errors_name_the_argument():
 
 
 # ----------------------------------------------------------------------------- the harness
-def test_compare_gpreadout_end_to_end(tmp_path):
+def test_compare_gpreadout_end_to_end(tmp_path, monkeypatch):
     spec = C.parse_variant("softmax+gpreadout+ts")
     assert spec.gpreadout and spec.ts and spec.run_name == "softmax"  # post hoc: the softmax run itself
     base = TrainConfig(dataset="digits", embed_dim=16, num_heads=2, num_layers=1, epochs=1, batch_size=32, lr=5e-3,
                        pooling="mean", patch_size=4, num_samples=2, progress=False)
-    C.compare("softmax,softmax+gpreadout", [0], tmp_path, base, progress=False, log=lambda s: None)
+    fits = []
+    fit = C._readout_predictions
+    monkeypatch.setattr(C, "_readout_predictions", lambda *args: fits.append(args[1]) or fit(*args))
+    C.compare("softmax,softmax+gpreadout,softmax+gpreadout+ts", [0], tmp_path, base, progress=False, log=lambda s: None)
+    assert len(fits) == 1  # +gpreadout and +gpreadout+ts share the run's one fit
     saved = json.loads((tmp_path / "results.json").read_text())
     chosen = saved["softmax+gpreadout"]["0"]["readout"]
+    with_ts = saved["softmax+gpreadout+ts"]["0"]
+    assert with_ts["readout"] == chosen and "temperature" in with_ts
     assert chosen["mean_field_factor"] in R.FACTOR_GRID and chosen["ridge"] in R.RIDGE_GRID
     flat = {(float(s), float(g)): v for s, row in chosen["val_nll"].items() for g, v in row.items()}
     assert set(flat) == {(s, float(f"{g:g}")) for s in R.RIDGE_GRID for g in R.FACTOR_GRID}

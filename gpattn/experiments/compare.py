@@ -245,6 +245,7 @@ def compare(
 
     started, _ = time.perf_counter(), OVERWRITE.set(overwrite)
     runs, trained = set(), set()  # every run folder of this call, and those trained by it (not reused)
+    readout_fits = {}  # +gpreadout per run folder: x+gpreadout and x+gpreadout+ts share one fit and its predictions
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds) or len(set(seeds)) < len(seeds):
         raise ValueError(f"seeds must be a non-empty list of distinct ints, got {seeds!r}")
@@ -309,7 +310,9 @@ def compare(
                         chosen.append(selection)
                     runs.add(folder)
                     if spec.gpreadout:
-                        member, readout = _readout_predictions(cfg, folder, bundle, member)
+                        if folder not in readout_fits:
+                            readout_fits[folder] = _readout_predictions(cfg, folder, bundle, member)
+                        member, readout = readout_fits[folder]
                         readouts.append(readout)
                         log(f"[compare]   {spec.spec} seed {seed + 1000 * j}: readout λ = "
                             f"{readout['mean_field_factor']:g} chosen on the validation NLL")
