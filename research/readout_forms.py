@@ -75,7 +75,10 @@ def main(argv=None) -> None:
             _, model, bundle, _ = load_run_with_data(run)
             readout = R.attach_gp_readout(model, seed=cfg.seed, **options)
             R.fit_gp_readout(model, bundle.splits["train"])
-            parts = {k: R.readout_split(model, bundle.splits[k], cfg.num_samples) for k in ("val", *ev.values())}
+            parts = {}  # the head's logits and the readout's variance per split
+            for k in ("val", *ev.values()):
+                logits, h = R.readout_split(model, bundle.splits[k], cfg.num_samples)
+                parts[k] = (logits, readout.variance(h).cpu())
             lam, val = R.select_mean_field_factor(*parts["val"], bundle.splits["val"].labels, average=cfg.average)
             v_train = readout.variance(extract_features(model, bundle.splits["train"], head=readout.head))
             v_in, v_ood = (parts[ev[k]][1].mean(1) for k in ("in_domain", "ood"))

@@ -36,6 +36,7 @@ __all__ = [
     "GPReadout",
     "RIDGE_GRID",
     "attach_gp_readout",
+    "choose_readout",
     "fit_gp_readout",
     "readout_predictions",
     "readout_split",
@@ -311,29 +312,46 @@ def readout_predictions(
     head = getattr(model, "head", None)
     if not isinstance(head, nn.Linear):
         raise ValueError(f"model.head must be an nn.Linear (a trained classifier's head), got {type(head).__name__}")
-    ridges = list(ridges)
-    if not ridges:
+    if not list(ridges):
         raise ValueError("ridges must name at least one ridge s > 0, e.g. RIDGE_GRID")
     h_train = extract_features(model, bundle.splits["train"], batch_size).to(head.weight.device)
     if h_train.shape[0] == 0:
         raise ValueError("bundle.splits['train'] is empty: the readout needs the training features")
     parts = {k: readout_split(model, bundle.splits[k], num_samples, batch_size) for k in dict.fromkeys(["val", *keys])}
-    labels = bundle.splits["val"].labels
-    best, scores = None, {}
-    for ridge in ridges:
-        readout = _new_readout(head, seed, ridge=ridge, **options).fit(h_train)
-        variance = readout.variance(parts["val"][1]).cpu()
-        lam, nll = select_mean_field_factor(parts["val"][0], variance, labels, grid, average)
-        scores[f"{ridge:g}"] = {f"{g:g}": v for g, v in nll.items()}
-        if best is None or nll[lam] < best[0]:
-            best = (nll[lam], ridge, lam, readout)
-    _, ridge, lam, readout = best
-    model.head = readout.set_factor(lam)
+    readout, selection = choose_readout(
+        head, h_train, *parts["val"], bundle.splits["val"].labels, grid=grid, ridges=ridges, average=average,
+        seed=seed, **options,
+    )
+    model.head = readout
+    lam = selection["mean_field_factor"]
     preds = {
         k: {"logits": mean_field_logits(parts[k][0], readout.variance(parts[k][1]).cpu(), lam).to(torch.float32),
             "labels": bundle.splits[k].labels}
         for k in keys
     }
+    return preds, selection
+
+
+def choose_readout(
+    head: nn.Linear, h_train: torch.Tensor, val_logits: torch.Tensor, val_inputs: torch.Tensor, val_labels, *,
+    grid=FACTOR_GRID, ridges=RIDGE_GRID, average: str = "probs", seed: int = 0, **options,
+) -> tuple[GPReadout, dict]:
+    """The readout of ``head`` fitted on the training features ``h_train`` ``(N, D)`` at each ridge of ``ridges``,
+    (s, λ) chosen on the validation NLL from the head's validation logits ``(N_v, P, C)`` and inputs
+    ``(N_v, P, D)`` (:func:`readout_split`); a tie keeps the earlier s. Returns the readout at the chosen s and
+    λ and ``{"mean_field_factor": λ, "ridge": s, "lengthscale": ℓ, "val_nll": {s: {λ: NLL}}}``."""
+    ridges = list(ridges)
+    if not ridges:
+        raise ValueError("ridges must name at least one ridge s > 0, e.g. RIDGE_GRID")
+    best, scores = None, {}
+    for ridge in ridges:
+        readout = _new_readout(head, seed, ridge=ridge, **options).fit(h_train)
+        variance = readout.variance(val_inputs).cpu()
+        lam, nll = select_mean_field_factor(val_logits, variance, val_labels, grid, average)
+        scores[f"{ridge:g}"] = {f"{g:g}": v for g, v in nll.items()}
+        if best is None or nll[lam] < best[0]:
+            best = (nll[lam], ridge, lam, readout)
+    _, ridge, lam, readout = best
     selection = {"mean_field_factor": lam, "ridge": ridge, "lengthscale": float(readout.lengthscale),
                  "val_nll": scores}
-    return preds, selection
+    return readout.set_factor(lam), selection
