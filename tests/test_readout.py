@@ -124,11 +124,14 @@ def test_model_with_readout_predicts_the_head_at_factor_zero_and_round_trips_thr
     assert not torch.allclose(after, before)
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
-    fresh = _vit(seed=7)  # other weights, other random features: everything comes from the state dict
-    R.attach_gp_readout(fresh, seed=8, num_features=64)
+    fresh = _vit(seed=7)  # other weights, other random features, another ridge: everything from the state dict
+    R.attach_gp_readout(fresh, seed=8, num_features=64, ridge=0.5)
     fresh.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
     assert fresh.head.fitted and float(fresh.head.mean_field_factor) == 10.0
     torch.testing.assert_close(fresh.eval()(x, num_samples=2), after, rtol=0, atol=0)
+    factor = readout.gp.precision_factor.clone()
+    R.fit_gp_readout(fresh, train, batch_size=16)  # a refit of the loaded readout: its own ridge, ℓ and draws
+    torch.testing.assert_close(fresh.head.gp.precision_factor, factor, rtol=1e-10, atol=1e-10)
 
 
 def test_readout_split_is_what_the_model_predicts_with_a_sample_axis():

@@ -110,6 +110,8 @@ class GPReadout(nn.Module):
         self.register_buffer("lengthscale", torch.tensor(float(self.gp.lengthscale), dtype=torch.float64))
         #: λ of the mean-field rule (0: the head's logits)
         self.register_buffer("mean_field_factor", torch.zeros((), dtype=torch.float64))
+        #: s, the prior precision (a buffer, so that a loaded readout refits with the ridge it was fitted with)
+        self.register_buffer("ridge", torch.tensor(float(self.gp.ridge), dtype=torch.float64))
 
     @property
     def in_features(self) -> int:
@@ -164,6 +166,7 @@ class GPReadout(nn.Module):
             raise ValueError(f"h must be the training features, shape (N >= 1, D={self.in_features}), got "
                              f"{tuple(h.shape)}")
         h = h.to(self.gp.feature_weight)
+        self.gp.ridge = float(self.ridge)
         if self.auto_lengthscale:
             self._set_lengthscale(self._median_distance(h))
         blocks = h.split(_FIT_ROWS)
