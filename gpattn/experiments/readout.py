@@ -45,7 +45,8 @@ __all__ = [
 ]
 
 #: the candidates of λ chosen on the validation NLL: 0 (the head itself), π/8 (the probit-matched value) and half
-#: decades from 10⁻² to 10³ (v ranges from about R/N near the data to 1/s far from it, so the useful λ moves with s)
+#: decades from 10⁻² to 10³ (v ranges from its values on the training features to the prior 1/s far from them, so
+#: the useful λ moves with s)
 FACTOR_GRID = (0.0, 0.01, 0.03, 0.1, 0.3, MEAN_FIELD_FACTOR, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
 #: the candidates of the ridge s chosen with λ on the validation NLL (decades: a smaller s lets the data shrink v
 #: further below the prior 1/s, so the variance's spread between the data and far from it grows)
