@@ -318,7 +318,9 @@ def test_compare_gpreadout_end_to_end(tmp_path, monkeypatch):
     R.fit_gp_readout(model, bundle.splits["train"])
     readout.set_factor(chosen["mean_field_factor"])
     key = bundle.eval_splits["in_domain"]
-    preds, again = C._readout_predictions(cfg, folder, bundle, [key])
+    run_preds = torch.load(folder / "predictions.pt", weights_only=True)
+    preds, again = C._readout_predictions(cfg, folder, bundle, {key: {**run_preds[key], "kept": 1}})
+    assert preds[key]["kept"] == 1 and torch.equal(preds[key]["labels"], run_preds[key]["labels"])
     assert again == chosen
     torch.testing.assert_close(predict(model, bundle.splits[key], cfg.num_samples), preds[key]["logits"], rtol=1e-5,
                                atol=1e-6)

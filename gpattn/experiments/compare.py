@@ -206,15 +206,18 @@ def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:
 
 
 def _readout_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> tuple[dict, dict]:
-    """Logits of the trained run in ``folder`` read out through a GP on its pooled features (``+gpreadout``):
-    fitted on the training split, λ chosen on the validation NLL (:mod:`gpattn.experiments.readout`)."""
+    """The run's predictions ``keys`` (``{split: {"logits", "labels", ...}}``) with the logits of the trained run in
+    ``folder`` read out through a GP on its pooled features (``+gpreadout``): fitted on the training split, (s, λ)
+    chosen on the validation NLL (:mod:`gpattn.experiments.readout`)."""
     from gpattn.experiments.readout import readout_predictions
     from gpattn.experiments.training import model_for_checkpoint
 
     device = resolve_device(cfg.device)
     model, bundle = model_for_checkpoint(cfg, bundle, load_checkpoint(folder / CHECKPOINT, map_location=device), device)
-    return readout_predictions(model, bundle, keys, cfg.num_samples, average=cfg.average, seed=cfg.seed,
-                               batch_size=cfg.eval_batch_size)
+    preds, selection = readout_predictions(model, bundle, list(keys), cfg.num_samples, average=cfg.average,
+                                           seed=cfg.seed, batch_size=cfg.eval_batch_size)
+    # the readout changes the logits only: whatever else the run recorded per split is kept
+    return {k: {**keys[k], **preds[k]} for k in preds}, selection
 
 
 def _log(message: str) -> None:
