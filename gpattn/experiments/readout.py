@@ -264,17 +264,19 @@ def readout_split(
     from gpattn.models._blocks import sample_logits
 
     head = _linear_head(model)
-    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-    hook = head.register_forward_hook(lambda module, args, output: captured.append((output, args[0])))
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = []  # (B, P, C) and (B, P, D) per batch, on the host
+
+    def record(module, args, output):
+        captured.append((sample_logits(output, num_samples).cpu(), sample_logits(args[0], num_samples).cpu()))
+
+    hook = head.register_forward_hook(record)
     try:
         predict(model, split, num_samples, batch_size)
     finally:
         hook.remove()
-    logits = [sample_logits(z, num_samples).cpu() for z, _ in captured]  # (B, P, C) per batch
-    inputs = [sample_logits(h, num_samples).cpu() for _, h in captured]  # (B, P, D) per batch
     if not captured:
         return torch.zeros(0, num_samples, head.out_features), torch.zeros(0, num_samples, head.in_features)
-    return torch.cat(logits), torch.cat(inputs)
+    return torch.cat([z for z, _ in captured]), torch.cat([h for _, h in captured])
 
 
 def select_mean_field_factor(
