@@ -215,3 +215,45 @@ def test_clip_groups_probe_clips_the_layer_and_the_rest_apart():
     with pytest.raises(SystemExit):
         probe.main(["--groups", "2", "--", "train", "--help"])
     assert training._DivergenceGuard is original
+
+
+@pytest.fixture(scope="module")
+def tiny_digits_run(tmp_path_factory):
+    """A one-epoch softmax run on digits (the readout probes read its checkpoint)."""
+    import warnings
+
+    from gpattn.experiments.diagnostics import CollapseWarning
+    from gpattn.experiments.training import TrainConfig, train
+
+    folder = tmp_path_factory.mktemp("readout") / "run"
+    cfg = TrainConfig(dataset="digits", embed_dim=8, num_heads=2, num_layers=1, epochs=1, batch_size=64,
+                      num_samples=1, patch_size=4, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CollapseWarning)  # one tiny epoch
+        train(cfg, folder)
+    return folder
+
+
+def test_readout_forms_smoke(tiny_digits_run, capsys):
+    """research/readout_forms.py on a tiny digits run: one row per form of the readout's GP, each with its λ."""
+    probe = _research("readout_forms")
+    probe.main([str(tiny_digits_run)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if "λ=" in line]
+    assert [row.split("|")[0].strip() for row in rows] == list(probe.FORMS)
+
+
+def test_readout_eval_smoke(tiny_digits_run):
+    """research/readout_eval.py: its plain row is the run's own evaluation (metrics.json) on the splits it keeps,
+    the shift split left out; the readout rows carry the chosen (s, λ)."""
+    import json
+
+    probe = _research("readout_eval")
+    rows = {row["row"]: row for row in probe.main([str(tiny_digits_run)])}
+    assert set(rows) == {"plain", "plain+ts", "gpreadout", "gpreadout+ts"}
+    saved = json.loads((tiny_digits_run / "metrics.json").read_text())
+    assert "shift" not in rows["plain"]["metrics"]
+    for split in ("in_domain", "ood"):
+        for key in ("accuracy", "nll", "ood_auroc", "ood_auroc_energy"):
+            if key in saved[split] and saved[split][key] is not None:
+                assert rows["plain"]["metrics"][split][key] == pytest.approx(saved[split][key], rel=1e-5, abs=1e-6)
+    assert rows["gpreadout"]["readout"]["ridge"] in probe.R.RIDGE_GRID

@@ -9,8 +9,8 @@ reloads the data set instead).
 
 Its own dependencies (scikit-learn, scipy, tqdm, matplotlib) come with the extra:
 ``pip install 'gpattn[experiments]'``. Submodules (``cli``, ``compare``, ``data``, ``diagnostics``,
-``inference``, ``laplace``, ``metrics``, ``plots``, ``presets``, ``sngp``, ``training``) and ``load_run`` are
-imported on first use, so ``import gpattn.experiments`` itself needs none of them.
+``inference``, ``laplace``, ``metrics``, ``plots``, ``presets``, ``readout``, ``sngp``, ``training``) and
+``load_run`` are imported on first use, so ``import gpattn.experiments`` itself needs none of them.
 """
 
 from gpattn._shadow import check_not_shadowed
@@ -29,6 +29,7 @@ _SUBMODULES = (
     "metrics",
     "plots",
     "presets",
+    "readout",
     "sngp",
     "training",
 )

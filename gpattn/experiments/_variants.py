@@ -26,6 +26,7 @@ class VariantSpec:
     ensemble: int = 1
     options: tuple = ()  # ((key, value), ...) from ``name[key=value,...]``
     sngp: bool = False
+    gpreadout: bool = False  # post hoc: gpattn.experiments.readout on the run's head
 
     @property
     def run_name(self) -> str:
@@ -78,7 +79,7 @@ def parse_variant(spec: str) -> VariantSpec:
                 known = ", ".join(sorted(valid))
                 raise ValueError(f"variant {spec!r}: unknown option {key!r} for attention {name!r}; valid: {known}")
             options.append((key, _option_value(value)))
-    ts = mc = la = sn = False
+    ts = mc = la = sn = ro = False
     ens = 1
     for mod in (m.strip() for m in mod_text.split("+")[1:]):
         if mod == "ts":
@@ -89,15 +90,21 @@ def parse_variant(spec: str) -> VariantSpec:
             mc = True
         elif mod == "sngp":
             sn = True
+        elif mod == "gpreadout":
+            ro = True
         elif re.fullmatch(r"ens\d+", mod) and int(mod[3:]) >= 2:
             ens = int(mod[3:])
         else:
             raise ValueError(
-                f"unknown modifier {mod!r} in variant {spec!r}; valid: +ts, +laplace, +mcdropout, +sngp, +ensN (N >= 2)"
+                f"unknown modifier {mod!r} in variant {spec!r}; valid: +ts, +laplace, +mcdropout, +sngp, +gpreadout, "
+                "+ensN (N >= 2)"
             )
     if sn and la:
         raise ValueError(f"variant {spec!r}: +sngp and +laplace are two Laplace heads; choose one")
-    return VariantSpec(spec.strip(), name, ts, mc, la, ens, tuple(options), sn)
+    if ro and (sn or la):
+        raise ValueError(f"variant {spec!r}: +gpreadout reads the run's linear head, which +sngp replaces and +laplace "
+                         "samples; choose one")
+    return VariantSpec(spec.strip(), name, ts, mc, la, ens, tuple(options), sn, ro)
 
 
 def split_variants(text: str) -> list[str]:

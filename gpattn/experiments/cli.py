@@ -521,8 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     _training_args(p)
     p.add_argument(
         "--attention",
-        help="comma list of variant specs name[key=value,...][+ts][+laplace][+mcdropout][+sngp][+ensN], e.g. "
-        "sto[tau=2]+ts; 'all', 'all+baselines' (default)",
+        help="comma list of variant specs name[key=value,...][+ts][+laplace][+mcdropout][+sngp][+gpreadout][+ensN], "
+        "e.g. sto[tau=2]+ts; 'all', 'all+baselines' (default)",
     )
     p.add_argument("--seeds", type=_seeds, help="comma list, default 0,1,2")
     p.add_argument(

@@ -222,6 +222,21 @@ def _member_detector_scores(members: list, key: str) -> dict:
     return {"detector_scores": {n: torch.stack([f[n] for f in found]).mean(0) for n in sorted(names)}}
 
 
+def _readout_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> tuple[dict, dict]:
+    """The run's predictions ``keys`` (``{split: {"logits", "labels", ...}}``) with the logits of the trained run in
+    ``folder`` read out through a GP on its pooled features (``+gpreadout``): fitted on the training split, (s, λ)
+    chosen on the validation NLL (:mod:`gpattn.experiments.readout`)."""
+    from gpattn.experiments.readout import readout_predictions
+    from gpattn.experiments.training import model_for_checkpoint
+
+    device = resolve_device(cfg.device)
+    model, bundle = model_for_checkpoint(cfg, bundle, load_checkpoint(folder / CHECKPOINT, map_location=device), device)
+    preds, selection = readout_predictions(model, bundle, list(keys), cfg.num_samples, average=cfg.average,
+                                           seed=cfg.seed, batch_size=cfg.eval_batch_size)
+    # the readout changes the logits only: whatever else the run recorded per split is kept
+    return {k: {**keys[k], **preds[k]} for k in preds}, selection
+
+
 def _log(message: str) -> None:
     print(message, flush=True)
 
@@ -250,6 +265,7 @@ def compare(
 
     started, _ = time.perf_counter(), OVERWRITE.set(overwrite)
     runs, trained = set(), set()  # every run folder of this call, and those trained by it (not reused)
+    readout_fits = {}  # +gpreadout per run folder: x+gpreadout and x+gpreadout+ts share one fit and its predictions
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds) or len(set(seeds)) < len(seeds):
         raise ValueError(f"seeds must be a non-empty list of distinct ints, got {seeds!r}")
@@ -306,7 +322,7 @@ def compare(
             log(f"[compare] {spec.spec} seed {seed}")
             members = []
             try:
-                collapse, chosen = [], []
+                collapse, chosen, readouts = [], [], []
                 for j in range(spec.ensemble):
                     cfg, folder, member, selection = _selected_run(
                         dataclasses.replace(base, **variant_settings.get(spec.attention, {})), spec, seed + 1000 * j,
@@ -316,6 +332,13 @@ def compare(
                     if selection is not None:
                         chosen.append(selection)
                     runs.add(folder)
+                    if spec.gpreadout:
+                        if folder not in readout_fits:
+                            readout_fits[folder] = _readout_predictions(cfg, folder, bundle, member)
+                        member, readout = readout_fits[folder]
+                        readouts.append(readout)
+                        log(f"[compare]   {spec.spec} seed {seed + 1000 * j}: readout λ = "
+                            f"{readout['mean_field_factor']:g} chosen on the validation NLL")
                     members.append(_laplace_predictions(cfg, folder, bundle, member) if spec.laplace else member)
                     # gpattn.experiments.diagnostics: a collapsed layer or the base rate
                     if (folder / COLLAPSE).is_file():
@@ -340,6 +363,8 @@ def compare(
                 one = len(chosen) == 1
                 metrics["alpha"] = chosen[0]["alpha"] if one else [c["alpha"] for c in chosen]
                 metrics["alpha_selection"] = chosen[0]["val_nll"] if one else [c["val_nll"] for c in chosen]
+            if readouts:  # one readout per ensemble member
+                metrics["readout"] = readouts[0] if len(readouts) == 1 else readouts
             if collapse:
                 metrics["collapse"] = collapse
                 log(f"[compare] {spec.spec} seed {seed}: collapse: " + "; ".join(collapse))

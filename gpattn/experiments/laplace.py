@@ -133,8 +133,9 @@ def _check_positive_int(name: str, value) -> int:
 
 
 @torch.no_grad()
-def extract_features(model, split, batch_size: int = 256) -> torch.Tensor:
-    """The input of ``model.head`` for every row of ``split``, in eval mode, one forward pass per
+def extract_features(model, split, batch_size: int = 256, head: nn.Linear | None = None) -> torch.Tensor:
+    """The input of ``model.head`` (or of ``head``, a Linear inside the model: a readout's, e.g.
+    :class:`gpattn.experiments.readout.GPReadout`'s) for every row of ``split``, in eval mode, one forward pass per
     batch with ``num_samples=1``.  # shape: (N, D)
 
     Batches are formed as in training (:func:`gpattn.experiments.training._batch`: text cut to its longest real
@@ -142,7 +143,9 @@ def extract_features(model, split, batch_size: int = 256) -> torch.Tensor:
     """
     from gpattn.experiments.training import _batch
 
-    head = _head_of(model)
+    head = _head_of(model) if head is None else head
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"head must be an nn.Linear inside the model, got {type(head).__name__}")
     _check_split(split)
     _check_positive_int("batch_size", batch_size)
     captured: list[torch.Tensor] = []

@@ -303,7 +303,8 @@ def write_report(
         f"ood_auroc = OOD detection with the max-probability (msp) score, ood_auroc_<score> with another score "
         f"(shown: {', '.join(ood_scores)}; every score is in results.json). `+ts` = temperature scaling on the "
         "validation split, `+laplace` = last-layer Laplace, `+mcdropout` = MC dropout, `+sngp` = SNGP "
-        "(spectral-normalised blocks, random-feature GP head, mean-field logits), `+ensN` = deep ensemble of N "
+        "(spectral-normalised blocks, random-feature GP head, mean-field logits), `+gpreadout` = the run's head read "
+        "out through a GP's variance on its pooled features (λ on the validation NLL), `+ensN` = deep ensemble of N "
         "models.",
         "",
     ]

@@ -302,17 +302,30 @@ class RandomFeatureGP(gpytorch.Module):
         return self.fit_features(self.features(b.to(self.feature_weight.device)) for b in batches)
 
     @torch.no_grad()
-    def fit_features(self, features) -> RandomFeatureGP:
-        """:meth:`fit` from the random features φ ``(N, D_L)`` (a tensor or an iterable of batches)."""
+    def fit_features(self, features, weights=None) -> RandomFeatureGP:
+        """:meth:`fit` from the random features φ ``(N, D_L)`` (a tensor or an iterable of batches).
+
+        ``weights``: each example's curvature weight wᵢ in Σ⁻¹ = s·I + Σᵢ wᵢ φᵢ φᵢᵀ, a tensor ``(N,)`` beside a
+        tensor of features or an iterable of ``(N_b,)`` tensors beside the batches; None: the Laplace weights
+        pᵢ(1 − pᵢ) of the layer's own logits (:func:`laplace_weights`)."""
         batches = [features] if torch.is_tensor(features) else features
+        if weights is not None:
+            weights = [weights] if torch.is_tensor(weights) else weights
+            batches = zip(batches, weights, strict=True)
         precision = self.ridge * torch.eye(self.num_features, dtype=torch.float64, device=self.precision_factor.device)
         count = 0
-        for phi in batches:
+        for item in batches:
+            phi, w = item if weights is not None else (item, None)
             if phi.dim() != 2 or phi.shape[1] != self.num_features:
                 raise ValueError(f"features must have shape (N, D_L={self.num_features}), got {tuple(phi.shape)}")
             phi = phi.to(precision)
-            logits = nn.functional.linear(phi, self.output.weight.to(precision), self.output.bias.to(precision))
-            scaled = phi * laplace_weights(logits).sqrt().unsqueeze(-1)  # √(p(1−p)) φ
+            if w is None:
+                logits = nn.functional.linear(phi, self.output.weight.to(precision), self.output.bias.to(precision))
+                w = laplace_weights(logits)
+            elif w.shape != phi.shape[:1] or bool((w < 0).any()):
+                raise ValueError(f"weights must be >= 0 of shape ({phi.shape[0]},) beside the features, got "
+                                 f"{tuple(w.shape)}")
+            scaled = phi * w.to(precision).sqrt().unsqueeze(-1)  # √w φ (w = p(1−p): the Laplace precision)
             precision += scaled.T @ scaled  # shape: (D_L, D_L)
             count += phi.shape[0]
         self.precision_factor.copy_(cholesky(precision, name="SNGP Laplace precision"))
