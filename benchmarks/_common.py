@@ -38,6 +38,7 @@ __all__ = [
     "mem_available_mb",
     "omp_env",
     "parse_variants",
+    "reference_first",
     "rss_mb",
     "run_isolated",
     "variant_configs",
@@ -116,6 +117,12 @@ def parse_variants(text: str | None) -> list[str] | None:
     if text is None or text.strip() in ("", "all"):
         return None
     return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def reference_first(text: str | None) -> list[str]:
+    """The variants of ``text`` (:func:`parse_variants`; every registered one for None) with :data:`REFERENCE` first:
+    the reference of every ratio, so that a run cut short still has it."""
+    return [REFERENCE, *(v for v in parse_variants(text) or gpattn.list_attention() if v != REFERENCE)]
 
 
 # ----------------------------------------------------------------------------- memory

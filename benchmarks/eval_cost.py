@@ -21,9 +21,8 @@ import types
 import warnings
 
 import torch
-from _common import finish, parse_variants
+from _common import finish, reference_first
 
-import gpattn
 from gpattn.experiments._config import TrainConfig
 from gpattn.experiments.training import predict
 from gpattn.models import TransformerClassifier
@@ -119,9 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if cfg.quick:
         cfg.rows, cfg.ts, cfg.samples, cfg.reps = 6, "8", 3, 1
     cfg.ts = [int(t) for t in cfg.ts.split(",")]
-    names = gpattn.list_attention()
-    # softmax first, the reference: a run cut short still has it
-    cfg.variants = ["softmax", *(v for v in parse_variants(cfg.variants) or names if v != "softmax")]
+    cfg.variants = reference_first(cfg.variants)
     return cfg
 
 

@@ -26,9 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import finish, parse_variants
-
-import gpattn
+from _common import finish, reference_first
 
 
 def write_table(folder: Path, rows: int, T: int, seed: int = 0) -> tuple[Path, Path]:
@@ -137,8 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if cfg.quick:
         cfg.rows, cfg.ts = 200, "8"
     cfg.ts = [int(t) for t in cfg.ts.split(",")]
-    # softmax first, the reference: a run cut short still has it
-    cfg.variants = ["softmax", *(v for v in parse_variants(cfg.variants) or gpattn.list_attention() if v != "softmax")]
+    cfg.variants = reference_first(cfg.variants)
     return cfg
 
 

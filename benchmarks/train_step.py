@@ -24,7 +24,7 @@ import time
 import warnings
 
 import torch
-from _common import finish, parse_variants
+from _common import finish, reference_first
 
 import gpattn
 from gpattn.models import TransformerClassifier
@@ -252,9 +252,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     cfg.modes = [m for m in cfg.modes.split(",") if m]
     if not set(cfg.modes) <= set(MODES):
         p.error(f"--modes must name {' or '.join(MODES)}, got {cfg.modes}")
-    names = gpattn.list_attention()
-    # softmax first, the reference of every ratio: a run cut short still has it
-    cfg.variants = ["softmax", *(v for v in parse_variants(cfg.variants) or names if v != "softmax")]
+    cfg.variants = reference_first(cfg.variants)
     return cfg
 
 

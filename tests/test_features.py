@@ -63,19 +63,12 @@ def test_sngp_model_features_are_the_random_feature_heads_input():
 
 
 def test_hugging_face_classifier_features():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from test_hf_classifier import tiny_encoder
+
     from gpattn.integrations.huggingface import HFClassifier
 
-    config = transformers.BertConfig(
-        vocab_size=30,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=24,
-    )
-    torch.manual_seed(0)
-    model = HFClassifier(transformers.BertModel(config, add_pooling_layer=False), 3, "softmax", "last")
+    model = HFClassifier(tiny_encoder(), 3, "softmax", "last")
     batches, ids, mask = _text_batches()
     feats = pooled_features(model, batches)
     assert feats.shape == (7, 16)
