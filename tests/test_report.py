@@ -123,3 +123,21 @@ def test_the_temperature_diagnostic_ignores_round_off():
     assert all(np.isnan(v) for v in temperature_diagnostic(*noisy).values())
     assert all(np.isfinite(v) for v in temperature_diagnostic(_logits(spread=0.3, seed=4),
                                                               _logits(spread=0.3, seed=5)).values())
+
+
+def test_a_degenerate_temperature_points_at_the_plain_row():
+    # issue 57 item 4: TS can fit T ~ 0.01 on digits' near-perfect validation split and then hurts the shift
+    from gpattn.experiments.report import _temperature_notes
+
+    seeds = (0, 1)
+    results = {
+        "softmax": {"0": {}, "1": {}},
+        "softmax+ts": {"0": {"temperature": 0.0101}, "1": {"temperature": 1.3}},
+        "sgpa+ts": {"0": {"temperature": 0.9}, "1": {"temperature": 1.1}},
+    }
+    lines = _temperature_notes(results, seeds)
+    ts = next(line for line in lines if line.startswith("- softmax+ts"))
+    assert "0.0101, 1.3" in ts and "degenerate in seed 0" in ts and "`softmax`" in ts
+    sgpa = next(line for line in lines if line.startswith("- sgpa+ts"))
+    assert "degenerate" not in sgpa
+    assert _temperature_notes({"softmax": {"0": {}, "1": {}}}, seeds) == []

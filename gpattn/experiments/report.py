@@ -140,6 +140,29 @@ def _alpha_notes(results: dict, seeds) -> list:
     return ["## α chosen on the validation split (validation NLL of each candidate)", "", *lines, ""]
 
 
+#: a fitted temperature outside these bounds is degenerate: TS sharpens (T < 0.1) or flattens (T > 10) the predictive
+#: by more than a calibration does (e.g. T ≈ 0.01 on digits' near-perfect validation split, which then hurts the shift)
+DEGENERATE_TEMPERATURE = (0.1, 10.0)
+
+
+def _temperature_notes(results: dict, seeds) -> list:
+    """Each ``+ts`` row's fitted temperature per seed, and where it is degenerate (:data:`DEGENERATE_TEMPERATURE`), that
+    the row without TS is the one to read beside it."""
+    lines, low, high = [], *DEGENERATE_TEMPERATURE
+    for spec, per_seed in results.items():
+        fitted = [(s, per_seed[str(s)].get("temperature")) for s in seeds]
+        fitted = [(s, t) for s, t in fitted if t is not None]
+        if not fitted:
+            continue
+        bad = [s for s, t in fitted if not low <= t <= high]
+        shown = ", ".join(f"{t:.3g}" for _, t in fitted)
+        plain = spec.removesuffix("+ts")
+        lines.append(f"- {spec}: T = {shown}" + (
+            f"; degenerate in seed{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} (outside "
+            f"[{low:g}, {high:g}]): TS there is no calibration — read `{plain}` beside it" if bad else ""))
+    return ["## Temperatures fitted on the validation split", "", *lines, ""] if lines else []
+
+
 def _diverged_notes(results: dict, seeds) -> list:
     notes = [
         f"- {spec}, seed {s}: {per_seed[str(s)]['diverged']['message']}"
@@ -340,6 +363,7 @@ def write_report(
     lines += _alpha_notes(results, seeds)
     lines += _diverged_notes(results, seeds)
     lines += _collapse_notes(results, seeds)
+    lines += _temperature_notes(results, seeds)
     # MSP, MSP + temperature scaling, and the strongest baselines with TS where they ran
     for reference in REFERENCE_NAMES:
         for split, cols in columns.items():
