@@ -96,6 +96,7 @@ def _sgd_step(model, dev, ids, mask, labels) -> dict:
         logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
         parts = objective(logits[:, None], labels.to(dev))
         terms = summed_loss_terms(model)
+        added = len(list(named_added_loss_terms(model)))  # the training forward's (an eval forward records none)
     parts["loss"].backward()
     grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
     opt.step()
@@ -115,7 +116,7 @@ def _sgd_step(model, dev, ids, mask, labels) -> dict:
         "eval_nomask": ev_nomask,
         "sampled_finite": bool(torch.isfinite(sampled).all()),
         "term_names": sorted(terms),
-        "added_loss_terms": len(list(named_added_loss_terms(model))),
+        "added_loss_terms": added,
     }
 
 
