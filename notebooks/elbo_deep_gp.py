@@ -108,13 +108,14 @@ mixed = ViTClassifier(
     dropout=0.0,
 )
 mixed.encoder.blocks[1].attn = gpattn.build_attention("kep-svgp", D, H, rank=4, num_landmarks=T)
-mixed = mixed.double().eval()
+mixed = mixed.double().train()  # training mode: the layers record their loss terms (dropout is 0)
 B = 12
 xb, yb = train_split.inputs[:B].double(), train_split.labels[:B]  # shape: (B, 1, 8, 8), (B,)
 
 
 def forward_terms(x, num_samples=1, seed=0):
-    """Sample logits (B, P, C) and the model's loss terms (summed over layers) of one forward."""
+    """Sample logits (B, P, C) and the model's loss terms (summed over layers) of one training-mode forward (the
+    layers record their loss terms in training mode only; dropout is 0, so the mode changes nothing else here)."""
     torch.manual_seed(seed)
     with torch.no_grad():
         logits = mixed(x, num_samples=num_samples)

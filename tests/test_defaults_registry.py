@@ -312,7 +312,7 @@ def test_the_registry_s_options_are_what_a_layer_built_without_options_runs_with
 
 def test_the_demo_trains_the_sgpa_variants_with_separate_query_and_key_maps():
     """The demo's 8 epochs train the SGPA variants only in their separate-map form, and sgpa-rff and cgp only at a
-    larger learning rate (issue 58, research/notes/time_to_accuracy.md): compare's specs and ``train --preset demo``
+    larger learning rate (issue #58, research/notes/time_to_accuracy.md): compare's specs and ``train --preset demo``
     build them and the run's config records them; the other GP variants keep their defaults, and the longer digits
     preset keeps the shared map."""
     from gpattn.experiments.cli import _config, build_parser

@@ -82,7 +82,8 @@ def test_run_evaluation_and_run_predict_share_the_bound(tmp_path, monkeypatch):
     assert seen and max(rows for rows, P in seen if P == 3) == 3
     seen.clear()
     load_run(tmp_path).predict(torch.rand(7, 1, 8, 8), num_samples=3)
-    assert [rows for rows, _ in seen] == [3, 3, 1]
+    # the logits' pass, then the feature detectors' (a second pass over the same rows: docs/benchmarks.md)
+    assert [rows for rows, _ in seen] == [3, 3, 1] * 2
 
 
 @pytest.mark.parametrize("name", ["cgp", "scgp"])

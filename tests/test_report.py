@@ -1,4 +1,4 @@
-"""report.md's OOD columns (issue 59 items 10-11): a score a model does not have is "–", a paired OOD difference is
+"""report.md's OOD columns (issue #59 items 10-11): a score a model does not have is "–", a paired OOD difference is
 against the reference's best score, and a score that ranks OOD inputs below chance says so."""
 
 import numpy as np
@@ -95,7 +95,7 @@ def test_evaluate_predictions_writes_none_for_a_score_the_model_lacks(P):
 
 
 def test_the_epoch_line_shows_the_nll_beside_the_loss(tmp_path):
-    # before (issue 59 item 14): sgpa-rff's loss rose every epoch while its NLL fell, and only the loss was shown
+    # before (issue #59 item 14): sgpa-rff's loss rose every epoch while its NLL fell, and only the loss was shown
     import re
     import subprocess
 
@@ -126,7 +126,7 @@ def test_the_temperature_diagnostic_ignores_round_off():
 
 
 def test_a_degenerate_temperature_points_at_the_plain_row():
-    # issue 57 item 4: TS can fit T ~ 0.01 on digits' near-perfect validation split and then hurts the shift
+    # issue #57 item 4: TS can fit T ~ 0.01 on digits' near-perfect validation split and then hurts the shift
     from gpattn.experiments.report import _temperature_notes
 
     seeds = (0, 1)

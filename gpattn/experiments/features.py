@@ -95,12 +95,15 @@ def pooled_features(model: nn.Module, batches, num_samples: int = 1) -> torch.Te
 
 def split_features(model: nn.Module, split, batch_size: int = 256, num_samples: int = 1) -> torch.Tensor:
     """:func:`pooled_features` of every row of a data split (:class:`gpattn.experiments.data.Split`), in
-    batches of ``batch_size`` on the model's device, rows in the split's order.  # shape: (N, D)"""
-    from gpattn.experiments._runs import _batch
+    batches of at most ``batch_size`` rows on the model's device, bounded as every evaluation is
+    (:func:`gpattn.experiments._runs.predict_rows`: rows × samples × tokens), rows in the split's order.
+    # shape: (N, D)"""
+    from gpattn.experiments._runs import _batch, predict_rows, tokens_per_row
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     device = next(model.parameters()).device
+    batch_size = predict_rows(batch_size, num_samples, tokens_per_row(model, split.inputs, split.mask))
     rows = torch.arange(len(split.labels)).split(batch_size)
     return pooled_features(model, (_batch(split, idx, device)[:2] for idx in rows), num_samples)
 

@@ -86,7 +86,7 @@ _CGP_SETTINGS_DIGITS = {"epochs": 40}
 # form, the GP at the queries with the keys as inducing inputs; the objective is the same ELBO). With Chen & Li's one
 # shared map W_q = W_k, CLS pooling and the demo's 224 steps they stay near chance for 4 epochs and end far below
 # softmax; the KL is not the brake (kl_seq < 0.01 nats from epoch 1, annealing β over 112 steps changed nothing).
-# Measured (issue 58, research/notes/time_to_accuracy.md; seed 0, 2026-12-07, in-domain accuracy after 8 epochs,
+# Measured (issue #58, research/notes/time_to_accuracy.md; seed 0, 2026-12-07, in-domain accuracy after 8 epochs,
 # softmax 0.851): sgpa 0.390 shared -> 0.837 separate, sgpa-decoupled 0.503 -> 0.815; β annealed over 112 steps
 # 0.428 / 0.500; a 10x smaller initial outputscale 0.414 / 0.503; lr 6e-3 0.351 / 0.459 (softmax 0.903); warm-up 10 %
 # 0.378 / 0.630. The shared map's own learning speed is the digits preset's: its 20 epochs train it (docs/results.md).
