@@ -108,3 +108,23 @@ def test_compare_says_run_k_of_n_with_an_estimate_and_the_time_of_each_run(tmp_p
     # +ts: the same run, not trained again
     assert runs.count("[compare] run 1 of 2 (softmax seed 0): done before, nothing to run") == 1
     assert any(line.startswith("[train] softmax seed 1: evaluated test (") for line in lines)  # --no-progress lines
+
+
+def test_run_plan_adds_the_time_finished_runs_took_beyond_their_estimate(monkeypatch):
+    """A run's time beyond its steps and evaluation pass (model build, post-hoc fits, saved files) is measured on
+    the finished runs and added to later runs' estimates: the demo's runs took ~6 s each beyond their ~20 s."""
+    now = [0.0]
+    monkeypatch.setattr(E.time, "perf_counter", lambda: now[0])
+    lines = []
+    folders = [Path("out/runs/a/seed0"), Path("out/runs/b/seed0"), Path("out/runs/c/seed0")]
+    plan = E.RunPlan(folders, lines.append, finished=lambda f: False)
+    plan.start(folders[0], "a")
+    plan.estimated(folders[0], "a")(E.run_estimate(10, 1.0, 0, 0.0))  # 10 s; nothing finished: no overhead yet
+    assert lines[-1].endswith("; ~30 s left in this compare (2 runs of variants not timed yet counted at the mean)")
+    now[0] = 30.0
+    plan.finish(folders[0], "a", reused=False)  # took 30 s: 20 s beyond its estimate
+    assert plan.overhead == pytest.approx(20.0)
+    plan.start(folders[1], "b")
+    plan.estimated(folders[1], "b")(E.run_estimate(10, 1.0, 0, 0.0))
+    # b: 10 s + 20 s; c (not timed) at the mean of a's 30 s and b's 30 s
+    assert lines[-1].endswith("; ~60 s left in this compare (1 run of variants not timed yet counted at the mean)")

@@ -116,6 +116,15 @@ class RunPlan:
         self.keys = {f: None if finished(f) else f.parent for f in self.folders}  # a variant's seeds cost alike
         self.log, self.known, self.started, self.warned = log, {}, {}, False
         self.began = time.perf_counter()
+        # per finished run: its time beyond its estimate (building the model, post-hoc fits, detectors, the saved
+        # files), which a run's steps and evaluation pass do not time; their mean is added to later estimates
+        self.estimates: dict = {}
+        self.overheads: list[float] = []
+
+    @property
+    def overhead(self) -> float:
+        """The mean seconds a finished run took beyond its estimate (0 before any has finished)."""
+        return sum(self.overheads) / len(self.overheads) if self.overheads else 0.0
 
     def _tag(self, folder, label: str) -> str:
         return f"[compare] run {self.folders.index(folder) + 1} of {len(self.folders)} ({label})"
@@ -129,9 +138,11 @@ class RunPlan:
         """The callback ``train`` gives the run's estimate: the run's line, the time left, a warning over an hour."""
 
         def report(estimate: RunEstimate) -> None:
-            self.known.setdefault(self.keys[folder], estimate.total)
+            self.estimates[folder] = estimate.total
+            current = estimate.total + self.overhead
+            self.known.setdefault(self.keys[folder], current)
             later = [self.keys[f] for f in self.folders[self.folders.index(folder) + 1 :]]
-            left, guessed = time_left(estimate.total, later, self.known)
+            left, guessed = time_left(current, later, self.known)
             runs = "1 run" if guessed == 1 else f"{guessed} runs"
             note = f" ({runs} of variants not timed yet counted at the mean)" if guessed else ""
             self.log(f"{self._tag(folder, label)}: {estimate.line()}; {duration(left)} left in this compare{note}")
@@ -151,4 +162,6 @@ class RunPlan:
         took = time.perf_counter() - self.started.get(folder, time.perf_counter())
         if self.keys.get(folder) is not None:
             self.known[self.keys[folder]] = took  # the measured time replaces the estimate for its other seeds
+        if folder in self.estimates:
+            self.overheads.append(max(took - self.estimates.pop(folder), 0.0))
         self.log(f"{self._tag(folder, label)}: done in {duration(took)[1:]}")
