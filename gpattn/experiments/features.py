@@ -32,6 +32,7 @@ from gpattn._warnings import warn
 __all__ = [
     "OOD_VALIDATION_SPLIT",
     "DetectorWarning",
+    "HeadRecorder",
     "detector_scores",
     "fit_detectors",
     "head_inputs",
@@ -50,9 +51,9 @@ class DetectorWarning(UserWarning):
     checkpoint's ``detectors["choices"]["not_fitted"]``): its OOD score is absent from the run's metrics."""
 
 
-class _Recorder(nn.Module):
+class HeadRecorder(nn.Module):
     """``head`` that keeps each input it reads (detached, float32, on its device), averaged over a leading sample
-    axis: never more than one ``(B, D)`` per pass."""
+    axis: never more than one ``(B, D)`` per pass. :func:`head_inputs` puts one in place of ``model.head``."""
 
     def __init__(self, head: nn.Module):
         super().__init__()
@@ -60,6 +61,7 @@ class _Recorder(nn.Module):
         self.seen: list[torch.Tensor] = []
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """``head(h)``, ``h`` kept (its mean over the sample axis where it has one).  # shape: (B, D) or (P, B, D)"""
         x = h.detach()  # shape: (B, D) or (P, B, D)
         self.seen.append((x.mean(0) if x.dim() == 3 else x).float())
         return self.head(h)
@@ -72,7 +74,7 @@ class _Recorder(nn.Module):
 
 
 @contextlib.contextmanager
-def head_inputs(model: nn.Module) -> Iterator[_Recorder]:
+def head_inputs(model: nn.Module) -> Iterator[HeadRecorder]:
     """``model.head`` wrapped in a recorder for the passes run inside the ``with`` block, restored after it; the
     recorder's ``features()`` are the head's inputs of every row read, ``(N, D)`` float32 on the CPU, averaged
     over the sample axis where the head reads one (``(P, B, D)``: the mean over the P draws, as
@@ -83,7 +85,7 @@ def head_inputs(model: nn.Module) -> Iterator[_Recorder]:
             f"model must have a module model.head reading the pooled features (a gpattn classifier, an HFClassifier "
             f"or an SNGP model), got {type(model).__name__} with head {type(head).__name__}"
         )
-    recorder = _Recorder(head)
+    recorder = HeadRecorder(head)
     model.head = recorder
     try:
         yield recorder
