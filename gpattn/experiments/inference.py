@@ -200,7 +200,7 @@ class Run:
         with torch.random.fork_rng(devices=cuda, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
-            logits, scores = self._sample_logits(ids, mask, P, batch_size)  # shape: (N, P, C), {name: (N,)}
+            logits, scores = self._logits_and_scores(ids, mask, P, batch_size)  # shape: (N, P, C), {name: (N,)}
         sample_probs = torch.softmax(logits, dim=-1)
         probs = torch.as_tensor(M.average_samples(logits, self.cfg.average), dtype=torch.float32)
         split = M.predictive_entropy_split(sample_probs)
@@ -208,7 +208,7 @@ class Run:
         labels = [self.class_names[k] for k in probs.argmax(1).tolist()]
         return Prediction(probs, total, expected, mi, sample_probs, labels, scores)
 
-    def _sample_logits(self, ids, mask, num_samples: int, batch_size: int):
+    def _logits_and_scores(self, ids, mask, num_samples: int, batch_size: int):
         """Sample logits of encoded inputs and the fitted feature detectors' scores of them (float32 (N,) by name;
         {} without detectors), in eval mode, in passes of :func:`predict_rows` rows: the evaluation's own loop,
         one pass for both at the detectors' ``num_samples``

@@ -72,7 +72,7 @@ from gpattn.experiments.diagnostics import (
     base_rate_entropy,
     collapse_warnings,
 )
-from gpattn.experiments.features import detector_scores, head_inputs, score_features
+from gpattn.experiments.features import detector_scores, fit_detectors, head_inputs, score_features
 from gpattn.experiments.uncertainty import evaluate_predictions  # noqa: F401  (re-exported: compare, cli, tests)
 from gpattn.models import EncoderSpec, TransformerClassifier, ViTClassifier
 from gpattn.objectives import DeepGPELBO
@@ -428,8 +428,6 @@ def _forked(device: torch.device):
 def _fit_detectors(run: _Run) -> None:
     """The feature detectors (Mahalanobis, kNN, ...: gpattn.experiments.detectors) fitted on the training split's
     pooled features at the final weights, the run's ``num_samples``; kept in the checkpoint."""
-    from gpattn.experiments.features import fit_detectors
-
     with _forked(run.device):
         run.detectors = fit_detectors(run.model, run.bundle, run.cfg.num_samples, run.cfg.eval_batch_size)
 
