@@ -9,6 +9,12 @@ length. Both sides run the evaluation's own loop, :func:`gpattn.experiments.trai
 calls with ``num_samples=1``. Each is the median of ``--reps`` timings, the two interleaved, after one untimed call
 of each. ``ratio`` = P samples / (P × 1 sample); softmax, which does not sample, evaluates once whatever P is.
 
+``--detectors``: also the evaluation with the feature detectors (every one of
+:data:`gpattn.experiments.detectors.DETECTORS`, fitted on the same rows' features at P, labels alternating), timed
+in the same interleaved loop: ``with detectors`` is :func:`gpattn.experiments.training.predict_with_detectors` (the
+features read in the logits' own pass) and ``two passes`` the evaluation before it (``predict``, then
+:func:`gpattn.experiments.features.detector_scores`' second pass), each as a ratio to P samples without detectors.
+
     python benchmarks/eval_cost.py --ts 16,128 --rows 256 --json eval_cost.json --markdown eval_cost.md
 """
 
@@ -24,7 +30,9 @@ import torch
 from _common import finish, reference_first
 
 from gpattn.experiments._config import TrainConfig
-from gpattn.experiments.training import predict
+from gpattn.experiments.detectors import DETECTORS, KNN, KNN_DEFAULT_K
+from gpattn.experiments.features import detector_scores, split_features
+from gpattn.experiments.training import predict, predict_with_detectors
 from gpattn.models import TransformerClassifier
 
 
@@ -35,6 +43,16 @@ def _rows(n: int, T: int, vocab: int) -> types.SimpleNamespace:
     mask = torch.zeros(n, T, dtype=torch.bool)
     mask[::4, T - T // 2 :] = True
     return types.SimpleNamespace(inputs=ids.masked_fill(mask, 0), mask=mask, labels=torch.zeros(n, dtype=torch.long))
+
+
+def _detectors(model, split, P: int, batch_size: int) -> dict:
+    """Every feature detector fitted on ``split``'s pooled features at P samples, labels alternating: a run's
+    ``detectors`` entry (:func:`gpattn.experiments.features.fit_detectors`' form)."""
+    feats = split_features(model, split, batch_size, P)
+    labels = torch.arange(len(feats)) % 2
+    k = {KNN.name: {"k": min(KNN_DEFAULT_K, len(feats))}}
+    states = {n: cls(**k.get(n, {})).fit(feats, labels).state_dict() for n, cls in DETECTORS.items()}
+    return {"num_samples": P, "states": states}
 
 
 def measure(name: str, T: int, cfg: argparse.Namespace) -> dict:
@@ -56,19 +74,30 @@ def measure(name: str, T: int, cfg: argparse.Namespace) -> dict:
             for _ in range(cfg.samples):
                 predict(model, split, 1, cfg.eval_batch_size)
 
-        times = {"p_samples": [], "p_single": []}
+        fns = {"p_samples": many, "p_single": ones}
+        if cfg.detectors:
+            dets = _detectors(model, split, cfg.samples, cfg.eval_batch_size)
+            fns["with_detectors"] = lambda: predict_with_detectors(model, split, cfg.samples, dets, cfg.eval_batch_size)
+            fns["two_passes"] = lambda: (many(), detector_scores(model, split, dets, cfg.eval_batch_size))
+        times = {key: [] for key in fns}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            many(), ones()  # untimed: first-call work
+            for fn in fns.values():  # untimed: first-call work
+                fn()
             for _ in range(cfg.reps):
-                for key, fn in (("p_samples", many), ("p_single", ones)):
+                for key, fn in fns.items():
                     start = time.perf_counter()
                     fn()
                     times[key].append(time.perf_counter() - start)
     except Exception as err:  # a variant that fails is a row, not the end of the run
         return {**row, "status": "error", "reason": f"{type(err).__name__}: {err}"[:300]}
-    many_s, ones_s = (statistics.median(times[k]) for k in ("p_samples", "p_single"))
-    return {**row, "status": "ok", "p_samples_s": many_s, "p_single_s": ones_s, "ratio": many_s / ones_s}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    many_s, ones_s = med["p_samples"], med["p_single"]
+    row = {**row, "status": "ok", "p_samples_s": many_s, "p_single_s": ones_s, "ratio": many_s / ones_s}
+    if cfg.detectors:
+        row.update({f"{k}_s": med[k] for k in ("with_detectors", "two_passes")},
+                   detectors_ratio=med["with_detectors"] / many_s, two_passes_ratio=med["two_passes"] / many_s)
+    return row
 
 
 def run(cfg: argparse.Namespace) -> list[dict]:
@@ -98,6 +127,13 @@ def to_markdown(result: dict) -> str:
             continue
         lines.append(f"| {r['variant']} | {r['T']} | {r['p_samples_s']:.3f} | {r['p_single_s']:.3f} | "
                      f"{r['ratio']:.2f} |")
+    with_detectors = [r for r in result["rows"] if "detectors_ratio" in r]
+    if with_detectors:
+        lines += ["", f"| variant | T | P={P} samples (s) | with detectors (s) | ratio | two passes (s) | ratio |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['variant']} | {r['T']} | {r['p_samples_s']:.3f} | {r['with_detectors_s']:.3f} | "
+                  f"{r['detectors_ratio']:.2f} | {r['two_passes_s']:.3f} | {r['two_passes_ratio']:.2f} |"
+                  for r in with_detectors]
     return "\n".join(lines) + "\n"
 
 
@@ -111,6 +147,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=1000)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--detectors", action="store_true",
+                   help="also time the evaluation with the feature detectors: one pass, and the old two passes")
     p.add_argument("--quick", action="store_true", help="tiny smoke run: N=6, T=8, P=3, 1 rep")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
@@ -126,7 +164,7 @@ def main(argv=None) -> dict:
     cfg = parse_args(argv)
     torch.set_num_threads(cfg.threads)
     rows = run(cfg)
-    keys = ("ts", "variants", "rows", "samples", "eval_batch_size", "reps", "threads")
+    keys = ("ts", "variants", "rows", "samples", "eval_batch_size", "reps", "threads", "detectors")
     return finish(rows, cfg, keys, to_markdown)
 
 

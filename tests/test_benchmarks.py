@@ -424,21 +424,25 @@ def test_train_step_smoke_schema(tmp_path):
 
 
 def test_eval_cost_smoke_schema(tmp_path):
-    """benchmarks/eval_cost.py --quick: a row per (variant, T) with P samples, P × 1 sample and their ratio, softmax
-    first, and the table."""
+    """benchmarks/eval_cost.py --quick --detectors: a row per (variant, T) with P samples, P × 1 sample and their
+    ratio, the evaluation with the feature detectors (one pass, two passes) and theirs, softmax first, and the
+    tables."""
     eval_cost = importlib.import_module("eval_cost")
     out = tmp_path / "eval.json"
     eval_cost.main(["--quick", "--variants", "cgp", "--threads", "1", "--json", str(out),
-                    "--markdown", str(tmp_path / "eval.md")])
+                    "--markdown", str(tmp_path / "eval.md"), "--detectors"])
     data = json.loads(out.read_text())
     assert [r["variant"] for r in data["rows"]] == ["softmax", "cgp"]
     for r in data["rows"]:
         assert r["status"] == "ok", r["reason"]
         assert (r["T"], r["rows"], r["samples"]) == (8, 6, 3) and r["p_samples_s"] > 0 and r["p_single_s"] > 0
         assert r["ratio"] == pytest.approx(r["p_samples_s"] / r["p_single_s"], rel=1e-12)
-    assert data["meta"]["samples"] == 3 and data["meta"]["ts"] == [8]
+        for ratio, seconds in (("detectors_ratio", "with_detectors_s"), ("two_passes_ratio", "two_passes_s")):
+            assert r[ratio] == pytest.approx(r[seconds] / r["p_samples_s"], rel=1e-12)
+    assert data["meta"]["samples"] == 3 and data["meta"]["ts"] == [8] and data["meta"]["detectors"]
     table = (tmp_path / "eval.md").read_text()
     assert "| variant | T | P=3 samples (s) | 3 × 1 sample (s) | ratio |" in table and "| cgp | 8 |" in table
+    assert "| variant | T | P=3 samples (s) | with detectors (s) | ratio | two passes (s) | ratio |" in table
 
 
 def test_train_step_interleaves_the_timed_steps_and_keeps_a_failing_variant_as_a_row(monkeypatch):

@@ -61,15 +61,18 @@ def test_predict_splits_rows_into_passes_within_the_bound(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:.*base-rate entropy")
 def test_run_evaluation_and_run_predict_share_the_bound(tmp_path, monkeypatch):
-    """The run's own evaluation (``train``'s, at ``eval_batch_size``) and ``Run.predict`` both evaluate in passes of
-    ``predict_rows`` rows: with a token budget of 3 rows × P × the data's width, no eval-mode pass holds more."""
-    from gpattn.experiments import load_run
+    """The run's own evaluation (``train``'s, at ``eval_batch_size``), ``Run.predict`` and ``gpattn evaluate`` all
+    evaluate in passes of ``predict_rows`` rows: with a token budget of 3 rows × P × the data's width, no eval-mode
+    pass holds more. And each forwards every row once at P samples, the feature detectors' scores included (their
+    features are read in the logits' own pass: once, not twice)."""
+    from gpattn.experiments import load_run, training
+    from gpattn.experiments.cli import main
 
     cfg = TrainConfig(dataset="digits", attention="sgpa", embed_dim=16, num_heads=2, num_layers=1, epochs=1,
                       batch_size=64, num_samples=3, patch_size=4, progress=False)
     tokens = 4  # digits: 8 × 8 images, 2 × 2 patches of 4 px
     monkeypatch.setattr(inference, "PREDICT_TOKEN_BUDGET", 3 * 3 * tokens)
-    seen = []
+    seen, evaluation = [], {}
     original = TransformerClassifier.__mro__[1].forward  # _SequenceClassifier.forward, which ViTClassifier runs
 
     def spied(self, inputs, key_padding_mask=None, num_samples=1):
@@ -77,13 +80,29 @@ def test_run_evaluation_and_run_predict_share_the_bound(tmp_path, monkeypatch):
             seen.append((inputs.shape[0], num_samples))
         return original(self, inputs, key_padding_mask, num_samples)
 
+    def evaluate(run):  # the run's own evaluation: its passes, and the rows of the splits it evaluates
+        seen.clear()
+        evaluation["rows"] = sum(len(run.bundle.splits[k]) for k in training._evaluated(run.bundle))
+        result = evaluate_run(run)
+        evaluation["passes"], evaluation["detectors"] = list(seen), run.detectors
+        return result
+
+    evaluate_run = training._evaluate
     monkeypatch.setattr(TransformerClassifier.__mro__[1], "forward", spied)
+    monkeypatch.setattr(training, "_evaluate", evaluate)
     train(cfg, tmp_path)
-    assert seen and max(rows for rows, P in seen if P == 3) == 3
+    assert set(evaluation["detectors"]["states"]) == {"mahalanobis", "relative-mahalanobis", "knn"}
+    passes = evaluation["passes"]
+    assert passes and max(rows for rows, _ in passes) == 3 and {P for _, P in passes} == {3}
+    assert sum(rows for rows, _ in passes) == evaluation["rows"]  # each row once, detectors included
     seen.clear()
-    load_run(tmp_path).predict(torch.rand(7, 1, 8, 8), num_samples=3)
-    # the logits' pass, then the feature detectors' (a second pass over the same rows: docs/benchmarks.md)
-    assert [rows for rows, _ in seen] == [3, 3, 1] * 2
+    pred = load_run(tmp_path).predict(torch.rand(7, 1, 8, 8), num_samples=3)
+    assert set(pred.detector_scores) == set(evaluation["detectors"]["states"])
+    assert seen == [(3, 3), (3, 3), (1, 3)]  # one pass: the logits' and the detectors' features
+    seen.clear()
+    assert main(["evaluate", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "ev"), "--no-progress"]) == 0
+    assert max(rows for rows, _ in seen) == 3 and {P for _, P in seen} == {3}
+    assert sum(rows for rows, _ in seen) == evaluation["rows"]
 
 
 @pytest.mark.parametrize("name", ["cgp", "scgp"])

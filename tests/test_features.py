@@ -86,3 +86,83 @@ def test_bad_inputs_name_the_argument():
     from gpattn.experiments.sngp import apply_sngp
 
     assert pooled_features(apply_sngp(model, num_features=8), []).shape == (0, 16)
+
+
+# ----------------------------------------------------------------------------- features from the evaluation's own pass
+def _sgpa_split(n, seed):
+    """n token-id rows of width 6 (some padded), labels 0/1: the split ``predict`` reads."""
+    import types
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 30, (n, 6), generator=g)
+    mask = torch.arange(6)[None, :] >= torch.randint(2, 7, (n,), generator=g)[:, None]
+    return types.SimpleNamespace(inputs=ids.masked_fill(mask, 0), mask=mask, labels=torch.arange(n) % 2)
+
+
+def _fitted(model, P):
+    """Every detector of DETECTORS fitted on the features of 40 rows at P samples: a run's ``detectors`` entry."""
+    from gpattn.experiments import detectors as Dt
+    from gpattn.experiments.features import split_features
+
+    train = _sgpa_split(40, seed=2)
+    torch.manual_seed(1)
+    feats = split_features(model, train, 256, P)
+    states = {name: cls(**({"k": 5} if name == "knn" else {})).fit(feats, train.labels).state_dict()
+              for name, cls in Dt.DETECTORS.items()}
+    return {"num_samples": P, "states": states}
+
+
+def _gp_model():
+    torch.manual_seed(0)
+    return TransformerClassifier(2, vocab_size=30, embed_dim=16, num_heads=2, max_len=6, num_layers=2,
+                                 attention="sgpa")
+
+
+def test_one_pass_scores_are_the_second_pass_scores_of_the_same_draws():
+    """An evaluation's detector scores from its own pass (predict_with_detectors) are the old second pass's
+    (detector_scores: split_features at the detectors' P) given the same random numbers (bit for bit here; to 1e-6
+    asserted), over several bounded passes (5 rows each); the logits are predict's without detectors (the recorder
+    changes nothing) and the features are the mean over the P draws (through the linear head: the mean logits)."""
+    from gpattn.experiments.features import detector_scores
+    from gpattn.experiments.training import predict, predict_with_detectors
+
+    model, split, P = _gp_model(), _sgpa_split(23, seed=3), 3
+    detectors = _fitted(model, P)
+    torch.manual_seed(7)
+    second_pass = detector_scores(model, split, detectors, batch_size=5)
+    torch.manual_seed(7)
+    alone = predict(model, split, P, batch_size=5)
+    torch.manual_seed(7)
+    logits, scores = predict_with_detectors(model, split, P, detectors, batch_size=5)
+    assert not torch.allclose(logits[:, 0], logits[:, 1])  # the GP layers sample in eval mode
+    assert torch.equal(logits, alone)
+    assert sorted(scores) == sorted(detectors["states"]) and all(v.shape == (23,) for v in scores.values())
+    for name, values in scores.items():
+        torch.testing.assert_close(values, second_pass[name], rtol=0, atol=1e-6)
+    assert predict_with_detectors(model, split, P, None, batch_size=5)[1] == {}
+    torch.manual_seed(7)
+    again, feats = predict(model, split, P, batch_size=5, features=True)  # the features: the mean over the P draws
+    assert torch.equal(again, logits) and feats.shape == (23, 16) and isinstance(model.head, nn.Linear)
+    with torch.no_grad():  # a linear head maps the mean features to the mean of the sample logits
+        torch.testing.assert_close(model.head(feats), logits.mean(1), atol=1e-5, rtol=1e-5)
+
+
+def test_another_num_samples_scores_at_the_detectors_num_samples_on_forked_streams():
+    """Evaluated at P = 2, the detectors (fitted at P = 3) score features at P = 3 in a second pass, drawn on forked
+    random streams: the logits and the random state after are those of an evaluation without detectors."""
+    from gpattn.experiments.features import detector_scores
+    from gpattn.experiments.training import predict, predict_with_detectors
+
+    model, split = _gp_model(), _sgpa_split(9, seed=4)
+    detectors = _fitted(model, 3)
+    torch.manual_seed(7)
+    alone = predict(model, split, 2, batch_size=5)
+    second_pass = detector_scores(model, split, detectors, batch_size=5)  # from the state after the logits
+    torch.manual_seed(7)
+    predict(model, split, 2, batch_size=5)
+    after = torch.get_rng_state()
+    torch.manual_seed(7)
+    logits, scores = predict_with_detectors(model, split, 2, detectors, batch_size=5)
+    assert torch.equal(logits, alone) and torch.equal(torch.get_rng_state(), after)
+    for name, values in scores.items():
+        torch.testing.assert_close(values, second_pass[name], rtol=0, atol=1e-6)

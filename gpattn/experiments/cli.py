@@ -348,7 +348,7 @@ def cmd_evaluate(args) -> int:
     from gpattn.experiments._io import file_sha256
     from gpattn.experiments._runlock import run_lock
     from gpattn.experiments._runs import CHECKPOINT
-    from gpattn.experiments.training import evaluate_predictions, load_run_with_data, predict
+    from gpattn.experiments.training import evaluate_predictions, load_run_with_data, predict_with_detectors
 
     cfg, model, bundle, ckpt = load_run_with_data(args.checkpoint, device=args.device or "auto",
                                                   dataset_options=dict(args.dataset_option), data_dir=args.data_dir)
@@ -367,20 +367,16 @@ def cmd_evaluate(args) -> int:
     with _validation(args):
         for k in sorted({"val", *bundle.eval_splits.values()}):
             start, split = time.perf_counter(), bundle.splits[k]
-            preds[k] = {
-                "logits": predict(model, split, P, cfg.eval_batch_size, precision=cfg.precision,
-                                  progress=None if args.no_progress else f"evaluating {k}"),
-                "labels": split.labels,
-            }
+            # the feature detectors the run fitted on its training split: their scores from the logits' own pass
+            logits, scores = predict_with_detectors(model, split, P, ckpt.get("detectors"), cfg.eval_batch_size,
+                                                    precision=cfg.precision,
+                                                    progress=None if args.no_progress else f"evaluating {k}")
+            preds[k] = {"logits": logits, "labels": split.labels}
+            if ckpt.get("detectors") is not None:
+                preds[k]["detector_scores"] = scores
             if args.no_progress:  # no bar: a line per split instead
                 print(f"evaluated {k} ({len(split)} rows × {P} samples) in {time.perf_counter() - start:.1f} s",
                       flush=True)
-        if ckpt.get("detectors") is not None:  # the feature detectors the run fitted on its training split
-            from gpattn.experiments.features import detector_scores
-
-            for k, pred in preds.items():
-                pred["detector_scores"] = detector_scores(model, bundle.splits[k], ckpt["detectors"],
-                                                          cfg.eval_batch_size)
     metrics = evaluate_predictions(preds, bundle, cfg.average)
     data_json = ckpt_path.parent / "data.json"
     record = {

@@ -5,16 +5,24 @@ representation: :class:`gpattn.models.TransformerClassifier` and :class:`gpattn.
 (``nn.Linear``), :class:`gpattn.integrations.huggingface.HFClassifier` (the ``--encoder`` models, ``nn.Linear``)
 and an SNGP model (:func:`gpattn.experiments.sngp.apply_sngp`: a
 :class:`gpattn.experiments.sngp.RandomFeatureGP`, whose input is the pooled state before its layer norm and
-random features). :func:`pooled_features` reads that input by putting a recorder around ``model.head`` for the
-pass (not a forward pre-hook: a gpytorch ``Module``, as the SNGP head is, runs no hooks of its own), so it needs
-nothing of the model but ``model.head`` and the classifiers' ``forward(inputs, key_padding_mask, num_samples=P)``.
+random features). :func:`head_inputs` reads that input by putting a recorder around ``model.head`` for the
+passes run inside it (not a forward pre-hook: a gpytorch ``Module``, as the SNGP head is, runs no hooks of its own),
+so it needs nothing of the model but ``model.head`` and the classifiers' ``forward(inputs, key_padding_mask,
+num_samples=P)``. :func:`pooled_features` runs a pass of its own inside it; an evaluation records the features
+inside its own pass (:func:`gpattn.experiments.training.predict` with ``features=True``), so the logits and the
+features come from one forward.
 
 These are the features the post-hoc detectors (:mod:`gpattn.experiments.detectors`) are fitted on:
 :func:`fit_detectors` fits every detector of :data:`gpattn.experiments.detectors.DETECTORS` on a run's training split
-(the checkpoint's ``detectors`` entry) and :func:`detector_scores` scores a split with them.
+(the checkpoint's ``detectors`` entry), :func:`score_features` scores features with them and :func:`detector_scores`
+scores a split in a pass of its own (:func:`gpattn.experiments.training.predict_with_detectors` scores it from the
+evaluation's own pass where it can).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -24,9 +32,12 @@ from gpattn._warnings import warn
 __all__ = [
     "OOD_VALIDATION_SPLIT",
     "DetectorWarning",
+    "HeadRecorder",
     "detector_scores",
     "fit_detectors",
+    "head_inputs",
     "pooled_features",
+    "score_features",
     "split_features",
 ]
 
@@ -40,8 +51,9 @@ class DetectorWarning(UserWarning):
     checkpoint's ``detectors["choices"]["not_fitted"]``): its OOD score is absent from the run's metrics."""
 
 
-class _Recorder(nn.Module):
-    """``head`` that keeps (a CPU float32 copy of) each input it reads, averaged over a leading sample axis."""
+class HeadRecorder(nn.Module):
+    """``head`` that keeps each input it reads (detached, float32, on its device), averaged over a leading sample
+    axis: never more than one ``(B, D)`` per pass. :func:`head_inputs` puts one in place of ``model.head``."""
 
     def __init__(self, head: nn.Module):
         super().__init__()
@@ -49,9 +61,36 @@ class _Recorder(nn.Module):
         self.seen: list[torch.Tensor] = []
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """``head(h)``, ``h`` kept (its mean over the sample axis where it has one).  # shape: (B, D) or (P, B, D)"""
         x = h.detach()  # shape: (B, D) or (P, B, D)
-        self.seen.append((x.mean(0) if x.dim() == 3 else x).float().cpu())
+        self.seen.append((x.mean(0) if x.dim() == 3 else x).float())
         return self.head(h)
+
+    def features(self) -> torch.Tensor:
+        """Every recorded row in the order read, on the CPU (one copy).  # shape: (N, D)"""
+        if not self.seen:
+            return torch.zeros(0, getattr(self.head, "in_features", 0))
+        return torch.cat(self.seen).cpu()
+
+
+@contextlib.contextmanager
+def head_inputs(model: nn.Module) -> Iterator[HeadRecorder]:
+    """``model.head`` wrapped in a recorder for the passes run inside the ``with`` block, restored after it; the
+    recorder's ``features()`` are the head's inputs of every row read, ``(N, D)`` float32 on the CPU, averaged
+    over the sample axis where the head reads one (``(P, B, D)``: the mean over the P draws, as
+    :func:`pooled_features` says). The logits are unchanged: the recorder calls the head on the same input."""
+    head = getattr(model, "head", None)
+    if not isinstance(head, nn.Module):
+        raise ValueError(
+            f"model must have a module model.head reading the pooled features (a gpattn classifier, an HFClassifier "
+            f"or an SNGP model), got {type(model).__name__} with head {type(head).__name__}"
+        )
+    recorder = HeadRecorder(head)
+    model.head = recorder
+    try:
+        yield recorder
+    finally:
+        model.head = head
 
 
 @torch.no_grad()
@@ -69,28 +108,17 @@ def pooled_features(model: nn.Module, batches, num_samples: int = 1) -> torch.Te
 
     Returns ``(N, D)``: N the rows of all batches, D the head's input width.
     """
-    head = getattr(model, "head", None)
-    if not isinstance(head, nn.Module):
-        raise ValueError(
-            f"model must have a module model.head reading the pooled features (a gpattn classifier, an HFClassifier "
-            f"or an SNGP model), got {type(model).__name__} with head {type(head).__name__}"
-        )
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
-    recorder = _Recorder(head)
     was_training = model.training
-    try:
-        model.head = recorder
-        model.eval()
-        for inputs, mask in batches:
-            model(inputs, mask, num_samples=num_samples)
-    finally:
-        model.head = head
-        model.train(was_training)
-    seen = recorder.seen
-    if not seen:
-        return torch.zeros(0, getattr(head, "in_features", 0))
-    return torch.cat(seen)  # shape: (N, D)
+    with head_inputs(model) as recorder:
+        try:
+            model.eval()
+            for inputs, mask in batches:
+                model(inputs, mask, num_samples=num_samples)
+        finally:
+            model.train(was_training)
+    return recorder.features()  # shape: (N, D)
 
 
 def split_features(model: nn.Module, split, batch_size: int = 256, num_samples: int = 1) -> torch.Tensor:
@@ -138,13 +166,20 @@ def fit_detectors(model: nn.Module, bundle, num_samples: int = 1, batch_size: in
     return {"num_samples": num_samples, "states": states, "choices": choices}
 
 
-def detector_scores(model: nn.Module, split, detectors: dict, batch_size: int = 256) -> dict[str, torch.Tensor]:
-    """Each fitted detector's scores of ``split`` (higher = more out-of-distribution), float64 ``(N,)`` by name,
-    from ``detectors`` (:func:`fit_detectors`' entry; the features at its ``num_samples``)."""
+def score_features(detectors: dict, features: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each fitted detector's scores of pooled ``features`` ``(N, D)`` (higher = more out-of-distribution),
+    float64 ``(N,)`` by name, from ``detectors`` (:func:`fit_detectors`' entry)."""
     from gpattn.experiments.detectors import detector_from_state
 
-    feats = split_features(model, split, batch_size, detectors["num_samples"])
     return {
-        name: torch.from_numpy(detector_from_state(name, state).score(feats))
+        name: torch.from_numpy(detector_from_state(name, state).score(features))
         for name, state in detectors["states"].items()
     }
+
+
+def detector_scores(model: nn.Module, split, detectors: dict, batch_size: int = 256) -> dict[str, torch.Tensor]:
+    """Each fitted detector's scores of ``split`` (higher = more out-of-distribution), float64 ``(N,)`` by name,
+    from ``detectors`` (:func:`fit_detectors`' entry; the features at its ``num_samples``), in a pass of its own
+    (:func:`split_features`); an evaluation that computes the logits too scores from its own pass
+    (:func:`gpattn.experiments.training.predict_with_detectors`)."""
+    return score_features(detectors, split_features(model, split, batch_size, detectors["num_samples"]))

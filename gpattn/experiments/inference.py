@@ -200,8 +200,7 @@ class Run:
         with torch.random.fork_rng(devices=cuda, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
-            logits = self._sample_logits(ids, mask, P, batch_size)  # shape: (N, P, C)
-            scores = self._detector_scores(ids, mask, batch_size)
+            logits, scores = self._logits_and_scores(ids, mask, P, batch_size)  # shape: (N, P, C), {name: (N,)}
         sample_probs = torch.softmax(logits, dim=-1)
         probs = torch.as_tensor(M.average_samples(logits, self.cfg.average), dtype=torch.float32)
         split = M.predictive_entropy_split(sample_probs)
@@ -209,25 +208,16 @@ class Run:
         labels = [self.class_names[k] for k in probs.argmax(1).tolist()]
         return Prediction(probs, total, expected, mi, sample_probs, labels, scores)
 
-    def _detector_scores(self, ids, mask, batch_size: int) -> dict[str, torch.Tensor]:
-        """The fitted feature detectors' scores of encoded inputs (float32 (N,) by name; {} without detectors)."""
-        from gpattn.experiments.data import Split
-        from gpattn.experiments.features import detector_scores
-
-        if not self.detectors or not self.detectors.get("states"):
-            return {}
-        P = self.detectors["num_samples"]
-        rows = predict_rows(batch_size, P, ids.shape[1] if mask is not None else 1)
-        split = Split(ids, torch.zeros(ids.shape[0], dtype=torch.int64), mask)
-        return {k: v.float() for k, v in detector_scores(self.model, split, self.detectors, rows).items()}
-
-    def _sample_logits(self, ids, mask, num_samples: int, batch_size: int) -> torch.Tensor:
-        """Sample logits of encoded inputs, in eval mode, in passes of :func:`predict_rows` rows (the evaluation's
-        own loop, :func:`gpattn.experiments.training.predict`).  # shape: (N, P, C)"""
-        from gpattn.experiments.training import predict
+    def _logits_and_scores(self, ids, mask, num_samples: int, batch_size: int):
+        """Sample logits of encoded inputs and the fitted feature detectors' scores of them (float32 (N,) by name;
+        {} without detectors), in eval mode, in passes of :func:`predict_rows` rows: the evaluation's own loop,
+        one pass for both at the detectors' ``num_samples``
+        (:func:`gpattn.experiments.training.predict_with_detectors`).  # shape: (N, P, C)"""
+        from gpattn.experiments.training import predict_with_detectors
 
         rows = types.SimpleNamespace(inputs=ids, mask=mask, labels=torch.full((ids.shape[0],), -1))
-        return predict(self.model, rows, num_samples, batch_size)
+        logits, scores = predict_with_detectors(self.model, rows, num_samples, self.detectors, batch_size)
+        return logits, {k: v.float() for k, v in scores.items()}
 
 
 def load_run(path, device=None) -> Run:

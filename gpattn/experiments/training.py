@@ -26,6 +26,7 @@ A resumed run therefore replays exactly the steps an uninterrupted run would hav
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -71,6 +72,7 @@ from gpattn.experiments.diagnostics import (
     base_rate_entropy,
     collapse_warnings,
 )
+from gpattn.experiments.features import detector_scores, fit_detectors, head_inputs, score_features
 from gpattn.experiments.uncertainty import evaluate_predictions  # noqa: F401  (re-exported: compare, cli, tests)
 from gpattn.models import EncoderSpec, TransformerClassifier, ViTClassifier
 from gpattn.objectives import DeepGPELBO
@@ -84,6 +86,7 @@ __all__ = [
     "load_run_with_data",
     "model_for_checkpoint",
     "predict",
+    "predict_with_detectors",
     "train",
 ]
 
@@ -159,14 +162,16 @@ def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
 @torch.no_grad()
 def predict(
     model, split, num_samples: int, batch_size: int = 256, dist: _Dist | None = None, precision: str = "fp32",
-    progress: str | None = None,
-) -> torch.Tensor:
+    progress: str | None = None, features: bool = False,
+):
     """Sample logits of a whole split in eval mode, on the model's device (sharded over ranks under
     torchrun), returned on the CPU. Every evaluation (a run's own, ``gpattn evaluate``, ``Run.predict``) runs
     here, in passes of at most ``batch_size`` rows, fewer where P samples of long sequences would not fit the
     memory bound of :func:`gpattn.experiments._runs.predict_rows` (rows × samples × tokens). ``progress``: a
     tqdm bar over the passes with that description (an evaluation of cgp or sgpa at P samples can take
-    minutes).  # shape: (N, P, C)"""
+    minutes). ``features``: return ``(logits, features)``, the pooled features ``(N, D)`` read in the same
+    passes (:func:`gpattn.experiments.features.head_inputs`: the mean over the P draws of a sampling model), for
+    the feature detectors without a second pass.  # shape: (N, P, C)"""
     model.eval()
     n = len(split.labels)
     rows = torch.arange(n) if dist is None else dist.shard(torch.arange(n))
@@ -175,13 +180,38 @@ def predict(
     batch_size = predict_rows(batch_size, num_samples, tokens_per_row(model, split.inputs, split.mask))
     starts = range(0, len(rows), batch_size)
     bar = tqdm(starts, desc=progress, disable=progress is None, leave=False, dynamic_ncols=True, unit="batch")
-    for start in bar:
-        x, mask, _ = _batch(split, rows[start : start + batch_size], device)
-        with _autocast(device, precision):
-            out.append(model(x, mask, num_samples=num_samples).float())
+    with head_inputs(model) if features else contextlib.nullcontext() as recorder:
+        for start in bar:
+            x, mask, _ = _batch(split, rows[start : start + batch_size], device)
+            with _autocast(device, precision):
+                out.append(model(x, mask, num_samples=num_samples).float())
     classes = getattr(model, "num_classes", 2)
     local = torch.cat(out).cpu() if out else torch.zeros(0, num_samples, classes)  # one copy to the host
-    return local if dist is None else dist.gather_rows(local, n)
+    logits = local if dist is None else dist.gather_rows(local, n)
+    if not features:
+        return logits
+    return logits, recorder.features() if dist is None else dist.gather_rows(recorder.features(), n)
+
+
+def predict_with_detectors(
+    model, split, num_samples: int, detectors: dict | None, batch_size: int = 256, dist: _Dist | None = None,
+    precision: str = "fp32", progress: str | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`predict`'s sample logits of ``split`` and each fitted feature detector's scores of it
+    (:func:`gpattn.experiments.features.score_features`; ``{}`` without detectors), from one pass where the
+    evaluation's forward is the one the detectors were fitted on (their ``num_samples``, fp32: the features are
+    the mean over the same P draws the logits are); else (another P, bf16) the features in a second pass at
+    the detectors' ``num_samples`` (:func:`gpattn.experiments.features.detector_scores`, on forked random streams:
+    the logits' draws are those of an evaluation without detectors). ``(N, P, C)`` logits, ``{name: (N,)}``."""
+    fitted = detectors is not None and bool(detectors.get("states"))
+    if fitted and detectors["num_samples"] == num_samples and precision == "fp32":
+        logits, feats = predict(model, split, num_samples, batch_size, dist, precision, progress, features=True)
+        return logits, score_features(detectors, feats)
+    logits = predict(model, split, num_samples, batch_size, dist, precision, progress)
+    if not fitted:
+        return logits, {}
+    with _forked(next(model.parameters()).device):
+        return logits, detector_scores(model, split, detectors, batch_size)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -390,17 +420,15 @@ def _train(cfg: TrainConfig, out, resume: bool, bundle, stop_after_steps, log, e
     return _evaluate(run)
 
 
-def _forked(run: _Run):
+def _forked(device: torch.device):
     """Forked random streams: a pass over the data that leaves the run's Monte-Carlo draws as they were."""
-    return torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else [])
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
 def _fit_detectors(run: _Run) -> None:
     """The feature detectors (Mahalanobis, kNN, ...: gpattn.experiments.detectors) fitted on the training split's
     pooled features at the final weights, the run's ``num_samples``; kept in the checkpoint."""
-    from gpattn.experiments.features import fit_detectors
-
-    with _forked(run):
+    with _forked(run.device):
         run.detectors = fit_detectors(run.model, run.bundle, run.cfg.num_samples, run.cfg.eval_batch_size)
 
 
@@ -673,23 +701,16 @@ def _evaluate(run: _Run) -> dict:
     preds = {}
     for key in _evaluated(bundle):
         start, split = time.perf_counter(), bundle.splits[key]
-        preds[key] = {
-            "logits": predict(
-                run.model, split, cfg.num_samples, cfg.eval_batch_size, dist, cfg.precision,
-                progress=f"{cfg.attention} seed {cfg.seed}: evaluating {key}" if cfg.progress and dist.main else None,
-            ),
-            "labels": split.labels,
-        }
+        logits, scores = predict_with_detectors(
+            run.model, split, cfg.num_samples, run.detectors, cfg.eval_batch_size, dist, cfg.precision,
+            progress=f"{cfg.attention} seed {cfg.seed}: evaluating {key}" if cfg.progress and dist.main else None,
+        )
+        preds[key] = {"logits": logits, "labels": split.labels}
+        if run.detectors is not None:  # the feature detectors' scores, from the logits' own pass (fp32)
+            preds[key]["detector_scores"] = scores
         if run.log is not None and not cfg.progress and dist.main:  # no bar: a line per split instead
             run.log(f"[train] {cfg.attention} seed {cfg.seed}: evaluated {key} ({len(split)} rows × "
                     f"{cfg.num_samples} samples) in {duration(time.perf_counter() - start)[1:]}")
-    if run.detectors is not None:
-        from gpattn.experiments.features import detector_scores
-
-        with _forked(run):
-            for key, pred in preds.items():
-                pred["detector_scores"] = detector_scores(run.model, bundle.splits[key], run.detectors,
-                                                          cfg.eval_batch_size)
     result = evaluate_predictions(preds, bundle, cfg.average)
     dist.close()
     if run.main:
