@@ -45,6 +45,7 @@ __all__ = [
     "choose_readout",
     "choose_score_ridge",
     "fit_gp_readout",
+    "gp_variance_score",
     "readout_predictions",
     "readout_split",
     "select_mean_field_factor",
