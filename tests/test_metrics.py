@@ -39,6 +39,27 @@ def test_hand_accuracy_mcc_nll_brier():
     assert M.brier(HAND_P, HAND_Y) == pytest.approx(0.401, abs=1e-14)
 
 
+def test_hand_combined_nll_scores_ood_rows_against_the_uniform_label():
+    """cNLL (OOD rows: uniform label) by hand, float64: the 5 in-domain rows' −log p(y), two unlabelled OOD rows'
+    −(1/C) Σ_c log p_c and one OOD row with a known label by that label, the 8 rows weighted equally."""
+    ood = np.array([[0.5, 0.5], [0.99, 0.01], [0.3, 0.7]])
+    in_terms = [-math.log(0.9), -math.log(0.8), -math.log(0.3), -math.log(0.6), -math.log(0.45)]
+    uniform = [-(math.log(0.5) + math.log(0.5)) / 2, -(math.log(0.99) + math.log(0.01)) / 2]
+    want = (sum(in_terms) + sum(uniform) - math.log(0.7)) / 8
+    got = M.combined_nll(HAND_P, HAND_Y, ood, np.array([-1, -1, 1]))
+    assert got == pytest.approx(want, rel=1e-14)
+    unlabelled = (sum(in_terms) + sum(uniform) - (math.log(0.3) + math.log(0.7)) / 2) / 8
+    assert M.combined_nll(HAND_P, HAND_Y, ood) == pytest.approx(unlabelled, rel=1e-14)  # labels_ood None: all unknown
+    assert M.combined_nll(HAND_P, HAND_Y, ood[:0]) == pytest.approx(M.nll(HAND_P, HAND_Y), rel=1e-14)
+    # the uniform prediction on an OOD row costs log C, its minimum: a confident one costs more
+    want = (-math.log(0.9) + math.log(2)) / 2
+    assert M.combined_nll(HAND_P[:1], HAND_Y[:1], np.full((1, 2), 0.5)) == pytest.approx(want)
+    with pytest.raises(ValueError, match="same C"):
+        M.combined_nll(HAND_P, HAND_Y, np.ones((2, 3)) / 3)
+    with pytest.raises(ValueError, match="labels_ood"):
+        M.combined_nll(HAND_P, HAND_Y, ood, np.array([0, 2, -1]))
+
+
 def test_hand_ece_mce_right_closed():
     # 10 bins: .9 -> (.8, .9]; .8 -> (.7, .8]; .7 -> (.6, .7]; .6 and .55 -> (.5, .6] (.6 on the edge: lower
     # bin). Gaps: .1, .2, .7, |0.5 − 0.575| = .075 (2 examples). ECE = (.1 + .2 + .7 + 2·.075)/5 = .23.

@@ -62,7 +62,7 @@ def test_readme_recipe_three_files_report_and_cache(tmp_path, capsys):
     assert "- split `shift`: 30 rows (negative: 10, neutral: 10, positive: 10)" in report
     assert "- split `ood`: 20 rows (negative: 0, neutral: 0, positive: 0, 20 unlabelled)" in report
     assert "β = 1 (KL weight" in report and f"α = {DEFAULT_ALPHA:g} (CGP" in report and "η = 0.1 (KSVD" in report
-    assert "| variant | ood_auroc | ood_auroc_mutual_information |" in report
+    assert "| variant | cnll | ood_auroc | ood_auroc_mutual_information |" in report
     results = json.loads((out / "results.json").read_text())
     shift = results["softmax"]["0"]["shift"]
     assert shift["accuracy"] is not None and shift["n"] == 30 and shift["class_counts"]["neutral"] == 10

@@ -244,6 +244,20 @@ def test_readout_predictions_choose_ridge_and_factor_as_brute_force_does():
     want = head(test).double() / torch.sqrt(1 + best[1] * v_test).unsqueeze(-1)
     torch.testing.assert_close(preds["test"]["logits"], want.float().unsqueeze(1).expand(-1, 2, -1), rtol=1e-4,
                                atol=1e-5)
+    # no OOD validation split: the own score is v at the readout's s
+    assert chosen["score_ridge"] == best[0] and chosen["score_val_auroc"] == {}
+    torch.testing.assert_close(preds["test"]["own_scores"]["gp-variance"], v_test, rtol=1e-4, atol=1e-6)
+    # with one (far rows, labels -1): the score's s is choose_score_ridge's, λ and s of the prediction unchanged
+    bundle.splits["ood_val"] = Split(8 + torch.randn(20, 2, generator=g), -torch.ones(20).long(), None)
+    model = _FeatureModel(head)
+    again, with_ood = R.readout_predictions(model, bundle, ["test"], 2, seed=3, num_features=256)
+    scorer, aurocs = R.choose_score_ridge(head, train, val.unsqueeze(1), bundle.splits["ood_val"].inputs.unsqueeze(1),
+                                          seed=3, num_features=256)
+    assert with_ood["score_val_auroc"] == aurocs and with_ood["score_ridge"] == float(scorer.ridge)
+    assert (with_ood["ridge"], with_ood["mean_field_factor"]) == best
+    torch.testing.assert_close(again["test"]["logits"], preds["test"]["logits"], rtol=0, atol=0)
+    torch.testing.assert_close(again["test"]["own_scores"]["gp-variance"],
+                               R.gp_variance_score(scorer, test.unsqueeze(1)), rtol=1e-6, atol=1e-9)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -299,9 +313,20 @@ def test_compare_gpreadout_end_to_end(tmp_path, monkeypatch):
     fits = []
     fit = C._readout_predictions
     monkeypatch.setattr(C, "_readout_predictions", lambda *args: fits.append(args[1]) or fit(*args))
-    C.compare("softmax,softmax+gpreadout,softmax+gpreadout+ts", [0], tmp_path, base, progress=False, log=lambda s: None)
+    C.compare("softmax,softmax+gpreadout,softmax+gpreadout+ts", [0], tmp_path, base, progress=False, log=lambda s: None,
+              ood_scores=("msp", "gp-variance"))
     assert len(fits) == 1  # +gpreadout and +gpreadout+ts share the run's one fit
     saved = json.loads((tmp_path / "results.json").read_text())
+    # the readout's own score: a number of the readout's rows, "–" in the plain run's row (a score it lacks)
+    assert "ood_auroc_gp_variance" not in saved["softmax"]["0"]["ood"]
+    for spec in ("softmax+gpreadout", "softmax+gpreadout+ts"):
+        row = saved[spec]["0"]["ood"]
+        assert 0 <= row["ood_auroc_gp_variance"] <= 1 and row["ood_matched_auroc_gp_variance"] is not None
+        assert row["cnll"] > 0
+    table = (tmp_path / "report.md").read_text().split("## ood")[1].split("## ")[0]
+    assert "ood_auroc_gp_variance |" in table and "cnll" in table and "uniform label" in table
+    plain = next(ln for ln in table.splitlines() if ln.startswith("| softmax |"))
+    assert plain.rstrip(" |").endswith("–"), plain
     chosen = saved["softmax+gpreadout"]["0"]["readout"]
     with_ts = saved["softmax+gpreadout+ts"]["0"]
     assert with_ts["readout"] == chosen and "temperature" in with_ts
@@ -324,3 +349,60 @@ def test_compare_gpreadout_end_to_end(tmp_path, monkeypatch):
     assert again == chosen
     torch.testing.assert_close(predict(model, bundle.splits[key], cfg.num_samples), preds[key]["logits"], rtol=1e-5,
                                atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the readout's own OOD score
+def _kernel_space_variance(readout, h_train, query, ridge):
+    """The GP posterior variance by an explicit kernel-matrix inverse, float64: (k(x,x) − k_xᵀ (K + sI)⁻¹ k_x) / s,
+    k(x, x') = φ(x)ᵀφ(x') written out from the readout's draws."""
+    phi, q = _phi(readout, h_train), _phi(readout, query)
+    K = phi @ phi.T
+    k_x = phi @ q.T  # (N, M)
+    inv = torch.linalg.inv(K + ridge * torch.eye(K.shape[0], dtype=torch.float64))
+    return ((q * q).sum(-1) - (k_x * (inv @ k_x)).sum(0)) / ridge
+
+
+def test_gp_variance_score_is_the_brute_force_gp_posterior_variance():
+    from gpattn.experiments import metrics as M
+
+    assert set(R.OWN_SCORES) == set(M.OWN_SCORE_NAMES) <= set(M.OOD_SCORE_NAMES)  # one table, every name scored
+    readout = _readout(ridge=0.3, r=50)
+    h, query = _data(40), _data(12, seed=4) * 1.3
+    readout.fit(h)
+    samples = torch.stack([query, query + 0.2 * _data(12, seed=5)], dim=1)  # (N, P=2, D): the mean of v over P
+    want = 0.5 * sum(_kernel_space_variance(readout, h, samples[:, p], 0.3) for p in range(2))
+    got = R.OWN_SCORES["gp-variance"](readout, samples)
+    assert got.dtype == torch.float64 and got.shape == (12,)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_gp_variance_separates_far_inputs_and_its_ridge_is_chosen_on_the_ood_validation_split():
+    """Training features in a ball; in-domain validation rows from the same ball, OOD rows on a shell further out: v
+    must rank every OOD row above every in-domain row (AUROC 1). On a nearer shell the ridges' AUROCs differ, and
+    choose_score_ridge's choice is the argmax of scikit-learn's ROC area of each ridge's v (ties: the earlier s)."""
+    from sklearn.metrics import roc_auc_score
+
+    g = torch.Generator().manual_seed(0)
+    d = 3
+    h_train, val = torch.randn(150, d, generator=g), torch.randn(40, 1, d, generator=g)
+    direction = torch.nn.functional.normalize(torch.randn(30, d, generator=g), dim=-1).unsqueeze(1)
+    radius = torch.rand(30, 1, 1, generator=g)
+    head = nn.Linear(d, 2)
+    readout = R._new_readout(head, 1, num_features=300).fit(h_train)
+    v_in, v_far = R.gp_variance_score(readout, val), R.gp_variance_score(readout, (10 + radius) * direction)
+    assert float(v_far.min()) > float(v_in.max())  # it must separate: far points have the larger variance
+    ood_val = (1 + radius) * direction
+    ridges = (1.0, 1e-2, 1e-4)
+    scorer, aurocs = R.choose_score_ridge(head, h_train, val, ood_val, ridges=ridges, seed=1, num_features=300)
+    want = {}
+    for s in ridges:
+        each = R._new_readout(head, 1, num_features=300, ridge=s).fit(h_train)
+        v = torch.cat([R.gp_variance_score(each, x) for x in (val, ood_val)])
+        want[s] = roc_auc_score(np.r_[np.zeros(40), np.ones(30)], v.numpy())
+        assert aurocs[f"{s:g}"] == pytest.approx(want[s], abs=1e-12)
+    assert len(set(want.values())) == 3  # the choice matters here
+    assert float(scorer.ridge) == max(ridges, key=lambda s: (want[s], -ridges.index(s)))
+    with pytest.raises(ValueError, match=r"ood_val_inputs must have shape \(N >= 1, P, D=3\)"):
+        R.choose_score_ridge(head, h_train, val, ood_val[:, 0], ridges=ridges)
+    with pytest.raises(ValueError, match="ridges"):
+        R.choose_score_ridge(head, h_train, val, ood_val, ridges=())

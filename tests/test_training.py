@@ -181,8 +181,9 @@ def test_compare_report_with_baselines(tmp_path):
     # one paired table per split, with that split's columns: the papers' claims are about shift and OOD too
     from gpattn.experiments.uncertainty import paired_difference
 
-    lower = {"accuracy": False, "nll": True, "ece": True, "ood_auroc": False}  # written out, not imported
-    for split, header in (("shift", "| variant | Δ accuracy | Δ nll | Δ ece |"), ("ood", "| variant | Δ ood_auroc |")):
+    lower = {"accuracy": False, "nll": True, "cnll": True, "ece": True, "ood_auroc": False}  # written out, not imported
+    headers = (("shift", "| variant | Δ accuracy | Δ nll | Δ ece |"), ("ood", "| variant | Δ cnll | Δ ood_auroc |"))
+    for split, header in headers:
         table = report.split(f"## Against softmax (MSP), {split}")[1].split("## ")[0]
         assert header in table, table
         cols = [c.strip().removeprefix("Δ ") for c in header.strip("| ").split("|")[1:]]

@@ -181,6 +181,19 @@ def test_evaluate_predictions_records_the_new_metrics():
     assert row["conformal_set_size_lac"] == pytest.approx(lac["set_size"])
     assert "conformal_coverage_aps" in row and "adaptive_ece" not in result["ood"]
     assert result["ood"][U.MATCHED_KEYS[1]] == pytest.approx(U.temperature_diagnostic(z_in, z_out)[U.MATCHED_KEYS[1]])
+    # the combined NLL: the in-domain rows and the OOD rows (labels -1: against the uniform label), by hand
+    p_out = M.average_samples(z_out)
+    terms = np.r_[-np.log(probs[np.arange(len(y_in)), y_in.numpy()]), -np.log(p_out).mean(axis=1)]
+    assert result["ood"]["cnll"] == pytest.approx(terms.mean(), rel=1e-9)
+    assert "cnll" not in result["in_domain"]
+    # a score carried beside the logits (a model's own): its OOD AUROC and its entropy-matched AUROC
+    h_in, h_out = (-np.sum(p * np.log(p), axis=1) for p in (probs, p_out))
+    own_in, own_out = rng.random(len(z_in)), rng.random(len(z_out)) + 0.5
+    preds["test"]["own_scores"] = {"gp-variance": torch.as_tensor(own_in)}
+    preds["ood"]["own_scores"] = {"gp-variance": torch.as_tensor(own_out)}
+    row = evaluate_predictions(preds, bundle)["ood"]
+    assert row["ood_matched_auroc_gp_variance"] == pytest.approx(U.entropy_matched_auroc(own_in, own_out, h_in, h_out))
+    assert row["ood_auroc_gp_variance"] == pytest.approx(M.ood_metrics(-own_in, -own_out)["ood_auroc"])
 
 
 def test_compare_label_flags_a_temperature_gp():

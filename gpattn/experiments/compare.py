@@ -213,13 +213,20 @@ def _laplace_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> dict:
 
 
 def _member_detector_scores(members: list, key: str) -> dict:
-    """``{"detector_scores": ...}`` of split ``key``: each feature detector's score averaged over the members that
-    all have it (one member: its own); ``{}`` when some member has none (e.g. a run from before the detectors)."""
-    found = [m[key].get("detector_scores") for m in members]
-    if any(f is None for f in found):
-        return {}
-    names = set.intersection(*(set(f) for f in found))
-    return {"detector_scores": {n: torch.stack([f[n] for f in found]).mean(0) for n in sorted(names)}}
+    """``{"detector_scores": ..., "own_scores": ...}`` of split ``key`` (each entry of
+    :data:`gpattn.experiments.metrics.PREDICTION_SCORE_ENTRIES` the members have): each score averaged over the
+    members that all have it (one member: its own); an entry is left out when some member has none (e.g. a run from
+    before the detectors, a member without a readout)."""
+    from gpattn.experiments.metrics import PREDICTION_SCORE_ENTRIES
+
+    out = {}
+    for entry in PREDICTION_SCORE_ENTRIES:
+        found = [m[key].get(entry) for m in members]
+        if any(f is None for f in found):
+            continue
+        names = set.intersection(*(set(f) for f in found))
+        out[entry] = {n: torch.stack([f[n] for f in found]).mean(0) for n in sorted(names)}
+    return out
 
 
 def _readout_predictions(cfg: TrainConfig, folder: Path, bundle, keys) -> tuple[dict, dict]:

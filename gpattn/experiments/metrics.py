@@ -56,6 +56,8 @@ __all__ = [
     "NLL_EPS",
     "OOD_KEYS",
     "OOD_SCORE_NAMES",
+    "OWN_SCORE_NAMES",
+    "PREDICTION_SCORE_ENTRIES",
     "SAME_SAMPLES",
     "SAMPLE_SCORES",
     "accuracy",
@@ -68,6 +70,7 @@ __all__ = [
     "brier",
     "calibration_bins",
     "classification_metrics",
+    "combined_nll",
     "eaurc",
     "ece",
     "fpr95",
@@ -231,6 +234,29 @@ def nll(probs, labels) -> float:
 
 def _nll(p: np.ndarray, y: np.ndarray) -> float:
     return float(-np.mean(np.log(np.maximum(p[np.arange(y.shape[0]), y], NLL_EPS))))
+
+
+def combined_nll(probs_in, labels_in, probs_ood, labels_ood=None) -> float:
+    """gpattn's combined in-domain + OOD NLL ("cNLL (OOD rows: uniform label)"): the mean over the in-domain rows'
+    −log p̄(y) and the OOD rows' cross-entropy to the uniform label, −(1/C) Σ_c log p̄_c(x) (Outlier Exposure's
+    target: a model with C outputs and no "out-of-scope" class is right on an OOD input when it spreads its mass),
+    every row weighted equally; an OOD row whose label is known (``labels_ood`` ≥ 0, e.g. CoLA's out-of-domain
+    sentences) is scored against that label, as an in-domain row. p̄ is clamped at :data:`NLL_EPS` as in
+    :func:`nll`. Not uncertainty-baselines' cNLL, which scores CLINC150's out-of-scope rows as a 151st class
+    (docs/uncertainty.md).  # shape: (N, C), (N,), (M, C), (M,) or None -> float"""
+    p_in, y_in = _probs_labels(probs_in, labels_in)
+    p_out = _check_probs(probs_ood, "probs_ood", allow_empty=True)
+    if p_out.shape[1] != p_in.shape[1]:
+        raise ValueError(f"probs_in and probs_ood must have the same C, got {p_in.shape[1]} and {p_out.shape[1]}")
+    y_out = np.full(p_out.shape[0], -1) if labels_ood is None else np.asarray(labels_ood)
+    if y_out.shape != (p_out.shape[0],) or not np.issubdtype(y_out.dtype, np.integer) or np.any(y_out >= p_in.shape[1]):
+        raise ValueError(f"labels_ood must be None or integers < C = {p_in.shape[1]} of shape ({p_out.shape[0]},) "
+                         f"(< 0: unknown, scored against the uniform label), got {y_out.dtype} {tuple(y_out.shape)}")
+    log_in = np.log(np.maximum(p_in[np.arange(y_in.shape[0]), y_in], NLL_EPS))
+    log_out = np.log(np.maximum(p_out, NLL_EPS))  # shape: (M, C)
+    known = y_out >= 0
+    uniform = np.where(known, log_out[np.arange(y_out.shape[0]), np.where(known, y_out, 0)], log_out.mean(axis=1))
+    return float(-np.mean(np.concatenate([log_in, uniform])))
 
 
 def brier(probs, labels) -> float:
@@ -522,11 +548,24 @@ LOGIT_SCORE_NAMES = {
     "mc-variance": "mc_variance",
     "mutual-information": "mutual_information",
 }
+#: the model's own scores beside its logits, by their CLI names -> metrics.json suffixes: scores a model computes of
+#: itself (higher = more out-of-distribution, as the detectors') and carries in its prediction's ``own_scores``;
+#: ``gp-variance`` is the GP readout's posterior variance v(h) (:data:`gpattn.experiments.readout.OWN_SCORES`,
+#: ``+gpreadout`` runs). A model without the score shows "–".
+OWN_SCORE_NAMES = {"gp-variance": "gp_variance"}
 #: OOD scores by their CLI names (``--ood-score``) -> their metrics.json suffixes: the scores of the logits
-#: (:data:`LOGIT_SCORE_NAMES`) and the feature detectors (:data:`gpattn.experiments.detectors.DETECTORS`, fitted on
-#: the training split, their scores in a prediction's ``detector_scores``); metrics.json keeps the max-probability
+#: (:data:`LOGIT_SCORE_NAMES`), the feature detectors (:data:`gpattn.experiments.detectors.DETECTORS`, fitted on
+#: the training split, their scores in a prediction's ``detector_scores``) and the model's own scores
+#: (:data:`OWN_SCORE_NAMES`, in its ``own_scores``); metrics.json keeps the max-probability
 #: (msp) results under ``ood_auroc`` ..., the others as ``ood_auroc_<suffix>`` ...
-OOD_SCORE_NAMES = {**LOGIT_SCORE_NAMES, **{name: name.replace("-", "_") for name in DETECTORS}}
+OOD_SCORE_NAMES = {
+    **LOGIT_SCORE_NAMES, **{name: name.replace("-", "_") for name in DETECTORS}, **OWN_SCORE_NAMES,
+}
+
+#: the entries of a split's prediction that carry per-example scores, higher = more OOD (not read from the logits):
+#: the feature detectors' (:func:`gpattn.experiments.features.detector_scores`) and the model's own
+#: (:data:`OWN_SCORE_NAMES`)
+PREDICTION_SCORE_ENTRIES = ("detector_scores", "own_scores")
 
 
 def ood_score_key(name: str, key: str) -> str:
@@ -568,13 +607,16 @@ def all_ood_scores(sample_logits, average: str = "probs") -> dict[str, np.ndarra
 
 
 def prediction_ood_scores(prediction: dict, average: str = "probs", temperature: float = 1.0) -> dict[str, np.ndarray]:
-    """Every OOD score of one split's prediction (``{"logits": (N, P, C), "detector_scores": {name: (N,)}}``, the
-    latter optional), higher = more in-distribution: :func:`all_ood_scores` of the logits divided by
-    ``temperature``, and each feature detector's score negated (a detector scores higher = more OOD)."""
+    """Every OOD score of one split's prediction (``{"logits": (N, P, C), "detector_scores": {name: (N,)},
+    "own_scores": {name: (N,)}}``, the last two optional), higher = more in-distribution: :func:`all_ood_scores` of
+    the logits divided by ``temperature``, and each feature detector's and own score (:data:`OWN_SCORE_NAMES`)
+    negated (they score higher = more OOD)."""
     out = all_ood_scores(prediction["logits"] / temperature, average)
-    for name, values in (prediction.get("detector_scores") or {}).items():
-        out[name] = -_as_float64(values, f"detector_scores[{name!r}]")
+    for entry in PREDICTION_SCORE_ENTRIES:
+        for name, values in (prediction.get(entry) or {}).items():
+            out[name] = -_as_float64(values, f"{entry}[{name!r}]")
     return out
+
 
 
 def ood_metrics(scores_in, scores_out) -> dict[str, float]:

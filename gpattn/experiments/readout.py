@@ -20,6 +20,11 @@ the training data.
 
 ``+gpreadout`` in ``compare`` (``softmax+gpreadout``, ``sgpa-rff+gpreadout+ts``): a post-hoc modifier like
 ``+laplace``, on the run it modifies.
+
+The readout's own OOD score (:data:`OWN_SCORES`, ``--ood-score gp-variance``) is v(h) itself, higher = further from
+the training features: at the ridge chosen with λ, or where the data set has an OOD validation split
+(:data:`gpattn.experiments.features.OOD_VALIDATION_SPLIT`), at the ridge of :data:`RIDGE_GRID` whose v separates the
+in-domain validation split from it best (:func:`choose_score_ridge`; the same draws and ℓ, only s differs).
 """
 
 from __future__ import annotations
@@ -34,10 +39,13 @@ from gpattn.experiments.sngp import MEAN_FIELD_FACTOR, RandomFeatureGP, mean_fie
 __all__ = [
     "FACTOR_GRID",
     "GPReadout",
+    "OWN_SCORES",
     "RIDGE_GRID",
     "attach_gp_readout",
     "choose_readout",
+    "choose_score_ridge",
     "fit_gp_readout",
+    "gp_variance_score",
     "readout_predictions",
     "readout_split",
     "select_mean_field_factor",
@@ -195,6 +203,18 @@ class GPReadout(nn.Module):
                 f"mean_field_factor={float(self.mean_field_factor):g}, fitted on {int(self.gp.num_fitted)}")
 
 
+def gp_variance_score(readout: GPReadout, h: torch.Tensor) -> torch.Tensor:
+    """The ``gp-variance`` OOD score: v(h) averaged over the sample axis, higher = further from the training
+    features.  # shape: (N, P, D) -> (N,) float64"""
+    return readout.variance(h).to(torch.float64).mean(-1)
+
+
+#: the readout's own OOD scores by their ``--ood-score`` names (:data:`gpattn.experiments.metrics.OWN_SCORE_NAMES`):
+#: ``(readout, h (N, P, D)) -> (N,)`` float64, higher = more out-of-distribution; ``compare`` puts them in a
+#: ``+gpreadout`` run's predictions as ``own_scores``
+OWN_SCORES = {"gp-variance": gp_variance_score}
+
+
 def _new_readout(head: nn.Linear, seed: int, **options) -> GPReadout:
     """A :class:`gpattn.experiments.readout.GPReadout` of ``head`` whose random features are drawn from
     ``seed`` (the global RNG left as it was)."""
@@ -311,8 +331,12 @@ def readout_predictions(
     ``model``'s linear head, fitted on ``bundle.splits["train"]`` at each ridge s of ``ridges``, (s, λ) chosen
     together on the NLL of ``bundle.splits["val"]`` (:func:`gpattn.experiments.readout.select_mean_field_factor`
     per s; a tie keeps the earlier s), attached as ``model.head`` at the chosen s and λ, and every split of ``keys``
-    predicted. Returns ``(predictions, selection)``: ``{key: {"logits": (N, P, C), "labels"}}`` as a run's
-    ``predictions.pt``, and ``{"mean_field_factor": λ, "ridge": s, "lengthscale": ℓ, "val_nll": {s: {λ: NLL}}}``."""
+    predicted with its own scores (:data:`OWN_SCORES`, at the ridge of :func:`choose_score_ridge` where the bundle
+    has an OOD validation split, else at s). Returns ``(predictions, selection)``:
+    ``{key: {"logits": (N, P, C), "labels", "own_scores": {name: (N,)}}}`` as a run's ``predictions.pt``, and
+    ``{"mean_field_factor": λ, "ridge": s, "lengthscale": ℓ, "val_nll": {s: {λ: NLL}}, "score_ridge": s_v,
+    "score_ridge_from": ..., "score_val_auroc": {s: AUROC}}`` (the last empty without an OOD validation split)."""
+    from gpattn.experiments.features import OOD_VALIDATION_SPLIT
     from gpattn.experiments.laplace import extract_features
 
     head = getattr(model, "head", None)
@@ -323,19 +347,59 @@ def readout_predictions(
     h_train = extract_features(model, bundle.splits["train"], batch_size).to(head.weight.device)
     if h_train.shape[0] == 0:
         raise ValueError("bundle.splits['train'] is empty: the readout needs the training features")
-    parts = {k: readout_split(model, bundle.splits[k], num_samples, batch_size) for k in dict.fromkeys(["val", *keys])}
+    ood_val = bundle.splits.get(OOD_VALIDATION_SPLIT)
+    ood_val = OOD_VALIDATION_SPLIT if ood_val is not None and len(ood_val.labels) else None
+    wanted = dict.fromkeys(["val", *keys, *([ood_val] if ood_val else [])])
+    parts = {k: readout_split(model, bundle.splits[k], num_samples, batch_size) for k in wanted}
     readout, selection = choose_readout(
         head, h_train, *parts["val"], bundle.splits["val"].labels, grid=grid, ridges=ridges, average=average,
         seed=seed, **options,
     )
+    scorer, selection["score_ridge"] = readout, selection["ridge"]
+    selection["score_ridge_from"], selection["score_val_auroc"] = "the readout's (no OOD validation split)", {}
+    if ood_val:
+        scorer, aurocs = choose_score_ridge(head, h_train, parts["val"][1], parts[ood_val][1], ridges=ridges,
+                                           seed=seed, **options)
+        selection["score_ridge"], selection["score_val_auroc"] = float(scorer.ridge), aurocs
+        selection["score_ridge_from"] = f"val against {ood_val} (OOD AUROC of v)"
     model.head = readout
     lam = selection["mean_field_factor"]
     preds = {
         k: {"logits": mean_field_logits(parts[k][0], readout.variance(parts[k][1]).cpu(), lam).to(torch.float32),
-            "labels": bundle.splits[k].labels}
+            "labels": bundle.splits[k].labels,
+            "own_scores": {name: score(scorer, parts[k][1]).cpu() for name, score in OWN_SCORES.items()}}
         for k in keys
     }
     return preds, selection
+
+
+def choose_score_ridge(
+    head: nn.Linear, h_train: torch.Tensor, val_inputs: torch.Tensor, ood_val_inputs: torch.Tensor, *,
+    ridges=RIDGE_GRID, seed: int = 0, **options,
+) -> tuple[GPReadout, dict]:
+    """The ridge of the readout's own score, chosen on validation: the readout of ``head`` (draws from ``seed``, ℓ by
+    the median heuristic, as :func:`choose_readout`'s) fitted on ``h_train`` ``(N, D)`` at each s of ``ridges``,
+    and the one whose v (:func:`gp_variance_score`) separates the in-domain validation inputs ``(N_v, P, D)`` from
+    the OOD validation inputs ``(N_o, P, D)`` best (ROC area; a tie keeps the earlier s). λ is not read: the
+    returned readout scores, it does not predict. Returns ``(readout, {s: AUROC})``."""
+    from gpattn.experiments import metrics as M
+
+    ridges = list(ridges)
+    if not ridges:
+        raise ValueError("ridges must name at least one ridge s > 0, e.g. RIDGE_GRID")
+    for name, x in (("val_inputs", val_inputs), ("ood_val_inputs", ood_val_inputs)):
+        if x.dim() != 3 or x.shape[0] < 1 or x.shape[-1] != head.in_features:
+            raise ValueError(f"{name} must have shape (N >= 1, P, D={head.in_features}) (readout_split's inputs), "
+                             f"got {tuple(x.shape)}")
+    best, aurocs = None, {}
+    for ridge in ridges:
+        readout = _new_readout(head, seed, ridge=ridge, **options).fit(h_train)
+        v_in, v_out = (gp_variance_score(readout, x).cpu() for x in (val_inputs, ood_val_inputs))
+        auroc = M.ood_metrics(-v_in, -v_out)["ood_auroc"]  # higher = more in-distribution
+        aurocs[f"{ridge:g}"] = auroc
+        if best is None or auroc > best[0]:
+            best = (auroc, readout)
+    return best[1], aurocs
 
 
 def choose_readout(

@@ -20,8 +20,14 @@ __all__ = ["LOWER_IS_BETTER", "REFERENCE_NAMES", "REPORT_COLUMNS", "write_report
 REPORT_COLUMNS = {
     "in_domain": ("accuracy", "mcc", "nll", "ece", "aurc", "auroc"),
     "shift": ("accuracy", "nll", "ece"),
-    "ood": ("accuracy", "mcc", "nll", "ece", "ood_auroc"),  # Bui et al. Table I reports MCC/NLL/ECE on CoLA OOD
+    # Bui et al. Table I reports MCC/NLL/ECE on CoLA OOD; cnll: in-domain and OOD rows together (CNLL_NOTE)
+    "ood": ("accuracy", "mcc", "nll", "cnll", "ece", "ood_auroc"),
 }
+#: the note under an OOD split's table: what its ``cnll`` column is
+CNLL_NOTE = ("`cnll`: cNLL (OOD rows: uniform label) — the mean over the in-domain test rows' NLL and this split's "
+             "rows, each row without a label scored by its cross-entropy to the uniform label, −(1/C) Σ_c log p_c "
+             "(gpattn.experiments.metrics.combined_nll); not uncertainty-baselines' cNLL, which scores out-of-scope "
+             "rows as an extra class (docs/uncertainty.md).")
 
 
 def _safe(name: str) -> str:
@@ -182,8 +188,8 @@ def _fmt(values, scale=1.0) -> str:
 
 
 #: the direction of every metric shown in report.md: True = lower is better
-LOWER_IS_BETTER = {"nll": True, "ece": True, "aurc": True, "accuracy": False, "mcc": False, "auroc": False,
-                   "ood_auroc": False, "ood_fpr95": True, "adaptive_ece": True}
+LOWER_IS_BETTER = {"nll": True, "cnll": True, "ece": True, "aurc": True, "accuracy": False, "mcc": False,
+                   "auroc": False, "ood_auroc": False, "ood_fpr95": True, "adaptive_ece": True}
 #: the references of report.md's paired tables, by what they are
 REFERENCE_NAMES = {"softmax": "MSP", "softmax+ts": "MSP + temperature scaling", "softmax+sngp+ts": "SNGP + TS",
                    "softmax+ens5+ts": "a 5-member ensemble + TS", "softmax+ens3+ts": "a 3-member ensemble + TS"}
@@ -204,7 +210,7 @@ def _split_columns(split: str, results: dict, seeds, bundle, ood_scores=("msp",)
     if split in bundle.ood_splits and not any(
         results[s][str(seed)][split].get("accuracy") is not None for s in results for seed in seeds
     ):
-        cols = tuple(c for c in cols if c.startswith("ood_"))
+        cols = tuple(c for c in cols if c.startswith("ood_") or c == "cnll")
     return cols
 
 
@@ -360,6 +366,7 @@ def write_report(
             cells = [cell + (" ↓" if _inverted(per_seed, seeds, split, c) else "") for cell, c in zip(cells, cols)]
             lines.append(f"| {_label(spec, per_seed, seeds)} | " + " | ".join(cells) + " |")
         lines += [*_inverted_note(results, seeds, split, cols), ""]
+        lines += [CNLL_NOTE, ""] if "cnll" in cols else []
     lines += _alpha_notes(results, seeds)
     lines += _diverged_notes(results, seeds)
     lines += _collapse_notes(results, seeds)

@@ -215,7 +215,34 @@ def add_uncertainty_metrics(result: dict, preds: dict, bundle, average: str = "p
                 row[f"conformal_set_size_{score}"] = sets["set_size"]
         if name in bundle.ood_splits:
             row.update({k: (None if math.isnan(v) else float(v)) for k, v in temperature_diagnostic(z_in, z).items()})
+            row.update(_matched_carried_scores(preds[bundle.eval_splits["in_domain"]], preds[key], z_in, z, average))
     return result
+
+
+def _matched_carried_scores(pred_in: dict, pred_out: dict, z_in, z_out, average: str) -> dict:
+    """``ood_matched_auroc_<suffix>``: the entropy-matched OOD AUROC (:func:`entropy_matched_auroc`) of every score a
+    prediction carries beside its logits (:data:`gpattn.experiments.metrics.PREDICTION_SCORE_ENTRIES`: the feature
+    detectors', the model's own), for those both splits have; None where no entropy bin holds both kinds."""
+    out = {}
+    h_in, h_out = None, None
+    for entry in M.PREDICTION_SCORE_ENTRIES:
+        have_in, have_out = pred_in.get(entry) or {}, pred_out.get(entry) or {}
+        for name in sorted(set(have_in) & set(have_out)):
+            if h_in is None:
+                p_in, p_out = M.average_samples(z_in, average), M.average_samples(z_out, average)
+                h_in, h_out = (-np.sum(special.xlogy(p, p), axis=1) for p in (p_in, p_out))
+            matched = entropy_matched_auroc(have_in[name], have_out[name], h_in, h_out)
+            out[f"ood_matched_auroc_{M.OOD_SCORE_NAMES[name]}"] = None if math.isnan(matched) else float(matched)
+    return out
+
+
+def _combined_nll(probs_in, labels_in, probs_ood, labels_ood) -> float | None:
+    """:func:`gpattn.experiments.metrics.combined_nll` on the in-domain split's labelled rows and every row of an OOD
+    split (a row without a label against the uniform label); None when the in-domain split has no labelled row."""
+    known = np.asarray(labels_in) >= 0
+    if not known.any():
+        return None
+    return M.combined_nll(np.asarray(probs_in)[known], np.asarray(labels_in)[known], probs_ood, np.asarray(labels_ood))
 
 
 def evaluate_predictions(preds: dict, bundle, average: str = "probs", temperature: float = 1.0) -> dict:
@@ -223,8 +250,10 @@ def evaluate_predictions(preds: dict, bundle, average: str = "probs", temperatur
     labelled rows (``None`` where no row has a label; ``n`` / ``n_labelled`` / ``class_counts`` say
     which), and for OOD splits the OOD-detection metrics against ``in_domain`` under every score
     (max probability as ``ood_auroc`` ..., the others as ``ood_auroc_<score>`` ...): the scores of the logits and,
-    where a split's prediction carries ``detector_scores`` (:func:`gpattn.experiments.features.detector_scores`),
-    the feature detectors'."""
+    where a split's prediction carries ``detector_scores`` (:func:`gpattn.experiments.features.detector_scores`) or
+    ``own_scores`` (:data:`gpattn.experiments.metrics.OWN_SCORE_NAMES`), those; and ``cnll``, the in-domain and OOD
+    rows' combined NLL (:func:`gpattn.experiments.metrics.combined_nll`: an OOD row without a label against the
+    uniform label)."""
     def probs_of(name):
         logits = preds[bundle.eval_splits[name]]["logits"] / temperature
         return M.average_samples(logits, average=average), logits
@@ -244,6 +273,8 @@ def evaluate_predictions(preds: dict, bundle, average: str = "probs", temperatur
         else:
             row = {k: None for k in M.METRIC_KEYS}
         if name in bundle.ood_splits:
+            row["cnll"] = _combined_nll(probs_of("in_domain")[0], preds[bundle.eval_splits["in_domain"]]["labels"],
+                                        probs, labels)
             for score, values in scores_of(name).items():
                 if score not in scores_in:  # a detector the in-domain split was not scored by
                     continue
