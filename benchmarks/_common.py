@@ -25,6 +25,7 @@ import torch
 
 import gpattn
 from gpattn.attention.registry import CHOICES
+from gpattn.experiments._variants import split_variants
 
 __all__ = [
     "BENCH_OPTIONS",
@@ -116,7 +117,7 @@ def parse_variants(text: str | None) -> list[str] | None:
     """``"a,b"`` -> ``["a", "b"]``; ``None`` or ``"all"`` -> ``None`` (every registered variant)."""
     if text is None or text.strip() in ("", "all"):
         return None
-    return [t.strip() for t in text.split(",") if t.strip()]
+    return split_variants(text)  # commas inside name[key=value,...] kept
 
 
 def reference_first(text: str | None) -> list[str]:

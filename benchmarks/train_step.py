@@ -27,6 +27,7 @@ import torch
 from _common import finish, reference_first
 
 import gpattn
+from gpattn.experiments._variants import parse_variant
 from gpattn.models import TransformerClassifier
 from gpattn.objectives import DeepGPELBO
 
@@ -71,10 +72,15 @@ LINALG_FLOPS = {
 
 
 def _attention(name: str):
-    """A registered name, or ``name@recipe``: the variant as that recipe builds it (e.g. ``sgpa-rff@out-of-scope``,
-    g on each sequence)."""
-    variant, _, recipe = name.partition("@")
-    return functools.partial(gpattn.build_attention, variant, recipe=recipe) if recipe else variant
+    """A registered name, ``name@recipe`` (the variant as that recipe builds it, e.g. ``sgpa-rff@out-of-scope``, g on
+    each sequence), each with options as ``compare`` spells them: ``name[key=value,...]`` or
+    ``name[key=value,...]@recipe`` (e.g. ``sgpa-rff[num_features=64]@out-of-scope``)."""
+    spec, _, recipe = name.partition("@")
+    parsed = parse_variant(spec)
+    if not parsed.options and not recipe:
+        return parsed.attention
+    return functools.partial(gpattn.build_attention, parsed.attention, recipe=recipe or "scratch",
+                             **dict(parsed.options))
 
 
 def _model(name: str, T: int, cfg: argparse.Namespace) -> torch.nn.Module:
@@ -229,7 +235,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ts", default="16,64,256,1024", help="comma-separated sequence lengths")
     p.add_argument("--modes", default=",".join(MODES), help="eager, compiled or both")
     p.add_argument("--variants", default=None,
-                   help="comma-separated registry names, or name@recipe (e.g. sgpa-rff@out-of-scope) (default: all)")
+                   help="comma-separated registry names, name@recipe (e.g. sgpa-rff@out-of-scope), each with "
+                        "options as compare's name[key=value,...] (e.g. 'sgpa-rff[num_features=64]@out-of-scope') "
+                        "(default: all)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")

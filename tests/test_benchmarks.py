@@ -96,6 +96,7 @@ def test_variant_configs_filter_and_errors():
         common.variant_configs(["no-such-variant"])
     assert common.parse_variants(None) is None and common.parse_variants("all") is None
     assert common.parse_variants(" a, b ,") == ["a", "b"]
+    assert common.parse_variants("a[x=1,y=2],b") == ["a[x=1,y=2]", "b"]
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -469,6 +470,21 @@ def test_train_step_interleaves_the_timed_steps_and_keeps_a_failing_variant_as_a
     assert calls == setup + two("softmax", "kernel", "sto") + two("softmax", "kernel") * 2
     assert rows["softmax"]["step_ms"] == 8.0 and rows["kernel"]["steps_timed"] == 3
     assert rows["sto"]["status"] == "error" and "non-finite" in rows["sto"]["reason"] and "step_ms" not in rows["sto"]
+
+
+def test_train_step_takes_options_as_compare_spells_them_with_or_without_a_recipe():
+    """``name[key=value,...]`` and ``name[key=value,...]@recipe`` (sgpa-rff at another R or frequency draw) build the
+    layer with those options under that recipe; the comma inside the brackets does not split the list."""
+    train_step = importlib.import_module("train_step")
+    spec = "sgpa-rff[num_features=8,frequencies=orthogonal],sgpa-rff[num_features=4]@out-of-scope,kernel"
+    cfg = train_step.parse_args(["--variants", spec, "--ts", "8"])
+    assert cfg.variants == ["softmax", "sgpa-rff[num_features=8,frequencies=orthogonal]",
+                            "sgpa-rff[num_features=4]@out-of-scope", "kernel"]
+    assert train_step._attention("kernel") == "kernel"
+    query = train_step._attention(cfg.variants[1])(16, 2).strategy.covariance
+    assert query.num_features == 8 and type(query.frequency_draw).__name__ == "OrthogonalFrequencies"
+    sequence = train_step._attention(cfg.variants[2])(16, 2).strategy.covariance
+    assert sequence.num_features == 4 and type(sequence).__name__ == "TrainingSequenceCovariance"
 
 
 def test_train_step_counts_factorisations_and_solves_at_their_textbook_flops():

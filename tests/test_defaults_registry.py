@@ -263,7 +263,7 @@ _NOT_KEPT = {"bias", "kernel", "recipe"}
 
 
 #: the attribute of the strategy that holds the object a form option's name resolves to (gpattn.attention.registry)
-_FORM_ATTRIBUTES = {"prior_mean": "mean_module", "covariance": "covariance"}
+_FORM_ATTRIBUTES = {"prior_mean": "mean_module", "covariance": "covariance", "frequencies": "covariance.frequency_draw"}
 
 
 def _resolved(layer, option):
@@ -272,7 +272,9 @@ def _resolved(layer, option):
     its name resolved to; or :data:`_MISSING`."""
     strategy = getattr(layer, "strategy", None)
     if option in CHOICES.get(layer.name, {}):
-        form = getattr(strategy, _FORM_ATTRIBUTES[option])
+        form = strategy
+        for name in _FORM_ATTRIBUTES[option].split("."):
+            form = getattr(form, name)
         return form if isinstance(form, type) else type(form)
     owners = (layer, strategy, getattr(strategy, "variational_distribution", None),
               getattr(strategy, "covariance", None))

@@ -257,3 +257,23 @@ def test_readout_eval_smoke(tiny_digits_run):
             if key in saved[split] and saved[split][key] is not None:
                 assert rows["plain"]["metrics"][split][key] == pytest.approx(saved[split][key], rel=1e-5, abs=1e-6)
     assert rows["gpreadout"]["readout"]["ridge"] in probe.R.RIDGE_GRID
+
+
+def test_sgpa_rff_features_pairs_each_figure_per_seed(tmp_path, capsys):
+    """research/sgpa_rff_features.py on a two-seed results.json: each figure's row has both specs' per-seed values
+    and the paired difference candidate − reference with the seeds where the candidate is better (lower NLL)."""
+    import json
+
+    def metrics(acc, nll):
+        return {"in_domain": {"accuracy": acc, "nll": nll}, "shift": {"nll": nll + 1, "ece": 0.1},
+                "ood": {"ood_auroc": 0.8}}
+
+    results = {"a": {"0": metrics(0.9, 0.3), "1": metrics(0.8, 0.5)},
+               "b": {"0": metrics(0.95, 0.2), "1": metrics(0.8, 0.6)},
+               "a+ts": {"0": metrics(0.9, 0.3), "1": metrics(0.8, 0.5)}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    _research("sgpa_rff_features").main([str(tmp_path), "--reference", "a", "--candidate", "b"])
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.count("|") == 5}
+    assert "| 0.900 / 0.800 | 0.950 / 0.800 | +0.025 [" in rows["in-domain accuracy"]
+    assert rows["in-domain accuracy"].endswith("(1/2) |") and rows["in-domain NLL"].endswith("(1/2) |")
+    assert "shift NLL +TS" not in rows  # the candidate has no +ts row

@@ -29,6 +29,7 @@ from gpattn.variational.covariances import (
     TrainingQueryCovariance,
     TrainingSequenceCovariance,
 )
+from gpattn.variational.frequencies import GaussianFrequencies, OrthogonalFrequencies
 from gpattn.variational.means import (
     AttentionMean,
     CorrelatedSeparateSoftmaxMean,
@@ -136,6 +137,12 @@ CHOICES: dict[str, dict[str, dict[str, tuple]]] = {
         "prior_mean": {"attention": _SGPA_MEANS["attention"]},
         # the covariance's class: the layer builds it with its sizes
         "covariance": {"query": (lambda: TrainingQueryCovariance, "g on each query, per head")},
+        # how the random features' frequencies are drawn (docs/derivations.md §5f, "Choice: the frequencies' draw")
+        "frequencies": {
+            "gaussian": (GaussianFrequencies, "i.i.d. N(0, 1), Rahimi & Recht's"),
+            "orthogonal": (OrthogonalFrequencies, "orthogonal random features, Yu et al. 2016: the same kernel, "
+                           "unbiased, a lower variance at equal R"),
+        },
     },
     "kep-svgp": {
         "prior_mean": {

@@ -30,9 +30,15 @@ class DistanceAwareSGPAttention(_SGPALayer):
         mean, the pretrained attention).
     :param covariance: g's covariance: ``"query"`` (default: g on each query, per head,
         :class:`~gpattn.variational.covariances.TrainingQueryCovariance`), or a covariance class (or factory) called
-        with ``(num_heads, head_dim, num_features=, lengthscale=, prior_variance=)``; the out-of-scope recipe's is
-        g on each sequence's unit mean query (:class:`~gpattn.variational.covariances.TrainingSequenceCovariance`,
-        docs/derivations.md §5f), which takes key padding, not per-query (causal) masks.
+        with ``(num_heads, head_dim, num_features=, lengthscale=, prior_variance=, frequency_draw=)``; the
+        out-of-scope recipe's is g on each sequence's unit mean query
+        (:class:`~gpattn.variational.covariances.TrainingSequenceCovariance`, docs/derivations.md §5f), which
+        takes key padding, not per-query (causal) masks.
+    :param frequencies: how the features' frequencies Ω are drawn: ``"gaussian"`` (default: i.i.d. N(0, 1),
+        :class:`~gpattn.variational.frequencies.GaussianFrequencies`), ``"orthogonal"`` (orthogonal random features,
+        Yu et al. 2016, :class:`~gpattn.variational.frequencies.OrthogonalFrequencies`: the same kernel, unbiased,
+        with a lower variance at equal R; docs/derivations.md §5f, "Choice: the frequencies' draw"), or the draw
+        object itself; the covariance receives it as ``frequency_draw=``.
     :param jitter: absolute jitter of ``posterior()``'s covariance.
 
     Loss terms: ``kl_global`` (q(β)'s KL, ÷ N). Masks: any ``attn_mask`` (the prior mean attends over A_i; g
@@ -53,15 +59,18 @@ class DistanceAwareSGPAttention(_SGPALayer):
         lengthscale: float | None = None,
         prior_mean: str = "attention",
         covariance: str = "query",
+        frequencies: str = "gaussian",
         jitter: float = 1e-6,
         **base,
     ):
         mean_module = resolve("sgpa-rff", "prior_mean", prior_mean)
         covariance = resolve("sgpa-rff", "covariance", covariance)
+        frequency_draw = resolve("sgpa-rff", "frequencies", frequencies)
         super().__init__(embed_dim, num_heads, **base)
         # the covariance object is the form: its input's width, its default lengthscale and its masks are its own
         covariance = covariance(
-            num_heads, self.head_dim, num_features=num_features, prior_variance=prior_variance, lengthscale=lengthscale
+            num_heads, self.head_dim, num_features=num_features, prior_variance=prior_variance, lengthscale=lengthscale,
+            frequency_draw=frequency_draw,
         )
         self.per_query_masks = covariance.per_query_masks
         self.strategy = FeatureSGPAVariationalStrategy(

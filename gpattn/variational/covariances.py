@@ -23,6 +23,7 @@ from linear_operator.operators import DiagLinearOperator
 from gpattn.kernels import evaluate_kernel
 from gpattn.variational._linalg import safe_sqrt, standard_normal
 from gpattn.variational._scale import check_prior_factor
+from gpattn.variational.frequencies import GaussianFrequencies
 from gpattn.variational.means import when_present
 from gpattn.variational.sgpa import posterior_distribution
 from gpattn.variational.sgpa_rff import FeatureSGPAConditional, SequenceFeatureConditional, _heads
@@ -117,6 +118,9 @@ class TrainingQueryCovariance(nn.Module):
     :param data_weight: w, pseudo-observations per unit noise of the precision.
     :param momentum: the running average's weight of a new batch (after the first ⌈1/momentum⌉ batches, which
         are averaged with equal weights).
+    :param frequency_draw: what draws Ω, called ``(H, R, d)`` once here: None (default) is
+        :class:`~gpattn.variational.frequencies.GaussianFrequencies` (i.i.d. N(0, 1)),
+        :class:`~gpattn.variational.frequencies.OrthogonalFrequencies` the orthogonal random features.
     """
 
     #: the conditional a strategy with this covariance returns
@@ -126,12 +130,14 @@ class TrainingQueryCovariance(nn.Module):
 
     def __init__(
         self, num_heads: int, head_dim: int, *, num_features: int, lengthscale: float | None = None,
-        prior_variance: float, data_weight: float = 1000.0, momentum: float = 0.01,
+        prior_variance: float, data_weight: float = 1000.0, momentum: float = 0.01, frequency_draw=None,
     ):
         super().__init__()
-        self._build(num_heads, head_dim, num_features, lengthscale, prior_variance, data_weight, momentum)
+        self._build(num_heads, head_dim, num_features, lengthscale, prior_variance, data_weight, momentum,
+                    frequency_draw)
 
-    def _build(self, num_heads, head_dim, num_features, lengthscale, prior_variance, data_weight, momentum):
+    def _build(self, num_heads, head_dim, num_features, lengthscale, prior_variance, data_weight, momentum,
+               frequency_draw):
         if lengthscale is None:
             lengthscale = self.default_lengthscale(head_dim)
         R = _positive("num_features", num_features, integer=True)
@@ -139,8 +145,17 @@ class TrainingQueryCovariance(nn.Module):
         self.momentum = _positive("momentum", momentum)
         if self.momentum > 1:
             raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
-        #: Ω ~ N(0, I) and b ~ U(0, 2π): the fixed random features  # shape: (H, R, Dh), (H, R)
-        self.register_buffer("frequencies", torch.randn(num_heads, R, head_dim))
+        if frequency_draw is None:
+            frequency_draw = GaussianFrequencies()
+        if not callable(frequency_draw):
+            raise TypeError(
+                "frequency_draw must be a callable (H, R, d) -> Ω, e.g. gpattn.variational.frequencies."
+                f"OrthogonalFrequencies(), or None for the i.i.d. Gaussian draw; got {frequency_draw!r}"
+            )
+        #: what drew Ω (kept for its repr; Ω itself is the buffer)
+        self.frequency_draw = frequency_draw
+        #: Ω (each row marginally N(0, I)) and b ~ U(0, 2π): the fixed random features  # shape: (H, R, Dh), (H, R)
+        self.register_buffer("frequencies", frequency_draw(num_heads, R, head_dim))
         self.register_buffer("phases", 2 * math.pi * torch.rand(num_heads, R))
         self.register_buffer("lengthscale", torch.full((num_heads,), _positive("lengthscale", lengthscale)))
         self.register_buffer("outputscale", torch.full((num_heads,), _positive("prior_variance", prior_variance)))
@@ -235,6 +250,7 @@ class TrainingSequenceCovariance(TrainingQueryCovariance):
     :param prior_variance: σ² per head, as :class:`TrainingQueryCovariance`.
     :param data_weight: w, as :class:`TrainingQueryCovariance`.
     :param momentum: as :class:`TrainingQueryCovariance`.
+    :param frequency_draw: what draws Ω, as :class:`TrainingQueryCovariance` (here d = H·Dh).
     """
 
     #: the conditional a strategy with this covariance returns
@@ -244,10 +260,11 @@ class TrainingSequenceCovariance(TrainingQueryCovariance):
 
     def __init__(
         self, num_heads: int, head_dim: int, *, num_features: int, lengthscale: float | None = None,
-        prior_variance: float, data_weight: float = 1000.0, momentum: float = 0.01,
+        prior_variance: float, data_weight: float = 1000.0, momentum: float = 0.01, frequency_draw=None,
     ):
         nn.Module.__init__(self)
-        self._build(1, num_heads * head_dim, num_features, lengthscale, prior_variance, data_weight, momentum)
+        self._build(1, num_heads * head_dim, num_features, lengthscale, prior_variance, data_weight, momentum,
+                    frequency_draw)
         self.outputscale = torch.full((num_heads,), float(prior_variance))  # the registered buffer, per head
 
     @staticmethod
