@@ -198,8 +198,10 @@ SITUATIONS = (
         "`softmax` with `+gpreadout`, scored by `--ood-score gp-variance`",
         "on digits (5 seeds) the GP readout's own score ranks the held-out classes above softmax's energy, "
         "Mahalanobis and kNN (0.926 against 0.848, 0.909 and 0.912, paired intervals above 0; entropy-matched "
-        "0.811); of the GP attention forms `sgpa-rff`'s mutual information sees them beyond its entropy (0.865) at "
-        "a cost in accuracy (0.948 against 0.977) ([results.md](results.md))",
+        "0.811); on CLINC150 (MiniLM, frozen trunk, 5 seeds) its FPR95 is 0.092 against energy's 0.112, SNGP's "
+        "0.105 and kNN's 0.107, its AUROC (0.979) level with Mahalanobis and kNN; of the GP attention forms "
+        "`sgpa-rff`'s mutual information sees them beyond its entropy (0.865) at a cost in accuracy (0.948 against "
+        "0.977) ([results.md](results.md))",
         None,
     ),
 )
