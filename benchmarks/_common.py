@@ -474,3 +474,9 @@ def finish(rows: list, cfg, keys: tuple, to_markdown) -> dict:
     write_outputs(result, cfg.json, cfg.markdown, to_markdown)
     print(to_markdown(result))
     return result
+
+
+def run_and_finish(cfg, run, keys: tuple, to_markdown) -> dict:
+    """A benchmark's main after its arguments: ``run(cfg)`` at ``cfg.threads`` torch threads, then :func:`finish`."""
+    torch.set_num_threads(cfg.threads)
+    return finish(run(cfg), cfg, keys, to_markdown)

@@ -27,7 +27,7 @@ import types
 import warnings
 
 import torch
-from _common import finish, reference_first
+from _common import reference_first, run_and_finish
 
 from gpattn.experiments._config import TrainConfig
 from gpattn.experiments.detectors import DETECTORS, KNN, KNN_DEFAULT_K
@@ -161,11 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
-    cfg = parse_args(argv)
-    torch.set_num_threads(cfg.threads)
-    rows = run(cfg)
     keys = ("ts", "variants", "rows", "samples", "eval_batch_size", "reps", "threads", "detectors")
-    return finish(rows, cfg, keys, to_markdown)
+    return run_and_finish(parse_args(argv), run, keys, to_markdown)
 
 
 if __name__ == "__main__":

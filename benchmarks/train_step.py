@@ -24,7 +24,7 @@ import time
 import warnings
 
 import torch
-from _common import finish, reference_first
+from _common import reference_first, run_and_finish
 
 import gpattn
 from gpattn.experiments._variants import parse_variant
@@ -265,12 +265,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
-    cfg = parse_args(argv)
-    torch.set_num_threads(cfg.threads)
-    rows = run(cfg)
     keys = ("ts", "modes", "variants", "backend", "compile_mode", "device", "batch_size", "width", "heads", "steps",
             "warmup", "threads", "flops")
-    return finish(rows, cfg, keys, to_markdown)
+    return run_and_finish(parse_args(argv), run, keys, to_markdown)
 
 
 if __name__ == "__main__":
