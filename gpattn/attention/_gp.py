@@ -62,12 +62,17 @@ class GPAttention(AttentionBase):
         bias = None if self.in_proj.bias is None else self.in_proj.bias[rows]
         return self.split_heads(F.linear(x, self.in_proj.weight[rows], bias))
 
-    def _condition(self, x, mask, context=None) -> AmortisedConditional:
-        """Self-attention: the strategy's inputs of x. Cross-attention: its inputs of the context (keys,
-        values, ...) and the queries of x (``query_inputs=``, where q(f) is evaluated)."""
+    def _strategy_args(self, x, context=None) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` of ``strategy.condition`` besides ``mask``. Self-attention: the strategy's inputs of x.
+        Cross-attention: its inputs of the context (keys, values, ...) and the queries of x (``query_inputs=``,
+        where q(f) is evaluated)."""
         args, kwargs = self.strategy_call(x if context is None else context)
         if context is not None:
             kwargs = {**kwargs, "query_inputs": self.query_inputs(x)}
+        return args, kwargs
+
+    def _condition(self, x, mask, context=None) -> AmortisedConditional:
+        args, kwargs = self._strategy_args(x, context)
         return self.strategy.condition(*args, mask=mask, **kwargs)
 
     def _attend(self, call):
@@ -76,11 +81,16 @@ class GPAttention(AttentionBase):
         # after the draw: a loss term that samples (CGP's prior samples) takes the random numbers after it. Only in
         # training: the terms are the objective's, and evaluation computes none (CGP's regulariser was ~37 % of its
         # evaluation time), so an eval-mode forward leaves loss_terms() empty, as it leaves diagnostics() empty
+        terms = cond.added_loss_terms(call.loss_mask) if self.training else ()
+        return self._attended(out, cond.mean, terms, cond.output_dtype)
+
+    def _attended(self, out, mean, terms, dtype) -> Attended:
+        """What ``_attend`` returns for the draw (or the mean) ``out``, recording the loss terms in training.
+        # shape: out (B or P, B, H, T, Dv), mean (B, H, T, Dv)"""
         if self.training:
-            self.set_loss_terms(*cond.added_loss_terms(call.loss_mask))
-        mean = cond.mean
-        if cond.output_dtype is not None:
-            out, mean = out.to(cond.output_dtype), mean.to(cond.output_dtype)
+            self.set_loss_terms(*terms)
+        if dtype is not None:
+            out, mean = out.to(dtype), mean.to(dtype)
         return Attended(out, mean)
 
     def _posterior(self, x, mask, context=None):

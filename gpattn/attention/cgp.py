@@ -5,14 +5,36 @@ from __future__ import annotations
 
 import torch
 from gpytorch.kernels import Kernel
+from torch.utils.checkpoint import checkpoint
 
 from gpattn.attention._gp import GPAttention
 from gpattn.attention.registry import register, resolve
 from gpattn.kernels import make_kernel
-from gpattn.variational.cgp import CorrelatedGP
+from gpattn.variational.cgp import CorrelatedConditional, CorrelatedGP
 from gpattn.variational.scgp import SparseCorrelatedGP
 
 __all__ = ["CGPAttention", "SCGPAttention"]
+
+#: entries of one (B, H, T, S) block over the sequences of a recomputed piece of cgp's batch, on the CPU (2¹⁹: 2 MiB
+#: in float32) and on another device (2²⁴: 64 MiB), where a piece's work must be large to fill it
+PIECE_ELEMENTS = 1 << 19
+DEVICE_PIECE_ELEMENTS = 1 << 24
+
+
+def piece_rows(B: int, H: int, T: int, S: int, device: torch.device) -> int:
+    """Sequences per recomputed piece of a batch whose blocks are (B, H, T, S): as many as keep a piece's block
+    within :data:`PIECE_ELEMENTS` (:data:`DEVICE_PIECE_ELEMENTS` off the CPU), at least one."""
+    budget = PIECE_ELEMENTS if device.type == "cpu" else DEVICE_PIECE_ELEMENTS
+    return max(1, min(B, budget // max(1, H * T * S)))
+
+
+def _rows(t, rows: slice, axis: int = 0):
+    """``t``'s sequences ``rows`` on ``axis`` (a tuple of tensors: each; None stays None)."""
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return tuple(_rows(u, rows, axis) for u in t)
+    return t[(slice(None),) * axis + (rows,)]
 
 
 class _CorrelatedGPAttention(GPAttention):
@@ -131,6 +153,42 @@ class CGPAttention(_CorrelatedGPAttention):
     def _strategy(self, **options) -> CorrelatedGP:
         """The layer's strategy with ``options`` (a subclass may add the strategy's other settings)."""
         return CorrelatedGP(self.num_heads, **options)
+
+    def _attend(self, call):
+        """Recording gradients, the batch is conditioned in pieces of :func:`piece_rows` sequences, each
+        checkpointed (``torch.utils.checkpoint``): a piece's (B, H, T, T) blocks live during its forward and
+        again during its backward, which recomputes them, and no block of the whole batch is kept between the
+        forward and the backward. The random numbers are drawn for the whole batch first, in the order one
+        conditional draws them (:meth:`gpattn.variational.cgp.CorrelatedGP.forward_noise`), so the draws, R, the
+        output and the gradients are the unpieced forward's (docs/derivations.md §7, "Recomputed in pieces")."""
+        if not torch.is_grad_enabled():
+            return super()._attend(call)
+        args, kwargs = self._strategy_args(call.x, call.context)
+        q, k, v = kwargs.get("query_inputs", args[0]), args[1], args[3]
+        noise = self.strategy.forward_noise(q, v, call.num_samples, call.sampling, self.training)
+        B, H, S = k.shape[:3]
+        rows = B if torch.compiler.is_compiling() else piece_rows(B, H, q.shape[2], S, v.device)
+        axis = 1 if call.sampling and call.num_samples is not None else 0  # the batch axis of a draw
+        pieces = [
+            checkpoint(self._piece, slice(start, start + rows), args, kwargs, noise, call, axis, use_reentrant=False)
+            for start in range(0, B, rows)
+        ]
+        out = torch.cat([p[0] for p in pieces], axis)
+        mean = torch.cat([p[1] for p in pieces])
+        terms = (
+            CorrelatedConditional.loss_terms(torch.cat([p[2] for p in pieces]), call.loss_mask) if self.training else ()
+        )
+        return self._attended(out, mean, terms, pieces[0][3])
+
+    def _piece(self, rows: slice, args, kwargs, noise, call, axis: int) -> tuple:
+        """The sequences ``rows``: their draw (or mean), mean, R per head and value column (None outside
+        training) and the output dtype, from the given random numbers."""
+        cond = self.strategy.condition(
+            *_rows(args, rows), mask=_rows(call.mask, rows), **{name: _rows(t, rows) for name, t in kwargs.items()}
+        )
+        cond.given_noise = (_rows(noise[0], rows, axis), _rows(noise[1], rows))
+        out = cond.rsample(call.num_samples) if call.sampling else cond.mean
+        return out, cond.mean, cond.regularizer() if self.training else None, cond.output_dtype
 
 
 @register("scgp")

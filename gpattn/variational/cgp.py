@@ -214,9 +214,7 @@ class CorrelatedGPBase(AmortisedVariationalStrategy):
         valid = None if mask is None else (~mask)[:, None, :]
         return valid, full_precision(*tensors)
 
-    def condition(
-        self, q, k, o, v, mask=None, query_inputs=None, mean_values=None, **options
-    ) -> AmortisedConditional:
+    def condition(self, q, k, o, v, mask=None, query_inputs=None, mean_values=None, **options) -> AmortisedConditional:
         """Factorise once for a batch of sequences: the predictive mean ν now, the covariance
         factor and the regulariser on demand (samples: ``rsample(num_samples)``, P draws from the one
         factorisation on a leading axis; the layer's loss term: ``added_loss_terms(mask)``).
@@ -291,7 +289,14 @@ class CorrelatedConditional(AmortisedConditional):
             return self._regularizer()
 
     def added_loss_terms(self, mask=None):
-        return (CGPRegulariser(sequence_mean(self.regularizer(), mask) / 2),)
+        return self.loss_terms(self.regularizer(), mask)
+
+    @staticmethod
+    def loss_terms(regularizer: torch.Tensor, mask=None) -> tuple:
+        r"""The loss term of R per head and value column (:meth:`regularizer`'s, or sequences' R side by side):
+        :math:`\operatorname{mean}_b \sum_{h,d} R / 2` over the sequences ``mask`` does not leave out entirely.
+        # shape: regularizer (B, H, Dv), mask (B, T) or None"""
+        return (CGPRegulariser(sequence_mean(regularizer, mask) / 2),)
 
     def _regularizer(self) -> torch.Tensor:
         raise NotImplementedError
@@ -392,8 +397,9 @@ class CorrelatedGP(CorrelatedGPBase):
         Sigma = Kb["K_q"] - s2 * (G.mT @ G) - UG.mT @ UG
         return 0.5 * (Sigma + Sigma.mT), G
 
-    def _regularizer(self, v, valid, nu, s2, Kb, G, valid_q):
-        """R of eqs. 42–44 per head and value column.  # shape: (B, H, Dv)"""
+    def _regularizer(self, v, valid, nu, s2, Kb, G, valid_q, prior_noise=None):
+        """R of eqs. 42–44 per head and value column; ``prior_noise``: the prior samples' ε, drawn here when None
+        (:meth:`forward_noise`).  # shape: (B, H, Dv)"""
         L_o, W, K_k = Kb["L_o"], Kb["W"], Kb["K_k"]
         W_k = tri_solve(L_o, Kb["K_ok"])  # L_o⁻¹ K_ok
         # Σ_q = K_q − K_qo A⁻¹ K_oq and Σ_k = K_k − K_ko A⁻¹ K_ok, the conditionals given z_o (eq. 37),
@@ -406,7 +412,9 @@ class CorrelatedGP(CorrelatedGPBase):
         if self.prior_samples is not None:
             B, H, T, _ = Kb["K_o"].shape  # T latent inputs (the keys' tokens)
             L_prior = cholesky(add_jitter(Kb["K_o"], self.jitter), name="cgp: K_o")
-            eps = torch.randn(B, H, T, self.prior_samples, dtype=nu.dtype, device=nu.device)
+            eps = prior_noise
+            if eps is None:
+                eps = torch.randn(B, H, T, self.prior_samples, dtype=nu.dtype, device=nu.device)
             y = tri_solve(L_o, L_prior @ eps)  # L_o⁻¹ z_o⁽ⁱ⁾, z_o⁽ⁱ⁾ ~ N(0, K_o)  # shape: (B, H, T, P)
             quad = []
             for L, first, Wx in ((L_q, nu, W), (L_kk, z, W_k)):
@@ -431,6 +439,21 @@ class CorrelatedGP(CorrelatedGPBase):
         # eq. 25, right to left: ν = K_qo (K_o + σ²I)⁻¹ (K_ok v)
         return Kb["K_qo"] @ torch.cholesky_solve(Kb["K_ok"] @ v, Kb["L_o"])  # shape: (B, H, T, Dv)
 
+    def forward_noise(self, queries, v, num_samples, sampling: bool, regulariser: bool) -> tuple:
+        """The random numbers a forward of these inputs draws, in the order it draws them: the samples' ε (with
+        ``sampling``: :func:`~gpattn.variational._linalg.standard_normal` of the mean's shape) and then the
+        regulariser's prior-sample ε (with ``regulariser`` and ``prior_samples``), None for either not drawn. A
+        conditional given them (``CGPConditional.given_noise``) draws nothing, so sequences conditioned apart consume
+        what the whole batch would, in its order (:class:`gpattn.attention.cgp.CGPAttention`'s recomputed pieces).
+        # shape: queries (B, H, T', Dh), v (B, H, T, Dv) -> (B, H, T', Dv) or (P, B, H, T', Dv), (B, H, T, P_o)"""
+        (like,) = full_precision(v[:1, :1, :1, :1])  # the conditional's dtype and device
+        B, H, T, Dv = v.shape
+        sample = standard_normal((B, H, queries.shape[2], Dv), like, num_samples) if sampling else None
+        prior = None
+        if regulariser and self.prior_samples is not None:
+            prior = torch.randn(B, H, T, self.prior_samples, dtype=like.dtype, device=like.device)
+        return sample, prior
+
     # ------------------------------------------------------------------ entry points
     def _condition(self, q, k, o, v, valid, valid_q=None):
         Kb = self._blocks(q, k, o, valid, valid_q)
@@ -454,6 +477,9 @@ class CGPConditional(CorrelatedConditional):
         super().__init__(gp, nu, valid, valid_q)
         self._Kb, self._q, self._k, self._v = blocks, q, k, v
         self._G = self._chol = None
+        #: (the samples' ε, the prior samples' ε) to use instead of drawing them (:meth:`CorrelatedGP.forward_noise`;
+        #: each None: drawn at use)
+        self.given_noise = (None, None)
 
     def _second(self):
         if "K_q" not in self._Kb:
@@ -471,7 +497,9 @@ class CGPConditional(CorrelatedConditional):
         """ν + L_Σ ε: one factor for every value column and draw.
         # shape: -> (B, H, T, Dv), or (P, B, H, T, Dv) with num_samples=P"""
         with gp_algebra(self._device):
-            eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)
+            eps = self.given_noise[0]
+            if eps is None:
+                eps = standard_normal(self.mean.shape, self.mean, num_samples, generator)
             return self.mean + matmul_samples(self._factor(), eps)
 
     def posterior(self) -> MultivariateNormal:
@@ -486,4 +514,6 @@ class CGPConditional(CorrelatedConditional):
         G = self._G
         if G is None and self.gp.prior_samples is None:
             G = tri_solve(Kb["L_o"].mT, Kb["W"], upper=True)
-        return self.gp._regularizer(self._v, self.valid, self.nu, self.gp.noise(self._q), Kb, G, self.valid_q)
+        return self.gp._regularizer(
+            self._v, self.valid, self.nu, self.gp.noise(self._q), Kb, G, self.valid_q, prior_noise=self.given_noise[1]
+        )
