@@ -78,9 +78,10 @@ def test_pieces_equal_the_unpieced_forward(monkeypatch, dtype, case):
     assert torch.equal(pieces[3], whole[3])  # the random state after the step: the same stream on from here
 
 
-def test_no_block_of_the_batch_is_kept_for_the_backward():
+def test_no_block_of_the_batch_is_kept_for_the_backward(monkeypatch):
     """The tensors autograd saves outside the checkpointed pieces: none is a (B, H, T, T) block (the unpieced
     forward saves some thirty per layer), so the blocks live only while a piece runs."""
+    monkeypatch.setattr(cgp_layer, "PIECE_ELEMENTS", 2 * HEADS * T * T)
     torch.manual_seed(0)
     layer = gpattn.build_attention("cgp", D, HEADS).train()
     x = torch.randn(B, T, D, requires_grad=True)
@@ -97,6 +98,16 @@ def test_no_block_of_the_batch_is_kept_for_the_backward():
     assert [s for s in shapes if s[-2:] == (T, T)] == []
     loss.backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_a_batch_of_one_piece_runs_unpieced(monkeypatch):
+    """Blocks within one piece (short sequences, bound by the per-operator cost): the unpieced forward, nothing
+    recomputed."""
+    ran = []
+    monkeypatch.setattr(CGPAttention, "_piece", lambda self, *a: ran.append(a))
+    layer = gpattn.build_attention("cgp", D, HEADS).train()
+    layer(torch.randn(B, T, D), None, 2).sum().backward()
+    assert ran == []
 
 
 def test_piece_rows():

@@ -155,19 +155,20 @@ class CGPAttention(_CorrelatedGPAttention):
         return CorrelatedGP(self.num_heads, **options)
 
     def _attend(self, call):
-        """Recording gradients, the batch is conditioned in pieces of :func:`piece_rows` sequences, each
+        """Recording gradients, a batch whose blocks exceed a piece's (:data:`PIECE_ELEMENTS` entries) is
+        conditioned in pieces of :func:`piece_rows` sequences, each
         checkpointed (``torch.utils.checkpoint``): a piece's (B, H, T, T) blocks live during its forward and
         again during its backward, which recomputes them, and no block of the whole batch is kept between the
         forward and the backward. The random numbers are drawn for the whole batch first, in the order one
         conditional draws them (:meth:`gpattn.variational.cgp.CorrelatedGP.forward_noise`), so the draws, R, the
         output and the gradients are the unpieced forward's (docs/derivations.md §7, "Recomputed in pieces")."""
-        if not torch.is_grad_enabled():
+        (B, T), S = call.x.shape[:2], (call.x if call.context is None else call.context).shape[1]
+        rows = B if torch.compiler.is_compiling() else piece_rows(B, self.num_heads, T, S, call.x.device)
+        if not torch.is_grad_enabled() or rows >= B:  # nothing kept, or blocks of one piece's size: kept
             return super()._attend(call)
         args, kwargs = self._strategy_args(call.x, call.context)
-        q, k, v = kwargs.get("query_inputs", args[0]), args[1], args[3]
+        q, v = kwargs.get("query_inputs", args[0]), args[3]
         noise = self.strategy.forward_noise(q, v, call.num_samples, call.sampling, self.training)
-        B, H, S = k.shape[:3]
-        rows = B if torch.compiler.is_compiling() else piece_rows(B, H, q.shape[2], S, v.device)
         axis = 1 if call.sampling and call.num_samples is not None else 0  # the batch axis of a draw
         pieces = [
             checkpoint(self._piece, slice(start, start + rows), args, kwargs, noise, call, axis, use_reentrant=False)
