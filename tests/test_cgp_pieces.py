@@ -1,8 +1,8 @@
-"""cgp's forward while recording gradients (docs/derivations.md §7, "Recomputed in pieces"): the batch conditioned in
-pieces of sequences, each checkpointed, the random numbers drawn for the whole batch first. The reference is the
-unpieced forward every GP variant runs (``GPAttention._attend``, cgp's forward before the pieces): outputs, loss
-terms, gradients and the random state after the step must be the same, bit for bit, and no (B, H, T, T) block may be
-kept for the backward."""
+"""cgp's forward (docs/derivations.md §7, "Conditioned in pieces"): a batch whose blocks exceed a piece is conditioned
+in pieces of sequences (each checkpointed while recording gradients), the random numbers drawn for the whole batch
+first. The reference is the unpieced forward every GP variant runs (``GPAttention._attend``, cgp's forward before the
+pieces): outputs, loss terms, gradients (σ_q's and σ_k's to rounding) and the random state after the step must be the
+same, bit for bit, and no (B, H, T, T) block may be kept for the backward."""
 
 import pytest
 import torch
@@ -36,12 +36,12 @@ def _step(layer, x, mask, num_samples, context):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(
-    "case", ["samples", "one-draw", "deterministic", "eval-with-grad", "cross-attention", "exact-expectation"]
+    "case", ["samples", "one-draw", "deterministic", "eval", "eval-with-grad", "cross-attention", "exact-expectation"]
 )
 def test_pieces_equal_the_unpieced_forward(monkeypatch, dtype, case):
     options = {"prior_mean": "zero"} if case == "cross-attention" else {}
     torch.manual_seed(0)
-    layer = gpattn.build_attention("cgp", D, HEADS, **options).to(dtype).train(case != "eval-with-grad")
+    layer = gpattn.build_attention("cgp", D, HEADS, **options).to(dtype).train(not case.startswith("eval"))
     if case == "exact-expectation":
         layer.strategy.prior_samples = None
     g = torch.Generator().manual_seed(1)
@@ -50,12 +50,16 @@ def test_pieces_equal_the_unpieced_forward(monkeypatch, dtype, case):
     mask = torch.zeros(B, S if context is not None else T, dtype=torch.bool)
     mask[1, -2:] = True
     mask[4, -1:] = True
-    num_samples = 3 if case in ("samples", "cross-attention", "eval-with-grad") else None
+    num_samples = 3 if case in ("samples", "cross-attention", "eval", "eval-with-grad") else None
     # two sequences a piece: three pieces, the last of one sequence
     monkeypatch.setattr(cgp_layer, "PIECE_ELEMENTS", 2 * HEADS * T * mask.shape[1])
     assert piece_rows(B, HEADS, T, mask.shape[1], x.device) == 2
 
     def step():
+        if case == "eval":  # no gradients: pieces, nothing recomputed
+            with torch.no_grad():
+                torch.manual_seed(3)
+                return layer(x, mask, num_samples), {}, {}, torch.randn(4, dtype=dtype)
         if case == "deterministic":
             with gpattn.deterministic():
                 return _step(layer, x, mask, num_samples, context)

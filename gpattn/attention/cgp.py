@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from gpytorch.kernels import Kernel
 from torch.utils.checkpoint import checkpoint
@@ -26,6 +28,10 @@ def piece_rows(B: int, H: int, T: int, S: int, device: torch.device) -> int:
     within :data:`PIECE_ELEMENTS` (:data:`DEVICE_PIECE_ELEMENTS` off the CPU), at least one."""
     budget = PIECE_ELEMENTS if device.type == "cpu" else DEVICE_PIECE_ELEMENTS
     return max(1, min(B, budget // max(1, H * T * S)))
+
+
+def _call(fn, *args):
+    return fn(*args)
 
 
 def _rows(t, rows: slice, axis: int = 0):
@@ -155,24 +161,24 @@ class CGPAttention(_CorrelatedGPAttention):
         return CorrelatedGP(self.num_heads, **options)
 
     def _attend(self, call):
-        """Recording gradients, a batch whose blocks exceed a piece's (:data:`PIECE_ELEMENTS` entries) is
-        conditioned in pieces of :func:`piece_rows` sequences, each
-        checkpointed (``torch.utils.checkpoint``): a piece's (B, H, T, T) blocks live during its forward and
-        again during its backward, which recomputes them, and no block of the whole batch is kept between the
-        forward and the backward. The random numbers are drawn for the whole batch first, in the order one
-        conditional draws them (:meth:`gpattn.variational.cgp.CorrelatedGP.forward_noise`), so the draws, R, the
-        output and the gradients are the unpieced forward's (docs/derivations.md §7, "Recomputed in pieces")."""
+        """A batch whose blocks exceed a piece's (:data:`PIECE_ELEMENTS` entries) is conditioned in pieces of
+        :func:`piece_rows` sequences: a piece's (B, H, T, T) blocks live while it runs, and no block of the whole
+        batch is formed. Recording gradients, each piece is checkpointed (``torch.utils.checkpoint``): its backward
+        computes its blocks again, and none is kept between the forward and the backward. The random numbers are
+        drawn for the whole batch first, in the order one conditional draws them
+        (:meth:`gpattn.variational.cgp.CorrelatedGP.forward_noise`), so the draws, R, the output and the gradients
+        are the unpieced forward's (docs/derivations.md §7, "Conditioned in pieces")."""
         (B, T), S = call.x.shape[:2], (call.x if call.context is None else call.context).shape[1]
         rows = B if torch.compiler.is_compiling() else piece_rows(B, self.num_heads, T, S, call.x.device)
-        if not torch.is_grad_enabled() or rows >= B:  # nothing kept, or blocks of one piece's size: kept
+        if rows >= B:  # blocks of one piece's size: formed whole
             return super()._attend(call)
+        run = functools.partial(checkpoint, use_reentrant=False) if torch.is_grad_enabled() else _call
         args, kwargs = self._strategy_args(call.x, call.context)
         q, v = kwargs.get("query_inputs", args[0]), args[3]
         noise = self.strategy.forward_noise(q, v, call.num_samples, call.sampling, self.training)
         axis = 1 if call.sampling and call.num_samples is not None else 0  # the batch axis of a draw
         pieces = [
-            checkpoint(self._piece, slice(start, start + rows), args, kwargs, noise, call, axis, use_reentrant=False)
-            for start in range(0, B, rows)
+            run(self._piece, slice(start, start + rows), args, kwargs, noise, call, axis) for start in range(0, B, rows)
         ]
         out = torch.cat([p[0] for p in pieces], axis)
         mean = torch.cat([p[1] for p in pieces])
