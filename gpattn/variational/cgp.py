@@ -293,8 +293,9 @@ class CorrelatedConditional(AmortisedConditional):
 
     @staticmethod
     def loss_terms(regularizer: torch.Tensor, mask=None) -> tuple:
-        r"""The loss term of R per head and value column (:meth:`regularizer`'s, or sequences' R side by side):
-        :math:`\operatorname{mean}_b \sum_{h,d} R / 2` over the sequences ``mask`` does not leave out entirely.
+        r"""The loss term of R per head and value column (:meth:`regularizer`'s, or the R of sequences conditioned
+        apart, side by side): :math:`\operatorname{mean}_b \sum_{h,d} R / 2` over the sequences ``mask`` does not
+        leave out entirely.
         # shape: regularizer (B, H, Dv), mask (B, T) or None"""
         return (CGPRegulariser(sequence_mean(regularizer, mask) / 2),)
 
