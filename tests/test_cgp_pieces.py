@@ -50,6 +50,7 @@ def test_pieces_equal_the_unpieced_forward(monkeypatch, dtype, case):
     mask = torch.zeros(B, S if context is not None else T, dtype=torch.bool)
     mask[1, -2:] = True
     mask[4, -1:] = True
+    mask[3] = True  # all padding: unpadded for the attention, left out of the loss term's mean
     num_samples = 3 if case in ("samples", "cross-attention", "eval", "eval-with-grad") else None
     # two sequences a piece: three pieces, the last of one sequence
     monkeypatch.setattr(cgp_layer, "PIECE_ELEMENTS", 2 * HEADS * T * mask.shape[1])
