@@ -96,13 +96,16 @@ def test_train_logs_its_estimate_and_a_line_per_epoch_and_split(tmp_path, capsys
         assert sum(line.startswith(f"evaluated {split} (") and line.endswith(" s") for line in printed) == 1, printed
 
 
-def test_compare_says_run_k_of_n_with_an_estimate_and_the_time_of_each_run(tmp_path):
+def test_compare_says_run_k_of_n_with_an_estimate_and_the_time_of_each_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(E, "SECONDS_PER_FIGURE", 10.0)
     lines = []
     compare("softmax,softmax+ts", [0, 1], tmp_path, TrainConfig(dataset="digits", **TINY), progress=False,
             log=lines.append)
     runs = [line for line in lines if line.startswith("[compare] run ")]
     assert runs[0] == "[compare] run 1 of 2 (softmax seed 0): started"
     assert runs[1].startswith("[compare] run 1 of 2 (softmax seed 0): ~") and "left in this compare" in runs[1]
+    # the report's figures: 2 rows x (first-seed in-domain, in-domain and shift pooled) + risk-coverage + msp histograms
+    assert runs[1].endswith("(the report ~80 s included)")
     assert runs[2].startswith("[compare] run 1 of 2 (softmax seed 0): done in ")
     assert runs[3] == "[compare] run 2 of 2 (softmax seed 1): started"
     assert any(line.startswith("[compare] run 2 of 2 (softmax seed 1): done in ") for line in runs)

@@ -363,7 +363,8 @@ def compare(
                 log(f"[compare] data (seed {seed}): {sizes}; fingerprint {summaries[seed]['fingerprint']}")
         return bundles[seed]
 
-    _plan_priors(plan, runs_of, base, variant_settings, seeds[0], bundle_of(seeds[0]), progress, ood_scores, log)
+    _plan_priors(plan, runs_of, base, variant_settings, seeds[0], bundle_of(seeds[0]), progress, len(specs),
+                 ood_scores, log)
     for spec in specs:
         results[spec.spec] = {}
         for seed in seeds:
@@ -433,9 +434,9 @@ def compare(
 
 
 def _plan_priors(plan: RunPlan, runs_of: dict, base, variant_settings: dict, seed: int, bundle, progress: bool,
-                 ood_scores, log) -> None:
+                 n_specs: int, ood_scores, log) -> None:
     """Give ``plan`` its priors (:func:`probe_runs` of one run of every variant not finished, when there are two or
-    more) and the report's seconds (its figures: :func:`gpattn.experiments.report._plots`)."""
+    more) and the report's seconds (the figures of its ``n_specs`` rows: :func:`gpattn.experiments.report._plots`)."""
     configs = {}
     for folder, (spec, alpha) in runs_of.items():
         key = plan.keys[folder]
@@ -448,8 +449,7 @@ def _plan_priors(plan: RunPlan, runs_of: dict, base, variant_settings: dict, see
         log(f"[compare] timed the first steps of {len(plan.prior)} variants in "
             f"{time.perf_counter() - started:.0f} s: the estimate of the runs not timed yet")
     labelled = sum(bool((bundle.splits[key].labels >= 0).any()) for key in bundle.eval_splits.values())
-    specs = {spec.spec for spec, _ in runs_of.values()}
-    figures = len(specs) * (1 + labelled) + 1 + (len(ood_scores) if bundle.ood_splits else 0)
+    figures = n_specs * (1 + labelled) + 1 + (len(ood_scores) if bundle.ood_splits else 0)
     plan.report = report_seconds(figures)
 
 
