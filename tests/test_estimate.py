@@ -180,10 +180,9 @@ def test_run_plan_counts_untimed_runs_at_their_prior_and_the_report(monkeypatch)
 
 
 def test_probe_runs_times_each_variant_writes_nothing_and_logs_a_failure(tmp_path, monkeypatch):
+    from gpattn.experiments import training
     from gpattn.experiments.compare import probe_runs
     from gpattn.experiments.data import load_dataset
-
-    from gpattn.experiments import training
 
     build = training.build_model
 

@@ -132,7 +132,7 @@ def _run_config(base: TrainConfig, spec: VariantSpec, seed: int, progress: bool,
 
 
 class _Probed(Exception):
-    """Raised by :func:`probe_runs`' estimate callback: the run's estimate is all the probe wanted."""
+    """Raised by ``probe_runs``' estimate callback: the run's estimate is all the probe wanted."""
 
     def __init__(self, estimate):
         super().__init__("probed")
@@ -141,7 +141,7 @@ class _Probed(Exception):
 
 def probe_runs(configs: dict, bundle, log=None) -> dict:
     """``{key: seconds}``: each ``configs[key]`` run's estimated time (training and evaluation) from its own first
-    steps and one evaluation pass (``train``'s estimate, :mod:`gpattn.experiments._estimate`), measured now, before
+    steps and one evaluation pass (``train``'s estimate, ``gpattn.experiments._estimate``), measured now, before
     any run: nothing is written and the run stops there. ``compare`` counts the variants it has not timed yet at
     these seconds (scaled by the timed variants' ratio of measured to probed time) rather than at the mean of the
     timed ones, which was +165 % off when the slowest variant ran first (docs/benchmarks.md). A probe that fails is
@@ -435,8 +435,8 @@ def compare(
 
 def _plan_priors(plan: RunPlan, runs_of: dict, base, variant_settings: dict, seed: int, bundle, progress: bool,
                  n_specs: int, ood_scores, log) -> None:
-    """Give ``plan`` its priors (:func:`probe_runs` of one run of every variant not finished, when there are two or
-    more) and the report's seconds (the figures of its ``n_specs`` rows: :func:`gpattn.experiments.report._plots`)."""
+    """Give ``plan`` its priors (``probe_runs`` of one run of every variant not finished, when there are two or
+    more) and the report's seconds (the figures of its ``n_specs`` rows: ``gpattn.experiments.report._plots``)."""
     configs = {}
     for folder, (spec, alpha) in runs_of.items():
         key = plan.keys[folder]
