@@ -1,6 +1,7 @@
 """An estimate before a run, progress during it (issue #58, item 3): the arithmetic on constructed timings, and the
 lines ``train`` and ``compare`` print."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -95,13 +96,16 @@ def test_train_logs_its_estimate_and_a_line_per_epoch_and_split(tmp_path, capsys
         assert sum(line.startswith(f"evaluated {split} (") and line.endswith(" s") for line in printed) == 1, printed
 
 
-def test_compare_says_run_k_of_n_with_an_estimate_and_the_time_of_each_run(tmp_path):
+def test_compare_says_run_k_of_n_with_an_estimate_and_the_time_of_each_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(E, "SECONDS_PER_FIGURE", 10.0)
     lines = []
     compare("softmax,softmax+ts", [0, 1], tmp_path, TrainConfig(dataset="digits", **TINY), progress=False,
             log=lines.append)
     runs = [line for line in lines if line.startswith("[compare] run ")]
     assert runs[0] == "[compare] run 1 of 2 (softmax seed 0): started"
     assert runs[1].startswith("[compare] run 1 of 2 (softmax seed 0): ~") and "left in this compare" in runs[1]
+    # the report's figures: 2 rows x (first-seed in-domain, in-domain and shift pooled) + risk-coverage + msp histograms
+    assert runs[1].endswith("(the report ~80 s included)")
     assert runs[2].startswith("[compare] run 1 of 2 (softmax seed 0): done in ")
     assert runs[3] == "[compare] run 2 of 2 (softmax seed 1): started"
     assert any(line.startswith("[compare] run 2 of 2 (softmax seed 1): done in ") for line in runs)
@@ -128,3 +132,73 @@ def test_run_plan_adds_the_time_finished_runs_took_beyond_their_estimate(monkeyp
     plan.estimated(folders[1], "b")(E.run_estimate(10, 1.0, 0, 0.0))
     # b: 10 s + 20 s; c (not timed) at the mean of a's 30 s and b's 30 s
     assert lines[-1].endswith("; ~60 s left in this compare (1 run of variants not timed yet counted at the mean)")
+
+
+def test_time_left_counts_untimed_variants_at_their_prior_scaled_by_the_timed_ones():
+    """Priors (the probed first steps) of 100 s for cgp, 10 s for softmax and 20 s for sgpa; cgp measured 150 s
+    (1.5x its prior): softmax counts 15 s, sgpa 30 s; a variant without a prior the mean of the known; the report's
+    seconds once."""
+    prior = {"cgp": 100.0, "softmax": 10.0, "sgpa": 20.0}
+    assert E.time_left(50.0, ["cgp", "softmax", "sgpa", None], {"cgp": 150.0}, prior, extra=7.0) == (
+        50.0 + 150 + 15 + 30 + 7, 2)
+    # two timed variants: the ratio of their sums, (150 + 30) / (100 + 10) (not the mean of the ratios)
+    left, guessed = E.time_left(0.0, ["sgpa"], {"cgp": 150.0, "softmax": 30.0}, prior)
+    assert (left, guessed) == (pytest.approx(20.0 * 180 / 110), 1)
+    assert E.time_left(0.0, ["x"], {"cgp": 150.0, "softmax": 30.0}, prior) == (90.0, 1)  # no prior: the mean
+    assert E.time_left(0.0, ["sgpa"], {}, prior) == (20.0, 1)  # nothing timed: the prior as probed
+    assert E.time_left(0.0, ["sgpa"], {"z": 5.0}, prior) == (20.0, 1)  # no timed key has a prior: ratio 1
+
+
+def test_report_seconds_counts_each_figure():
+    assert E.report_seconds(50) == pytest.approx(50 * E.SECONDS_PER_FIGURE) and E.report_seconds(0) == 0.0
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="figures"):
+            E.report_seconds(bad)
+
+
+def test_run_plan_counts_untimed_runs_at_their_prior_and_the_report(monkeypatch):
+    """The demo's order at fdc5f1e: cgp (the slowest) first. With priors, the first time left is cgp's two runs
+    and the others' priors, not 34 runs at cgp's time."""
+    now = [0.0]
+    monkeypatch.setattr(E.time, "perf_counter", lambda: now[0])
+    lines = []
+    folders = [Path(f"out/runs/{v}/seed{s}") for v in ("cgp", "softmax") for s in (0, 1)]
+    plan = E.RunPlan(folders, lines.append, finished=lambda f: False)
+    plan.prior = {Path("out/runs/cgp"): 30.0, Path("out/runs/softmax"): 4.0}
+    plan.report = 15.0
+    plan.start(folders[0], "cgp seed 0")
+    plan.estimated(folders[0], "cgp seed 0")(E.run_estimate(20, 1.5, 0, 0.0))  # 30 s: ratio 1
+    # cgp 30 + 30, softmax 4 + 4, the report 15
+    assert lines[-1].endswith("; ~83 s left in this compare (2 runs of variants not timed yet counted at their first "
+                              "steps' time) (the report ~15 s included)")
+    now[0] = 45.0
+    plan.finish(folders[0], "cgp seed 0", reused=False)  # 45 s: 1.5x its prior, and 15 s overhead
+    plan.start(folders[1], "cgp seed 1")
+    plan.estimated(folders[1], "cgp seed 1")(E.run_estimate(20, 1.5, 0, 0.0))
+    # this run 30 + 15 overhead, softmax 2 x 4 x 1.5, the report 15
+    assert "; ~72 s left in this compare (2 runs" in lines[-1]
+
+
+def test_probe_runs_times_each_variant_writes_nothing_and_logs_a_failure(tmp_path, monkeypatch):
+    from gpattn.experiments import training
+    from gpattn.experiments.compare import probe_runs
+    from gpattn.experiments.data import load_dataset
+
+    build = training.build_model
+
+    def broken_for_kernel(cfg, bundle, positions=None):
+        if cfg.attention == "kernel":
+            raise RuntimeError("out of memory")
+        return build(cfg, bundle, positions)
+
+    monkeypatch.setattr(training, "build_model", broken_for_kernel)
+    monkeypatch.chdir(tmp_path)
+    bundle = load_dataset("digits", data_dir=None, download=False, seed=0)
+    cfg = TrainConfig(dataset="digits", **TINY)
+    lines = []
+    seconds = probe_runs({"a": cfg, "b": dataclasses.replace(cfg, attention="kep-svgp"),
+                          "bad": dataclasses.replace(cfg, attention="kernel")}, bundle, lines.append)
+    assert set(seconds) == {"a", "b"} and all(s > 0 for s in seconds.values())
+    assert lines == ["[compare] kernel: no probe of its first steps (RuntimeError: out of memory); its runs count at "
+                     "the mean of the timed ones until one is timed"]
+    assert list(tmp_path.iterdir()) == []  # no run folder, no file

@@ -3,6 +3,13 @@
 evaluation) and, in ``compare``, "run k of n" and the time left; a configuration expected to take over an hour on
 this machine gets a warning line.
 
+The time left counts every later run at its variant's measured time once one of its runs is timed; before that, at
+its *prior*: ``compare`` times the first steps and one evaluation pass of every variant of its plan up front
+(``gpattn.experiments.compare.probe_runs``, the same measurement a run makes of itself, a few seconds in all),
+and an untimed variant counts at its prior times the ratio of the timed variants' times to their priors (what the
+short probe does not see: building the model, the detectors, the files, the machine's load). The report's plots
+count at :data:`SECONDS_PER_FIGURE` each.
+
 The arithmetic is pure (:func:`run_estimate`, :func:`time_left`, :func:`duration`), tested on constructed timings;
 :class:`StepClock` holds the measurement, :class:`RunPlan` ``compare``'s runs.
 """
@@ -19,6 +26,9 @@ WARM_UP_STEPS = 1
 TIMED_STEPS = 3
 #: an estimate over this many seconds gets a warning line before the run goes on
 WARN_SECONDS = 3600.0
+#: seconds per figure of ``compare``'s report (PNG, Agg), its tables included: ``make demo`` at fdc5f1e wrote 50
+#: figures and report.md in 14.9 s on 2 CPU cores (docs/benchmarks.md)
+SECONDS_PER_FIGURE = 0.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +67,31 @@ def run_estimate(steps: int, seconds_per_step: float, row_samples: int, seconds_
                        row_samples)
 
 
-def time_left(current_left: float, later: Sequence[Hashable], known: dict) -> tuple[float, int]:
-    """(seconds, runs guessed): the current run's ``current_left`` seconds plus every ``later`` run's, each the
-    ``known`` seconds of its key (a variant timed already) or, for a variant not timed yet, the mean of the known ones
-    (counted in the second value). A key of ``None`` is a run that costs nothing (reused)."""
+def time_left(current_left: float, later: Sequence[Hashable], known: dict, prior: dict | None = None,
+              extra: float = 0.0) -> tuple[float, int]:
+    """(seconds, runs guessed): the current run's ``current_left`` seconds, ``extra`` (e.g. the report's) and every
+    ``later`` run's: the ``known`` seconds of its key (a variant timed already), else (counted in the second value)
+    its ``prior`` seconds times the calibration ratio Σ known / Σ prior over the keys that have both (1 when none
+    has), else the mean of the known ones. A key of ``None`` is a run that costs nothing (reused)."""
+    prior = prior or {}
     mean = sum(known.values()) / len(known) if known else 0.0
+    both = [key for key in known if key in prior]
+    denominator = sum(prior[key] for key in both)
+    ratio = sum(known[key] for key in both) / denominator if both and denominator > 0 else 1.0
+
+    def guess(key) -> float:
+        return prior[key] * ratio if key in prior else mean
+
     guessed = sum(1 for key in later if key is not None and key not in known)
-    return current_left + sum(known.get(key, mean) for key in later if key is not None), guessed
+    return current_left + extra + sum(known[key] if key in known else guess(key) for key in later
+                                      if key is not None), guessed
+
+
+def report_seconds(figures: int) -> float:
+    """The seconds ``compare``'s report of ``figures`` figures takes, at :data:`SECONDS_PER_FIGURE` each."""
+    if isinstance(figures, bool) or not isinstance(figures, int) or figures < 0:
+        raise ValueError(f"figures must be an int >= 0, got {figures!r}")
+    return figures * SECONDS_PER_FIGURE
 
 
 def duration(seconds: float) -> str:
@@ -109,7 +137,9 @@ class StepClock:
 
 class RunPlan:
     """``compare``'s runs in order (their folders; a run finished on disk counts as reused, no cost), each announced
-    as "run k of n", its estimate and the time left when its first steps are timed, its time when it ends."""
+    as "run k of n", its estimate and the time left when its first steps are timed, its time when it ends.
+    ``prior``: each key's (variant folder's) seconds measured up front, for the variants not timed yet
+    (:func:`time_left`); ``report``: the seconds the report will take after the last run."""
 
     def __init__(self, folders: Sequence, log: Callable[[str], None], finished: Callable[[object], bool]):
         self.folders = list(dict.fromkeys(folders))  # one run per folder (+ts shares its variant's)
@@ -120,6 +150,8 @@ class RunPlan:
         # files), which a run's steps and evaluation pass do not time; their mean is added to later estimates
         self.estimates: dict = {}
         self.overheads: list[float] = []
+        self.prior: dict = {}
+        self.report = 0.0
 
     @property
     def overhead(self) -> float:
@@ -142,9 +174,11 @@ class RunPlan:
             current = estimate.total + self.overhead
             self.known.setdefault(self.keys[folder], current)
             later = [self.keys[f] for f in self.folders[self.folders.index(folder) + 1 :]]
-            left, guessed = time_left(current, later, self.known)
+            left, guessed = time_left(current, later, self.known, self.prior, self.report)
             runs = "1 run" if guessed == 1 else f"{guessed} runs"
-            note = f" ({runs} of variants not timed yet counted at the mean)" if guessed else ""
+            how = "their first steps' time" if self.prior else "the mean"
+            note = f" ({runs} of variants not timed yet counted at {how})" if guessed else ""
+            note += f" (the report ~{self.report:.0f} s included)" if self.report else ""
             self.log(f"{self._tag(folder, label)}: {estimate.line()}; {duration(left)} left in this compare{note}")
             warning = over_an_hour(time.perf_counter() - self.began + left, "this compare")
             if warning and not self.warned:

@@ -37,7 +37,7 @@ import torch
 
 from gpattn.attention.registry import attention_class, attention_options, build_attention
 from gpattn.experiments._compare_guard import OVERWRITE, check_out_folder, check_replace, earlier_rows_note
-from gpattn.experiments._estimate import RunPlan
+from gpattn.experiments._estimate import RunPlan, report_seconds
 from gpattn.experiments._io import CHECKPOINT_FORMAT, checkpoint_format, load_file
 from gpattn.experiments._runs import CHECKPOINT, load_checkpoint, resolve_device
 from gpattn.experiments._variants import (  # noqa: F401  (BASELINES re-exported)
@@ -61,7 +61,8 @@ from gpattn.experiments.training import (
 )
 from gpattn.objectives import CGPRegulariser, named_added_loss_terms
 
-__all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "split_variants", "write_report"]
+__all__ = ["VariantSpec", "compare", "expand_variants", "parse_variant", "probe_runs", "split_variants",
+           "write_report"]
 
 
 def _run(
@@ -72,12 +73,7 @@ def _run(
     same as now, else trained (its folder added to ``trained``); the log line says which and why. ``alpha``:
     one candidate of an α grid (the run's own folder ``<name>/alpha=<α>``), else the base's α. ``plan``: the
     call's runs, which say "run k of n", the run's estimate and the time left."""
-    cfg = dataclasses.replace(
-        base, attention=spec.attention, attention_options=_spec_options(base, spec), mc_dropout=spec.mcdropout,
-        seed=seed, sngp=sngp_options(base.encoder is not None) if spec.sngp else None,
-        progress=progress,
-        **({} if alpha is None else {"alpha": alpha}),
-    )
+    cfg = _run_config(base, spec, seed, progress, alpha)
     folder = _seed_folder(root, spec, seed, alpha)
     label = f"{spec.run_name} seed {seed}" if alpha is None else f"{spec.run_name} α={alpha:g} seed {seed}"
     plan = plan or RunPlan([folder], lambda line: None, lambda f: False)
@@ -123,6 +119,47 @@ def _run(
         trained.add(folder)
         plan.finish(folder, label, reused=False)
     return cfg, folder, load_file(done, what="predictions file")
+
+
+def _run_config(base: TrainConfig, spec: VariantSpec, seed: int, progress: bool, alpha: float | None) -> TrainConfig:
+    """The ``TrainConfig`` of ``spec``'s run of ``seed`` (``base`` with the variant's own settings applied)."""
+    return dataclasses.replace(
+        base, attention=spec.attention, attention_options=_spec_options(base, spec), mc_dropout=spec.mcdropout,
+        seed=seed, sngp=sngp_options(base.encoder is not None) if spec.sngp else None,
+        progress=progress,
+        **({} if alpha is None else {"alpha": alpha}),
+    )
+
+
+class _Probed(Exception):
+    """Raised by ``probe_runs``' estimate callback: the run's estimate is all the probe wanted."""
+
+    def __init__(self, estimate):
+        super().__init__("probed")
+        self.estimate = estimate
+
+
+def probe_runs(configs: dict, bundle, log=None) -> dict:
+    """``{key: seconds}``: each ``configs[key]`` run's estimated time (training and evaluation) from its own first
+    steps and one evaluation pass (``train``'s estimate, ``gpattn.experiments._estimate``), measured now, before
+    any run: nothing is written and the run stops there. ``compare`` counts the variants it has not timed yet at
+    these seconds (scaled by the timed variants' ratio of measured to probed time) rather than at the mean of the
+    timed ones, which was +165 % off when the slowest variant ran first (docs/benchmarks.md). A probe that fails is
+    logged (``log``: default print) and its key left out (it counts at the mean)."""
+    log, seconds = log or _log, {}
+    for key, cfg in configs.items():
+
+        def stop(estimate):
+            raise _Probed(estimate)
+
+        try:
+            train(cfg, None, bundle=bundle, estimate=stop, header=False, log=lambda line: None)
+        except _Probed as probed:
+            seconds[key] = probed.estimate.total
+        except Exception as err:  # noqa: BLE001  (an estimate must not stop the comparison; the run will say why)
+            log(f"[compare] {cfg.attention}: no probe of its first steps ({type(err).__name__}: {err}); its runs "
+                "count at the mean of the timed ones until one is timed")
+    return seconds
 
 
 def _selected_run(
@@ -302,30 +339,36 @@ def compare(
         log(f"[compare] {notes[-1]}")
     out = check_out_folder(out)
     out.mkdir(parents=True, exist_ok=True)
-    plan = RunPlan([_seed_folder(out, s, seed + 1000 * j, a) for s in specs for seed in seeds for j in range(s.ensemble)
-                    for a in (grid if grid and s.attention in takers else (None,))], log,
-                   lambda folder: (folder / "predictions.pt").is_file())
+    runs_of = {_seed_folder(out, s, seed + 1000 * j, a): (s, a) for s in specs for seed in seeds
+               for j in range(s.ensemble) for a in (grid if grid and s.attention in takers else (None,))}
+    plan = RunPlan(list(runs_of), log, lambda folder: (folder / "predictions.pt").is_file())
     results: dict[str, dict[str, dict]] = {}
     plot_preds: dict[str, dict] = {}
     bundles: dict[int, object] = {}
     summaries: dict[int, dict] = {}
+
+    def bundle_of(seed: int):
+        if seed not in bundles:
+            bundle = load_dataset(
+                base.dataset, data_dir=base.data_dir, download=base.download, seed=seed, **base.dataset_options
+            )
+            # re-tokenised by an encoder's tokenizer (--encoder); the frozen trunk runs on the runs' device
+            bundles[seed] = _for_model(base, bundle, resolve_device(base.device))
+            summaries[seed] = data_summary(bundles[seed])
+            if len(summaries) == 1:
+                for line in summary_lines(summaries[seed]):
+                    log(f"[compare] data (seed {seed}): {line[2:]}")
+            else:
+                sizes = ", ".join(f"{k} {n}" for k, n in summaries[seed]["sizes"].items())
+                log(f"[compare] data (seed {seed}): {sizes}; fingerprint {summaries[seed]['fingerprint']}")
+        return bundles[seed]
+
+    _plan_priors(plan, runs_of, base, variant_settings, seeds[0], bundle_of(seeds[0]), progress, len(specs),
+                 ood_scores, log)
     for spec in specs:
         results[spec.spec] = {}
         for seed in seeds:
-            if seed not in bundles:
-                bundle = load_dataset(
-                    base.dataset, data_dir=base.data_dir, download=base.download, seed=seed, **base.dataset_options
-                )
-                # re-tokenised by an encoder's tokenizer (--encoder); the frozen trunk runs on the runs' device
-                bundles[seed] = _for_model(base, bundle, resolve_device(base.device))
-                summaries[seed] = data_summary(bundles[seed])
-                if len(summaries) == 1:
-                    for line in summary_lines(summaries[seed]):
-                        log(f"[compare] data (seed {seed}): {line[2:]}")
-                else:
-                    sizes = ", ".join(f"{k} {n}" for k, n in summaries[seed]["sizes"].items())
-                    log(f"[compare] data (seed {seed}): {sizes}; fingerprint {summaries[seed]['fingerprint']}")
-            bundle = bundles[seed]
+            bundle = bundle_of(seed)
             log(f"[compare] {spec.spec} seed {seed}")
             members = []
             try:
@@ -388,6 +431,26 @@ def compare(
         trained=(len(trained), len(runs)),
     )
     return results
+
+
+def _plan_priors(plan: RunPlan, runs_of: dict, base, variant_settings: dict, seed: int, bundle, progress: bool,
+                 n_specs: int, ood_scores, log) -> None:
+    """Give ``plan`` its priors (``probe_runs`` of one run of every variant not finished, when there are two or
+    more) and the report's seconds (the figures of its ``n_specs`` rows: ``gpattn.experiments.report._plots``)."""
+    configs = {}
+    for folder, (spec, alpha) in runs_of.items():
+        key = plan.keys[folder]
+        if key is not None and key not in configs:
+            configs[key] = _run_config(dataclasses.replace(base, **variant_settings.get(spec.attention, {})), spec,
+                                       seed, progress, alpha)
+    if len(configs) > 1:
+        started = time.perf_counter()
+        plan.prior = probe_runs(configs, bundle, log)
+        log(f"[compare] timed the first steps of {len(plan.prior)} variants in "
+            f"{time.perf_counter() - started:.0f} s: the estimate of the runs not timed yet")
+    labelled = sum(bool((bundle.splits[key].labels >= 0).any()) for key in bundle.eval_splits.values())
+    figures = n_specs * (1 + labelled) + 1 + (len(ood_scores) if bundle.ood_splits else 0)
+    plan.report = report_seconds(figures)
 
 
 #: TrainConfig fields a variant's own settings may not set (compare sets them per spec and seed)
