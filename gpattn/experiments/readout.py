@@ -152,8 +152,13 @@ class GPReadout(nn.Module):
         if not self.fitted:
             raise ValueError("the GPReadout is not fitted: call fit_gp_readout(model, train_split) or readout.fit(h) "
                              "with the training features first")
-        phi = self.gp.features(h.to(self.gp.feature_weight))  # the readout's device and dtype
-        return self.gp.variance(phi.reshape(-1, self.gp.num_features)).reshape(h.shape[:-1])
+        flat = h.reshape(-1, self.in_features).to(self.gp.feature_weight)  # the readout's device and dtype
+        # equal rows (the P samples of a body that samples nothing) share one solve: O(R²) per distinct row
+        rows, inverse = torch.unique(flat, dim=0, return_inverse=True)
+        if rows.shape[0] == flat.shape[0]:
+            rows, inverse = flat, None
+        v = self.gp.variance(self.gp.features(rows))  # shape: (rows,)
+        return (v if inverse is None else v[inverse]).reshape(h.shape[:-1])
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """The mean-field logits ``head(h) / sqrt(1 + λ v(h))``; at λ = 0 ``head(h)`` itself.
@@ -170,18 +175,32 @@ class GPReadout(nn.Module):
         """Fit the GP on the training features ``h`` ``(N, D)``: the lengthscale by the median heuristic (when
         ``lengthscale`` was None), then Σ⁻¹ = s·I + Σᵢ wᵢ φᵢ φᵢᵀ in float64 (a refit starts from the prior).
         Returns the readout."""
+        return self.set_gram(*self.gram(h))
+
+    @torch.no_grad()
+    def gram(self, h: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The data's part of the precision from the training features ``h`` ``(N, D)``: ℓ by the median heuristic
+        (when ``lengthscale`` was None), then G = Σᵢ wᵢ φᵢ φᵢᵀ in float64 and N
+        (:meth:`gpattn.experiments.sngp.RandomFeatureGP.feature_gram`); :meth:`set_gram` factorises s·I + G, so
+        one G serves every ridge of readouts with the same draws and ℓ.  # shape: -> (D_L, D_L)"""
         self._check_input(h)
         if h.dim() != 2 or h.shape[0] < 1:
             raise ValueError(f"h must be the training features, shape (N >= 1, D={self.in_features}), got "
                              f"{tuple(h.shape)}")
         h = h.to(self.gp.feature_weight)
-        self.gp.ridge = float(self.ridge)
         if self.auto_lengthscale:
             self._set_lengthscale(self._median_distance(h))
         blocks = h.split(_FIT_ROWS)
-        self.gp.fit_features(
+        return self.gp.feature_gram(
             (self.gp.features(b) for b in blocks), weights=(self.curvature(self.head(b)).detach() for b in blocks)
         )
+
+    @torch.no_grad()
+    def set_gram(self, gram: torch.Tensor, count: int) -> GPReadout:
+        """Σ⁻¹ = s·I + G at the readout's ridge s, from :meth:`gram`'s G over ``count`` training rows. Returns the
+        readout."""
+        self.gp.ridge = float(self.ridge)
+        self.gp.set_gram(gram, count)
         return self
 
     def _median_distance(self, h: torch.Tensor) -> float:
@@ -213,6 +232,18 @@ def gp_variance_score(readout: GPReadout, h: torch.Tensor) -> torch.Tensor:
 #: ``(readout, h (N, P, D)) -> (N,)`` float64, higher = more out-of-distribution; ``compare`` puts them in a
 #: ``+gpreadout`` run's predictions as ``own_scores``
 OWN_SCORES = {"gp-variance": gp_variance_score}
+
+
+def _ridge_readouts(head: nn.Linear, h_train: torch.Tensor, ridges, seed: int, **options):
+    """``(s, readout)`` for each ridge s of ``ridges``: readouts of ``head`` with the draws of ``seed``, fitted on
+    ``h_train`` from one Gram (:meth:`GPReadout.gram`: the features and ℓ computed once, one factorisation per s)."""
+    first = _new_readout(head, seed, ridge=ridges[0], **options)
+    gram, count = first.gram(h_train)
+    for ridge in ridges:
+        readout = first if ridge == ridges[0] else _new_readout(head, seed, ridge=ridge, **options)
+        if readout.auto_lengthscale and readout is not first:
+            readout._set_lengthscale(float(first.lengthscale))  # the same draws, rescaled as first's were
+        yield ridge, readout.set_gram(gram, count)
 
 
 def _new_readout(head: nn.Linear, seed: int, **options) -> GPReadout:
@@ -392,8 +423,7 @@ def choose_score_ridge(
             raise ValueError(f"{name} must have shape (N >= 1, P, D={head.in_features}) (readout_split's inputs), "
                              f"got {tuple(x.shape)}")
     best, aurocs = None, {}
-    for ridge in ridges:
-        readout = _new_readout(head, seed, ridge=ridge, **options).fit(h_train)
+    for ridge, readout in _ridge_readouts(head, h_train, ridges, seed, **options):
         v_in, v_out = (gp_variance_score(readout, x).cpu() for x in (val_inputs, ood_val_inputs))
         auroc = M.ood_metrics(-v_in, -v_out)["ood_auroc"]  # higher = more in-distribution
         aurocs[f"{ridge:g}"] = auroc
@@ -414,8 +444,7 @@ def choose_readout(
     if not ridges:
         raise ValueError("ridges must name at least one ridge s > 0, e.g. RIDGE_GRID")
     best, scores = None, {}
-    for ridge in ridges:
-        readout = _new_readout(head, seed, ridge=ridge, **options).fit(h_train)
+    for ridge, readout in _ridge_readouts(head, h_train, ridges, seed, **options):
         variance = readout.variance(val_inputs).cpu()
         lam, nll = select_mean_field_factor(val_logits, variance, val_labels, grid, average)
         scores[f"{ridge:g}"] = {f"{g:g}": v for g, v in nll.items()}
