@@ -306,6 +306,7 @@ def test_errors_name_the_argument():
 
 # ----------------------------------------------------------------------------- the harness
 def test_compare_gpreadout_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setattr(R, "NUM_FEATURES", 512)  # the default's 4096 features cost this tiny model 20 s
     spec = C.parse_variant("softmax+gpreadout+ts")
     assert spec.gpreadout and spec.ts and spec.run_name == "softmax"  # post hoc: the softmax run itself
     base = TrainConfig(dataset="digits", embed_dim=16, num_heads=2, num_layers=1, epochs=1, batch_size=32, lr=5e-3,

@@ -234,17 +234,21 @@ def tiny_digits_run(tmp_path_factory):
     return folder
 
 
-def test_readout_forms_smoke(tiny_digits_run, capsys):
+def test_readout_forms_smoke(tiny_digits_run, capsys, monkeypatch):
     """research/readout_forms.py on a tiny digits run: one row per form of the readout's GP, each with its λ."""
     probe = _research("readout_forms")
+    monkeypatch.setattr(probe.R, "NUM_FEATURES", 512)  # the default's 4096 features cost this tiny run 30 s
     probe.main([str(tiny_digits_run)])
     rows = [line for line in capsys.readouterr().out.splitlines() if "λ=" in line]
     assert [row.split("|")[0].strip() for row in rows] == list(probe.FORMS)
 
 
-def test_readout_eval_smoke(tiny_digits_run):
+def test_readout_eval_smoke(tiny_digits_run, monkeypatch):
     """research/readout_eval.py: its plain row is the run's own evaluation (metrics.json) on the splits it keeps,
     the shift split left out; the readout rows carry the chosen (s, λ)."""
+    from gpattn.experiments import readout
+
+    monkeypatch.setattr(readout, "NUM_FEATURES", 512)  # the default's 4096 features cost this tiny run 15 s
     import json
 
     probe = _research("readout_eval")
