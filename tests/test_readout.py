@@ -306,6 +306,7 @@ def test_errors_name_the_argument():
 
 # ----------------------------------------------------------------------------- the harness
 def test_compare_gpreadout_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setattr(R, "NUM_FEATURES", 512)  # the default's 4096 features cost this tiny model 20 s
     spec = C.parse_variant("softmax+gpreadout+ts")
     assert spec.gpreadout and spec.ts and spec.run_name == "softmax"  # post hoc: the softmax run itself
     base = TrainConfig(dataset="digits", embed_dim=16, num_heads=2, num_layers=1, epochs=1, batch_size=32, lr=5e-3,
@@ -406,3 +407,48 @@ def test_gp_variance_separates_far_inputs_and_its_ridge_is_chosen_on_the_ood_val
         R.choose_score_ridge(head, h_train, val, ood_val[:, 0], ridges=ridges)
     with pytest.raises(ValueError, match="ridges"):
         R.choose_score_ridge(head, h_train, val, ood_val, ridges=())
+
+
+# ----------------------------------------------------------------------------- one Gram for every ridge; equal rows
+def test_readouts_of_every_ridge_from_one_gram_equal_a_fit_per_ridge():
+    """_ridge_readouts fits the features, ℓ and G = Σ wφφᵀ once and factorises s·I + G per s: each readout's draws, ℓ,
+    N and variance equal those of a readout fitted on its own at that s (float64), and G is the explicit sum."""
+    torch.manual_seed(0)
+    head = nn.Linear(6, 3)
+    h, query = _data(80).float(), _data(7, seed=3).float() * 1.3
+    ridges = (1.0, 1e-2, 1e-4)
+    shared = dict(R._ridge_readouts(head, h, ridges, seed=5, num_features=50))
+    assert list(shared) == list(ridges)
+    for s in ridges:
+        alone = R._new_readout(head, 5, num_features=50, ridge=s).fit(h)
+        got = shared[s]
+        assert float(got.ridge) == s and int(got.gp.num_fitted) == 80
+        assert torch.equal(got.gp.feature_weight, alone.gp.feature_weight)
+        assert float(got.lengthscale) == float(alone.lengthscale)
+        torch.testing.assert_close(got.variance(query), alone.variance(query), rtol=1e-9, atol=1e-12)
+        phi, q = (_phi(got, x.double()) for x in (h, query))  # float64 from the same draws (the readout: float32 φ)
+        want = ((q @ torch.linalg.inv(s * torch.eye(50, dtype=torch.float64) + phi.T @ phi)) * q).sum(-1)
+        torch.testing.assert_close(got.variance(query), want, rtol=2e-3, atol=1e-6)
+    gram, count = R._new_readout(head, 5, num_features=50).gram(h)
+    phi = _phi(shared[1.0], h.double())  # the readout forms φ in float32: tolerance below
+    assert count == 80
+    torch.testing.assert_close(gram, phi.T @ phi, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"gram must have shape \(D_L, D_L\) = \(50, 50\)"):
+        shared[1.0].set_gram(gram[:3], 80)
+
+
+def test_variance_of_equal_rows_is_computed_once_and_put_back_in_place():
+    """v of (N, P, D) inputs whose P samples are equal (a body that samples nothing) and of rows repeated out of
+    order equals v row by row; one solve per distinct row (counted)."""
+    readout = _readout(r=30).fit(_data(40))
+    rows = _data(5, seed=4)
+    each = torch.stack([readout.variance(r[None])[0] for r in rows])  # (5,)
+    same = rows[:, None, :].expand(5, 4, 6)  # (N, P, D): equal samples
+    torch.testing.assert_close(readout.variance(same), each[:, None].expand(5, 4), rtol=1e-12, atol=0)
+    order = torch.tensor([3, 0, 3, 1, 4, 2, 0])
+    torch.testing.assert_close(readout.variance(rows[order]), each[order], rtol=1e-12, atol=0)
+    seen = []
+    solve = readout.gp.variance
+    readout.gp.variance = lambda phi: seen.append(phi.shape[0]) or solve(phi)
+    readout.variance(same)
+    assert seen == [5]

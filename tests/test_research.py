@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 RESEARCH = Path(__file__).resolve().parents[1] / "research"
@@ -234,17 +235,21 @@ def tiny_digits_run(tmp_path_factory):
     return folder
 
 
-def test_readout_forms_smoke(tiny_digits_run, capsys):
+def test_readout_forms_smoke(tiny_digits_run, capsys, monkeypatch):
     """research/readout_forms.py on a tiny digits run: one row per form of the readout's GP, each with its λ."""
     probe = _research("readout_forms")
+    monkeypatch.setattr(probe.R, "NUM_FEATURES", 512)  # the default's 4096 features cost this tiny run 30 s
     probe.main([str(tiny_digits_run)])
     rows = [line for line in capsys.readouterr().out.splitlines() if "λ=" in line]
     assert [row.split("|")[0].strip() for row in rows] == list(probe.FORMS)
 
 
-def test_readout_eval_smoke(tiny_digits_run):
+def test_readout_eval_smoke(tiny_digits_run, monkeypatch):
     """research/readout_eval.py: its plain row is the run's own evaluation (metrics.json) on the splits it keeps,
     the shift split left out; the readout rows carry the chosen (s, λ)."""
+    from gpattn.experiments import readout
+
+    monkeypatch.setattr(readout, "NUM_FEATURES", 512)  # the default's 4096 features cost this tiny run 15 s
     import json
 
     probe = _research("readout_eval")
@@ -277,3 +282,40 @@ def test_sgpa_rff_features_pairs_each_figure_per_seed(tmp_path, capsys):
     assert "| 0.900 / 0.800 | 0.950 / 0.800 | +0.025 [" in rows["in-domain accuracy"]
     assert rows["in-domain accuracy"].endswith("(1/2) |") and rows["in-domain NLL"].endswith("(1/2) |")
     assert "shift NLL +TS" not in rows  # the candidate has no +ts row
+
+
+def test_readout_width_smoke(tmp_path, capsys):
+    """research/readout_width.py on a tiny digits run with an OOD validation split: one AUROC per score and width,
+    the combinations' weights chosen on validation, the paired table against the readout's score."""
+    import warnings
+
+    from gpattn.experiments.diagnostics import CollapseWarning
+    from gpattn.experiments.training import TrainConfig, train
+
+    cfg = TrainConfig(dataset="digits", dataset_options={"ood_val_fraction": 0.3}, embed_dim=8, num_heads=2,
+                      num_layers=1, epochs=1, batch_size=64, num_samples=1, patch_size=4, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CollapseWarning)  # one tiny epoch
+        train(cfg, tmp_path / "run")
+    probe = _research("readout_width")
+    table = probe.main([str(tmp_path / "run"), "--features", "64,128", "--orthogonal"])
+    scores = table[str(tmp_path / "run")]
+    want = {"energy", "mahalanobis", "knn", "energy + knn", "energy + mahalanobis"}
+    want |= {f"gp-variance R={r}{o}" for r in (64, 128) for o in ("", " orth")}
+    assert want <= set(scores) and all(0.0 <= a <= 1.0 for a in scores.values())
+    assert "gp-variance R=64 − each" in capsys.readouterr().out
+    # the weight is the validation's choice (the first w of the best val-against-ood_val AUROC): b separates val
+    # from ood_val and a is noise there, while on the test splits a separates and b is noise
+    g = np.random.default_rng(0)
+    noise = {k: g.normal(size=50) for k in probe.SPLITS}
+    split = {"val": g.normal(size=50), "ood_val": 2 + g.normal(size=50), "test": g.normal(size=50),
+             "ood": 2 + g.normal(size=50)}
+    scores = {k: {"a": split[k] if k in ("test", "ood") else noise[k], "b": split[k] if k in ("val", "ood_val")
+                  else noise[k]} for k in probe.SPLITS}
+    z = {k: {n: (scores[k][n] - scores["val"][n].mean()) / scores["val"][n].std() for n in "ab"} for k in scores}
+    val_auroc = {w: probe.auroc((1 - w) * z["val"]["a"] + w * z["val"]["b"],
+                                (1 - w) * z["ood_val"]["a"] + w * z["ood_val"]["b"]) for w in probe.WEIGHTS}
+    w = next(w for w in probe.WEIGHTS if val_auroc[w] == max(val_auroc.values()))
+    assert w >= 0.5  # b's weight: the test splits' best would be a alone
+    mix = probe.combined(scores, "a", "b")
+    np.testing.assert_allclose(mix["test"], (1 - w) * z["test"]["a"] + w * z["test"]["b"], rtol=1e-12)

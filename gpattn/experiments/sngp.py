@@ -308,26 +308,44 @@ class RandomFeatureGP(gpytorch.Module):
         ``weights``: each example's curvature weight wᵢ in Σ⁻¹ = s·I + Σᵢ wᵢ φᵢ φᵢᵀ, a tensor ``(N,)`` beside a
         tensor of features or an iterable of ``(N_b,)`` tensors beside the batches; None: the Laplace weights
         pᵢ(1 − pᵢ) of the layer's own logits (:func:`laplace_weights`)."""
+        return self.set_gram(*self.feature_gram(features, weights))
+
+    @torch.no_grad()
+    def feature_gram(self, features, weights=None) -> tuple[torch.Tensor, int]:
+        """The data's part of the precision, G = Σᵢ wᵢ φᵢ φᵢᵀ in float64, and N, from features and weights as
+        :meth:`fit_features` reads them; :meth:`set_gram` factorises s·I + G (one G serves every ridge s).
+        # shape: -> (D_L, D_L)"""
         batches = [features] if torch.is_tensor(features) else features
         if weights is not None:
             weights = [weights] if torch.is_tensor(weights) else weights
             batches = zip(batches, weights, strict=True)
-        precision = self.ridge * torch.eye(self.num_features, dtype=torch.float64, device=self.precision_factor.device)
+        gram = torch.zeros(self.num_features, self.num_features, dtype=torch.float64,
+                           device=self.precision_factor.device)
         count = 0
         for item in batches:
             phi, w = item if weights is not None else (item, None)
             if phi.dim() != 2 or phi.shape[1] != self.num_features:
                 raise ValueError(f"features must have shape (N, D_L={self.num_features}), got {tuple(phi.shape)}")
-            phi = phi.to(precision)
+            phi = phi.to(gram)
             if w is None:
-                logits = nn.functional.linear(phi, self.output.weight.to(precision), self.output.bias.to(precision))
+                logits = nn.functional.linear(phi, self.output.weight.to(gram), self.output.bias.to(gram))
                 w = laplace_weights(logits)
             elif w.shape != phi.shape[:1] or bool((w < 0).any()):
                 raise ValueError(f"weights must be >= 0 of shape ({phi.shape[0]},) beside the features, got "
                                  f"{tuple(w.shape)}")
-            scaled = phi * w.to(precision).sqrt().unsqueeze(-1)  # √w φ (w = p(1−p): the Laplace precision)
-            precision += scaled.T @ scaled  # shape: (D_L, D_L)
+            scaled = phi * w.to(gram).sqrt().unsqueeze(-1)  # √w φ (w = p(1−p): the Laplace precision)
+            gram += scaled.T @ scaled  # shape: (D_L, D_L)
             count += phi.shape[0]
+        return gram, count
+
+    @torch.no_grad()
+    def set_gram(self, gram: torch.Tensor, count: int) -> RandomFeatureGP:
+        """Σ⁻¹ = s·I + G at the layer's ridge s, factorised (:meth:`feature_gram`'s G over ``count`` examples)."""
+        if gram.shape != (self.num_features, self.num_features):
+            raise ValueError(f"gram must have shape (D_L, D_L) = ({self.num_features}, {self.num_features}), got "
+                             f"{tuple(gram.shape)}")
+        eye = torch.eye(self.num_features, dtype=torch.float64, device=self.precision_factor.device)
+        precision = self.ridge * eye + gram.to(eye)
         self.precision_factor.copy_(cholesky(precision, name="SNGP Laplace precision"))
         self.num_fitted.fill_(count)
         return self
