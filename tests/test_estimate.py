@@ -2,6 +2,7 @@
 lines ``train`` and ``compare`` print."""
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,11 @@ def test_train_logs_its_estimate_and_a_line_per_epoch_and_split(tmp_path, capsys
     estimate = [line for line in lines if "estimated" in line]
     assert len(estimate) == 1 and estimate[0].startswith("[train] softmax seed 0: estimated ~")
     assert "training: 24 steps at" in estimate[0] and estimate[0].endswith("from steps 2–4")  # 28 steps, 4 done
+    # the evaluation counts every evaluated split, a validation line per epoch and the detectors' pass over the
+    # training split, each row at P = 3 samples
+    sizes = json.loads((tmp_path / "data.json").read_text())["sizes"]
+    rows = sum(sizes[k] for k in ("val", "test", "shift", "ood")) + sizes["val"] + sizes["train"]
+    assert f"evaluation: {3 * rows:,} rows × samples" in estimate[0], (sizes, estimate[0])
     assert any(line.startswith("[train] softmax seed 0: epoch 1/1, loss") for line in lines)
     for split in ("val", "test", "shift", "ood"):
         assert sum(line.startswith(f"[train] softmax seed 0: evaluated {split} (") for line in lines) == 1, lines
@@ -202,3 +208,12 @@ def test_probe_runs_times_each_variant_writes_nothing_and_logs_a_failure(tmp_pat
     assert lines == ["[compare] kernel: no probe of its first steps (RuntimeError: out of memory); its runs count at "
                      "the mean of the timed ones until one is timed"]
     assert list(tmp_path.iterdir()) == []  # no run folder, no file
+
+
+def test_the_estimate_counts_the_rows_the_detectors_read():
+    """fit_detectors reads the training split, and val and ood_val where kNN's k is chosen on both."""
+    from gpattn.experiments.features import detector_rows
+
+    assert detector_rows({"train": range(10), "val": range(3), "ood_val": range(2)}) == 15
+    assert detector_rows({"train": range(10), "val": range(3)}) == 10
+    assert detector_rows({"train": range(10), "val": range(0), "ood_val": range(2)}) == 10

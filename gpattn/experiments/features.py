@@ -33,6 +33,7 @@ __all__ = [
     "OOD_VALIDATION_SPLIT",
     "DetectorWarning",
     "HeadRecorder",
+    "detector_rows",
     "detector_scores",
     "fit_detectors",
     "head_inputs",
@@ -164,6 +165,14 @@ def fit_detectors(model: nn.Module, bundle, num_samples: int = 1, batch_size: in
             choices.setdefault("not_fitted", {})[name] = str(err)
             warn(f"the {name} OOD score is left out of this run: {err}", DetectorWarning)
     return {"num_samples": num_samples, "states": states, "choices": choices}
+
+
+def detector_rows(splits: dict) -> int:
+    """The rows :func:`fit_detectors` reads of a bundle's ``splits``, each at the run's P samples: the training
+    split, and ``val`` and :data:`OOD_VALIDATION_SPLIT` where kNN's k is chosen on them (a run's estimate counts
+    them: :mod:`gpattn.experiments._estimate`)."""
+    val, ood_val = len(splits.get("val", ())), len(splits.get(OOD_VALIDATION_SPLIT, ()))
+    return len(splits["train"]) + (val + ood_val if val and ood_val else 0)
 
 
 def score_features(detectors: dict, features: torch.Tensor) -> dict[str, torch.Tensor]:

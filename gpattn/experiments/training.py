@@ -638,7 +638,9 @@ def _report_estimate(run: _Run, seconds_per_step: float) -> None:
             predict(run.model, part, cfg.num_samples, rows, precision=cfg.precision)  # to the host: synchronised
             seconds.append(time.perf_counter() - start)
     per_row_sample = min(seconds) / max(rows * cfg.num_samples, 1)
-    rows = sum(len(splits[k]) for k in _evaluated(run.bundle))
+    from gpattn.experiments.features import detector_rows
+
+    rows = sum(len(splits[k]) for k in _evaluated(run.bundle)) + detector_rows(splits)  # and the detectors' fit
     if run.log is not None and not cfg.progress:  # a validation line per epoch left
         rows += len(splits["val"]) * (cfg.epochs - run.step // run.steps_per_epoch)
     est = run_estimate(run.total_steps - run.step, seconds_per_step, rows * cfg.num_samples, per_row_sample)
