@@ -68,26 +68,22 @@ def run_features(folder) -> tuple[torch.nn.Module, dict, dict]:
 
 def readout_scores(head, feats: dict, num_features: int, orthogonal: bool) -> dict:
     """{split: v} of the readout at R = ``num_features``, its ridge chosen on val against ood_val."""
-    make = R._new_readout
 
     def orthogonal_readout(h, seed, **options):
-        readout = make(h, seed, **options)
+        readout = R._new_readout(h, seed, **options)
         draw = OrthogonalFrequencies()(1, readout.gp.num_features, readout.gp.in_features,
                                        generator=torch.Generator().manual_seed(seed))[0]
         readout.gp.feature_weight.copy_(draw / float(readout.lengthscale))
         return readout
 
-    if orthogonal:
-        R._new_readout = orthogonal_readout
-    try:
-        best = None
-        for _, readout in R._ridge_readouts(head, feats["train"], R.RIDGE_GRID, 0, num_features=num_features):
-            v = {k: R.gp_variance_score(readout, feats[k][:, None, :]).numpy() for k in SPLITS}
-            score = auroc(v["val"], v[OOD_VALIDATION_SPLIT])
-            if best is None or score > best[0]:
-                best = (score, v)
-    finally:
-        R._new_readout = make
+    best = None
+    readouts = R._ridge_readouts(head, feats["train"], R.RIDGE_GRID, 0, make=orthogonal_readout if orthogonal else None,
+                                 num_features=num_features)
+    for _, readout in readouts:
+        v = {k: R.gp_variance_score(readout, feats[k][:, None, :]).numpy() for k in SPLITS}
+        score = auroc(v["val"], v[OOD_VALIDATION_SPLIT])
+        if best is None or score > best[0]:
+            best = (score, v)
     return best[1]
 
 

@@ -239,13 +239,15 @@ def gp_variance_score(readout: GPReadout, h: torch.Tensor) -> torch.Tensor:
 OWN_SCORES = {"gp-variance": gp_variance_score}
 
 
-def _ridge_readouts(head: nn.Linear, h_train: torch.Tensor, ridges, seed: int, **options):
+def _ridge_readouts(head: nn.Linear, h_train: torch.Tensor, ridges, seed: int, make=None, **options):
     """``(s, readout)`` for each ridge s of ``ridges``: readouts of ``head`` with the draws of ``seed``, fitted on
-    ``h_train`` from one Gram (:meth:`GPReadout.gram`: the features and ℓ computed once, one factorisation per s)."""
-    first = _new_readout(head, seed, ridge=ridges[0], **options)
+    ``h_train`` from one Gram (:meth:`GPReadout.gram`: the features and ℓ computed once, one factorisation per s).
+    ``make``: ``(head, seed, **options) -> GPReadout`` (default ``_new_readout``; a probe's draw in research/)."""
+    make = make or _new_readout
+    first = make(head, seed, ridge=ridges[0], **options)
     gram, count = first.gram(h_train)
     for ridge in ridges:
-        readout = first if ridge == ridges[0] else _new_readout(head, seed, ridge=ridge, **options)
+        readout = first if ridge == ridges[0] else make(head, seed, ridge=ridge, **options)
         if readout.auto_lengthscale and readout is not first:
             readout._set_lengthscale(float(first.lengthscale))  # the same draws, rescaled as first's were
         yield ridge, readout.set_gram(gram, count)
