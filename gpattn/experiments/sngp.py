@@ -25,6 +25,10 @@ Two changes to a trained-from-scratch classifier, both trained, plus one pass af
 
    and in eval mode the head returns the paper's mean-field logits
    :math:`\mathrm{logits} / \sqrt{1 + \lambda\, \phi^\top \Sigma \phi}` with :math:`\lambda = \pi/8`.
+   Σ is held in the form the fit chooses by the N training rows (:class:`gpattn.experiments.sngp.Posterior`):
+   the Cholesky factor of :math:`\Sigma^{-1}` (:class:`gpattn.experiments.sngp.CholeskyPosterior`), or below
+   :math:`D_L/2` rows the thin SVD of the weighted rows (:class:`gpattn.experiments.sngp.LowRankPosterior`,
+   docs/derivations.md §14a), the same :math:`\phi^\top \Sigma \phi` at less cost.
 
 :func:`apply_sngp` turns a gpattn classifier or a pretrained-encoder model into its SNGP form (``softmax+sngp`` in
 ``compare``; the ``sngp`` field of :class:`gpattn.experiments.training.TrainConfig`); which matrices are spectral-
@@ -325,9 +329,9 @@ _POSTERIORS = (CholeskyPosterior, LowRankPosterior)
 
 class Gram:
     """The data's part of the precision, G = Σᵢ wᵢ φᵢ φᵢᵀ over ``count`` training rows, in the form that gives the
-    posterior at any ridge s (:meth:`posterior`): :class:`gpattn.experiments.sngp.DenseGram` or
-    :class:`gpattn.experiments.sngp.LowRankGram`, chosen by N (:meth:`RandomFeatureGP.feature_gram`). One Gram
-    serves every ridge of a grid."""
+    posterior at any ridge s (:meth:`gpattn.experiments.sngp.Gram.posterior`):
+    :class:`gpattn.experiments.sngp.DenseGram` or :class:`gpattn.experiments.sngp.LowRankGram`, chosen by N
+    (:meth:`gpattn.experiments.sngp.RandomFeatureGP.feature_gram`). One Gram serves every ridge of a grid."""
 
     count: int
     num_features: int
@@ -425,7 +429,8 @@ class RandomFeatureGP(gpytorch.Module):
         self.register_prior(
             "beta_prior", gpytorch.priors.NormalPrior(0.0, 1.0 / math.sqrt(self.ridge)), lambda m: m.output.weight
         )
-        #: Σ in the form the fit chose (:class:`Posterior`, float64 buffers); s⁻¹·I, the prior, until :meth:`fit`
+        #: Σ in the form the fit chose (:class:`gpattn.experiments.sngp.Posterior`, float64 buffers); s⁻¹·I, the
+        #: prior, until :meth:`fit`
         self.posterior: Posterior = LowRankPosterior.prior(num_features, self.ridge)
         self._register_load_state_dict_pre_hook(_load_posterior, with_module=True)
         #: how many examples the covariance was fitted on (0: the prior)
@@ -437,7 +442,7 @@ class RandomFeatureGP(gpytorch.Module):
         return math.sqrt(2.0 / self.num_features) * torch.cos(z)
 
     def variance(self, phi: torch.Tensor) -> torch.Tensor:
-        """φᵀ Σ φ, float64, from the fitted :class:`Posterior`.  # shape: (N, D_L) -> (N,)"""
+        """φᵀ Σ φ, float64, from the fitted :class:`gpattn.experiments.sngp.Posterior`.  # shape: (N, D_L) -> (N,)"""
         return self.posterior.variance(phi)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -469,8 +474,9 @@ class RandomFeatureGP(gpytorch.Module):
     def feature_gram(self, features, weights=None) -> Gram:
         """The data's part of the precision, G = Σᵢ wᵢ φᵢ φᵢᵀ in float64 over the N rows, from features and weights
         as :meth:`fit_features` reads them; :meth:`set_gram` turns it into the posterior at the layer's ridge s (one G
-        serves every ridge). While N < R/2 (:meth:`LowRankGram.pays`) the weighted rows are kept and G is their
-        thin SVD (:class:`LowRankGram`); from there on G is summed as a ``(D_L, D_L)`` matrix (:class:`DenseGram`)."""
+        serves every ridge). While N < R/2 (:meth:`gpattn.experiments.sngp.LowRankGram.pays`) the weighted rows are
+        kept and G is their thin SVD (:class:`gpattn.experiments.sngp.LowRankGram`); from there on G is summed as a
+        ``(D_L, D_L)`` matrix (:class:`gpattn.experiments.sngp.DenseGram`), batch by batch from zero."""
         batches = [features] if torch.is_tensor(features) else features
         if weights is not None:
             weights = [weights] if torch.is_tensor(weights) else weights
@@ -504,7 +510,8 @@ class RandomFeatureGP(gpytorch.Module):
 
     @torch.no_grad()
     def set_gram(self, gram: Gram) -> RandomFeatureGP:
-        """The posterior of Σ⁻¹ = s·I + G at the layer's ridge s, from :meth:`feature_gram`'s G (a :class:`Gram`)."""
+        """The posterior of Σ⁻¹ = s·I + G at the layer's ridge s, from :meth:`feature_gram`'s G
+        (a :class:`gpattn.experiments.sngp.Gram`)."""
         if not isinstance(gram, Gram) or gram.num_features != self.num_features:
             got = f"one of D_L = {gram.num_features}" if isinstance(gram, Gram) else type(gram).__name__
             raise ValueError(f"gram must be the Gram of this layer's D_L = {self.num_features} features "
