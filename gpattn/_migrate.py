@@ -10,8 +10,9 @@ Four tables, one rule (docs/new_variant.md, "The one rule for a breaking change"
   configs recorded, is read as what the layers do now.
 * :data:`MOVED_NAMES`: a public name that left its module raises an ``AttributeError`` that says where it went.
 * :data:`OLD_STATES`: a state dict saved before a strategy gained a buffer lacks its key (it trained at the value the
-  row names); :func:`migrate_state_dict`, the load-state-dict pre-hook every GP strategy registers (as gpytorch's
-  ``VariationalStrategy`` does for its old format), fills it in. :data:`OLD_KEYS`: a key that moved is renamed there.
+  row names); :func:`migrate_state_dict`, the load-state-dict pre-hook every GP strategy (and SNGP's random-feature
+  GP layer) registers (as gpytorch's ``VariationalStrategy`` does for its old format), fills it in.
+  :data:`OLD_KEYS`: a key that moved is renamed there.
 
 Both warn with :class:`gpattn.OldVersionWarning` naming what they migrated. A change no row can express takes the next
 checkpoint format instead (gpattn.experiments._io.CHECKPOINT_FORMAT).
@@ -102,11 +103,13 @@ def moved_names(module: str):
 OLD_STATES: tuple[tuple[str, str, str, str, float], ...] = (
     ("kep-svgp had a prior outputscale (docs/derivations.md §6)", "KEPSVGP", "prior_variance", "out_weight", 1.0),
 )
-#: (what changed, the strategy class, the key a state dict saved before the change has, the key it has now): the old
-#: key is read as the new one
+#: (what changed, the strategy class (or GP layer), the key a state dict saved before the change has, the key it has
+#: now): the old key is read as the new one
 OLD_KEYS: tuple[tuple[str, str, str, str], ...] = (
     ("the correlated GPs' softmax prior mean keeps its temperature in its module", "CorrelatedGPBase",
      "mean_temperature", "mean_module.temperature"),
+    ("the random-feature GP keeps its posterior in a form chosen at fit time (docs/derivations.md §14a)",
+     "RandomFeatureGP", "precision_factor", "posterior.factor"),
 )
 
 

@@ -446,6 +446,23 @@ def test_eval_cost_smoke_schema(tmp_path):
     assert "| variant | T | P=3 samples (s) | with detectors (s) | ratio | two passes (s) | ratio |" in table
 
 
+def test_readout_cost_smoke_schema(tmp_path):
+    """benchmarks/readout_cost.py --quick: a row per N with both posterior forms' fit and evaluation, their ratios and
+    the forms' agreement on v; an N the low-rank form does not take is refused."""
+    readout_cost = importlib.import_module("readout_cost")
+    out = tmp_path / "readout.json"
+    readout_cost.main(["--quick", "--json", str(out), "--markdown", str(tmp_path / "readout.md")])
+    data = json.loads(out.read_text())
+    assert [r["train"] for r in data["rows"]] == [10, 31] and data["meta"]["features"] == 64
+    for r in data["rows"]:
+        assert r["ridges"] == 5 and r["max_rel_diff"] < 1e-9
+        for step in ("fit", "evaluate"):
+            assert r[f"{step}_ratio"] == pytest.approx(r[f"dense_{step}_s"] / r[f"low-rank_{step}_s"], rel=1e-12)
+    assert "| 31 |" in (tmp_path / "readout.md").read_text()
+    with pytest.raises(SystemExit):
+        readout_cost.parse_args(["--features", "64", "--train", "32"])
+
+
 def test_train_step_interleaves_the_timed_steps_and_keeps_a_failing_variant_as_a_row(monkeypatch):
     """The k-th timed step of every variant runs between the others' k-th (a load drift moves them alike); each
     variant's first and warm-up steps come before any timed one; a variant failing mid-run is an error row."""

@@ -16,7 +16,7 @@ from scipy.spatial.distance import pdist
 from gpattn.experiments import compare as C
 from gpattn.experiments import readout as R
 from gpattn.experiments.data import Split
-from gpattn.experiments.sngp import laplace_weights
+from gpattn.experiments.sngp import DenseGram, laplace_weights
 from gpattn.experiments.training import TrainConfig, load_run_with_data, predict
 from gpattn.models import ViTClassifier
 
@@ -129,9 +129,9 @@ def test_model_with_readout_predicts_the_head_at_factor_zero_and_round_trips_thr
     fresh.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
     assert fresh.head.fitted and float(fresh.head.mean_field_factor) == 10.0
     torch.testing.assert_close(fresh.eval()(x, num_samples=2), after, rtol=0, atol=0)
-    factor = readout.gp.precision_factor.clone()
+    factor = readout.gp.posterior.factor.clone()  # N = 40 ≥ R/2: the dense form
     R.fit_gp_readout(fresh, train, batch_size=16)  # a refit of the loaded readout: its own ridge, ℓ and draws
-    torch.testing.assert_close(fresh.head.gp.precision_factor, factor, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(fresh.head.gp.posterior.factor, factor, rtol=1e-10, atol=1e-10)
 
 
 def test_readout_split_is_what_the_model_predicts_with_a_sample_axis():
@@ -429,12 +429,15 @@ def test_readouts_of_every_ridge_from_one_gram_equal_a_fit_per_ridge():
         phi, q = (_phi(got, x.double()) for x in (h, query))  # float64 from the same draws (the readout: float32 φ)
         want = ((q @ torch.linalg.inv(s * torch.eye(50, dtype=torch.float64) + phi.T @ phi)) * q).sum(-1)
         torch.testing.assert_close(got.variance(query), want, rtol=2e-3, atol=1e-6)
-    gram, count = R._new_readout(head, 5, num_features=50).gram(h)
+    gram = R._new_readout(head, 5, num_features=50).gram(h)
     phi = _phi(shared[1.0], h.double())  # the readout forms φ in float32: tolerance below
-    assert count == 80
-    torch.testing.assert_close(gram, phi.T @ phi, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match=r"gram must have shape \(D_L, D_L\) = \(50, 50\)"):
-        shared[1.0].set_gram(gram[:3], 80)
+    assert gram.count == 80 and isinstance(gram, DenseGram)  # N = 80 ≥ R/2
+    torch.testing.assert_close(gram.gram, phi.T @ phi, rtol=1e-5, atol=1e-6)
+    other = R._new_readout(head, 5, num_features=30).gram(h)
+    with pytest.raises(ValueError, match=r"gram must be the Gram of this layer's D_L = 50 features"):
+        shared[1.0].set_gram(other)
+    with pytest.raises(ValueError, match=r"gram must be the Gram .* got Tensor"):
+        shared[1.0].set_gram(gram.gram)
 
 
 def test_variance_of_equal_rows_is_computed_once_and_put_back_in_place():

@@ -37,7 +37,8 @@ def test_precision_accumulated_in_batches_is_the_dense_laplace_precision():
     W, b = head.output.weight.double(), head.output.bias.double()
     p = torch.softmax(phi @ W.T + b, -1).max(-1).values
     precision = 2.5 * torch.eye(40, dtype=torch.float64) + phi.T @ torch.diag(p * (1 - p)) @ phi
-    L = head.precision_factor
+    assert isinstance(head.posterior, S.CholeskyPosterior)  # N = 50 ≥ D_L/2: the dense form
+    L = head.posterior.factor
     torch.testing.assert_close(L @ L.T, precision, rtol=1e-12, atol=1e-12)
     # the head's variance (triangular solve with the factor) against the explicit inverse and a direct solve
     query = head.features(torch.randn(9, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
@@ -47,7 +48,7 @@ def test_precision_accumulated_in_batches_is_the_dense_laplace_precision():
     torch.testing.assert_close(head.variance(query), by_solve, rtol=1e-10, atol=1e-12)
     # a refit starts from the prior (it does not add to the previous precision)
     head.fit(h)
-    torch.testing.assert_close(head.precision_factor @ head.precision_factor.T, precision, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(head.posterior.factor @ head.posterior.factor.T, precision, rtol=1e-12, atol=1e-12)
 
 
 def test_unfitted_head_uses_the_prior_covariance_and_fitting_shrinks_the_variance():
@@ -293,11 +294,12 @@ def test_compare_softmax_and_sngp_end_to_end(tmp_path):
     key = bundle.eval_splits["in_domain"]
     torch.testing.assert_close(predict(model, bundle.splits[key], cfg.num_samples), saved_preds[key]["logits"])
     # the same covariance from the public pass over the training data (in other batches)
-    factor = model.head.precision_factor.clone()
+    query = model.head.features(torch.randn(7, model.head.in_features, generator=torch.Generator().manual_seed(3)))
+    before = model.head.variance(query)
     train = bundle.splits["train"]
     S.fit_covariance(model.train(), [(train.inputs[i : i + 100], None) for i in range(0, len(train), 100)])
     assert model.training  # its mode restored
-    torch.testing.assert_close(model.head.precision_factor, factor, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(model.head.variance(query), before, rtol=1e-6, atol=1e-8)
 
 
 @pytest.mark.filterwarnings("ignore::gpattn.experiments.diagnostics.GPCollapseWarning")  # one tiny epoch

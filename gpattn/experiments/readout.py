@@ -14,9 +14,9 @@ precision of SNGP); the mean-field rule is :func:`gpattn.experiments.sngp.mean_f
 head's logits exactly; ``compare`` chooses λ from :data:`gpattn.experiments.readout.FACTOR_GRID` and the ridge s
 from :data:`gpattn.experiments.readout.RIDGE_GRID` together on the validation split's NLL
 (:func:`gpattn.experiments.readout.readout_predictions`), π/8 being the probit-matched λ. Everything fitted (the
-features' draws, the lengthscale, the precision's factor, λ) is a buffer, so the model's ``state_dict`` carries it:
-a fresh model with :func:`gpattn.experiments.readout.attach_gp_readout` and ``load_state_dict`` predicts without
-the training data.
+features' draws, the lengthscale, the posterior: its Cholesky factor, or V and σ² of the low-rank form, λ) is a
+buffer, so the model's ``state_dict`` carries it: a fresh model with
+:func:`gpattn.experiments.readout.attach_gp_readout` and ``load_state_dict`` predicts without the training data.
 
 ``+gpreadout`` in ``compare`` (``softmax+gpreadout``, ``sgpa-rff+gpreadout+ts``): a post-hoc modifier like
 ``+laplace``, on the run it modifies.
@@ -34,7 +34,7 @@ import math
 import torch
 import torch.nn as nn
 
-from gpattn.experiments.sngp import MEAN_FIELD_FACTOR, RandomFeatureGP, mean_field_logits
+from gpattn.experiments.sngp import MEAN_FIELD_FACTOR, Gram, RandomFeatureGP, mean_field_logits
 
 __all__ = [
     "FACTOR_GRID",
@@ -62,7 +62,8 @@ FACTOR_GRID = (0.0, 0.01, 0.03, 0.1, 0.3, MEAN_FIELD_FACTOR, 1.0, 3.0, 10.0, 30.
 RIDGE_GRID = (1.0, 0.1, 0.01, 0.001, 0.0001)
 #: R, the readout's random Fourier features (docs/derivations.md §14a, "Choice (R = 4096)"): its variance is the exact
 #: GP's up to the features' Monte-Carlo error, which at SNGP's 1024 still cost OOD ranking (CLINC150, 5 seeds: v's
-#: AUROC 0.9787 at 1024, 0.9816 at 4096, 0.9818 at 4096 orthogonal); the precision's factor is R² float64 (128 MB)
+#: AUROC 0.9787 at 1024, 0.9816 at 4096, 0.9818 at 4096 orthogonal); the posterior is R² float64 (128 MB) from N ≥ R/2
+#: training rows, R·N below (:class:`gpattn.experiments.sngp.LowRankPosterior`)
 NUM_FEATURES = 4096
 #: training rows the median heuristic of the lengthscale reads (a fixed random subset)
 MEDIAN_ROWS = 1000
@@ -158,7 +159,7 @@ class GPReadout(nn.Module):
             raise ValueError("the GPReadout is not fitted: call fit_gp_readout(model, train_split) or readout.fit(h) "
                              "with the training features first")
         flat = h.reshape(-1, self.in_features).to(self.gp.feature_weight)  # the readout's device and dtype
-        # equal rows (the P samples of a body that samples nothing) share one solve: O(R²) per distinct row
+        # equal rows (the P samples of a body that samples nothing) share one solve: R²/2 or R·N per distinct row
         rows, inverse = torch.unique(flat, dim=0, return_inverse=True)
         if rows.shape[0] == flat.shape[0]:
             rows, inverse = flat, None
@@ -180,14 +181,14 @@ class GPReadout(nn.Module):
         """Fit the GP on the training features ``h`` ``(N, D)``: the lengthscale by the median heuristic (when
         ``lengthscale`` was None), then Σ⁻¹ = s·I + Σᵢ wᵢ φᵢ φᵢᵀ in float64 (a refit starts from the prior).
         Returns the readout."""
-        return self.set_gram(*self.gram(h))
+        return self.set_gram(self.gram(h))
 
     @torch.no_grad()
-    def gram(self, h: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def gram(self, h: torch.Tensor) -> Gram:
         """The data's part of the precision from the training features ``h`` ``(N, D)``: ℓ by the median heuristic
-        (when ``lengthscale`` was None), then G = Σᵢ wᵢ φᵢ φᵢᵀ in float64 and N
-        (:meth:`gpattn.experiments.sngp.RandomFeatureGP.feature_gram`); :meth:`set_gram` factorises s·I + G, so
-        one G serves every ridge of readouts with the same draws and ℓ.  # shape: -> (D_L, D_L)"""
+        (when ``lengthscale`` was None), then G = Σᵢ wᵢ φᵢ φᵢᵀ in float64 over the N rows, dense or low-rank
+        (:meth:`gpattn.experiments.sngp.RandomFeatureGP.feature_gram`); :meth:`set_gram` gives the posterior of
+        s·I + G, so one G serves every ridge of readouts with the same draws and ℓ."""
         self._check_input(h)
         if h.dim() != 2 or h.shape[0] < 1:
             raise ValueError(f"h must be the training features, shape (N >= 1, D={self.in_features}), got "
@@ -201,11 +202,11 @@ class GPReadout(nn.Module):
         )
 
     @torch.no_grad()
-    def set_gram(self, gram: torch.Tensor, count: int) -> GPReadout:
-        """Σ⁻¹ = s·I + G at the readout's ridge s, from :meth:`gram`'s G over ``count`` training rows. Returns the
-        readout."""
+    def set_gram(self, gram: Gram) -> GPReadout:
+        """The posterior of Σ⁻¹ = s·I + G at the readout's ridge s, from :meth:`gram`'s G
+        (a :class:`gpattn.experiments.sngp.Gram`). Returns the readout."""
         self.gp.ridge = float(self.ridge)
-        self.gp.set_gram(gram, count)
+        self.gp.set_gram(gram)
         return self
 
     def _median_distance(self, h: torch.Tensor) -> float:
@@ -241,16 +242,17 @@ OWN_SCORES = {"gp-variance": gp_variance_score}
 
 def _ridge_readouts(head: nn.Linear, h_train: torch.Tensor, ridges, seed: int, make=None, **options):
     """``(s, readout)`` for each ridge s of ``ridges``: readouts of ``head`` with the draws of ``seed``, fitted on
-    ``h_train`` from one Gram (:meth:`GPReadout.gram`: the features and ℓ computed once, one factorisation per s).
+    ``h_train`` from one Gram (:meth:`GPReadout.gram`: the features, ℓ and G computed once; a dense G is factorised
+    per s, a low-rank one serves every s as it is).
     ``make``: ``(head, seed, **options) -> GPReadout`` (default ``_new_readout``; a probe's draw in research/)."""
     make = make or _new_readout
     first = make(head, seed, ridge=ridges[0], **options)
-    gram, count = first.gram(h_train)
+    gram = first.gram(h_train)
     for ridge in ridges:
         readout = first if ridge == ridges[0] else make(head, seed, ridge=ridge, **options)
         if readout.auto_lengthscale and readout is not first:
             readout._set_lengthscale(float(first.lengthscale))  # the same draws, rescaled as first's were
-        yield ridge, readout.set_gram(gram, count)
+        yield ridge, readout.set_gram(gram)
 
 
 def _new_readout(head: nn.Linear, seed: int, **options) -> GPReadout:

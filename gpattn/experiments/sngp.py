@@ -25,6 +25,10 @@ Two changes to a trained-from-scratch classifier, both trained, plus one pass af
 
    and in eval mode the head returns the paper's mean-field logits
    :math:`\mathrm{logits} / \sqrt{1 + \lambda\, \phi^\top \Sigma \phi}` with :math:`\lambda = \pi/8`.
+   Σ is held in the form the fit chooses by the N training rows (:class:`gpattn.experiments.sngp.Posterior`):
+   the Cholesky factor of :math:`\Sigma^{-1}` (:class:`gpattn.experiments.sngp.CholeskyPosterior`), or below
+   :math:`D_L/2` rows the thin SVD of the weighted rows (:class:`gpattn.experiments.sngp.LowRankPosterior`,
+   docs/derivations.md §14a), the same :math:`\phi^\top \Sigma \phi` at less cost.
 
 :func:`apply_sngp` turns a gpattn classifier or a pretrained-encoder model into its SNGP form (``softmax+sngp`` in
 ``compare``; the ``sngp`` field of :class:`gpattn.experiments.training.TrainConfig`); which matrices are spectral-
@@ -46,6 +50,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm
 
+from gpattn._migrate import migrate_state_dict
 from gpattn.variational._linalg import cholesky
 
 __all__ = [
@@ -55,7 +60,13 @@ __all__ = [
     "SPECTRAL_SCOPES",
     "AllLinears",
     "BlockLinears",
+    "CholeskyPosterior",
+    "DenseGram",
+    "Gram",
+    "LowRankGram",
+    "LowRankPosterior",
     "NoSpectralNorm",
+    "Posterior",
     "RandomFeatureGP",
     "SpectralScope",
     "apply_sngp",
@@ -230,6 +241,156 @@ def laplace_weights(logits: torch.Tensor) -> torch.Tensor:
     return p * (1.0 - p)
 
 
+# ----------------------------------------------------------------------------- the posterior covariance's two forms
+class Posterior(nn.Module):
+    r"""The posterior covariance Σ = (s·I + G)⁻¹ of the GP layer's β in a form that gives v(φ) = φᵀ Σ φ
+    (docs/derivations.md §14a, "Low-rank posterior when N < R"): :class:`gpattn.experiments.sngp.CholeskyPosterior`
+    or :class:`gpattn.experiments.sngp.LowRankPosterior`, the one the data's :class:`gpattn.experiments.sngp.Gram`
+    gives. Its fitted numbers are float64 buffers, so the layer's ``state_dict`` carries them."""
+
+    def variance(self, phi: torch.Tensor) -> torch.Tensor:  # pragma: no cover - the protocol
+        """φᵀ Σ φ per row, float64, no gradient.  # shape: (M, D_L) -> (M,)"""
+        raise NotImplementedError
+
+    @classmethod
+    def empty(cls, state: dict, prefix: str, device) -> Posterior:  # pragma: no cover - the protocol
+        """A posterior of this form with the shapes of ``state``'s tensors under ``prefix`` (their values follow
+        from ``load_state_dict``), or None where ``state`` holds no posterior of this form."""
+        raise NotImplementedError
+
+
+def _float64(phi: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return phi.detach().to(like.dtype)
+
+
+class CholeskyPosterior(Posterior):
+    """Σ⁻¹ = L Lᵀ by its lower Cholesky factor L ``(D_L, D_L)``: v(φ) = ‖L⁻¹ φ‖², one triangular solve (R²/2
+    multiply-adds per row, R = D_L). The form of N ≥ R/2 training rows (:class:`gpattn.experiments.sngp.DenseGram`)."""
+
+    def __init__(self, factor: torch.Tensor):
+        super().__init__()
+        self.register_buffer("factor", factor)
+
+    def variance(self, phi: torch.Tensor) -> torch.Tensor:
+        L = self.factor
+        with torch.autocast(phi.device.type, enabled=False):
+            v = torch.linalg.solve_triangular(L, _float64(phi, L).T, upper=False)  # shape: (D_L, M)
+        return (v * v).sum(0)
+
+    @classmethod
+    def empty(cls, state: dict, prefix: str, device) -> CholeskyPosterior | None:
+        factor = state.get(prefix + "factor")
+        return None if factor is None else cls(torch.empty(factor.shape, dtype=torch.float64, device=device))
+
+
+class LowRankPosterior(Posterior):
+    r"""Σ⁻¹ = s·I + V diag(σ²) Vᵀ with V ``(D_L, K)`` orthonormal columns (the weighted training rows' right singular
+    vectors, K ≤ N), σ² ``(K,)`` and s the ridge:
+
+    .. math::
+        v(\phi) = \sum_k \frac{(v_k^\top \phi)^2}{s + \sigma_k^2} + \frac{\|\phi\|^2 - \|V^\top \phi\|^2}{s},
+
+    the first term inside the data's span, the second its complement (the prior's 1/s), each ≥ 0: R·K multiply-adds
+    per row. K = 0 is the prior s⁻¹·I. The form of N < R/2 training rows
+    (:class:`gpattn.experiments.sngp.LowRankGram`); V and σ² are shared by the posteriors of every ridge."""
+
+    def __init__(self, basis: torch.Tensor, spectrum: torch.Tensor, ridge):
+        super().__init__()
+        self.register_buffer("basis", basis)  # V, shape: (D_L, K)
+        self.register_buffer("spectrum", spectrum)  # σ², shape: (K,)
+        self.register_buffer("ridge", torch.as_tensor(ridge, dtype=torch.float64, device=basis.device).clone())
+
+    @classmethod
+    def prior(cls, num_features: int, ridge: float, device=None) -> LowRankPosterior:
+        """Σ = s⁻¹·I, the posterior after no data (K = 0)."""
+        zeros = torch.zeros(num_features, 0, dtype=torch.float64, device=device)
+        return cls(zeros, zeros.new_zeros(0), ridge)
+
+    def variance(self, phi: torch.Tensor) -> torch.Tensor:
+        V = self.basis
+        with torch.autocast(phi.device.type, enabled=False):
+            x = _float64(phi, V)
+            inside = (x @ V) ** 2  # (v_kᵀφ)², shape: (M, K)
+            outside = ((x * x).sum(-1) - inside.sum(-1)).clamp_min(0.0)  # ‖φ‖² − ‖Vᵀφ‖², rounding kept ≥ 0
+            return (inside / (self.ridge + self.spectrum)).sum(-1) + outside / self.ridge
+
+    @classmethod
+    def empty(cls, state: dict, prefix: str, device) -> LowRankPosterior | None:
+        basis = state.get(prefix + "basis")
+        if basis is None:
+            return None
+        return cls(torch.empty(basis.shape, dtype=torch.float64, device=device),
+                   torch.empty(basis.shape[1:], dtype=torch.float64, device=device), 1.0)
+
+
+#: the posterior forms a state dict may hold (:class:`RandomFeatureGP`'s load hook builds the one it finds)
+_POSTERIORS = (CholeskyPosterior, LowRankPosterior)
+
+
+class Gram:
+    """The data's part of the precision, G = Σᵢ wᵢ φᵢ φᵢᵀ over ``count`` training rows, in the form that gives the
+    posterior at any ridge s (:meth:`gpattn.experiments.sngp.Gram.posterior`):
+    :class:`gpattn.experiments.sngp.DenseGram` or :class:`gpattn.experiments.sngp.LowRankGram`, chosen by N
+    (:meth:`gpattn.experiments.sngp.RandomFeatureGP.feature_gram`). One Gram serves every ridge of a grid."""
+
+    count: int
+    num_features: int
+
+    def posterior(self, ridge: float) -> Posterior:  # pragma: no cover - the protocol
+        """The posterior of Σ⁻¹ = s·I + G at ridge s."""
+        raise NotImplementedError
+
+
+class DenseGram(Gram):
+    """G as a ``(D_L, D_L)`` float64 matrix: each ridge's posterior is one Cholesky factorisation of s·I + G
+    (R³/6 multiply-adds) and a :class:`gpattn.experiments.sngp.CholeskyPosterior`."""
+
+    def __init__(self, gram: torch.Tensor, count: int):
+        self.gram, self.count, self.num_features = gram, int(count), gram.shape[-1]
+
+    def posterior(self, ridge: float) -> CholeskyPosterior:
+        eye = torch.eye(self.num_features, dtype=torch.float64, device=self.gram.device)
+        return CholeskyPosterior(cholesky(ridge * eye + self.gram.to(eye), name="SNGP Laplace precision"))
+
+
+class LowRankGram(Gram):
+    r"""G = V diag(σ²) Vᵀ from the thin SVD of the weighted training rows Φ̃ = W^{1/2} Φ = U S Vᵀ (N × D_L, N < D_L):
+    V ``(D_L, N)``, σ² = S². Every ridge's posterior is a :class:`gpattn.experiments.sngp.LowRankPosterior` on the
+    same V and σ² (no factorisation per ridge)."""
+
+    def __init__(self, basis: torch.Tensor, spectrum: torch.Tensor, count: int):
+        self.basis, self.spectrum, self.count, self.num_features = basis, spectrum, int(count), basis.shape[0]
+
+    @staticmethod
+    def pays(count: int, num_features: int) -> bool:
+        """Whether N = ``count`` rows make the low-rank form the cheaper one: N < R/2, where its R·N multiply-adds
+        per row undercut the triangular solve's R²/2 (docs/derivations.md §14a, "Low-rank posterior when N < R")."""
+        return 2 * count < num_features
+
+    @classmethod
+    def of_rows(cls, rows: torch.Tensor, count: int) -> LowRankGram:
+        """From the weighted rows Φ̃ = W^{1/2} Φ ``(N, D_L)``, float64: their thin SVD."""
+        if rows.shape[0] == 0:
+            return cls(rows.new_zeros(rows.shape[1], 0), rows.new_zeros(0), count)
+        _, singular, vh = torch.linalg.svd(rows, full_matrices=False)
+        return cls(vh.mT, singular * singular, count)
+
+    def posterior(self, ridge: float) -> LowRankPosterior:
+        return LowRankPosterior(self.basis, self.spectrum, ridge)
+
+
+def _load_posterior(module: RandomFeatureGP, state_dict: dict, prefix: str, *args) -> None:
+    """Load-state-dict pre-hook of :class:`RandomFeatureGP`: an older state dict's ``precision_factor`` moves to
+    ``posterior.factor`` (:data:`gpattn._migrate.OLD_KEYS`), and the posterior becomes the form the state dict holds,
+    at its shapes (a low-rank V is (D_L, N), N the fitted rows), for ``load_state_dict`` to fill."""
+    migrate_state_dict(module, state_dict, prefix, *args)
+    for form in _POSTERIORS:
+        posterior = form.empty(state_dict, prefix + "posterior.", module.feature_weight.device)
+        if posterior is not None:
+            module.posterior = posterior
+            return
+
+
 class RandomFeatureGP(gpytorch.Module):
     r"""The random-feature GP output layer of SNGP (Liu et al.; module docstring, docs/derivations.md §14).
 
@@ -268,8 +429,10 @@ class RandomFeatureGP(gpytorch.Module):
         self.register_prior(
             "beta_prior", gpytorch.priors.NormalPrior(0.0, 1.0 / math.sqrt(self.ridge)), lambda m: m.output.weight
         )
-        #: lower Cholesky factor of Σ⁻¹ (float64); √s·I, the prior, until :meth:`fit`
-        self.register_buffer("precision_factor", math.sqrt(self.ridge) * torch.eye(num_features, dtype=torch.float64))
+        #: Σ in the form the fit chose (:class:`gpattn.experiments.sngp.Posterior`, float64 buffers); s⁻¹·I, the
+        #: prior, until :meth:`fit`
+        self.posterior: Posterior = LowRankPosterior.prior(num_features, self.ridge)
+        self._register_load_state_dict_pre_hook(_load_posterior, with_module=True)
         #: how many examples the covariance was fitted on (0: the prior)
         self.register_buffer("num_fitted", torch.zeros((), dtype=torch.long))
 
@@ -279,11 +442,8 @@ class RandomFeatureGP(gpytorch.Module):
         return math.sqrt(2.0 / self.num_features) * torch.cos(z)
 
     def variance(self, phi: torch.Tensor) -> torch.Tensor:
-        """φᵀ Σ φ with Σ⁻¹ = L Lᵀ: ‖L⁻¹ φ‖², one triangular solve, float64.  # shape: (N, D_L) -> (N,)"""
-        L = self.precision_factor
-        with torch.autocast(phi.device.type, enabled=False):
-            v = torch.linalg.solve_triangular(L, phi.detach().to(L.dtype).T, upper=False)  # shape: (D_L, N)
-        return (v * v).sum(0)
+        """φᵀ Σ φ, float64, from the fitted :class:`gpattn.experiments.sngp.Posterior`.  # shape: (N, D_L) -> (N,)"""
+        return self.posterior.variance(phi)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """Train mode: the MAP logits βφ + β₀; eval mode: the mean-field logits.  # shape: (N, D) -> (N, C)"""
@@ -308,46 +468,56 @@ class RandomFeatureGP(gpytorch.Module):
         ``weights``: each example's curvature weight wᵢ in Σ⁻¹ = s·I + Σᵢ wᵢ φᵢ φᵢᵀ, a tensor ``(N,)`` beside a
         tensor of features or an iterable of ``(N_b,)`` tensors beside the batches; None: the Laplace weights
         pᵢ(1 − pᵢ) of the layer's own logits (:func:`laplace_weights`)."""
-        return self.set_gram(*self.feature_gram(features, weights))
+        return self.set_gram(self.feature_gram(features, weights))
 
     @torch.no_grad()
-    def feature_gram(self, features, weights=None) -> tuple[torch.Tensor, int]:
-        """The data's part of the precision, G = Σᵢ wᵢ φᵢ φᵢᵀ in float64, and N, from features and weights as
-        :meth:`fit_features` reads them; :meth:`set_gram` factorises s·I + G (one G serves every ridge s).
-        # shape: -> (D_L, D_L)"""
+    def feature_gram(self, features, weights=None) -> Gram:
+        """The data's part of the precision, G = Σᵢ wᵢ φᵢ φᵢᵀ in float64 over the N rows, from features and weights
+        as :meth:`fit_features` reads them; :meth:`set_gram` turns it into the posterior at the layer's ridge s (one G
+        serves every ridge). While N < R/2 (:meth:`gpattn.experiments.sngp.LowRankGram.pays`) the weighted rows are
+        kept and G is their thin SVD (:class:`gpattn.experiments.sngp.LowRankGram`); from there on G is summed as a
+        ``(D_L, D_L)`` matrix (:class:`gpattn.experiments.sngp.DenseGram`), batch by batch from zero."""
         batches = [features] if torch.is_tensor(features) else features
         if weights is not None:
             weights = [weights] if torch.is_tensor(weights) else weights
             batches = zip(batches, weights, strict=True)
-        gram = torch.zeros(self.num_features, self.num_features, dtype=torch.float64,
-                           device=self.precision_factor.device)
-        count = 0
+        like = torch.zeros((), dtype=torch.float64, device=self.feature_weight.device)
+        rows: list[torch.Tensor] = []  # √w φ while the low-rank form pays
+        gram, count = None, 0
         for item in batches:
             phi, w = item if weights is not None else (item, None)
             if phi.dim() != 2 or phi.shape[1] != self.num_features:
                 raise ValueError(f"features must have shape (N, D_L={self.num_features}), got {tuple(phi.shape)}")
-            phi = phi.to(gram)
+            phi = phi.to(like)
             if w is None:
-                logits = nn.functional.linear(phi, self.output.weight.to(gram), self.output.bias.to(gram))
+                logits = nn.functional.linear(phi, self.output.weight.to(like), self.output.bias.to(like))
                 w = laplace_weights(logits)
             elif w.shape != phi.shape[:1] or bool((w < 0).any()):
                 raise ValueError(f"weights must be >= 0 of shape ({phi.shape[0]},) beside the features, got "
                                  f"{tuple(w.shape)}")
-            scaled = phi * w.to(gram).sqrt().unsqueeze(-1)  # √w φ (w = p(1−p): the Laplace precision)
-            gram += scaled.T @ scaled  # shape: (D_L, D_L)
+            rows.append(phi * w.to(like).sqrt().unsqueeze(-1))  # √w φ (w = p(1−p): the Laplace precision)
             count += phi.shape[0]
-        return gram, count
+            if gram is None and LowRankGram.pays(count, self.num_features):
+                continue
+            if gram is None:
+                gram = like.new_zeros(self.num_features, self.num_features)
+            for scaled in rows:  # the batches in their order, as one sum
+                gram += scaled.T @ scaled  # shape: (D_L, D_L)
+            rows = []
+        if gram is not None:
+            return DenseGram(gram, count)
+        return LowRankGram.of_rows(torch.cat(rows) if rows else like.new_zeros(0, self.num_features), count)
 
     @torch.no_grad()
-    def set_gram(self, gram: torch.Tensor, count: int) -> RandomFeatureGP:
-        """Σ⁻¹ = s·I + G at the layer's ridge s, factorised (:meth:`feature_gram`'s G over ``count`` examples)."""
-        if gram.shape != (self.num_features, self.num_features):
-            raise ValueError(f"gram must have shape (D_L, D_L) = ({self.num_features}, {self.num_features}), got "
-                             f"{tuple(gram.shape)}")
-        eye = torch.eye(self.num_features, dtype=torch.float64, device=self.precision_factor.device)
-        precision = self.ridge * eye + gram.to(eye)
-        self.precision_factor.copy_(cholesky(precision, name="SNGP Laplace precision"))
-        self.num_fitted.fill_(count)
+    def set_gram(self, gram: Gram) -> RandomFeatureGP:
+        """The posterior of Σ⁻¹ = s·I + G at the layer's ridge s, from :meth:`feature_gram`'s G
+        (a :class:`gpattn.experiments.sngp.Gram`)."""
+        if not isinstance(gram, Gram) or gram.num_features != self.num_features:
+            got = f"one of D_L = {gram.num_features}" if isinstance(gram, Gram) else type(gram).__name__
+            raise ValueError(f"gram must be the Gram of this layer's D_L = {self.num_features} features "
+                             f"(feature_gram's), got {got}")
+        self.posterior = gram.posterior(self.ridge)
+        self.num_fitted.fill_(gram.count)
         return self
 
     def extra_repr(self) -> str:
