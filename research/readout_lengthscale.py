@@ -15,6 +15,9 @@ runs; default the runs themselves)::
     python research/readout_lengthscale.py runs/digits/runs/kep-svgp/seed{0,1,2,3,4} --features 1024 \\
         --detectors runs/digits/runs/softmax/seed{0,1,2,3,4}
 
+``--out`` keeps an invocation's rows and ``--rows`` joins them to the paired table (a slow run set one run per
+invocation: ``--rows seed0.json seed1.json ...`` with no run folder prints the table alone).
+
 Notes: research/notes/gp_readout.md, "The lengthscale on validation".
 """
 
@@ -26,7 +29,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -102,7 +104,9 @@ def paired(a: np.ndarray, b: np.ndarray) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="run folders (data with ood_val)")
+    parser.add_argument("runs", nargs="*", help="run folders (data with ood_val)")
+    parser.add_argument("--rows", nargs="*", default=(),
+                        help="JSON tables of earlier invocations (--out) whose runs join the paired table")
     parser.add_argument("--detectors", nargs="*", default=None,
                         help="run folders whose detectors each run is paired against (same order; default the runs)")
     parser.add_argument("--features", type=int, default=R.NUM_FEATURES, help="the readout's R")
@@ -115,6 +119,10 @@ def main(argv=None) -> dict:
     if len(others) != len(args.runs):
         raise ValueError(f"--detectors must name one run per run ({len(args.runs)}), got {len(others)}")
     table = {}
+    for path in args.rows:
+        table.update(json.loads(Path(path).read_text()))
+    if not table and not args.runs:
+        parser.error("name run folders or --rows tables")
     for folder, other in zip(args.runs, others, strict=True):
         cfg, head, h_train, parts, scores = run_inputs(folder)
         if other != folder:
@@ -122,6 +130,8 @@ def main(argv=None) -> dict:
         row = choose_lengthscale(head, h_train, parts, cfg.seed, args.features, multiples)
         row["detectors"] = {n: auroc(scores["test"][n], scores["ood"][n]) for n in DETECTORS if n in scores["test"]}
         table[folder] = row
+        if args.out:  # after every run: a cut-off invocation keeps the runs it finished
+            Path(args.out).write_text(json.dumps({f: table[f] for f in args.runs if f in table}, indent=1))
         print(f"{folder}: median ℓ {row['median_lengthscale']:.4g}; median-ℓ s={row['median']['ridge']:g} val "
               f"{row['median']['val']:.4f} test {row['median']['test']:.4f}; chosen m={row['chosen']['multiple']:g} "
               f"s={row['chosen']['ridge']:g} val {row['chosen']['val']:.4f} test {row['chosen']['test']:.4f}; "
@@ -139,8 +149,6 @@ def main(argv=None) -> dict:
         if all(name in r["detectors"] for r in rows):
             other = np.array([r["detectors"][name] for r in rows])
             print(f"| {name} | {other.mean():.4f} | {paired(chosen, other)} | {paired(median, other)} |")
-    if args.out:
-        Path(args.out).write_text(json.dumps(table, indent=1))
     return table
 
 
