@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -56,6 +57,7 @@ def run_inputs(folder):
         raise ValueError(f"{folder}: the run's data has no split {missing} (an OOD validation split is needed: e.g. "
                          f"digits with dataset_options ood_val_fraction, CLINC150 with ood_val)")
     head = R._linear_head(model)
+    torch.manual_seed(cfg.seed)  # a sampling body's draws: the probe repeats itself (compare's own draws differ)
     h_train = extract_features(model, bundle.splits["train"], cfg.eval_batch_size)
     parts = {k: R.readout_split(model, bundle.splits[k], cfg.num_samples, cfg.eval_batch_size)[1] for k in SPLITS}
     detectors = ckpt.get("detectors") or {"states": {}, "num_samples": 1}
