@@ -284,22 +284,29 @@ def test_sgpa_rff_features_pairs_each_figure_per_seed(tmp_path, capsys):
     assert "shift NLL +TS" not in rows  # the candidate has no +ts row
 
 
-def test_readout_width_smoke(tmp_path, capsys):
-    """research/readout_width.py on a tiny digits run with an OOD validation split: one AUROC per score and width,
-    the combinations' weights chosen on validation, the paired table against the readout's score."""
+@pytest.fixture(scope="module")
+def tiny_ood_val_run(tmp_path_factory):
+    """A one-epoch softmax run on digits with an OOD validation split (the readout score's probes read it)."""
     import warnings
 
     from gpattn.experiments.diagnostics import CollapseWarning
     from gpattn.experiments.training import TrainConfig, train
 
+    folder = tmp_path_factory.mktemp("ood_val") / "run"
     cfg = TrainConfig(dataset="digits", dataset_options={"ood_val_fraction": 0.3}, embed_dim=8, num_heads=2,
                       num_layers=1, epochs=1, batch_size=64, num_samples=1, patch_size=4, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CollapseWarning)  # one tiny epoch
-        train(cfg, tmp_path / "run")
+        train(cfg, folder)
+    return folder
+
+
+def test_readout_width_smoke(tiny_ood_val_run, capsys):
+    """research/readout_width.py on a tiny digits run with an OOD validation split: one AUROC per score and width,
+    the combinations' weights chosen on validation, the paired table against the readout's score."""
     probe = _research("readout_width")
-    table = probe.main([str(tmp_path / "run"), "--features", "64,128", "--orthogonal"])
-    scores = table[str(tmp_path / "run")]
+    table = probe.main([str(tiny_ood_val_run), "--features", "64,128", "--orthogonal"])
+    scores = table[str(tiny_ood_val_run)]
     want = {"energy", "mahalanobis", "knn", "energy + knn", "energy + mahalanobis"}
     want |= {f"gp-variance R={r}{o}" for r in (64, 128) for o in ("", " orth")}
     assert want <= set(scores) and all(0.0 <= a <= 1.0 for a in scores.values())
@@ -319,3 +326,27 @@ def test_readout_width_smoke(tmp_path, capsys):
     assert w >= 0.5  # b's weight: the test splits' best would be a alone
     mix = probe.combined(scores, "a", "b")
     np.testing.assert_allclose(mix["test"], (1 - w) * z["test"]["a"] + w * z["test"]["b"], rtol=1e-12)
+
+
+def test_readout_lengthscale_smoke(tiny_ood_val_run, capsys):
+    """research/readout_lengthscale.py on a tiny digits run: m = 1 is the library's median-ℓ score
+    (choose_score_ridge), the chosen (m, s) is the first best validation AUROC of the (m, s) table (the median
+    first), and the paired table is printed."""
+    probe = _research("readout_lengthscale")
+    row = probe.main([str(tiny_ood_val_run), "--features", "64", "--multiples", "1,0.5,2"])[str(tiny_ood_val_run)]
+    assert "| median-ℓ gp-variance |" in capsys.readouterr().out
+    assert set(row["val_auroc"]) == {"1", "0.5", "2"}
+    flat = [(float(m), float(s), a) for m, by_s in row["val_auroc"].items() for s, a in by_s.items()]
+    best = max(a for _, _, a in flat)
+    assert row["chosen"]["val"] == best
+    assert (row["chosen"]["multiple"], row["chosen"]["ridge"]) == next((m, s) for m, s, a in flat if a == best)
+    assert row["median"]["val"] == max(row["val_auroc"]["1"].values())
+    assert set(row["detectors"]) == set(probe.DETECTORS)
+    # the median row is the library's own choice at the run's inputs
+    cfg, head, h_train, parts, _ = probe.run_inputs(tiny_ood_val_run)
+    readout, aurocs = probe.R.choose_score_ridge(head, h_train, parts["val"], parts["ood_val"], seed=cfg.seed,
+                                                 num_features=64)
+    assert aurocs == row["val_auroc"]["1"] and float(readout.ridge) == row["median"]["ridge"]
+    assert float(readout.lengthscale) == pytest.approx(row["median_lengthscale"])
+    v = [probe.R.gp_variance_score(readout, parts[k]).numpy() for k in ("test", "ood")]
+    assert probe.auroc(*v) == pytest.approx(row["median"]["test"], abs=1e-12)
