@@ -35,12 +35,11 @@ from scipy import stats
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from readout_width import SPLITS, auroc  # noqa: E402
+from readout_width import SPLITS, auroc, load_run  # noqa: E402
 
 from gpattn.experiments import readout as R  # noqa: E402
 from gpattn.experiments.features import OOD_VALIDATION_SPLIT, detector_scores  # noqa: E402
 from gpattn.experiments.laplace import extract_features  # noqa: E402
-from gpattn.experiments.training import load_run_with_data  # noqa: E402
 
 #: the lengthscale's candidates, multiples of the median heuristic's ℓ (1 first: a tie keeps the median)
 MULTIPLES = (1.0, 0.25, 0.5, 2.0, 4.0)
@@ -51,12 +50,7 @@ DETECTORS = ("mahalanobis", "relative-mahalanobis", "knn")
 def run_inputs(folder):
     """(config, linear head, training features (N, D), {split: head inputs (N, P, D)}, detectors' scores) of a run, as
     ``compare``'s ``+gpreadout`` reads them."""
-    cfg, model, bundle, ckpt = load_run_with_data(folder)
-    missing = [k for k in ("train", *SPLITS) if k not in bundle.splits]
-    if missing:
-        raise ValueError(f"{folder}: the run's data has no split {missing} (an OOD validation split is needed: e.g. "
-                         f"digits with dataset_options ood_val_fraction, CLINC150 with ood_val)")
-    head = R._linear_head(model)
+    cfg, model, bundle, ckpt, head = load_run(folder)
     torch.manual_seed(cfg.seed)  # a sampling body's draws: the probe repeats itself (compare's own draws differ)
     h_train = extract_features(model, bundle.splits["train"], cfg.eval_batch_size)
     parts = {k: R.readout_split(model, bundle.splits[k], cfg.num_samples, cfg.eval_batch_size)[1] for k in SPLITS}

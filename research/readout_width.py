@@ -47,14 +47,20 @@ def auroc(s_in: np.ndarray, s_out: np.ndarray) -> float:
     return float(roc_auc_score(np.r_[np.zeros(len(s_in)), np.ones(len(s_out))], np.r_[s_in, s_out]))
 
 
-def run_features(folder) -> tuple[torch.nn.Module, dict, dict]:
-    """(head, {split: features (N, D)}, {split: {score: (N,)}}) of a run: its fitted detectors and energy."""
-    _, model, bundle, ckpt = load_run_with_data(folder)
+def load_run(folder):
+    """(config, model, data bundle, checkpoint, linear head) of a finished run whose data has every split of
+    ``SPLITS`` and ``train`` (an OOD validation split is needed)."""
+    cfg, model, bundle, ckpt = load_run_with_data(folder)
     missing = [k for k in ("train", *SPLITS) if k not in bundle.splits]
     if missing:
         raise ValueError(f"{folder}: the run's data has no split {missing} (an OOD validation split is needed: e.g. "
                          f"digits with dataset_options ood_val_fraction, CLINC150 with ood_val)")
-    head = R._linear_head(model)
+    return cfg, model, bundle, ckpt, R._linear_head(model)
+
+
+def run_features(folder) -> tuple[torch.nn.Module, dict, dict]:
+    """(head, {split: features (N, D)}, {split: {score: (N,)}}) of a run: its fitted detectors and energy."""
+    _, model, bundle, ckpt, head = load_run(folder)
     feats = {k: split_features(model, bundle.splits[k]) for k in ("train", *SPLITS)}
     scores = {}
     for k in SPLITS:
